@@ -1,0 +1,133 @@
+"""Every configuration key of coder, with its default and what it does.
+
+Named configs (quickstart.py, deepseek_v3_671b.py, ...) start from `get_config()` here and
+override what they need. Command-line overrides: `--config.train.lr=1e-4`. A key that is not
+defined here cannot be set anywhere (ml_collections refuses it), so this file is the schema.
+
+Sections are owned by the part of the code that reads them:
+  model -> coder/model, mesh -> coder/model/sharding.py, data -> coder/data,
+  train -> coder/train, longctx/sft/mtp/grpo/eval/compile -> the stage of that name.
+"""
+import ml_collections
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """DeepSeek-V3 / Kimi-K2 architecture. Names follow Hugging Face's DeepseekV3Config."""
+    m = ml_collections.ConfigDict()
+    m.vocab_size = 4096  # tokenizer vocabulary (padded up to a multiple of 128 by the tokenizer)
+    m.hidden_size = 256  # residual stream width
+    m.intermediate_size = 768  # SwiGLU width of the dense (first_k_dense_replace) layers
+    m.moe_intermediate_size = 128  # SwiGLU width of each routed / shared expert
+    m.num_hidden_layers = 4  # transformer blocks in the trunk
+    m.num_attention_heads = 4  # MLA query heads
+    m.q_lora_rank = 0  # 0 = no query compression (DeepSeek-V3: 1536)
+    m.kv_lora_rank = 64  # compressed KV latent width (what the KV cache stores)
+    m.qk_nope_head_dim = 32  # per-head query/key width without RoPE
+    m.qk_rope_head_dim = 16  # decoupled RoPE width (one RoPE key shared by all heads)
+    m.v_head_dim = 32  # per-head value width
+    m.n_routed_experts = 8  # routed experts per MoE layer
+    m.n_shared_experts = 1  # always-on shared experts per MoE layer
+    m.num_experts_per_tok = 2  # top-k routed experts per token
+    m.n_group = 2  # expert groups for group-limited routing (1 = off)
+    m.topk_group = 1  # groups each token may route into
+    m.routed_scaling_factor = 1.0  # multiplier on the routed experts' combined output
+    m.norm_topk_prob = True  # renormalise the top-k sigmoid weights to sum to 1
+    m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
+    m.bias_update_rate = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
+    m.rms_norm_eps = 1e-6  # RMSNorm epsilon
+    m.rope_theta = 10000.0  # RoPE base
+    m.max_position_embeddings = 1024  # longest sequence the RoPE tables are built for
+    m.rope_scaling = ml_collections.ConfigDict(
+        dict(
+            type="none",  # "none" | "yarn"
+            factor=1.0,  # YaRN context extension factor
+            original_max_position_embeddings=1024,  # context length before extension
+            beta_fast=32.0,  # YaRN high-frequency boundary (rotations)
+            beta_slow=1.0,  # YaRN low-frequency boundary (rotations)
+            mscale=1.0,  # YaRN attention temperature coefficient (DeepSeek-V3: 1.0)
+            mscale_all_dim=1.0,  # YaRN mscale applied to all dims (softmax scale correction)
+        )
+    )
+    m.num_mtp_layers = 1  # DeepSeek-V3 multi-token-prediction modules (0 = none)
+    m.tie_word_embeddings = False  # share the embedding and the output head
+    m.attention_backend = "dense"  # "dense" | "nsa"
+    m.nsa = ml_collections.ConfigDict(
+        dict(
+            compress_block=32,  # l: compression block length
+            compress_stride=16,  # d: stride between compression blocks
+            select_block=64,  # l': selection block length
+            select_topk=16,  # n: selected blocks per query (incl. initial and local blocks)
+            window=512,  # w: sliding-window width
+        )
+    )
+    m.dtype = "bfloat16"  # compute dtype of activations and matmuls
+    m.param_dtype = "float32"  # master weights
+    m.remat = "none"  # activation rematerialisation: "none" | "full" | "save_dots" | "save_qkv_proj"
+    m.initializer_range = 0.02  # std of the normal initialiser
+    return m
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.stage = "pretrain"  # one stage of coder/stages.py
+    c.stages = ()  # several stages run in order, each starting from the previous checkpoint
+    c.workdir = "runs/default"  # run directory: {workdir}/{stage}/ holds checkpoints + metrics
+    c.seed = 0  # every random key derives from this and the step
+    c.init_from = ""  # checkpoint directory to take params from (fresh optimizer)
+
+    c.model = model_config()
+
+    # Device mesh: the product of the axes must equal the device count; -1 = all remaining.
+    c.mesh = ml_collections.ConfigDict(
+        dict(data=-1, fsdp=1, expert=1, tensor=1, sequence=1, num_slices=1)
+    )
+    # Logical axis name -> mesh axes. Changing parallelism is a change of this table.
+    c.mesh.rules = (
+        ("batch", ("data", "fsdp")),
+        ("seq", "sequence"),
+        ("embed", "fsdp"),
+        ("heads", "tensor"),
+        ("kv_lora", None),
+        ("q_lora", None),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("exp", "expert"),
+        ("exp_mlp", "tensor"),
+        ("vocab", "tensor"),
+        ("layers", None),
+    )
+
+    # Input data (coder/data).
+    c.data = ml_collections.ConfigDict()
+    c.data.sources = ()  # tuple of dicts: path (glob or fsspec URL), weight, format, text_field
+    c.data.corpus = "python_stdlib"  # bundled corpus used when sources is empty
+    c.data.tokenizer = ""  # sentencepiece .model path; "" = train one from the corpus, cached
+    c.data.tokenizer_vocab_size = 4096  # vocabulary of a tokenizer trained by coder
+    c.data.seq_len = 256  # packed row length
+    c.data.batch_size = 8  # global batch (rows), split over data-parallel hosts
+    c.data.max_bad_fraction = 0.01  # fail if more than this fraction of records is bad
+    c.data.heldout_fraction = 0.05  # documents kept out of training for eval
+    c.data.num_workers = 0  # grain worker processes (0 = in-process)
+    c.data.shuffle_buffer = 0  # unused by the index-based grain pipeline (global shuffle)
+
+    # Optimisation and the training loop (coder/train).
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100  # optimizer steps of this stage
+    c.train.optimizer = "adamw"  # "adamw" | "muon"
+    c.train.lr = 3e-3  # peak learning rate
+    c.train.warmup_steps = 10  # linear warmup
+    c.train.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
+    c.train.b1 = 0.9  # Adam beta1
+    c.train.b2 = 0.95  # Adam beta2
+    c.train.weight_decay = 0.1  # decoupled weight decay
+    c.train.grad_clip = 1.0  # global-norm gradient clipping (0 = off)
+    c.train.grad_accum = 1  # micro-batches per optimizer step
+    c.train.mtp_loss_weight = 0.3  # weight of the MTP cross-entropy in the loss
+    c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
+    c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run
+    c.train.log_every = 10  # steps between metric lines
+    c.train.ckpt_every = 50  # steps between checkpoints (and always at the end)
+    c.train.keep_checkpoints = 3  # checkpoints kept on disk
+    c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU (0 = measure a matmul on start)
+    c.train.offload_optimizer = False  # keep optimizer state in host memory where supported
+    return c
