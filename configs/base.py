@@ -106,6 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.seq_len = 256  # packed row length
     c.data.batch_size = 8  # global batch (rows), split over data-parallel hosts
     c.data.max_bad_fraction = 0.01  # fail if more than this fraction of records is bad
+    c.data.bad_check_min_records = 1000  # records of a source read before the bad check applies
     c.data.heldout_fraction = 0.05  # documents kept out of training for eval
     c.data.num_workers = 0  # grain worker processes (0 = in-process)
     c.data.shuffle_buffer = 0  # unused by the index-based grain pipeline (global shuffle)
@@ -128,6 +129,90 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.log_every = 10  # steps between metric lines
     c.train.ckpt_every = 50  # steps between checkpoints (and always at the end)
     c.train.keep_checkpoints = 3  # checkpoints kept on disk
-    c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU (0 = measure a matmul on start)
-    c.train.offload_optimizer = False  # keep optimizer state in host memory where supported
+    c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU (0 = TPU table, else a measured matmul)
+
+    # Long-context extension (coder/train/lm_stages.py): continue pretraining at a longer
+    # seq_len with YaRN; factor = seq_len / the checkpoint's context, derived, not set.
+    c.longctx = ml_collections.ConfigDict()
+    c.longctx.seq_len = 1024  # packed row length of this stage
+    c.longctx.steps = 100  # optimizer steps of this stage
+    c.longctx.lr = 1e-3  # peak learning rate of this stage
+    c.longctx.batch_size = 0  # rows per step (0 = same tokens per step as data.batch_size x seq_len)
+
+    # Supervised fine-tuning on conversations (coder/train/lm_stages.py).
+    c.sft = ml_collections.ConfigDict()
+    c.sft.data = ""  # conversations JSONL (path/glob/URL); "" = transcripts of the env's toy tasks
+    c.sft.steps = 100  # optimizer steps of this stage
+    c.sft.lr = 1e-3  # peak learning rate of this stage
+    c.sft.seq_len = 0  # packed row length (0 = data.seq_len)
+    c.sft.batch_size = 0  # rows per step (0 = data.batch_size)
+
+    # Evaluation stage (coder/train/lm_stages.py): held-out loss / perplexity, agent pass@k.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.batches = 16  # held-out batches of data.batch_size rows (0 = the whole held-out split)
+    c.eval.agent_tasks = 0  # > 0: also run coder.rl.eval.run_agent_eval on this many tasks
+
+    # Agent rollouts and rewards (coder/rl/rollout.py, reward.py, eval.py).
+    c.rl = ml_collections.ConfigDict()
+    c.rl.tasks = "toy"  # task source: "toy" (coder.env toy tasks) or a Task JSONL path/glob
+    c.rl.eval_tasks = "toy"  # held-out tasks of the agent eval: "toy" or a Task JSONL path/glob
+    c.rl.group_size = 4  # G: rollouts per task
+    c.rl.tasks_per_step = 2  # B: tasks per optimizer step (each task used once: single epoch)
+    c.rl.temperature = 1.0  # sampling temperature (the learner's logprobs use the same one)
+    c.rl.top_p = 1.0  # nucleus sampling (1 = off)
+    c.rl.top_k = 0  # top-k sampling (0 = off)
+    c.rl.tools = ("read_file", "write_file", "edit_file", "run_tests", "submit")  # () = all env tools
+    c.rl.max_turns = 8  # assistant turns per rollout, over the whole summary chain
+    c.rl.max_turn_tokens = 192  # tokens one assistant turn may sample
+    c.rl.max_rollout_tokens = 1024  # policy tokens per rollout over the whole chain
+    c.rl.context_budget = 1024  # tokens one generation's context may hold (the system prompt with
+    # the default tools is ~650 tokens with the default tokenizer; <= model.max_position_embeddings)
+    c.rl.summary_reserve = 128  # tokens kept free for the summary request and the summary
+    c.rl.max_summaries = 2  # self-summaries per rollout before it is cut off
+    c.rl.tool_timeout_s = 20.0  # wall-clock limit of one tool call in the sandbox
+    c.rl.length_penalty = ml_collections.ConfigDict(
+        dict(
+            max_penalty=0.2,  # the saturating penalty's ceiling (< 1: correctness dominates)
+            scale_easy=64.0,  # cost scale of a task every rollout solves (steep curve)
+            scale_hard=2048.0,  # cost scale of a task no rollout solves (flat curve)
+            weights=dict(thinking=1.0, tool_io=0.25, output=1.0, tool_call=8.0, turn=16.0),
+        )
+    )  # see coder/rl/reward.py for the curve
+    c.rl.aux_rewards = ml_collections.ConfigDict(
+        dict(lint_introduced=0.0, unanswered_question=0.0)
+    )  # auxiliary reward name -> weight (0 = off); registry in coder/rl/reward.py
+    c.rl.eval_samples = 4  # n samples per held-out task for pass@k
+    c.rl.eval_k = (1, 2)  # k values of the unbiased pass@k estimator (each <= eval_samples)
+    c.rl.eval_num_tasks = 8  # held-out tasks per agent eval
+    c.rl.eval_regression_margin = 0.05  # flag a checkpoint whose pass@1 drops by more than this
+
+    # Coding environment (coder/env): sandbox limits per command, tool output, reward.
+    c.env = ml_collections.ConfigDict()
+    c.env.timeout_s = 60.0  # wall time of one sandbox command (its whole process tree is killed)
+    c.env.cpu_s = 60  # RLIMIT_CPU seconds per process
+    c.env.memory_mb = 2048  # RLIMIT_AS per process
+    c.env.nproc = 64  # RLIMIT_NPROC of the sandbox's own uid (processes + threads)
+    c.env.fsize_mb = 64  # largest file a sandboxed process may write
+    c.env.tmp_mb = 64  # size of the sandbox's private /tmp (tmpfs)
+    c.env.output_kb = 64  # command output kept per stream (head + tail; the rest is dropped)
+    c.env.max_output_chars = 8000  # one tool result is cut to this many characters
+    c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
+    c.env.reward_mode = "fraction"  # "fraction" of hidden tests passed | "all" (all-or-nothing)
+    c.env.test_timeout_s = 300.0  # wall time of the scoring test run
+    c.env.workers = 4  # sandbox worker processes of coder.env.pool / coder.env.check
+
+    # GRPO learner (coder/rl/grpo.py, stage.py).
+    c.grpo = ml_collections.ConfigDict()
+    c.grpo.clip_low = 0.2  # ratio clipped below at 1 - clip_low
+    c.grpo.clip_high = 0.28  # ratio clipped above at 1 + clip_high (asymmetric, DAPO)
+    c.grpo.kl_coef = 0.001  # k1 KL penalty folded into the per-token advantage (0 = off)
+    c.grpo.tokens_per_group = 0  # loss normalizer per group (0 = group_size * max_rollout_tokens)
+    c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
+    c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
+
+    # Ahead-of-time compilation for a TPU topology (coder/train/compile.py, stage "compile").
+    c.compile = ml_collections.ConfigDict()
+    c.compile.topology = "v5e-4"  # target slice: "v5e-4", "v5p-512", "v6e-256" or "v5p:4x8x8"
+    c.compile.report_dir = ""  # where report.json / report.md go ("" = {workdir}/compile)
+    c.compile.offload_optimizer = False  # optimizer state in pinned host memory between steps
     return c

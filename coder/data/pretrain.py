@@ -1,0 +1,374 @@
+"""Pretraining input pipeline: sources -> mixture -> host shard -> tokenize -> pack -> batches.
+
+Entry point for the trainer:
+
+    it = make_pretrain_iterator(config, tokenizer, split="train",
+                                process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    batch = next(it)        # dict of numpy arrays [config.data.batch_size // process_count, seq_len]
+    state = it.get_state()  # JSON-serialisable dict: save it in every checkpoint
+    it.set_state(state)     # on a fresh iterator from the same config: continues exactly
+    it.metrics()            # {"data/records_seen": ..., "data/records_bad": ..., per kind, ...}
+
+Batches follow docs/contracts.md: `tokens` int32, `positions` int32, `segment_ids` int32,
+`loss_mask` float32 (1 on every non-padding token). Padding only appears at the end of a finite
+(held-out) pass. `split="train"` repeats forever (each epoch reshuffled); "heldout" makes one
+ordered pass, the last batch padded. The number of held-out batches can differ between hosts, so
+a multi-host eval should take a fixed number of batches from `num_epochs=None`.
+
+Design:
+- Index-based grain pipeline: each source is a `MapDataset` over record indices, filtered to the
+  split, globally shuffled (seed from `config.seed` and the source index), repeated; sources are
+  interleaved by `MapDataset.mix` in proportion to their weights (a share of *records*, exact at
+  every prefix, not sampled); each host takes every process_count-th record of the mixture, so
+  hosts are disjoint and together complete. The split of a record is a hash of its index.
+- Documents are `[bos] + text + [eos]`, packed greedily into rows (concat-then-split): a row
+  holds consecutive documents; a document that does not fit is cut and continues at the start
+  of the next row. Every piece restarts `positions` at 0 and gets its own segment id. RoPE only
+  sees position differences inside a segment, so restarting changes no attention score, and it
+  keeps every position below seq_len (RoPE / YaRN tables are never indexed past their length).
+  The cut loses one prediction per cut (a piece's first token has no predecessor in its row).
+- Bad records are not filtered silently: the packer counts each record it consumes, per source
+  and per kind, and ships the counts with the batch; `DataIterator` accumulates them (in its
+  checkpointed state) and raises, naming the source, when a source's bad fraction exceeds
+  `config.data.max_bad_fraction` after `config.data.bad_check_min_records` records.
+- Exact resume: the packer's state is the parent iterator's state *before* the document it is
+  cutting plus the offset into it; restoring re-reads that one document (not re-counted).
+"""
+import numpy as np
+
+import grain
+
+from coder.data import corpus, sources
+from coder.data.sources import BAD_KINDS
+
+# Columns of the per-source counters.
+STAT_COLUMNS = ("seen",) + BAD_KINDS + ("truncated", "dropped")
+_SEEN, _TRUNCATED, _DROPPED = 0, len(BAD_KINDS) + 1, len(BAD_KINDS) + 2
+
+
+# --- per-record work (runs inside grain, possibly in worker processes: all picklable) --------
+class _Fetch:
+    """Record index -> (source index, raw record)."""
+
+    def __init__(self, source_index: int, source):
+        self.source_index, self.source = source_index, source
+
+    def __call__(self, index: int):
+        return self.source_index, self.source[index]
+
+
+class _InSplit:
+    def __init__(self, salt: int, split: str, heldout_fraction: float):
+        self.salt, self.split, self.heldout_fraction = salt, split, heldout_fraction
+
+    def __call__(self, index: int) -> bool:
+        return sources.record_in_split(self.salt, index, self.split, self.heldout_fraction)
+
+
+def bad_doc(source_index: int, kind: str) -> dict:
+    return {"source": source_index, "bad": BAD_KINDS.index(kind), "tokens": None}
+
+
+class PretrainTransform:
+    """(source index, raw record) -> document {"tokens" int32 [n], "source", "bad"}."""
+
+    def __init__(self, tokenizer, specs: list[dict]):
+        self.tokenizer = tokenizer
+        self.formats = [(s["format"], s["text_field"]) for s in specs]
+
+    def __call__(self, item) -> dict:
+        source_index, raw = item
+        fmt, field = self.formats[source_index]
+        obj, bad = sources.parse_record(raw, fmt, field)
+        if obj is not None:
+            text, bad = sources.extract_text(obj, field)
+        if bad is not None:
+            return bad_doc(source_index, bad)
+        ids = self.tokenizer.encode(text)
+        tokens = np.empty(len(ids) + 2, np.int32)
+        tokens[0], tokens[1:-1], tokens[-1] = self.tokenizer.bos_id, ids, self.tokenizer.eos_id
+        return {"source": source_index, "bad": -1, "tokens": tokens}
+
+
+# --- packing ----------------------------------------------------------------------------------
+class _PackIterator(grain.DatasetIterator):
+    """Packs documents into batches [rows, seq_len]; see PackIterDataset."""
+
+    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool):
+        super().__init__(parent)
+        self._seq_len, self._rows, self._split_docs = seq_len, rows, split_docs
+        self._num_sources = num_sources
+        self._pending = None  # [doc, token offset, parent state before doc]
+        self._exhausted = False
+
+    def _pull(self, stats: np.ndarray):
+        """The next valid document (counted), or None at the end of the data."""
+        while True:
+            state = self._parent.get_state()
+            try:
+                doc = next(self._parent)
+            except StopIteration:
+                self._exhausted = True
+                return None
+            row = stats[doc["source"]]
+            row[_SEEN] += 1
+            if doc["bad"] >= 0:
+                row[1 + doc["bad"]] += 1
+                continue
+            if doc.get("truncated"):
+                row[_TRUNCATED] += 1
+            if doc.get("dropped"):
+                row[_DROPPED] += 1
+                continue
+            return [doc, 0, state]
+
+    def __next__(self) -> dict:
+        n, rows = self._seq_len, self._rows
+        batch = {
+            "tokens": np.zeros((rows, n), np.int32),
+            "positions": np.zeros((rows, n), np.int32),
+            "segment_ids": np.zeros((rows, n), np.int32),
+            "loss_mask": np.zeros((rows, n), np.float32),
+        }
+        stats = np.zeros((self._num_sources, len(STAT_COLUMNS)), np.int64)
+        fill = np.zeros(rows, np.int64)  # tokens used per row
+        segments = np.zeros(rows, np.int64)  # segments used per row
+        row = 0
+        while not self._exhausted:
+            if self._pending is None:
+                self._pending = self._pull(stats)
+                if self._pending is None:
+                    break
+            doc, offset, _ = self._pending
+            length = len(doc["tokens"]) - offset
+            if self._split_docs:
+                # Concat-then-split: fill rows in order, cutting the document at a row's end.
+                if fill[row] == n:
+                    row += 1
+                    if row == rows:
+                        break
+                take = min(length, n - fill[row])
+                r = row
+            else:
+                # Whole documents, first fit: the batch ends when one fits in no row.
+                fits = np.flatnonzero(fill + length <= n)
+                if len(fits) == 0:
+                    break
+                r, take = fits[0], length
+            start, end = fill[r], fill[r] + take
+            segments[r] += 1
+            piece = slice(offset, offset + take)
+            batch["tokens"][r, start:end] = doc["tokens"][piece]
+            batch["positions"][r, start:end] = np.arange(take)
+            batch["segment_ids"][r, start:end] = segments[r]
+            mask = doc.get("loss_mask")
+            batch["loss_mask"][r, start:end] = 1.0 if mask is None else mask[piece]
+            fill[r] = end
+            self._pending = None if take == length else [doc, offset + take, self._pending[2]]
+        if not fill.any():
+            raise StopIteration
+        batch["_stats"] = stats
+        return batch
+
+    def get_state(self) -> dict:
+        if self._pending is None:
+            return {"parent": self._parent.get_state(), "offset": -1}
+        return {"parent": self._pending[2], "offset": int(self._pending[1])}
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state["parent"])
+        self._exhausted = False
+        self._pending = None
+        if state["offset"] >= 0:
+            # Re-read the document being cut; it was counted when first consumed.
+            self._pending = [next(self._parent), state["offset"], state["parent"]]
+
+
+class PackIterDataset(grain.IterDataset):
+    """Documents {"tokens" [n], optional "loss_mask" [n], "source", "bad"} -> packed batches.
+
+    split_docs=True: concat-then-split (pretraining; documents may be cut across rows).
+    split_docs=False: whole documents placed first-fit (SFT; each must be <= seq_len tokens).
+    Each batch carries "_stats" [num_sources, len(STAT_COLUMNS)]: records consumed for it.
+    """
+
+    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool):
+        super().__init__(parent)
+        self._args = (seq_len, rows, num_sources, split_docs)
+
+    def __iter__(self):
+        return _PackIterator(self._parent.__iter__(), *self._args)
+
+    def __str__(self) -> str:
+        return f"PackIterDataset(seq_len, rows, sources, split_docs={self._args})"
+
+
+# --- the iterator the trainer sees ------------------------------------------------------------
+class BadDataError(ValueError):
+    pass
+
+
+class DataIterator:
+    """Batches plus cumulative per-source record counters; state = pipeline state + counters."""
+
+    def __init__(self, dataset, source_names, max_bad_fraction: float, min_records: int):
+        self._dataset = dataset
+        self._it = iter(dataset)
+        self.source_names = list(source_names)
+        self._counts = np.zeros((len(self.source_names), len(STAT_COLUMNS)), np.int64)
+        self._max_bad_fraction, self._min_records = max_bad_fraction, min_records
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._it)
+        self._counts += batch.pop("_stats")
+        self._check_bad()
+        return batch
+
+    def _check_bad(self) -> None:
+        bad = self._counts[:, 1 : 1 + len(BAD_KINDS)]
+        for s, name in enumerate(self.source_names):
+            seen = self._counts[s, _SEEN]
+            if seen >= self._min_records and bad[s].sum() > self._max_bad_fraction * seen:
+                kinds = {k: int(v) for k, v in zip(BAD_KINDS, bad[s]) if v}
+                raise BadDataError(
+                    f"data source {name!r}: {int(bad[s].sum())} of {int(seen)} records are bad "
+                    f"{kinds}, more than config.data.max_bad_fraction={self._max_bad_fraction}; "
+                    "fix or remove the bad records, or raise the threshold"
+                )
+
+    def counts(self) -> dict:
+        """{source name: {column: count}} since the start of training (restored on resume)."""
+        return {
+            name: dict(zip(STAT_COLUMNS, map(int, row)))
+            for name, row in zip(self.source_names, self._counts)
+        }
+
+    def metrics(self) -> dict:
+        """Flat counters for the trainer's metric line."""
+        total = self._counts.sum(0)
+        out = {"data/records_seen": int(total[_SEEN])}
+        out["data/records_bad"] = int(total[1 : 1 + len(BAD_KINDS)].sum())
+        for k, kind in enumerate(BAD_KINDS):
+            out[f"data/bad_{kind}"] = int(total[1 + k])
+        out["data/truncated"], out["data/dropped"] = int(total[_TRUNCATED]), int(total[_DROPPED])
+        return out
+
+    def get_state(self) -> dict:
+        return {"pipeline": self._it.get_state(), "counts": self._counts.tolist()}
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state["pipeline"])
+        self._counts = np.asarray(state["counts"], np.int64).reshape(self._counts.shape)
+
+    def close(self) -> None:
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
+# --- pipeline construction --------------------------------------------------------------------
+def corpus_spec(config, split: str) -> dict:
+    """The bundled stdlib corpus as a source of whole-file documents (split by path hash)."""
+    if config.data.corpus != "python_stdlib":
+        raise ValueError(f"config.data.corpus={config.data.corpus!r}: only 'python_stdlib' exists")
+    files = corpus.stdlib_files(split, config.data.heldout_fraction)
+    return sources.normalize_spec({"path": files, "format": "text", "name": "python_stdlib"})
+
+
+def build_iterator(
+    config,
+    specs: list[dict],
+    transform,
+    *,
+    split: str,
+    split_records: bool,
+    split_docs: bool,
+    process_index: int,
+    process_count: int,
+    num_epochs: int | None,
+    shuffle: bool,
+) -> DataIterator:
+    """The shared pipeline of pretraining and SFT (see the module docstring)."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if config.data.batch_size % process_count:
+        raise ValueError(
+            f"config.data.batch_size={config.data.batch_size} must be divisible by the "
+            f"{process_count} data-loading processes"
+        )
+    datasets = []
+    for i, spec in enumerate(specs):
+        ds = grain.MapDataset.range(len(source := sources.open_source(spec)))
+        if split_records:
+            ds = ds.filter(_InSplit(i, split, config.data.heldout_fraction))
+        ds = ds.map(_Fetch(i, source))
+        if shuffle:
+            ds = ds.shuffle(seed=(config.seed * 1_000_003 + i) % 2**32)
+        datasets.append(ds.repeat(num_epochs) if num_epochs != 1 else ds)
+    if len(datasets) == 1:
+        mixed = datasets[0]
+    elif num_epochs is None:
+        mixed = grain.MapDataset.mix(datasets, [float(s["weight"]) for s in specs])
+    else:
+        # A finite pass reads every record once; mixing would stop at the smallest source.
+        mixed = grain.MapDataset.concatenate(datasets)
+    mixed = mixed[process_index::process_count].map(transform)
+    # Threads read and tokenize ahead in order; the output order does not depend on them.
+    ds = mixed.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=256))
+    rows = config.data.batch_size // process_count
+    ds = PackIterDataset(ds, config.data.seq_len, rows, len(specs), split_docs)
+    if config.data.num_workers > 0:
+        from absl import flags
+
+        # grain's worker processes read its absl flags; outside an absl app (tests, notebooks)
+        # nobody parsed them, so take their defaults.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.data.num_workers))
+    return DataIterator(
+        ds,
+        [s["name"] for s in specs],
+        config.data.max_bad_fraction,
+        config.data.bad_check_min_records,
+    )
+
+
+def make_pretrain_iterator(
+    config,
+    tokenizer,
+    split: str = "train",
+    process_index: int = 0,
+    process_count: int = 1,
+    *,
+    num_epochs: int | None = -1,
+) -> DataIterator:
+    """Packed pretraining batches of this host; see the module docstring.
+
+    num_epochs: -1 = the split's default (train: forever, shuffled; heldout: one ordered pass),
+    None = forever, k = k passes.
+    """
+    if num_epochs == -1:
+        num_epochs = None if split == "train" else 1
+    if config.data.sources:
+        specs = [sources.normalize_spec(s) for s in config.data.sources]
+        split_records = True
+    else:
+        specs, split_records = [corpus_spec(config, split)], False
+    return build_iterator(
+        config,
+        specs,
+        PretrainTransform(tokenizer, specs),
+        split=split,
+        split_records=split_records,
+        split_docs=True,
+        process_index=process_index,
+        process_count=process_count,
+        num_epochs=num_epochs,
+        shuffle=num_epochs != 1,
+    )

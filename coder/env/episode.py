@@ -1,0 +1,203 @@
+"""One agent rollout in one sandbox.
+
+Text interface (scripted agents, SFT transcripts, tests):
+    obs = ep.reset(task)                       # the user prompt
+    obs, done, info = ep.step(model_text)      # one assistant reply: all its calls, in order
+Per-call interface (coder/rl/rollout.py, which parses calls from sampled token ids itself):
+    ep.reset(task); out = ep.call(tool_call)   # one parsed protocol.ToolCall -> output text
+    ep.done; reward, info = ep.score(); ep.close()
+(`step` also accepts a `protocol.ToolCall` and then behaves as `call`.)
+
+The conversation is system prompt (tools and call format), user (the task's prompt), then
+alternating assistant turns (model text with protocol tool calls) and tool messages (the
+calls' results, `protocol.render_tool_results`). `messages` holds it in the SFT format of
+docs/contracts.md; `coder.env.transcripts` builds SFT data by driving this same class.
+
+In the text interface an episode ends on `submit`, on a reply with no tool call, after
+`max_turns` replies, or when the tool outputs reach `max_tool_output_tokens`; it is then scored
+(`coder.env.reward`) and its sandbox closed. Any broken tool call makes the rollout a failure
+(reward 0) even if the tests pass: broken calls are negative examples (DESIGN.md).
+
+`info`: turns, tool_calls, broken_calls, tool_output_chars, tool_output_tokens, done_reason,
+and once scored: reward, passed, total, score_error, infra_error. `infra_error` is set when the
+harness failed (sandbox would not start, a tool or the scorer crashed): the RL loop masks such a
+rollout instead of scoring it. In the per-call interface these failures raise `InfraError`.
+
+Token counts: `token_count` is required, because a character-based guess would silently skew
+the length penalty; pass the tokenizer's `lambda s: len(tok.encode(s))` (tests pass `len`).
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Callable
+
+from coder.env import protocol, reward, tools
+from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
+
+
+class Episode:
+    def __init__(
+        self,
+        token_count: Callable[[str], int],
+        *,
+        limits: Limits | None = None,
+        max_turns: int = 30,
+        max_tool_output_tokens: int = 32768,
+        max_output_chars: int = 8000,
+        reward_mode: str = "fraction",
+        test_timeout_s: float = 300.0,
+        sandbox_root: str | None = None,
+        system_preamble: str | None = None,
+    ):
+        if not callable(token_count):
+            raise TypeError("token_count must be a function str -> int (the tokenizer's count)")
+        self.token_count = token_count
+        self.limits = limits or Limits()
+        self.max_turns = max_turns
+        self.max_tool_output_tokens = max_tool_output_tokens
+        self.max_output_chars = max_output_chars
+        self.reward_mode = reward_mode
+        self.test_timeout_s = test_timeout_s
+        self.sandbox_root = sandbox_root
+        self.tools = list(tools.SPECS)  # protocol.ToolSpec list, in prompt order
+        self._tool_map = {t.name: t for t in self.tools}
+        self.system_prompt = protocol.render_system_prompt(self.tools, system_preamble)
+        self.sandbox: Sandbox | None = None
+        self.task = None
+        self.done = True
+        self.scored = False
+        self.messages: list[dict] = []
+        self.info: dict = {}
+
+    @classmethod
+    def from_config(cls, env_cfg, token_count: Callable[[str], int], max_turns: int = 30,
+                    **kw) -> "Episode":
+        """An episode with the limits and reward settings of `config.env`."""
+        return cls(token_count, limits=Limits.from_config(env_cfg), max_turns=max_turns,
+                   max_tool_output_tokens=env_cfg.max_tool_output_tokens,
+                   max_output_chars=env_cfg.max_output_chars, reward_mode=env_cfg.reward_mode,
+                   test_timeout_s=env_cfg.test_timeout_s, **kw)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def reset(self, task, snapshot: Snapshot | None = None) -> str:
+        """Start `task` (from `snapshot` of its workspace if given); returns the user prompt."""
+        self.close()
+        self.task = task
+        self.done, self.scored = False, False
+        self.messages = [{"role": "system", "content": self.system_prompt},
+                         {"role": "user", "content": task.prompt}]
+        self.info = dict(turns=0, tool_calls=0, broken_calls=0, tool_output_chars=0,
+                         tool_output_tokens=0, done_reason=None, reward=None, passed=None,
+                         total=None, score_error=None, infra_error=None)
+        try:
+            if snapshot is None:
+                self.sandbox = Sandbox(task, limits=self.limits, root=self.sandbox_root)
+            else:
+                self.sandbox = Sandbox(None, limits=self.limits, root=self.sandbox_root)
+                self.sandbox.restore(snapshot)
+        except (InfraError, OSError) as e:
+            self._fail_infra(f"sandbox could not start: {e}")
+        return task.prompt
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+
+    def _fail_infra(self, msg: str) -> None:
+        self.info.update(infra_error=msg, done_reason="infra_error", reward=None)
+        self.done = self.scored = True
+        self.close()
+
+    # ---- one call --------------------------------------------------------------------------
+    def call(self, c: protocol.ToolCall) -> str:
+        """Run one parsed, validated call; `submit` ends the episode. Raises InfraError when
+        the harness fails (the episode is then over and `info["infra_error"]` says why)."""
+        if self.info.get("infra_error"):
+            raise InfraError(self.info["infra_error"])
+        if self.done:
+            raise RuntimeError("call() after the episode ended; call reset()")
+        self.info["tool_calls"] += 1
+        if c.name == tools.SUBMIT:
+            self.done = True
+            self.info["done_reason"] = "submit"
+            return "submitted"
+        ctx = tools.ToolContext(self.sandbox, self.task, self.max_output_chars,
+                                self.limits.timeout_s)
+        try:
+            return tools.call(ctx, c.name, c.arguments)
+        except SandboxError as e:
+            self._fail_infra(f"sandbox failed during {c.name}: {e}")
+        except Exception:  # a harness bug, not the agent's doing: mask, do not score
+            self._fail_infra(f"tool {c.name} crashed:\n{traceback.format_exc(limit=5)}")
+        raise InfraError(self.info["infra_error"])
+
+    # ---- one assistant reply ---------------------------------------------------------------
+    def step(self, model_text) -> tuple[str, bool, dict]:
+        """Run the tool calls of one assistant reply; see the module docstring."""
+        if isinstance(model_text, protocol.ToolCall):
+            return self.call(model_text)
+        if self.info.get("infra_error"):
+            return "", True, dict(self.info)
+        if self.done:
+            raise RuntimeError("step() after the episode ended; call reset()")
+        info = self.info
+        info["turns"] += 1
+        self.messages.append({"role": "assistant", "content": model_text})
+        calls = protocol.parse_tool_calls(model_text, self.tools)
+        outputs = []
+        for i, c in enumerate(calls):
+            if isinstance(c, protocol.BrokenToolCall):
+                info["broken_calls"] += 1
+                outputs.append(f"error: broken tool call: {c.reason}")
+                continue
+            try:
+                out = self.call(c)
+            except InfraError:
+                return "", True, dict(self.info)
+            if self.done:  # submit: later calls are not run, and the agent is told so
+                left = len(calls) - i - 1
+                outputs.append(out + (f"; the {left} call(s) after submit were not run" if left else ""))
+                break
+            outputs.append(out)
+        observation = protocol.render_tool_results(outputs) if outputs else ""
+        info["tool_output_chars"] += len(observation)
+        info["tool_output_tokens"] += self.token_count(observation) if observation else 0
+        if not self.done:
+            if not calls:
+                info["done_reason"] = "no_tool_call"
+            elif info["turns"] >= self.max_turns:
+                info["done_reason"] = "max_turns"
+            elif info["tool_output_tokens"] >= self.max_tool_output_tokens:
+                info["done_reason"] = "budget"
+            else:
+                self.messages.append({"role": "tool", "content": observation})
+                return observation, False, dict(info)
+            self.done = True
+        self.score()
+        return observation, True, dict(self.info)
+
+    # ---- scoring ---------------------------------------------------------------------------
+    def score(self) -> tuple[float, dict]:
+        """Score the workspace once (later calls return the same); closes the sandbox.
+
+        Returns (reward, info); reward is 0.0 with `info["infra_error"]` set when the harness
+        failed. A text-interface episode with broken calls scores 0.
+        """
+        if not self.scored:
+            self.scored = True
+            try:
+                s = reward.score(self.sandbox, self.task, mode=self.reward_mode,
+                                 timeout_s=self.test_timeout_s)
+            except Exception:
+                s = reward.Score(0.0, 0, 0, infra_error=f"scoring crashed:\n"
+                                 f"{traceback.format_exc(limit=5)}")
+            if s.infra_error:
+                self._fail_infra(s.infra_error)
+            else:
+                r, err = s.reward, s.error
+                if self.info["broken_calls"]:
+                    r, err = 0.0, f"{self.info['broken_calls']} broken tool call(s)"
+                self.info.update(reward=r, passed=s.passed, total=s.total, score_error=err)
+                self.close()
+        return float(self.info["reward"] or 0.0), dict(self.info)

@@ -1,0 +1,483 @@
+"""Sandboxed workspaces: every command of a rollout runs under bubblewrap.
+
+A `Sandbox` owns one host directory (`<root>/<uid>/`) holding the workspace (`ws/`, mounted at
+`/workspace` inside) and a few generated system files. Each `run()` starts a fresh bwrap:
+
+  bwrap  (as root on the host; new pid, net, ipc, uts, cgroup namespaces)
+    └ setpriv --reuid U --regid U   drop to the sandbox's own unprivileged uid, no capabilities,
+      └ prlimit ...                 CPU, address space, processes, file size, open files, core
+        └ /bin/bash -c CMD
+
+Why a per-sandbox uid: RLIMIT_NPROC counts the processes of a *real* uid and is ignored for uid 0,
+so the agent must run as an uid nobody else uses; the uid is allocated by `mkdir <root>/<uid>`
+(atomic), which also makes that directory the sandbox's private home on the host.
+
+What the agent sees: /usr (and /bin, /lib symlinks), the running Python's prefixes read-only (so
+`python -m pytest` and ruff work inside), a synthetic /etc/passwd, a private size-limited /tmp,
+/proc of its own pid namespace, a minimal /dev, and /workspace (the only writable host path).
+No network (an empty network namespace), no host home, no /work, no host /tmp.
+
+Every command is a new process tree: shell state (cwd, variables, background jobs) does not
+survive between commands. When the command's main process exits, bwrap's init exits and the
+kernel kills everything left in the pid namespace; on a timeout the host kills bwrap, which
+takes the namespace down the same way (`--die-with-parent`).
+
+Snapshots are in-memory copies of the workspace's files (workspaces are small: a module and its
+tests), so they can be pickled to pool workers; restore rewrites the tree. Host-side reads and
+writes resolve paths and refuse anything that lands outside the workspace (symlinks, `..`); this
+is race-free because no agent process is alive between commands.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import selectors
+import shutil
+import signal
+import site
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+WORKDIR = "/workspace"  # where the workspace is mounted inside the sandbox
+_UID_BASE = 200_000  # sandbox uids: [_UID_BASE, _UID_BASE + _UID_RANGE), unused on the host
+_UID_RANGE = 50_000
+_TRUNC_MARKER = "\n[... output truncated: {n} bytes omitted ...]\n"
+
+
+class InfraError(RuntimeError):
+    """The harness failed, not the agent: RL masks the rollout instead of scoring it."""
+
+
+class SandboxError(InfraError):
+    """The sandbox itself failed (could not start, misconfigured, closed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-command resource limits. Sizes in bytes; times in seconds."""
+
+    timeout_s: float = 60.0  # wall time; the whole process tree is killed after it
+    cpu_s: int = 60  # RLIMIT_CPU of each process
+    memory_bytes: int = 2 << 30  # RLIMIT_AS of each process
+    nproc: int = 64  # RLIMIT_NPROC: processes+threads of the sandbox uid
+    fsize_bytes: int = 64 << 20  # RLIMIT_FSIZE: largest file a process may write
+    nofile: int = 256  # RLIMIT_NOFILE
+    tmp_bytes: int = 64 << 20  # size of the private /tmp (tmpfs, counts against host RAM)
+    output_bytes: int = 64 << 10  # kept per stream (head + tail); the rest is counted, dropped
+
+    @classmethod
+    def from_config(cls, env_cfg) -> "Limits":
+        """Limits from the `env` section of configs/base.py."""
+        return cls(
+            timeout_s=float(env_cfg.timeout_s),
+            cpu_s=int(env_cfg.cpu_s),
+            memory_bytes=int(env_cfg.memory_mb) << 20,
+            nproc=int(env_cfg.nproc),
+            fsize_bytes=int(env_cfg.fsize_mb) << 20,
+            tmp_bytes=int(env_cfg.tmp_mb) << 20,
+            output_bytes=int(env_cfg.output_kb) << 10,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    exit_code: int  # the command's exit status (128 + signal when killed; -9 on timeout)
+    stdout: str
+    stderr: str
+    timed_out: bool
+    truncated: bool  # some output was dropped (a marker says how much)
+    duration_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Workspace contents: relative path -> (mode, bytes) for files, -> target for symlinks."""
+
+    files: tuple  # ((rel, mode, data), ...)
+    symlinks: tuple  # ((rel, target), ...)
+    dirs: tuple  # (rel, ...) including empty directories
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(d) for _, _, d in self.files)
+
+
+def find_bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxError(
+            "bubblewrap (bwrap) is not installed: install the Debian/Ubuntu package `bubblewrap` "
+            "(apt-get install bubblewrap; scripts/install_system.sh does it)"
+        )
+    return path
+
+
+def _python_prefixes() -> list[str]:
+    """Host directories the sandboxed Python needs, read-only: interpreter and site-packages."""
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
+    paths.update(p for p in site.getsitepackages() if os.path.isdir(p))
+    if site.ENABLE_USER_SITE and site.USER_SITE and os.path.isdir(site.USER_SITE):
+        paths.add(site.USER_SITE)
+    out = []
+    for p in sorted(os.path.realpath(p) for p in paths):
+        if p.startswith("/usr/") or p == "/usr":
+            continue  # /usr is mounted whole
+        if any(p == q or p.startswith(q + "/") for q in out):
+            continue
+        out.append(p)
+    return out
+
+
+def _stream_cap(limit: int):
+    """Return (feed, finish) keeping the first and last limit/2 bytes of a stream."""
+    head, tail = bytearray(), bytearray()
+    half = max(limit // 2, 1)
+    dropped = [0]
+
+    def feed(chunk: bytes):
+        room = half - len(head)
+        if room > 0:
+            head.extend(chunk[:room])
+            chunk = chunk[room:]
+        if chunk:
+            tail.extend(chunk)
+            if len(tail) > 2 * half:  # amortised trim: keep the last `half` bytes
+                extra = len(tail) - half
+                dropped[0] += extra
+                del tail[:extra]
+
+    def finish() -> tuple[str, bool]:
+        if len(tail) > half:
+            dropped[0] += len(tail) - half
+            del tail[: len(tail) - half]
+        text = head.decode("utf-8", "replace")
+        if dropped[0]:
+            text += _TRUNC_MARKER.format(n=dropped[0])
+        return text + tail.decode("utf-8", "replace"), dropped[0] > 0
+
+    return feed, finish
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _cleanup(path: str, procs: set) -> None:
+    for p in list(procs):
+        _kill_group(p)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Sandbox:
+    """One isolated workspace. `Sandbox(task)` copies `task.files` in; see the module docstring.
+
+    Use as a context manager or call `close()`; a finalizer cleans up if neither happens.
+    """
+
+    def __init__(self, task=None, limits: Limits | None = None, root: str | None = None):
+        self.limits = limits or Limits()
+        self._bwrap = find_bwrap()
+        self._privileged = os.geteuid() == 0
+        root = root or os.path.join(tempfile.gettempdir(), "coder-sandboxes")
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        self.uid, self.dir = self._allocate(root)
+        self._procs: set = set()
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, self._procs)
+        try:
+            self.workspace = os.path.join(self.dir, "ws")
+            os.mkdir(self.workspace, 0o755)
+            self._chown(self.workspace)
+            self._write_etc()
+            self._prefixes = _python_prefixes()
+            probe = self.run("id -u", timeout_s=30)
+            if probe.exit_code != 0 or probe.stdout.strip() != str(self._inner_uid):
+                raise SandboxError(
+                    f"sandbox failed to start (exit {probe.exit_code}): {probe.stderr.strip()[:500]}"
+                )
+            if task is not None:
+                for path, text in task.files.items():
+                    self.write(path, text)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @staticmethod
+    def _allocate(root: str) -> tuple[int, str]:
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        start = rng.randrange(_UID_RANGE)
+        for i in range(_UID_RANGE):
+            uid = _UID_BASE + (start + i) % _UID_RANGE
+            path = os.path.join(root, str(uid))
+            try:
+                os.mkdir(path, 0o700)
+                return uid, path
+            except FileExistsError:
+                continue
+        raise SandboxError(f"no free sandbox uid under {root}")
+
+    @property
+    def _inner_uid(self) -> int:
+        return self.uid if self._privileged else os.getuid()
+
+    def _chown(self, path: str) -> None:
+        if self._privileged:
+            os.lchown(path, self.uid, self.uid)
+
+    def _write_etc(self) -> None:
+        etc = os.path.join(self.dir, "etc")
+        os.mkdir(etc, 0o755)
+        u = self._inner_uid
+        with open(os.path.join(etc, "passwd"), "w") as f:
+            f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{u}:{u}:agent:/tmp:/bin/sh\n")
+        with open(os.path.join(etc, "group"), "w") as f:
+            f.write(f"root:x:0:\nagent:x:{u}:\n")
+        for name in ("passwd", "group"):
+            os.chmod(os.path.join(etc, name), 0o644)
+
+    def close(self) -> None:
+        """Kill anything still running and delete every file of this sandbox."""
+        self._finalizer()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    # ---- commands --------------------------------------------------------------------------
+    def _argv(self, cmd: str, binds: tuple) -> list[str]:
+        lim = self.limits
+        a = [self._bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+             "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+        if self._privileged:
+            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+        else:  # unprivileged host user: a user namespace maps the caller's own uid
+            a += ["--unshare-user", "--cap-drop", "ALL"]
+        a += ["--ro-bind", "/usr", "/usr"]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = "/" + name
+            if os.path.islink(host):
+                a += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                a += ["--ro-bind", host, host]
+        a += ["--perms", "0755", "--dir", "/etc"]
+        for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime"):
+            if os.path.lexists("/etc/" + name):
+                a += ["--ro-bind", "/etc/" + name, "/etc/" + name]
+        a += ["--ro-bind", os.path.join(self.dir, "etc/passwd"), "/etc/passwd",
+              "--ro-bind", os.path.join(self.dir, "etc/group"), "/etc/group",
+              "--proc", "/proc", "--dev", "/dev",
+              "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+        for prefix in self._prefixes:
+            # Parents such as /root are 0700 on the host; inside they only need to be traversable.
+            parents, p = [], os.path.dirname(prefix)
+            while p not in ("/", "") and p != "/tmp":
+                parents.append(p)
+                p = os.path.dirname(p)
+            for parent in reversed(parents):
+                a += ["--perms", "0755", "--dir", parent]
+            a += ["--ro-bind", prefix, prefix]
+        a += ["--bind", self.workspace, WORKDIR]
+        for host, inner, writable in binds:
+            a += ["--bind" if writable else "--ro-bind", host, inner]
+        bindir = os.path.dirname(sys.executable)
+        a += ["--chdir", WORKDIR, "--clearenv",
+              "--setenv", "PATH", f"{bindir}:/usr/local/bin:/usr/bin:/bin",
+              "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+              "--setenv", "TERM", "dumb", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+              "--setenv", "PYTHONIOENCODING", "utf-8", "--setenv", "USER", "agent",
+              # The host's pytest plugins are not part of any task; no cache dir in the workspace.
+              "--setenv", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1",
+              "--setenv", "PYTEST_ADDOPTS", "-p no:cacheprovider", "--"]
+        if self._privileged:
+            a += ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                  "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+        a += ["prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_bytes}", f"--nproc={lim.nproc}",
+              f"--fsize={lim.fsize_bytes}", f"--nofile={lim.nofile}", "--core=0", "--",
+              "/bin/bash", "-c", cmd]
+        return a
+
+    def run(self, cmd: str, timeout_s: float | None = None, binds: tuple = ()) -> Result:
+        """Run `cmd` with bash inside the sandbox (cwd /workspace). Never raises for the
+        command's own failures; raises SandboxError when the sandbox is closed.
+
+        binds: extra ((host_path, inner_path, writable), ...) mounts for this command only.
+        """
+        if self.closed:
+            raise SandboxError("sandbox is closed")
+        timeout_s = self.limits.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            self._argv(cmd, binds), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, env={"PATH": "/usr/bin:/bin"},
+        )
+        self._procs.add(proc)
+        caps = {proc.stdout: _stream_cap(self.limits.output_bytes),
+                proc.stderr: _stream_cap(self.limits.output_bytes)}
+        timed_out = False
+        sel = selectors.DefaultSelector()
+        for f in caps:
+            os.set_blocking(f.fileno(), False)
+            sel.register(f, selectors.EVENT_READ)
+        try:
+            deadline = t0 + timeout_s
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0 and not timed_out:
+                    timed_out = True
+                    _kill_group(proc)  # bwrap dies -> its pid namespace is torn down
+                    deadline = time.monotonic() + 5.0  # drain what is already in the pipes
+                    continue
+                if left <= 0:
+                    break
+                for key, _ in sel.select(timeout=min(left, 1.0)):
+                    try:
+                        chunk = os.read(key.fd, 1 << 16)
+                    except BlockingIOError:
+                        continue
+                    if chunk:
+                        caps[key.fileobj][0](chunk)
+                    else:
+                        sel.unregister(key.fileobj)
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                code = proc.wait()
+        finally:
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+            if proc.poll() is None:
+                _kill_group(proc)
+                proc.wait()
+            self._procs.discard(proc)
+        stdout, trunc_o = caps[proc.stdout][1]()
+        stderr, trunc_e = caps[proc.stderr][1]()
+        if timed_out:
+            code = -signal.SIGKILL
+            stderr += f"\n[command timed out after {timeout_s:g} s; all its processes were killed]\n"
+        return Result(code, stdout, stderr, timed_out, trunc_o or trunc_e, time.monotonic() - t0)
+
+    # ---- files (host side, confined to the workspace) --------------------------------------
+    def resolve(self, path: str) -> str:
+        """Host path of a workspace path; ValueError if it resolves outside the workspace."""
+        if path.startswith(WORKDIR + "/") or path == WORKDIR:
+            path = path[len(WORKDIR):].lstrip("/") or "."
+        if os.path.isabs(path):
+            raise ValueError(f"{path}: absolute paths must be under {WORKDIR}")
+        root = os.path.realpath(self.workspace)
+        real = os.path.realpath(os.path.join(root, path))
+        if real != root and not real.startswith(root + os.sep):
+            raise ValueError(f"{path}: resolves outside the workspace")
+        return real
+
+    def read(self, path: str) -> str:
+        real = self.resolve(path)
+        if not os.path.isfile(real):
+            raise FileNotFoundError(f"{path}: no such file")
+        with open(real, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def write(self, path: str, text: str | bytes) -> None:
+        real = self.resolve(path)
+        if os.path.isdir(real):
+            raise IsADirectoryError(f"{path}: is a directory")
+        root = os.path.realpath(self.workspace)
+        parent = os.path.dirname(real)
+        missing = []
+        while not os.path.isdir(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(missing):
+            os.mkdir(d, 0o755)
+            self._chown(d)
+        assert real.startswith(root + os.sep)
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        self._chown(real)
+
+    def remove(self, path: str) -> None:
+        """Delete a workspace file or symlink (not following it) if present."""
+        if path.startswith(WORKDIR + "/"):
+            path = path[len(WORKDIR) + 1:]
+        parent = self.resolve(os.path.dirname(path) or ".")
+        target = os.path.join(parent, os.path.basename(path))
+        if os.path.islink(target) or os.path.isfile(target):
+            os.unlink(target)
+        elif os.path.isdir(target):
+            shutil.rmtree(target)
+
+    def list_files(self) -> list[str]:
+        """Relative paths of the regular files in the workspace (symlinks not followed)."""
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.workspace):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                if not os.path.islink(full) and os.path.isfile(full):
+                    out.append(os.path.relpath(full, self.workspace))
+        return out
+
+    # ---- snapshots -------------------------------------------------------------------------
+    def snapshot(self, max_bytes: int = 256 << 20) -> Snapshot:
+        files, links, dirs, total = [], [], [], 0
+        for dirpath, dirnames, filenames in os.walk(self.workspace):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.workspace)
+            if rel_dir != ".":
+                dirs.append(rel_dir)
+            for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, self.workspace)
+                st = os.lstat(full)
+                if stat.S_ISLNK(st.st_mode):
+                    links.append((rel, os.readlink(full)))
+                elif stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+                    if total > max_bytes:
+                        raise SandboxError(f"workspace larger than {max_bytes} bytes")
+                    with open(full, "rb") as f:
+                        files.append((rel, stat.S_IMODE(st.st_mode), f.read()))
+        return Snapshot(tuple(files), tuple(links), tuple(dirs))
+
+    def restore(self, snap: Snapshot) -> None:
+        for name in os.listdir(self.workspace):
+            full = os.path.join(self.workspace, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+        for rel in snap.dirs:
+            full = os.path.join(self.workspace, rel)
+            os.makedirs(full, exist_ok=True)
+            self._chown(full)
+        for rel, mode, data in snap.files:
+            full = os.path.join(self.workspace, rel)
+            with open(full, "wb") as f:
+                f.write(data)
+            os.chmod(full, mode)
+            self._chown(full)
+        for rel, target in snap.symlinks:
+            full = os.path.join(self.workspace, rel)
+            os.symlink(target, full)
+            self._chown(full)

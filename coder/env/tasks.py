@@ -1,0 +1,142 @@
+"""Tasks and solutions: the JSONL formats of DESIGN.md, and the toy task source.
+
+Task line: {"id", "prompt", "files": {path: text}, "tests": {path: text}, "test_command",
+"language", "source"}. `files` is the repository the agent starts from (it may hold visible
+tests); `tests` are the scoring tests, copied over whatever is there only at scoring.
+Solution line: {"id", "files": {path: text}} (files written over the task's files).
+
+Sources: JSONL files (`read_tasks`), the stdlib bug-fix generator (`coder.env.mutate`), and
+`toy_tasks` below: one-line fixes a tiny model can learn, for RL smoke tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+
+DEFAULT_TEST_COMMAND = "python -m pytest -q"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    id: str
+    prompt: str
+    files: dict  # path -> text: the workspace the agent starts from
+    tests: dict  # path -> text: hidden scoring tests
+    test_command: str = DEFAULT_TEST_COMMAND
+    language: str = "python"
+    source: str = "jsonl"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Task":
+        missing = [k for k in ("id", "prompt", "files", "tests") if k not in obj]
+        if missing:
+            raise ValueError(f"task {obj.get('id', '?')!r} lacks keys {missing}")
+        unknown = set(obj) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"task {obj['id']!r} has unknown keys {sorted(unknown)}")
+        for key in ("files", "tests"):
+            if not isinstance(obj[key], dict) or not all(
+                isinstance(p, str) and isinstance(t, str) for p, t in obj[key].items()
+            ):
+                raise ValueError(f"task {obj['id']!r}: {key} must map paths to text")
+        return cls(**{**obj, "test_command": obj.get("test_command") or DEFAULT_TEST_COMMAND})
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_tasks(path: str) -> list[Task]:
+    tasks = [Task.from_json(o) for o in read_jsonl(path)]
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate task ids")
+    return tasks
+
+
+def write_tasks(path: str, tasks: list[Task]) -> None:
+    write_jsonl(path, [t.to_json() for t in tasks])
+
+
+def read_solutions(path: str) -> dict[str, dict]:
+    """{task id: {path: text}} from a solutions JSONL file."""
+    out = {}
+    for o in read_jsonl(path):
+        if not isinstance(o.get("files"), dict):
+            raise ValueError(f"solution {o.get('id')!r}: files must map paths to text")
+        out[o["id"]] = o["files"]
+    return out
+
+
+def write_solutions(path: str, solutions: dict[str, dict]) -> None:
+    write_jsonl(path, [{"id": k, "files": v} for k, v in solutions.items()])
+
+
+def content_id(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+# ---- toy tasks -------------------------------------------------------------------------------
+# Each template: (prompt, buggy answer.py, fixed answer.py, test body), formatted with `k`.
+_TOY = {
+    "const": ("Make `f()` in answer.py return {k}.",
+              "def f():\n    return 0\n",
+              "def f():\n    return {k}\n",
+              "def test_f():\n    assert f() == {k}\n"),
+    "add": ("`add(a, b)` in answer.py should return a + b plus {k}; it does not.",
+            "def add(a, b):\n    return a - b\n",
+            "def add(a, b):\n    return a + b + {k}\n",
+            "def test_add():\n    assert add(2, 3) == 5 + {k}\n    assert add(-1, 1) == {k}\n"),
+    "scale": ("`scale(x)` in answer.py should multiply x by {k}.",
+              "def scale(x):\n    return x\n",
+              "def scale(x):\n    return x * {k}\n",
+              "def test_scale():\n    assert scale(3) == 3 * {k}\n    assert scale(0) == 0\n"),
+    "last": ("`pick(xs)` in answer.py should return the item at index {k} from the end "
+             "(pick([..., a]) is a when {k} == 1).",
+             "def pick(xs):\n    return xs[0]\n",
+             "def pick(xs):\n    return xs[-{k}]\n",
+             "def test_pick():\n    xs = list(range(100, 120))\n    assert pick(xs) == xs[-{k}]\n"),
+    "greet": ("`greet(name)` in answer.py should return 'Hello, NAME' followed by {k} "
+              "exclamation marks.",
+              "def greet(name):\n    return 'Hello ' + name\n",
+              "def greet(name):\n    return 'Hello, ' + name + '!' * {k}\n",
+              "def test_greet():\n    assert greet('Ada') == 'Hello, Ada' + '!' * {k}\n"),
+}
+
+
+def toy_tasks(n: int, seed: int) -> list[tuple[Task, dict]]:
+    """`n` distinct toy tasks with their reference solutions ({path: text}), from `seed`."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    kinds = sorted(_TOY)
+    if n > len(kinds) * 9:
+        raise ValueError(f"at most {len(kinds) * 9} distinct toy tasks exist")
+    while len(out) < n:
+        kind, k = rng.choice(kinds), rng.randint(1, 9)
+        if (kind, k) in seen:
+            continue
+        seen.add((kind, k))
+        prompt, buggy, fixed, test = (s.format(k=k) for s in _TOY[kind])
+        names = {"const": "f", "add": "add", "scale": "scale", "last": "pick", "greet": "greet"}
+        test_file = f"from answer import {names[kind]}\n\n\n{test}"
+        task = Task(
+            id=f"toy/{kind}/{k}",
+            prompt=prompt,
+            files={"answer.py": buggy, "test_answer.py": test_file},
+            tests={"test_answer.py": test_file},
+            source="toy",
+        )
+        out.append((task, {"answer.py": fixed}))
+    return out

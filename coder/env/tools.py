@@ -1,0 +1,203 @@
+"""The agent's tools. Each is a `ToolSpec` (name, description, JSON schema, rendered into the
+system prompt by `coder.env.protocol`) plus a function `(ToolContext, arguments) -> str`.
+
+Commands the model chooses (shell, grep patterns, lint, tests) run inside the sandbox; file
+reads and writes run on the host but are confined to the workspace by `Sandbox.resolve`.
+Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with a note saying
+how much was cut. Tool errors the agent caused (missing file, non-unique edit) are ordinary
+outputs starting with "error:"; only harness failures raise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+from coder.env import search as search_lib
+from coder.env.protocol import ToolSpec
+from coder.env.sandbox import Result, Sandbox
+
+SUBMIT = "submit"
+
+
+@dataclasses.dataclass
+class ToolContext:
+    sandbox: Sandbox
+    task: object  # coder.env.tasks.Task
+    max_output_chars: int = 8000  # each tool output is cut to this many characters
+    command_timeout_s: float = 60.0  # default and cap for shell/grep/lint/run_tests
+
+
+def cap(text: str, limit: int) -> str:
+    """Keep the first and last limit/2 characters, with a note saying how many were cut."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    cut = len(text) - 2 * half
+    return f"{text[:half]}\n[... {cut} characters cut from this output ...]\n{text[len(text) - half:]}"
+
+
+def _format_result(r: Result) -> str:
+    parts = [f"exit code: {r.exit_code}"]
+    if r.timed_out:
+        parts[0] += " (timed out)"
+    if r.stdout:
+        parts.append(r.stdout.rstrip("\n"))
+    if r.stderr:
+        parts.append("[stderr]\n" + r.stderr.rstrip("\n"))
+    return "\n".join(parts)
+
+
+def _timeout(ctx: ToolContext, args: dict) -> float:
+    return min(float(args.get("timeout_s", ctx.command_timeout_s)), ctx.command_timeout_s)
+
+
+def shell(ctx: ToolContext, args: dict) -> str:
+    return _format_result(ctx.sandbox.run(args["command"], timeout_s=_timeout(ctx, args)))
+
+
+def read_file(ctx: ToolContext, args: dict) -> str:
+    try:
+        text = ctx.sandbox.read(args["path"])
+    except (ValueError, OSError) as e:
+        return f"error: {e}"
+    lines = text.splitlines()
+    if not lines:
+        return f"({args['path']} is empty)"
+    start = args.get("start_line", 1)
+    end = args.get("end_line", len(lines))
+    if start > len(lines):
+        return f"error: {args['path']} has {len(lines)} lines; start_line {start} is past the end"
+    if end < start:
+        return f"error: end_line {end} < start_line {start}"
+    width = len(str(min(end, len(lines)) or 1))
+    return "\n".join(f"{i:>{width}}\t{lines[i - 1]}" for i in range(start, min(end, len(lines)) + 1))
+
+
+def write_file(ctx: ToolContext, args: dict) -> str:
+    try:
+        ctx.sandbox.write(args["path"], args["content"])
+    except (ValueError, OSError) as e:
+        return f"error: {e}"
+    return f"wrote {len(args['content'].encode())} bytes to {args['path']}"
+
+
+def edit_file(ctx: ToolContext, args: dict) -> str:
+    path, old, new = args["path"], args["old"], args["new"]
+    if not old:
+        return "error: old is empty; give the exact text to replace"
+    if old == new:
+        return "error: old and new are identical; nothing to change"
+    try:
+        text = ctx.sandbox.read(path)
+    except (ValueError, OSError) as e:
+        return f"error: {e}"
+    n = text.count(old)
+    if n == 0:
+        hint = ""
+        if old.strip() and old.strip() in text:
+            hint = " (it matches if leading/trailing whitespace is ignored: copy it exactly)"
+        return f"error: old text not found in {path}{hint}"
+    if n > 1:
+        lines, at = [], 0
+        for _ in range(n):
+            at = text.index(old, at)
+            lines.append(text.count("\n", 0, at) + 1)
+            at += 1
+        return (f"error: old text occurs {n} times in {path} (lines {lines}); include more "
+                "surrounding text so it matches exactly once")
+    ctx.sandbox.write(path, text.replace(old, new, 1))
+    line = text.count("\n", 0, text.index(old)) + 1
+    return f"edited {path} at line {line}"
+
+
+def grep(ctx: ToolContext, args: dict) -> str:
+    flags = "-rnI" + ("i" if args.get("ignore_case") else "")
+    cmd = f"grep {flags} -E -e {shlex.quote(args['pattern'])} -- {shlex.quote(args.get('path', '.'))}"
+    r = ctx.sandbox.run(cmd, timeout_s=min(30.0, ctx.command_timeout_s))
+    if r.exit_code == 1 and not r.stderr:
+        return "no matches"
+    if r.exit_code not in (0, 1) or r.timed_out:
+        return "error: " + _format_result(r)
+    return r.stdout.rstrip("\n")
+
+
+def search(ctx: ToolContext, args: dict) -> str:
+    files = {}
+    for rel in ctx.sandbox.list_files():
+        try:
+            text = ctx.sandbox.read(rel)
+        except (ValueError, OSError):
+            continue
+        if "\0" not in text[:4096] and len(text) < 2_000_000:
+            files[rel] = text
+    hits = search_lib.search(files, args["query"], k=args.get("k", 5))
+    if not hits:
+        return "no results"
+    return "\n\n".join(f"{c.path}:{c.start}-{c.end} (score {s:.2f})\n{c.text}" for s, c in hits)
+
+
+def lint(ctx: ToolContext, args: dict) -> str:
+    path = args.get("path", ".")
+    cmd = f"ruff check --no-cache --output-format concise --quiet -- {shlex.quote(path)}"
+    r = ctx.sandbox.run(cmd, timeout_s=min(60.0, ctx.command_timeout_s))
+    if r.exit_code == 0:
+        return "no lint errors"
+    return _format_result(r)
+
+
+def run_tests(ctx: ToolContext, args: dict) -> str:
+    cmd = ctx.task.test_command
+    if args.get("path"):
+        cmd += " " + shlex.quote(args["path"])
+    return _format_result(ctx.sandbox.run(cmd, timeout_s=ctx.command_timeout_s))
+
+
+def submit(ctx: ToolContext, args: dict) -> str:
+    return "submitted"
+
+
+_STR = {"type": "string"}
+
+
+def _obj(props: dict, required: list) -> dict:
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+SPECS = [
+    ToolSpec("shell", "Run a bash command in /workspace (fresh shell each call, no network). "
+             "Returns the exit code, stdout and stderr.",
+             _obj({"command": _STR, "timeout_s": {"type": "number", "minimum": 1}}, ["command"])),
+    ToolSpec("read_file", "Read a file, with line numbers; optionally only lines start_line.."
+             "end_line (1-based, inclusive).",
+             _obj({"path": _STR, "start_line": {"type": "integer", "minimum": 1},
+                   "end_line": {"type": "integer", "minimum": 1}}, ["path"])),
+    ToolSpec("write_file", "Create or overwrite a file with the given content.",
+             _obj({"path": _STR, "content": _STR}, ["path", "content"])),
+    ToolSpec("edit_file", "Replace the exact text old with new in a file; old must occur exactly "
+             "once.", _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"])),
+    ToolSpec("grep", "Search files for an extended regular expression; prints file:line:text.",
+             _obj({"pattern": _STR, "path": _STR, "ignore_case": {"type": "boolean"}},
+                  ["pattern"])),
+    ToolSpec("search", "Search the code of the workspace for chunks relevant to a natural-"
+             "language or identifier query (ranked by BM25).",
+             _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}},
+                  ["query"])),
+    ToolSpec("lint", "Run the ruff linter on a path (default: the whole workspace).",
+             _obj({"path": _STR}, [])),
+    ToolSpec("run_tests", "Run the task's test command (optionally on one test path).",
+             _obj({"path": _STR}, [])),
+    ToolSpec(SUBMIT, "Finish: your changes in /workspace are the solution.", _obj({}, [])),
+]
+FUNCTIONS = {"shell": shell, "read_file": read_file, "write_file": write_file,
+             "edit_file": edit_file, "grep": grep, "search": search, "lint": lint,
+             "run_tests": run_tests, SUBMIT: submit}
+
+
+def default_tools() -> dict[str, ToolSpec]:
+    return {s.name: s for s in SPECS}
+
+
+def call(ctx: ToolContext, name: str, args: dict) -> str:
+    """Run one validated tool call; the output is capped."""
+    return cap(FUNCTIONS[name](ctx, args), ctx.max_output_chars)

@@ -1,0 +1,131 @@
+"""Multi-head Latent Attention (MLA, DeepSeek-V2/V3) with a compressed-latent KV cache.
+
+Shapes: B batch, T query tokens, S key slots, H heads, D hidden, r = kv_lora_rank,
+dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, dq = dn + dr.
+
+    q      = x W_q                        (or  W_qb RMSNorm(x W_qa)  when q_lora_rank > 0)
+    [c; k_r] = x W_kva,   c = RMSNorm(c)  [B,T,r] latent, k_r [B,T,dr] one RoPE key for all heads
+    [k_n; v] = c W_kvb                    [B,S,H,dn], [B,S,H,dv]
+    s_hts  = scale * (q_n . k_n + RoPE(q_r) . RoPE(k_r))
+    o      = softmax(s + mask) v W_o
+
+Masking: a query attends to keys of its own segment (`segment_ids`) at or before its index
+(full forward), or to cache slots at or before its absolute position (cached call).
+
+Cached calls (decode, chunked prefill) use the *absorbed* form (DeepSeek-V2 section 2.1.3):
+W_kvb's key half is folded into the query and its value half applied after the softmax, so
+attention runs against the cached latent `c` [B,S,r] and `k_r` [B,S,dr] directly (an MQA over
+r + dr features), never expanding per-head keys/values for the whole cache.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from coder.model.layers import RMSNorm, dtype_of, param
+from coder.model.rope import apply_rope, rope_frequencies, softmax_scale
+from coder.model.sharding import constrain
+
+BACKENDS = ("dense",)
+NEG_INF = -1e30  # finite, so fully masked rows (never produced by valid inputs) give no NaN
+
+
+def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
+    """One layer's cache: latent `[B, max_len, r]` and RoPE key `[B, max_len, dr]`, zeros."""
+    return dict(
+        latent=jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
+        rope=jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype),
+    )
+
+
+def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids) -> dict:
+    """Write new tokens at their absolute `positions`; padding tokens (segment 0) write nothing."""
+    b, t = positions.shape
+    max_len = layer_cache["latent"].shape[1]
+    slot = jnp.where(segment_ids > 0, positions, max_len)  # out of range -> dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    new_latent = layer_cache["latent"].at[rows, slot].set(
+        latent.astype(layer_cache["latent"].dtype), mode="drop")
+    new_rope = layer_cache["rope"].at[rows, slot].set(
+        k_rope.astype(layer_cache["rope"].dtype), mode="drop")
+    return dict(latent=new_latent, rope=new_rope)
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        if cfg.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"model.attention_backend={cfg.attention_backend!r} is not available; "
+                f"choose one of {BACKENDS} (the 'nsa' backend is wired in from coder/pallas/nsa)")
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.h, self.dn, self.dr, self.dv = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.r = cfg.kv_lora_rank
+        dq = self.dn + self.dr
+        self.q_lora = int(cfg.q_lora_rank or 0)
+        if self.q_lora > 0:
+            self.q_a_proj = param(rngs, (d, self.q_lora), ("embed", "q_lora"), cfg)
+            self.q_a_layernorm = RMSNorm(self.q_lora, cfg)
+            self.q_b_proj = param(rngs, (self.q_lora, h, dq), ("q_lora", "heads", "head_dim"), cfg)
+        else:
+            self.q_proj = param(rngs, (d, h, dq), ("embed", "heads", "head_dim"), cfg)
+        self.kv_a_proj = param(rngs, (d, self.r + self.dr), ("embed", "kv_lora"), cfg)
+        self.kv_a_layernorm = RMSNorm(self.r, cfg)
+        self.kv_b_proj = param(rngs, (self.r, h, self.dn + self.dv), ("kv_lora", "heads", "head_dim"), cfg)
+        self.o_proj = param(rngs, (h, self.dv, d), ("heads", "head_dim", "embed"), cfg)
+        inv_freq, self.attention_factor = rope_frequencies(cfg)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static, not a parameter
+        self.scale = softmax_scale(cfg)
+        self.dtype = dtype_of(cfg.dtype)
+
+    def _project(self, x, positions):
+        """x [B,T,D] -> q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,T,r], k_rope [B,T,dr]."""
+        dt = self.dtype
+        x = x.astype(dt)
+        if self.q_lora > 0:
+            qa = self.q_a_layernorm(x @ self.q_a_proj[...].astype(dt))
+            q = jnp.einsum("btl,lhd->bthd", qa, self.q_b_proj[...].astype(dt))
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
+        q = checkpoint_name(constrain(q, ("batch", "seq", "heads", None)), "q_proj")
+        kv = checkpoint_name(x @ self.kv_a_proj[...].astype(dt), "kv_proj")
+        latent = self.kv_a_layernorm(kv[..., : self.r])
+        inv = jnp.asarray(self.inv_freq, jnp.float32)
+        k_rope = apply_rope(kv[..., self.r:], positions, inv, self.attention_factor)
+        q_nope = q[..., : self.dn]
+        q_rope = apply_rope(q[..., self.dn:], positions, inv, self.attention_factor)
+        return q_nope, q_rope, latent, k_rope
+
+    def __call__(self, x, positions, segment_ids, cache: dict | None = None):
+        """x `[B,T,D]`, positions/segment_ids `[B,T]` -> (out `[B,T,D]`, updated layer cache)."""
+        dt = self.dtype
+        q_nope, q_rope, latent, k_rope = self._project(x, positions)
+        w_kvb = self.kv_b_proj[...].astype(dt)
+        if cache is None:
+            kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
+            k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
+            scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
+            t = x.shape[1]
+            causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]
+            mask = (causal[None] & same)[:, None]  # [B,1,T,S]
+            probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
+            o = jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
+            new_cache = None
+        else:
+            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)
+            c_all = new_cache["latent"].astype(dt)  # [B,S,r]
+            r_all = new_cache["rope"].astype(dt)  # [B,S,dr]
+            q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
+            scores = (jnp.einsum("bthr,bsr->bhts", q_abs, c_all, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthd,bsd->bhts", q_rope, r_all, preferred_element_type=jnp.float32))
+            slots = jnp.arange(c_all.shape[1])
+            mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+            probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
+            o_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(dt), c_all)
+            o = jnp.einsum("bthr,rhd->bthd", o_lat, w_kvb[..., self.dn:])
+        o = constrain(o, ("batch", "seq", "heads", None))
+        out = jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(dt))
+        return out, new_cache

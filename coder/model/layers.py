@@ -1,0 +1,63 @@
+"""Small building blocks: parameters with logical axis names, RMSNorm, SwiGLU MLP.
+
+Every parameter is an `nnx.Param` carrying `logical_axes` metadata (one name or None per
+array axis); `coder.model.sharding` maps those names to mesh axes through the config's rules.
+The model itself never mentions a mesh axis.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coder.model.sharding import constrain
+
+
+def dtype_of(name) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal") -> nnx.Param:
+    """A parameter of `shape` with logical `axes`; "normal" draws N(0, initializer_range^2)."""
+    assert len(shape) == len(axes), (shape, axes)
+    pdt = dtype_of(cfg.param_dtype)
+    if init == "ones":
+        value = jnp.ones(shape, pdt)
+    elif init == "zeros":
+        value = jnp.zeros(shape, pdt)
+    else:
+        value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, pdt)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as HF DeepseekV3RMSNorm)."""
+
+    def __init__(self, dim: int, cfg, eps: float | None = None):
+        self.weight = param(None, (dim,), (None,), cfg, init="ones")
+        self.eps = float(cfg.rms_norm_eps if eps is None else eps)
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up)). x `[B, T, D]` -> `[B, T, D]`."""
+
+    def __init__(self, cfg, hidden: int, rngs: nnx.Rngs, axis: str = "mlp"):
+        d = cfg.hidden_size
+        self.gate_proj = param(rngs, (d, hidden), ("embed", axis), cfg)
+        self.up_proj = param(rngs, (d, hidden), ("embed", axis), cfg)
+        self.down_proj = param(rngs, (hidden, d), (axis, "embed"), cfg)
+        self.dtype = dtype_of(cfg.dtype)
+        self.axis = axis
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        dt = self.dtype
+        x = x.astype(dt)
+        g = x @ self.gate_proj[...].astype(dt)
+        u = x @ self.up_proj[...].astype(dt)
+        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", self.axis))
+        return h @ self.down_proj[...].astype(dt)

@@ -1,0 +1,213 @@
+"""DeepSeek-V3 mixture of experts: sigmoid router, aux-loss-free bias, dropless grouped matmuls.
+
+Routing for token x (DeepSeek-V3 section 2.1.2), N tokens, E experts, k = num_experts_per_tok:
+    s      = sigmoid(x W_r)                         [N, E]   scores (float32)
+    c      = s + b                                  bias b (RouterBias) only for *selection*
+    group score = sum of the top-2 c in each of n_group groups; keep the topk_group best groups
+    ids    = top-k of c over the kept groups        [N, k]
+    g      = s[ids] / sum s[ids]  (norm_topk_prob)  * routed_scaling_factor
+    y      = sum_j g_j FFN_{ids_j}(x) + sum_shared FFN_shared(x)
+Balancing (aux-loss-free): after each optimizer step, b += rate * sign(mean load - load).
+
+Dropless dispatch: the N*k (token, expert) pairs are sorted by expert and run through
+`jax.lax.ragged_dot` (grouped matmul over contiguous groups), then scattered back and summed;
+no capacity factor, no token dropped.
+
+Expert parallelism: inside `coder.model.sharding.activate` with experts split over mesh axes,
+the expert FFN runs in a `shard_map`. Each device holds E/ep experts; it gathers the tokens of
+its expert group (all-gather over the mesh axes that shard both tokens and experts), computes its
+own experts' share of every pair, and a reduce-scatter (psum_scatter) returns each token's sum
+to its owner. This padded, all-gather form runs on every backend (CPU included); on TPU/GPU
+`jax.lax.ragged_all_to_all` would move only the routed pairs (not implemented here).
+"""
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from coder.model import sharding
+from coder.model.layers import MLP, dtype_of, param
+
+
+class RouterBias(nnx.Variable):
+    """Expert-selection bias: updated by `update_router_bias`, never by the optimizer."""
+
+
+# ----------------------------------------------------------------------------- routing
+def route(logits, bias, cfg, expert_ids=None):
+    """Top-k expert choice. logits `[N, E]` float32, bias `[E]`.
+
+    Returns (weights `[N, k]` float32, ids `[N, k]` int32). With `expert_ids` given (router
+    replay) the choice is taken from them and only the weights are recomputed.
+    """
+    n, e = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    if expert_ids is None:
+        choice = scores + bias.astype(jnp.float32)[None]
+        if cfg.n_group > 1:
+            grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, n_group]
+            _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+            keep = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+            keep = jnp.repeat(keep, e // cfg.n_group, axis=1)
+            choice = jnp.where(keep, choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    else:
+        ids = expert_ids.reshape(n, -1)
+    ids = ids.astype(jnp.int32)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def load_fraction(ids, valid, n_experts: int):
+    """Fraction of the valid tokens' top-k assignments per expert `[E]` (sums to 1)."""
+    counts = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(
+        jnp.repeat(valid.reshape(-1).astype(jnp.float32), ids.shape[-1]))
+    return counts / jnp.maximum(counts.sum(), 1.0)
+
+
+# ----------------------------------------------------------------------------- experts
+def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
+    """Dropless SwiGLU experts for the (token, expert) pairs whose expert is local.
+
+    x `[N, D]`, ids/weights `[N, k]`, wg/wu `[El, D, F]`, wd `[El, F, D]` hold experts
+    first_expert .. first_expert+El-1. Returns `sum_j weights_j * FFN_{ids_j}(x)` over the local
+    pairs, `[N, D]` in x.dtype. Pairs of other experts are sorted past the last group, where
+    ragged_dot produces zeros.
+    """
+    n, k = ids.shape
+    n_local = wg.shape[0]
+    local = ids.reshape(-1) - first_expert
+    is_local = (local >= 0) & (local < n_local)
+    key = jnp.where(is_local, local, n_local)
+    order = jnp.argsort(key, stable=True)  # [N*k]
+    group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+    token = order // k
+    xs = x[token]  # [N*k, D]
+    dt = x.dtype
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg.astype(dt), group_sizes)) * jax.lax.ragged_dot(
+        xs, wu.astype(dt), group_sizes)
+    y = jax.lax.ragged_dot(h, wd.astype(dt), group_sizes)  # [N*k, D]
+    w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
+    y = jnp.where(is_local[order][:, None], y.astype(jnp.float32) * w[:, None], 0.0)
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(dt)
+
+
+def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules):
+    """grouped_ffn over the mesh: experts split on the `exp` axes, F on the `exp_mlp` axes.
+
+    x `[B, T, D]`, ids/weights `[B, T, k]`; returns `[B, T, D]`.
+    """
+    tok_axes = sharding.mesh_axes_of("batch", rules)
+    seq_axes = tuple(a for a in sharding.mesh_axes_of("seq", rules) if a not in tok_axes)
+    exp_axes = sharding.mesh_axes_of("exp", rules)
+    mlp_axes = tuple(a for a in sharding.mesh_axes_of("exp_mlp", rules) if a not in exp_axes)
+    token_sharded = set(tok_axes) | set(seq_axes)
+    gather = tuple(a for a in exp_axes if a in token_sharded)  # token shards to collect
+    reduce = tuple(a for a in exp_axes if a not in token_sharded) + mlp_axes
+    spec = lambda axes: (axes if len(axes) > 1 else axes[0]) if axes else None
+    tok_spec = P(spec(tok_axes), spec(seq_axes), None)
+    w_in = P(spec(exp_axes), None, spec(mlp_axes))
+    w_out = P(spec(exp_axes), spec(mlp_axes), None)
+    n_local = wg.shape[0] // max(1, _size(mesh, exp_axes))
+
+    def local(x, ids, weights, wg, wu, wd):
+        b, t, d = x.shape
+        xs, i, w = x.reshape(b * t, d), ids.reshape(b * t, -1), weights.reshape(b * t, -1)
+        if gather:
+            xs = jax.lax.all_gather(xs, gather, axis=0, tiled=True)
+            i = jax.lax.all_gather(i, gather, axis=0, tiled=True)
+            w = jax.lax.all_gather(w, gather, axis=0, tiled=True)
+        first = jax.lax.axis_index(exp_axes) * n_local if exp_axes else 0
+        y = grouped_ffn(xs, i, w, wg, wu, wd, first).astype(jnp.float32)
+        if reduce:
+            y = jax.lax.psum(y, reduce)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        return y.reshape(b, t, d).astype(x.dtype)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
+                       out_specs=tok_spec, check_vma=False)
+    return fn(x, ids, weights, wg, wu, wd)
+
+
+def _size(mesh, axes):
+    out = 1
+    for a in axes:
+        out *= mesh.shape[a]
+    return out
+
+
+# ----------------------------------------------------------------------------- module
+class MoE(nnx.Module):
+    """Routed + shared experts. x `[B,T,D]` -> (y `[B,T,D]`, stats)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        self.cfg = cfg
+        self.router = param(rngs, (d, e), ("embed", None), cfg)
+        self.bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+        self.wg = param(rngs, (e, d, f), ("exp", "embed", "exp_mlp"), cfg)
+        self.wu = param(rngs, (e, d, f), ("exp", "embed", "exp_mlp"), cfg)
+        self.wd = param(rngs, (e, f, d), ("exp", "exp_mlp", "embed"), cfg)
+        self.shared = MLP(cfg, f * cfg.n_shared_experts, rngs, axis="mlp") if cfg.n_shared_experts else None
+        self.dtype = dtype_of(cfg.dtype)
+
+    def __call__(self, x, valid, expert_ids=None):
+        """x `[B,T,D]`, valid `[B,T]` bool (non-padding), expert_ids `[B,T,k]` to replay.
+
+        stats: load `[E]`, expert_ids `[B,T,k]` int32, z (mean logsumexp(router logits)^2).
+        """
+        b, t, d = x.shape
+        cfg = self.cfg
+        x = x.astype(self.dtype)
+        logits = x.reshape(b * t, d).astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        weights, ids = route(logits, self.bias[...], cfg, expert_ids)
+        validf = valid.reshape(-1).astype(jnp.float32)
+        z = (jax.nn.logsumexp(logits, axis=-1) ** 2 * validf).sum() / jnp.maximum(validf.sum(), 1.0)
+        stats = dict(load=load_fraction(ids, valid, cfg.n_routed_experts),
+                     expert_ids=ids.reshape(b, t, -1), z=z)
+        ctx = sharding.current()
+        distributed = ctx is not None and (
+            _size(ctx[0], sharding.mesh_axes_of("exp", ctx[1])) > 1
+            or _size(ctx[0], sharding.mesh_axes_of("exp_mlp", ctx[1])) > 1)
+        if distributed:
+            y = _expert_parallel_ffn(x, ids.reshape(b, t, -1), weights.reshape(b, t, -1),
+                                     self.wg[...], self.wu[...], self.wd[...], *ctx)
+        else:
+            y = grouped_ffn(x.reshape(b * t, d), ids, weights, self.wg[...], self.wu[...],
+                            self.wd[...]).reshape(b, t, d)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, stats
+
+
+def moe_layers(model) -> list[MoE]:
+    """The MoE modules of a model in forward order (trunk, then MTP modules)."""
+    out = []
+    for layer in list(model.layers) + list(getattr(model, "mtp", [])):
+        mlp = layer.block.mlp if hasattr(layer, "block") else layer.mlp
+        if isinstance(mlp, MoE):
+            out.append(mlp)
+    return out
+
+
+def update_router_bias(model, router_load, rate: float, mtp_router_load=None) -> None:
+    """b += rate * sign(mean_load - load) for every trunk MoE layer (and MTP layer if given).
+
+    router_load `[moe_layers, E]` as in aux["router_load"]; mtp_router_load
+    `[num_mtp_layers, E]` as in aux["mtp_router_load"]. Updates in place, outside the gradient.
+    """
+    layers = moe_layers(model)
+    n_trunk = sum(1 for l in model.layers if isinstance(l.mlp, MoE))
+    loads = [router_load[i] for i in range(n_trunk)]
+    if mtp_router_load is not None:
+        loads += [mtp_router_load[i] for i in range(mtp_router_load.shape[0])]
+    for moe, load in zip(layers, loads):
+        load = jnp.asarray(load, jnp.float32)
+        moe.bias[...] = moe.bias[...] + rate * jnp.sign(load.mean() - load)

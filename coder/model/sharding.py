@@ -1,0 +1,205 @@
+"""Mesh, logical axis rules, and sharding helpers.
+
+The model names every parameter axis and key activation axis with a *logical* name (`batch`,
+`seq`, `embed`, `heads`, `exp`, `mlp`, `vocab`, ...). `config.mesh.rules` maps each logical name
+to mesh axes (or None = replicated). One mesh with the named axes
+    (data, fsdp, expert, tensor, sequence)
+holds every device; the product of the sizes equals the device count (-1 = the rest).
+
+Axes are `AxisType.Auto`: the XLA partitioner propagates shardings from the parameter shardings
+and the activation constraints (`constrain`), as in MaxText. Expert parallelism uses an explicit
+`shard_map` in `coder.model.moe`.
+
+Activation constraints are applied only inside `activate(mesh, rules)`; outside it (tests on one
+device, tracing for shapes) `constrain` is the identity, so the model code is free of parallelism.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp", "expert", "tensor", "sequence")
+
+
+# ----------------------------------------------------------------------------- mesh
+def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
+    """Sizes of AXES with -1 resolved to the remaining devices."""
+    sizes = [int(mesh_cfg[a]) for a in AXES]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ValueError(f"mesh: at most one of {AXES} may be -1, got {dict(zip(AXES, sizes))}")
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh: sizes must be positive or -1, got {dict(zip(AXES, sizes))}")
+    if -1 in sizes:
+        if n_devices % known:
+            raise ValueError(
+                f"mesh: fixed axes multiply to {known}, which does not divide the {n_devices} "
+                f"devices; change mesh.{'/'.join(a for a, s in zip(AXES, sizes) if s != 1 and s != -1)}")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ValueError(
+            f"mesh: {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but {n_devices} are "
+            f"available; change mesh.data/fsdp/expert/tensor/sequence (or set one to -1)")
+    return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+    """A Mesh over `devices` (default: all) with Auto axis types (see module docstring)."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(mesh_cfg, len(devices))
+    dev = np.asarray(devices).reshape(shape)
+    return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def rules_dict(rules) -> dict[str, Any]:
+    return {name: target for name, target in rules}
+
+
+def validate(model_cfg, mesh_cfg, n_devices: int) -> dict[str, int]:
+    """Check the model divides the mesh; raise ValueError naming the config keys to change."""
+    sizes = dict(zip(AXES, mesh_shape(mesh_cfg, n_devices)))
+    rules = rules_dict(mesh_cfg.rules)
+    errors = []
+
+    def size_of(logical):
+        target = rules.get(logical)
+        if target is None:
+            return 1
+        targets = (target,) if isinstance(target, str) else tuple(target)
+        return math.prod(sizes[t] for t in targets)
+
+    checks = [
+        ("heads", model_cfg.num_attention_heads, "model.num_attention_heads"),
+        ("exp", model_cfg.n_routed_experts, "model.n_routed_experts"),
+        ("mlp", model_cfg.intermediate_size, "model.intermediate_size"),
+        ("exp_mlp", model_cfg.moe_intermediate_size, "model.moe_intermediate_size"),
+        ("vocab", model_cfg.vocab_size, "model.vocab_size"),
+        ("embed", model_cfg.hidden_size, "model.hidden_size"),
+    ]
+    for logical, dim, key in checks:
+        n = size_of(logical)
+        if dim % n:
+            errors.append(f"{key}={dim} is not divisible by the mesh axes of '{logical}' "
+                          f"({rules.get(logical)} = {n}); change {key} or mesh.{rules.get(logical)}")
+    if model_cfg.n_routed_experts % max(1, model_cfg.n_group):
+        errors.append(f"model.n_routed_experts={model_cfg.n_routed_experts} is not divisible by "
+                      f"model.n_group={model_cfg.n_group}")
+    if model_cfg.topk_group > model_cfg.n_group:
+        errors.append(f"model.topk_group={model_cfg.topk_group} > model.n_group={model_cfg.n_group}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    return sizes
+
+
+# ----------------------------------------------------------------------------- rules
+def logical_to_spec(axes, rules) -> PartitionSpec:
+    """PartitionSpec for logical `axes` under `rules`; a mesh axis is used at most once."""
+    rules = rules if isinstance(rules, dict) else rules_dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in axes:
+        target = rules.get(name) if name is not None else None
+        if target is None:
+            out.append(None)
+            continue
+        targets = (target,) if isinstance(target, str) else tuple(target)
+        targets = tuple(t for t in targets if t not in used)
+        used.update(targets)
+        out.append(None if not targets else targets[0] if len(targets) == 1 else targets)
+    return PartitionSpec(*out)
+
+
+def mesh_axes_of(logical: str, rules) -> tuple[str, ...]:
+    rules = rules if isinstance(rules, dict) else rules_dict(rules)
+    target = rules.get(logical)
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
+# ----------------------------------------------------------------------------- context
+_CTX = threading.local()
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules):
+    """Within this block (while tracing), activations get sharding constraints from `rules`."""
+    prev = getattr(_CTX, "value", None)
+    _CTX.value = (mesh, rules_dict(rules))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _CTX.value = prev
+
+
+def current():
+    """(mesh, rules) when inside `activate`, else None."""
+    return getattr(_CTX, "value", None)
+
+
+def constrain(x, axes):
+    """Constrain activation `x` to the sharding of its logical `axes` (identity outside activate)."""
+    ctx = current()
+    if ctx is None or x.ndim != len(axes):
+        return x
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+
+
+# ----------------------------------------------------------------------------- params
+def _var_spec(v, rules) -> PartitionSpec:
+    axes = v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None
+    if axes is None:
+        return PartitionSpec()
+    return logical_to_spec(axes, rules)
+
+
+def state_specs(state, rules):
+    """PartitionSpec per variable of an nnx State (same tree structure, Variables kept)."""
+    return jax.tree.map(lambda v: v.replace(_var_spec(v, rules)), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_specs(model, rules) -> dict[str, PartitionSpec]:
+    """Flat {'path/to/param': PartitionSpec} of every variable of `model` (golden tests)."""
+    out = {}
+    for path, v in nnx.to_flat_state(nnx.state(model)):
+        out["/".join(str(p) for p in path)] = _var_spec(v, rules)
+    return out
+
+
+def state_shardings(state, mesh: Mesh, rules):
+    specs = state_specs(state, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def create_sharded(make_model, mesh: Mesh, rules):
+    """Build `make_model()` directly sharded: abstract init, then a jit with out_shardings.
+
+    No device ever holds the whole model; each parameter is created in its final sharding.
+    """
+    abstract = nnx.eval_shape(make_model)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = state_shardings(abs_state, mesh, rules)
+
+    with activate(mesh, rules):
+        init = jax.jit(lambda: nnx.state(make_model()), out_shardings=shardings)
+        state = init()
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model, mesh: Mesh, rules):
+    """Move an existing model's variables to their shardings (in place); returns the model."""
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, mesh, rules))
+    nnx.update(model, state)
+    return model

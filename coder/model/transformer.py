@@ -1,0 +1,211 @@
+"""The DeepSeek-V3 / Kimi-K2 decoder with multi-token-prediction (MTP) modules.
+
+    h_0 = Embed(tokens)                                                     [B,T,D]
+    h_l = h' + FFN_l(RMSNorm(h')),  h' = h_{l-1} + MLA_l(RMSNorm(h_{l-1}))   l = 1..L
+          FFN_l = dense SwiGLU for l <= first_k_dense_replace, else MoE
+    logits = RMSNorm(h_L) W_head                                            [B,T,V] float32
+
+MTP module k (DeepSeek-V3 section 2.2), k = 0..num_mtp_layers-1, depth d = k+1:
+    h^d_t = Block_k(eh_proj([enorm(Embed(tokens[t+d])), hnorm(h^{d-1}_t)]))
+    logits^d_t = shared_head.norm(h^d_t) W_head, predicting tokens[t+d+1]
+with h^0 = h_L (the trunk's last hidden state, before the final norm); the embedding and output
+head are shared with the trunk.
+
+MoE statistics in `aux` cover the trunk's MoE layers (`router_load`, `expert_ids`,
+`router_z_loss`, replayed through `routing=`); the MTP modules' own go in `mtp_router_load` /
+`mtp_expert_ids`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coder.model.attention import MLA, init_layer_cache
+from coder.model.layers import MLP, RMSNorm, dtype_of, param
+from coder.model.moe import MoE
+from coder.model.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block, recompute everything
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("q_proj", "kv_proj"),
+}
+HIDDEN = ("batch", "seq", None)
+
+
+class Block(nnx.Module):
+    """Pre-norm MLA + (dense | MoE) FFN block."""
+
+    def __init__(self, cfg, layer_idx: int, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.self_attn = MLA(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.is_moe = layer_idx >= cfg.first_k_dense_replace
+        self.mlp = MoE(cfg, rngs) if self.is_moe else MLP(cfg, cfg.intermediate_size, rngs)
+
+    def __call__(self, x, positions, segment_ids, cache=None, expert_ids=None):
+        """x `[B,T,D]` -> (x, layer cache, MoE stats or None)."""
+        a, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache)
+        x = constrain(x + a.astype(x.dtype), HIDDEN)
+        h = self.post_attention_layernorm(x)
+        stats = None
+        if self.is_moe:
+            f, stats = self.mlp(h, segment_ids > 0, expert_ids)
+        else:
+            f = self.mlp(h)
+        return constrain(x + f.astype(x.dtype), HIDDEN), cache, stats
+
+
+def _run_block(block, x, positions, segment_ids, cache, expert_ids):
+    return block(x, positions, segment_ids, cache, expert_ids)
+
+
+class MTPModule(nnx.Module):
+    def __init__(self, cfg, k: int, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg)
+        self.hnorm = RMSNorm(d, cfg)
+        self.eh_proj = param(rngs, (2 * d, d), (None, "embed"), cfg)
+        self.block = Block(cfg, cfg.num_hidden_layers + k, rngs)
+        self.shared_head_norm = RMSNorm(d, cfg)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        self.cfg = cfg
+        v, d = cfg.vocab_size, cfg.hidden_size
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg)
+        self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(d, cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg)
+        self.mtp = nnx.List([MTPModule(cfg, k, rngs) for k in range(cfg.num_mtp_layers)])
+        self.dtype = dtype_of(cfg.dtype)
+        if cfg.remat not in ("none", *REMAT_POLICIES):
+            raise ValueError(f"model.remat={cfg.remat!r}: expected 'none' or one of {tuple(REMAT_POLICIES)}")
+        self.remat = cfg.remat
+
+    # ------------------------------------------------------------------ pieces
+    def _embed(self, tokens):
+        return constrain(jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype), HIDDEN)
+
+    def _head(self, h):
+        """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32."""
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", h.astype(self.dtype), w.astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def _block(self, block, *args):
+        if self.remat == "none":
+            return block(*args)
+        return nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])(block, *args)
+
+    # ------------------------------------------------------------------ API
+    def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None):
+        """tokens/positions/segment_ids int32 `[B,T]` -> (logits `[B,T,V]` float32, aux).
+
+        cache: from `init_cache` (writes at `positions`, attends to slots <= position).
+        routing: `[moe_layers, B, T, top_k]` expert ids to replay (aux["expert_ids"] of a call).
+        mtp: run the MTP modules (default: yes without a cache, no with one; decoding calls
+        `mtp_module` itself).
+        """
+        run_mtp = (cache is None) if mtp is None else mtp
+        x = self._embed(tokens)
+        loads, ids, zs, new_layers = [], [], [], []
+        m = 0
+        for i, block in enumerate(self.layers):
+            layer_cache = None if cache is None else cache["layers"][i]
+            replay = None
+            if routing is not None and block.is_moe:
+                replay = routing[m]
+            x, layer_cache, stats = self._block(block, x, positions, segment_ids, layer_cache, replay)
+            new_layers.append(layer_cache)
+            if stats is not None:
+                loads.append(stats["load"])
+                ids.append(stats["expert_ids"])
+                zs.append(stats["z"])
+                m += 1
+        b, t = tokens.shape
+        cfg = self.cfg
+        aux = dict(
+            hidden=x,
+            router_load=jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
+            expert_ids=jnp.stack(ids) if ids else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32),
+            router_z_loss=jnp.mean(jnp.stack(zs)) if zs else jnp.zeros(()),
+        )
+        logits = self._head(self.norm(x))
+        new_cache = None if cache is None else dict(cache, layers=new_layers)
+        if run_mtp and len(self.mtp):
+            h, mtp_logits, mtp_loads, mtp_ids = x, [], [], []
+            for k in range(len(self.mtp)):
+                nxt = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))  # tokens[t+k+1], 0 past the end
+                h, lg, new_cache, stats = self._mtp(k, h, nxt, positions, segment_ids, new_cache)
+                mtp_logits.append(lg)
+                if stats is not None:
+                    mtp_loads.append(stats["load"])
+                    mtp_ids.append(stats["expert_ids"])
+            aux["mtp_logits"] = jnp.stack(mtp_logits)
+            if mtp_loads:
+                aux["mtp_router_load"] = jnp.stack(mtp_loads)
+                aux["mtp_expert_ids"] = jnp.stack(mtp_ids)
+        if cache is not None:
+            aux["cache"] = new_cache
+        return logits, aux
+
+    def _mtp(self, k, hidden, next_tokens, positions, segment_ids, cache):
+        mod = self.mtp[k]
+        e = mod.enorm(self._embed(next_tokens))
+        h = mod.hnorm(hidden.astype(self.dtype))
+        x = jnp.concatenate([e, h], axis=-1) @ mod.eh_proj[...].astype(self.dtype)
+        layer_cache = None if cache is None else cache["mtp"][k]
+        x, layer_cache, stats = self._block(mod.block, constrain(x, HIDDEN), positions, segment_ids,
+                                            layer_cache, None)
+        logits = self._head(mod.shared_head_norm(x))
+        if cache is not None:
+            mtp_caches = list(cache["mtp"])
+            mtp_caches[k] = layer_cache
+            cache = dict(cache, mtp=mtp_caches)
+        return x, logits, cache, stats
+
+    def mtp_module(self, k, hidden, next_tokens, positions, segment_ids, cache=None):
+        """Run MTP module k on the previous depth's hidden `[B,T,D]` and tokens[t+k+1] `[B,T]`.
+
+        Returns (hidden_out `[B,T,D]`, logits `[B,T,V]` float32, cache) — cache is the whole
+        model cache from `init_cache` with module k's entry updated (None if not given).
+        """
+        h, logits, cache, _ = self._mtp(k, hidden, next_tokens, positions, segment_ids, cache)
+        return h, logits, cache
+
+
+def init_cache(model_cfg, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
+    """{"layers": [per trunk layer], "mtp": [per MTP module]}, each {latent `[B,S,r]`,
+    rope `[B,S,dr]`} of zeros, indexed by absolute position."""
+    return dict(
+        layers=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(model_cfg.num_hidden_layers)],
+        mtp=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(model_cfg.num_mtp_layers)],
+    )
+
+
+def count_params(model_cfg) -> dict:
+    """Parameter counts from abstract shapes (nothing is allocated).
+
+    total: trunk parameters incl. embedding and output head, *excluding* MTP modules (as
+    DeepSeek-V3's published 671B); active: per-token activated parameters of the trunk (routed
+    experts count num_experts_per_tok / n_routed_experts of their weights, embedding and head
+    included); mtp: the MTP modules' own parameters (their embedding/head are shared).
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    total = mtp = routed = 0
+    for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        n = 1
+        for s in v.get_value().shape:
+            n *= s
+        if path[0] == "mtp":
+            mtp += n
+            continue
+        total += n
+        if path[-1] in ("wg", "wu", "wd"):
+            routed += n
+    inactive = routed * (1 - model_cfg.num_experts_per_tok / model_cfg.n_routed_experts)
+    return {"total": int(total), "active": int(round(total - inactive)), "mtp": int(mtp)}

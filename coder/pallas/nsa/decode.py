@@ -1,0 +1,99 @@
+"""One NSA decode step against caches indexed by absolute position.
+
+Reads only what NSA needs for the token at `pos`: the compressed keys/values (S/d of them), the n
+selected blocks of l' tokens, and the last w tokens; never the whole cache. Matches
+reference.nsa at the last position (tests/test_nsa_decode.py).
+
+Shapes: q [B,H,Dk]; k_cache [B,S,G,Dk], v_cache [B,S,G,Dv] (token at slot p = position p);
+k_cmp_cache [B,Sc,G,Dk], v_cmp_cache [B,Sc,G,Dv] with Sc >= ceil(S/d) (entry i summarises slots
+[i*d, i*d + l), kept current by NSA.compress_update); gates [B,H,3]; pos [B] int32, the query's
+slot (already written); doc_start [B] int32, first slot of the query's document (0 when a row
+holds one conversation, as the engine's cache does).
+"""
+import jax
+import jax.numpy as jnp
+
+from coder.pallas.nsa.reference import NEG_INF, NSAConfig, canonical_topk, overlap_matrix
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B,G,Hg,Dk], k [B,G,S,Dk], v [B,G,S,Dv], mask [B,G or 1,S] -> [B,G,Hg,Dv], probs."""
+    s = jnp.einsum("bghd,bgsd->bghs", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    m = mask[:, :, None, :]
+    s = jnp.where(m, s, NEG_INF)
+    p = jnp.exp(s - s.max(-1, keepdims=True)) * m
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    return jnp.einsum("bghs,bgsd->bghd", p, v.astype(jnp.float32)), p
+
+
+def decode_step(q, k_cache, v_cache, k_cmp_cache, v_cmp_cache, gates, pos, doc_start=None, *,
+                cfg: NSAConfig, softmax_scale: float):
+    """-> out [B,H,Dv] float32 for the query at slot `pos` (see module docstring)."""
+    b, h, dk = q.shape
+    s_len, g = k_cache.shape[1], k_cache.shape[2]
+    hg, lsel, n = h // g, cfg.select_block, cfg.select_topk
+    doc_start = jnp.zeros_like(pos) if doc_start is None else doc_start
+    qg = q.reshape(b, g, hg, dk)
+    tr = lambda x: jnp.swapaxes(x, 1, 2)  # [B,S,G,D] -> [B,G,S,D]
+
+    # compressed branch + importance
+    nc = -(-s_len // cfg.compress_stride)
+    starts = jnp.arange(nc) * cfg.compress_stride
+    vis = (starts[None] + cfg.compress_block - 1 <= pos[:, None]) & (starts[None] >= doc_start[:, None])
+    o_cmp, p_cmp = _attend(qg, tr(k_cmp_cache[:, :nc]), tr(v_cmp_cache[:, :nc]), vis[:, None], softmax_scale)
+    imp = jnp.einsum("bgc,cs->bgs", p_cmp.sum(2), jnp.asarray(overlap_matrix(s_len, cfg)))  # [B,G,Ns]
+
+    # selection (same rule as reference.select_blocks for the last query)
+    ns = imp.shape[-1]
+    j = jnp.arange(ns)[None]
+    cur, first = (pos // lsel)[:, None], (doc_start // lsel)[:, None]
+    cand = (j * lsel <= pos[:, None]) & ((j + 1) * lsel - 1 >= doc_start[:, None])
+    forced = cand & ((j == cur) | (j == cur - 1) | (j == first))
+    bg = lambda x: jnp.broadcast_to(x[:, None], imp.shape)
+    sel = canonical_topk(jax.lax.stop_gradient(imp), bg(forced), bg(cand),
+                         jnp.broadcast_to(cur, (b, g)), n)  # [B,G,n]
+
+    # selected branch: gather n blocks of l' slots
+    tok = (sel[..., None] * lsel + jnp.arange(lsel)).reshape(b, g, n * lsel)  # [B,G,n*l']
+    active = jnp.concatenate([jnp.ones_like(sel[..., :1], bool), sel[..., 1:] != sel[..., :-1]], -1)
+    ok = (jnp.repeat(active, lsel, axis=-1) & (tok <= pos[:, None, None]) & (tok >= doc_start[:, None, None])
+          & (tok < s_len))
+    tok_c = jnp.minimum(tok, s_len - 1)
+    take = jax.vmap(jax.vmap(lambda x, i: x[i]))  # [S,D][m] per (b, g)
+    k_sel, v_sel = take(tr(k_cache), tok_c), take(tr(v_cache), tok_c)
+    o_slc, _ = _attend(qg, k_sel, v_sel, ok, softmax_scale)
+
+    # window: the last w slots up to pos
+    w = min(cfg.window, s_len)
+    start = jnp.clip(pos - w + 1, 0, s_len - w)
+    win_k = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))(k_cache, start)
+    win_v = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))(v_cache, start)
+    slot = start[:, None] + jnp.arange(w)
+    wmask = (slot <= pos[:, None]) & (pos[:, None] - slot < cfg.window) & (slot >= doc_start[:, None])
+    o_win, _ = _attend(qg, tr(win_k), tr(win_v), wmask[:, None], softmax_scale)
+
+    gf = gates.astype(jnp.float32).reshape(b, g, hg, 3)
+    out = gf[..., 0:1] * o_cmp + gf[..., 1:2] * o_slc + gf[..., 2:3] * o_win
+    return out.reshape(b, h, -1)
+
+
+def bytes_per_token(pos: int, cfg: NSAConfig, *, key_bytes: int, value_bytes: int, cmp_bytes: int,
+                    shared_kv: bool = False):
+    """Cache bytes decode_step reads for a query at `pos` vs a dense read of slots [0, pos].
+
+    key_bytes/value_bytes: bytes of one slot's K / V (all groups); cmp_bytes: one compressed
+    K + V entry. shared_kv: V is a slice of K (MLA latent), so a token's slot is read once.
+    Selected blocks and the window overlap (the local blocks lie in the window); the union is
+    counted once. -> (nsa_bytes, dense_bytes).
+    """
+    n_tok = pos + 1
+    slot_bytes = key_bytes if shared_kv else key_bytes + value_bytes
+    n_cmp = max(0, (pos + 1 - cfg.compress_block) // cfg.compress_stride + 1)
+    win_lo = max(0, pos - cfg.window + 1)
+    cur = pos // cfg.select_block
+    # upper bound on distinct slots: n selected blocks (clipped at pos) plus the window part
+    # that lies before the local blocks
+    sel_tok = min(cfg.select_topk * cfg.select_block, n_tok)
+    local_lo = max(0, (cur - 1) * cfg.select_block)
+    extra_win = max(0, local_lo - win_lo)
+    return n_cmp * cmp_bytes + (sel_tok + extra_win) * slot_bytes, n_tok * slot_bytes

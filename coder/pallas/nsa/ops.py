@@ -1,0 +1,175 @@
+"""NSA entry points: the branch kernels wrapped with `jax.custom_vjp`, and `nsa_attention`.
+
+`nsa_attention(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg=, softmax_scale=, impl=)`:
+  q `[B,T,H,Dk]`, k `[B,T,G,Dk]`, v `[B,T,G,Dv]`, k_cmp/v_cmp `[B,ceil(T/d),G,D]`,
+  gates `[B,T,H,3]` (cmp, slc, win), segment_ids `[B,T]` -> `[B,T,H,Dv]` in v's dtype.
+impl:
+  "reference"  - reference.py (dense masks; tests only);
+  "xla"        - xla.py, blockwise (training on CPU);
+  "pallas_tpu" - Mosaic TPU kernels for the selected and window branches (tpu.py);
+  "pallas_gpu" - Mosaic GPU kernels (gpu.py).
+In every impl the compressed branch and the block selection come from xla.compress_and_select:
+compressed attention is a dense attention over only T/d keys that XLA already runs well, and
+the selection (a top-k) is gradient-free.
+
+`Kernel` carries the backend options; `interpret` is forwarded to `pl.pallas_call` (e.g.
+`pltpu.InterpretParams()` to run the TPU kernels on CPU).
+"""
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coder.pallas.nsa import reference, xla
+from coder.pallas.nsa.reference import NSAConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    backend: str = "pallas_tpu"  # "pallas_tpu" | "pallas_gpu"
+    interpret: Any = None  # passed to pl.pallas_call; None = compile for the hardware
+    token_tile: int = 8  # selected branch: tokens per query tile (output block)
+    window_tile: int = 128  # window branch: query/key tile length
+
+    def module(self):
+        if self.backend == "pallas_tpu":
+            from coder.pallas.nsa import tpu
+            return tpu
+        if self.backend == "pallas_gpu":
+            from coder.pallas.nsa import gpu
+            return gpu
+        raise ValueError(f"unknown NSA kernel backend {self.backend!r}; use pallas_tpu or pallas_gpu")
+
+
+# ---------------------------------------------------------------- selected branch
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _selected(q, k, v, sel, ds, block, scale, kernel):
+    return _selected_fwd(q, k, v, sel, ds, block, scale, kernel)[0]
+
+
+def _selected_fwd(q, k, v, sel, ds, block, scale, kernel):
+    o, lse = kernel.module().selected_fwd(q, k, v, sel, ds, block=block, scale=scale,
+                                          token_tile=kernel.token_tile, interpret=kernel.interpret)
+    return o, (q, k, v, sel, ds, o, lse)
+
+
+def _selected_bwd(block, scale, kernel, res, do):
+    q, k, v, sel, ds, o, lse = res
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    mod = kernel.module()
+    dq = mod.selected_dq(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
+                         token_tile=kernel.token_tile, interpret=kernel.interpret)
+    dk, dv = mod.selected_dkv(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
+                              interpret=kernel.interpret)
+    return dq, dk, dv, None, None
+
+
+_selected.defvjp(_selected_fwd, _selected_bwd)
+
+
+# ---------------------------------------------------------------- window branch
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _window(q, k, v, rows_ds, window, scale, kernel):
+    return _window_fwd(q, k, v, rows_ds, window, scale, kernel)[0]
+
+
+def _window_fwd(q, k, v, rows_ds, window, scale, kernel):
+    o, lse = kernel.module().window_fwd(q, k, v, rows_ds, window=window, scale=scale,
+                                        tile=kernel.window_tile, interpret=kernel.interpret)
+    return o, (q, k, v, rows_ds, o, lse)
+
+
+def _window_bwd(window, scale, kernel, res, do):
+    q, k, v, rows_ds, o, lse = res
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    mod = kernel.module()
+    kw = dict(window=window, scale=scale, tile=kernel.window_tile, interpret=kernel.interpret)
+    dq = mod.window_dq(q, k, v, rows_ds, do, lse, delta, **kw)
+    dk, dv = mod.window_dkv(q, k, v, rows_ds, do, lse, delta, **kw)
+    return dq, dk, dv, None
+
+
+_window.defvjp(_window_fwd, _window_bwd)
+
+
+# ---------------------------------------------------------------- layouts
+
+def _pad_len(t, *multiples):
+    m = functools.reduce(math.lcm, multiples)
+    return -(-t // m) * m
+
+
+def _to_kernel_layout(q, k, v, doc_start, tp):
+    """[B,T,H,D] / [B,T,G,D] -> q [B,G,Tp,Hg,Dk], k [B,G,Tp,Dk], v [B,G,Tp,Dv], doc_start [B,Tp]."""
+    b, t, h, dk = q.shape
+    g = k.shape[2]
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+    qk = pad(q).reshape(b, tp, g, h // g, dk).transpose(0, 2, 1, 3, 4)
+    kk, vk = pad(k).transpose(0, 2, 1, 3), pad(v).transpose(0, 2, 1, 3)
+    # padded queries see only themselves: no NaN, and they never touch real keys' gradients
+    ds = jnp.concatenate([doc_start, jnp.broadcast_to(jnp.arange(t, tp, dtype=jnp.int32), (b, tp - t))], 1)
+    return qk, kk, vk, ds
+
+
+def _from_kernel_layout(o, t):
+    """[B,G,Tp,Hg,Dv] -> [B,T,H,Dv]."""
+    b, g, tp, hg, dv = o.shape
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, tp, g * hg, dv)[:, :t]
+
+
+def selected_attention(q, k, v, sel, doc_start, *, block, scale, kernel: Kernel):
+    """Kernel-backed selected branch: q [B,T,H,Dk], k/v [B,T,G,D], sel [B,T,G,n] -> [B,T,H,Dv]."""
+    t = q.shape[1]
+    tp = _pad_len(t, block, kernel.token_tile)
+    qk, kk, vk, ds = _to_kernel_layout(q, k, v, doc_start, tp)
+    cur = jnp.arange(t, tp, dtype=jnp.int32) // block  # padded rows select only their own block
+    sel_pad = jnp.broadcast_to(cur[None, :, None, None], (sel.shape[0], tp - t) + sel.shape[2:])
+    selk = jnp.concatenate([sel.astype(jnp.int32), sel_pad], axis=1).transpose(0, 2, 1, 3)
+    o = _selected(qk, kk, vk, selk, ds, block, scale, kernel)
+    return _from_kernel_layout(o, t)
+
+
+def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):
+    """Kernel-backed sliding window: q [B,T,H,Dk], k/v [B,T,G,D] -> [B,T,H,Dv]."""
+    b, t, h, dk = q.shape
+    g = k.shape[2]
+    tile = min(kernel.window_tile, _pad_len(t, 8))
+    kernel = dataclasses.replace(kernel, window_tile=tile)
+    tp = _pad_len(t, tile)
+    qk, kk, vk, ds = _to_kernel_layout(q, k, v, doc_start, tp)
+    hg = h // g
+    rows_ds = jnp.repeat(ds, hg, axis=1)[..., None]  # [B,Tp*Hg,1]
+    o = _window(qk.reshape(b, g, tp * hg, dk), kk, vk, rows_ds, window, scale, kernel)
+    return _from_kernel_layout(o.reshape(b, g, tp, hg, -1), t)
+
+
+# ---------------------------------------------------------------- the whole layer
+
+IMPLS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
+
+
+def nsa_attention(q, k, v, k_cmp, v_cmp, gates, segment_ids, *, cfg: NSAConfig, softmax_scale: float,
+                  impl: str = "xla", kernel: Kernel | None = None, chunk: int = 128):
+    """NSA over a packed batch -> [B,T,H,Dv] in v's dtype. See the module docstring."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown NSA impl {impl!r}; choose one of {IMPLS}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv groups {k.shape[2]}")
+    if impl == "reference":
+        out = reference.nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg, softmax_scale)
+        return out.astype(v.dtype)
+    if impl == "xla":
+        return xla.nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg, softmax_scale, chunk).astype(v.dtype)
+    kernel = kernel or Kernel(backend=impl)
+    if kernel.backend != impl:
+        raise ValueError(f"impl={impl!r} but kernel.backend={kernel.backend!r}")
+    ds = xla.doc_starts(segment_ids)
+    o_cmp, sel = xla.compress_and_select(q, k_cmp, v_cmp, ds, cfg, softmax_scale, chunk)
+    o_slc = selected_attention(q, k, v, sel, ds, block=cfg.select_block, scale=softmax_scale, kernel=kernel)
+    o_win = window_attention(q, k, v, ds, window=cfg.window, scale=softmax_scale, kernel=kernel)
+    return xla.combine(gates, o_cmp, o_slc.astype(jnp.float32), o_win.astype(jnp.float32)).astype(v.dtype)

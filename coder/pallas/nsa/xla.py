@@ -1,0 +1,184 @@
+"""Blockwise XLA implementation of NSA: the training path on CPU and the non-kernel parts on TPU/GPU.
+
+Memory stays linear in T: each branch maps over chunks of queries (`lax.map` of a rematerialised
+body, so the backward pass keeps only the chunk inputs) and touches only the keys it needs:
+- compressed: all compressed blocks (T/d of them), and in the same pass the top-n selection;
+- selected: a gather of the n selected blocks of each query (n * l' keys);
+- window: a dynamic slice of the w + chunk keys before each query chunk.
+
+Document masking uses `doc_start [B,T]` (index of the first token of the query's document),
+which is exact when every segment id occupies one contiguous run of the row (packed batches).
+Shapes and the canonical selection format are those of reference.py.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coder.pallas.nsa.reference import (NEG_INF, NSAConfig, canonical_topk, num_select_blocks,
+                                        overlap_matrix)
+
+
+def doc_starts(segment_ids):
+    """[B,T] segment ids -> [B,T] int32 index of the first token of each token's document run."""
+    t = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    new = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                           segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(new, t[None], 0), axis=1)
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def _chunk_queries(q, doc_start, chunk):
+    """Pads T to a multiple of chunk; -> (q [N,B,C,G,Hg,D]... as given rank, ds [N,B,C], n, C).
+
+    Padded queries get doc_start = their own index, so they see only themselves (no NaN).
+    """
+    b, t = doc_start.shape
+    c = min(chunk, _round_up(t, 8))
+    tp = _round_up(t, c)
+    q = jnp.pad(q, ((0, 0), (0, tp - t)) + ((0, 0),) * (q.ndim - 2))
+    ds = jnp.concatenate([doc_start, jnp.broadcast_to(jnp.arange(t, tp, dtype=jnp.int32), (b, tp - t))], 1)
+    n = tp // c
+    q = jnp.moveaxis(q.reshape((b, n, c) + q.shape[2:]), 1, 0)
+    ds = jnp.moveaxis(ds.reshape(b, n, c), 1, 0)
+    return q, ds, n, c
+
+
+def _unchunk(x, t):
+    """[N,B,C,...] -> [B,T,...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :t]
+
+
+def _softmax_rows(s, mask):
+    """Softmax over the last axis with empty rows -> 0."""
+    s = jnp.where(mask, s, NEG_INF)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk=256):
+    """Compressed branch and block selection in one pass over query chunks.
+
+    q [B,T,H,Dk], k_cmp [B,Nc,G,Dk], v_cmp [B,Nc,G,Dv], doc_start [B,T]
+    -> (o_cmp [B,T,H,Dv] float32, sel [B,T,G,n] int32 canonical, gradient-free).
+    """
+    b, t, h, dk = q.shape
+    nc, g = k_cmp.shape[1], k_cmp.shape[2]
+    ns = num_select_blocks(t, cfg)
+    lsel = cfg.select_block
+    overlap = jnp.asarray(overlap_matrix(t, cfg))
+    starts = jnp.arange(nc) * cfg.compress_stride
+    ends = starts + cfg.compress_block - 1
+    qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
+    kf, vf = k_cmp.astype(jnp.float32), v_cmp.astype(jnp.float32)
+
+    @jax.checkpoint
+    def body(args):
+        qi, dsi, i = args  # [B,C,G,Hg,Dk], [B,C], scalar
+        tq = i * c + jnp.arange(c)
+        vis = (ends[None, None, :] <= tq[None, :, None]) & (starts[None, None, :] >= dsi[:, :, None])
+        s = jnp.einsum("bcghd,bngd->bcghn", qi.astype(jnp.float32), kf) * scale
+        p = _softmax_rows(s, vis[:, :, None, None, :])
+        o = jnp.einsum("bcghn,bngd->bcghd", p, vf)
+        imp = jnp.einsum("bcgn,ns->bcgs", jax.lax.stop_gradient(p).sum(3), overlap)
+        j = jnp.arange(ns)[None, None, :]
+        cur, first = (tq // lsel)[None, :, None], (dsi // lsel)[..., None]
+        cand = (j * lsel <= tq[None, :, None]) & ((j + 1) * lsel - 1 >= dsi[..., None])
+        forced = cand & ((j == cur) | (j == cur - 1) | (j == first))
+        bg = lambda x: jnp.broadcast_to(x[:, :, None, :], imp.shape)
+        cur_b = jnp.broadcast_to(cur, (b, c, 1))
+        sel = canonical_topk(imp, bg(forced), bg(cand), jnp.broadcast_to(cur_b, imp.shape[:3]),
+                             cfg.select_topk)
+        return o, sel
+
+    o, sel = jax.lax.map(body, (qc, dsc, jnp.arange(n)))
+    return _unchunk(o, t).reshape(b, t, h, -1), _unchunk(sel, t)
+
+
+def active_slots(sel):
+    """Canonical sel [..., n] -> bool [..., n]: first occurrence of each block."""
+    return jnp.concatenate([jnp.ones_like(sel[..., :1], bool), sel[..., 1:] != sel[..., :-1]], -1)
+
+
+def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128):
+    """Attention over the selected blocks by gathering them per query.
+
+    q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], sel [B,T,G,n] canonical, doc_start [B,T]
+    -> [B,T,H,Dv] float32.
+    """
+    b, t, h, dk = q.shape
+    g, dv = k.shape[2], v.shape[3]
+    lb = select_block
+    ns = -(-t // lb)
+    pad = ((0, 0), (0, ns * lb - t), (0, 0), (0, 0))
+    kb = jnp.pad(k, pad).reshape(b, ns, lb, g, dk).transpose(0, 3, 1, 2, 4)  # [B,G,Ns,lb,Dk]
+    vb = jnp.pad(v, pad).reshape(b, ns, lb, g, dv).transpose(0, 3, 1, 2, 4)
+    qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
+    selp = jnp.pad(sel, ((0, 0), (0, n * c - t), (0, 0), (0, 0)))  # padded rows: block 0, masked out
+    selc = jnp.moveaxis(selp.reshape((b, n, c) + sel.shape[2:]), 1, 0)
+    gather = jax.vmap(jax.vmap(lambda x, idx: x[idx]))  # over B, G: [Ns,lb,D][C,n] -> [C,n,lb,D]
+
+    @jax.checkpoint
+    def body(args):
+        qi, si, dsi, i = args  # [B,C,G,Hg,Dk], [B,C,G,n], [B,C], scalar
+        idx = si.transpose(0, 2, 1, 3)  # [B,G,C,n]
+        kg, vg = gather(kb, idx), gather(vb, idx)  # [B,G,C,n,lb,D]
+        s = jnp.einsum("bcghd,bgcnld->bcghnl", qi.astype(jnp.float32), kg.astype(jnp.float32)) * scale
+        tq = (i * c + jnp.arange(c))[None, :, None, None, None]
+        pos = si[..., None] * lb + jnp.arange(lb)  # [B,C,G,n,lb]
+        mask = active_slots(si)[..., None] & (pos <= tq) & (pos >= dsi[:, :, None, None, None])
+        sh = s.shape
+        p = _softmax_rows(s.reshape(sh[:4] + (-1,)), mask.reshape(sh[:3] + (1, -1)))
+        return jnp.einsum("bcghm,bgcmd->bcghd", p, vg.astype(jnp.float32).reshape(b, g, c, -1, dv))
+
+    o = jax.lax.map(body, (qc, selc, dsc, jnp.arange(n)))
+    return _unchunk(o, t).reshape(b, t, h, dv)
+
+
+def window_attention(q, k, v, doc_start, window, scale, chunk=128):
+    """Sliding-window attention, each query chunk against the window + chunk keys before it.
+
+    q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], doc_start [B,T] -> [B,T,H,Dv] float32.
+    """
+    b, t, h, dk = q.shape
+    g, dv = k.shape[2], v.shape[3]
+    qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
+    front = _round_up(max(window - 1, 0), c)
+    span = front + c
+    pad = ((0, 0), (front, n * c - t), (0, 0), (0, 0))
+    kp, vp = jnp.pad(k, pad).astype(jnp.float32), jnp.pad(v, pad).astype(jnp.float32)
+
+    @jax.checkpoint
+    def body(args):
+        qi, dsi, i = args
+        kw = jax.lax.dynamic_slice_in_dim(kp, i * c, span, axis=1)  # [B,span,G,Dk]
+        vw = jax.lax.dynamic_slice_in_dim(vp, i * c, span, axis=1)
+        s = jnp.einsum("bcghd,bsgd->bcghs", qi.astype(jnp.float32), kw) * scale
+        tq = (i * c + jnp.arange(c))[None, :, None]
+        pos = (i * c - front + jnp.arange(span))[None, None, :]
+        mask = (pos <= tq) & (tq - pos < window) & (pos >= dsi[:, :, None])  # [B,C,span]
+        p = _softmax_rows(s, mask[:, :, None, None, :])
+        return jnp.einsum("bcghs,bsgd->bcghd", p, vw)
+
+    o = jax.lax.map(body, (qc, dsc, jnp.arange(n)))
+    return _unchunk(o, t).reshape(b, t, h, dv)
+
+
+def combine(gates, o_cmp, o_slc, o_win):
+    """gates [B,T,H,3] (cmp, slc, win) -> sum of gated branch outputs [B,T,H,Dv] float32."""
+    g = gates.astype(jnp.float32)
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "scale", "chunk"))
+def nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg: NSAConfig, scale, chunk=128):
+    """Blockwise XLA NSA -> [B,T,H,Dv] float32; same arguments as reference.nsa."""
+    ds = doc_starts(segment_ids)
+    o_cmp, sel = compress_and_select(q, k_cmp, v_cmp, ds, cfg, scale, chunk)
+    o_slc = selected_attention(q, k, v, sel, ds, cfg.select_block, scale, chunk)
+    o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk)
+    return combine(gates, o_cmp, o_slc, o_win)

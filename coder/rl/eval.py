@@ -1,0 +1,119 @@
+"""Agent eval: pass@1 and pass@k on held-out tasks, one report per checkpoint, regression flag.
+
+For each task, n = `rl.eval_samples` rollouts (one engine group, same sampling as training) of
+which c are correct (all hidden tests pass). The unbiased estimator of Chen et al. (2021),
+
+    pass@k = 1 - C(n - c, k) / C(n, k)       averaged over tasks,
+
+is computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i) (no huge binomials). Rollouts lost to an
+infrastructure failure are left out of n for their task; a task with fewer than k valid
+rollouts does not count towards pass@k.
+
+Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` with the summary and every task's
+counts. A checkpoint whose pass@1 is below the previous report's by more than
+`rl.eval_regression_margin` is flagged (`regressed` in the report and the returned dict, and a
+warning in the log).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (requires k <= n)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def summarize(counts: list[tuple[int, int]], ks) -> dict:
+    """counts [(n valid, c correct)] per task -> {"pass@k": mean over tasks with n >= k}."""
+    out = {}
+    for k in ks:
+        vals = [pass_at_k(n, c, k) for n, c in counts if n >= k]
+        out[f"pass@{k}"] = float(np.mean(vals)) if vals else float("nan")
+    return out
+
+
+def previous_report(report_dir: str, step: int) -> dict | None:
+    """The latest report of a step before `step`, or None."""
+    paths = sorted(glob.glob(os.path.join(report_dir, "step_*.json")))
+    best = None
+    for p in paths:
+        s = int(os.path.basename(p)[5:-5])
+        if s < step:
+            best = p
+    if best is None:
+        return None
+    with open(best) as f:
+        return json.load(f)
+
+
+def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, tasks=None,
+                   make_episode=None, engine=None) -> dict:
+    """Evaluates `model` as an agent on held-out tasks; writes the report; returns the summary.
+
+    Args:
+      config: the run config (`rl` section: eval_tasks, eval_num_tasks, eval_samples, eval_k,
+        eval_regression_margin, and the rollout keys).
+      model: the nnx model to evaluate (not modified).
+      tokenizer: coder.data.tokenizer.Tokenizer.
+      stage_dir: reports go to `{stage_dir}/agent_eval/`.
+      step: the checkpoint's step (names the report).
+      tasks: held-out `Task`s (default: `coder.rl.stage.eval_tasks(config)`).
+      make_episode: `task -> episode` (default: a sandboxed `SandboxEpisode`).
+      engine: an existing Engine holding `model`'s weights (default: a new one).
+    Returns:
+      {"pass@k" for k in rl.eval_k, "num_tasks", "infra_failures", "regressed", "report"}.
+    """
+    from coder.rl import rollout as rollout_lib
+    from coder.rl import stage as stage_lib
+
+    rl = config.rl
+    ks = tuple(sorted({1, *(int(k) for k in rl.eval_k)}))  # pass@1 always: the regression check
+    if max(ks) > int(rl.eval_samples):
+        raise ValueError(f"rl.eval_k={ks} needs rl.eval_samples >= {max(ks)}")
+    tasks = stage_lib.eval_tasks(config) if tasks is None else tasks
+    make_episode = make_episode or stage_lib.episode_factory(config)
+    engine = engine or stage_lib.make_engine(model, config)
+    agent = rollout_lib.Agent(engine, tokenizer, rl, stage_lib.sampling_params(rl))
+    rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
+    t0 = time.perf_counter()
+    per_task, counts, infra = [], [], 0
+    for i, task in enumerate(tasks):
+        episodes = [make_episode(task) for _ in range(int(rl.eval_samples))]
+        rollouts = agent.run_group(task.id, task.prompt, episodes, jax.random.fold_in(rng, i))
+        valid = [r for r in rollouts if not r.infra_error]
+        infra += len(rollouts) - len(valid)
+        c = sum(r.correct for r in valid)
+        counts.append((len(valid), c))
+        per_task.append({"id": task.id, "n": len(valid), "correct": int(c),
+                         "mean_test_reward": float(np.mean([r.test_reward for r in valid])) if valid else None,
+                         "infra_failures": len(rollouts) - len(valid)})
+    summary = summarize(counts, ks)
+    report_dir = os.path.join(stage_dir, "agent_eval")
+    os.makedirs(report_dir, exist_ok=True)
+    prev = previous_report(report_dir, step)
+    margin = float(rl.eval_regression_margin)
+    regressed = bool(prev is not None and np.isfinite(prev["summary"].get("pass@1", np.nan))
+                     and prev["summary"]["pass@1"] - summary.get("pass@1", np.nan) > margin)
+    if regressed:
+        logging.warning("agent eval at step %d: pass@1 %.3f regressed from %.3f (step %d) by more than %.3f",
+                        step, summary["pass@1"], prev["summary"]["pass@1"], prev["step"], margin)
+    path = os.path.join(report_dir, f"step_{step:08d}.json")
+    report = {"step": step, "summary": summary, "num_tasks": len(tasks), "samples": int(rl.eval_samples),
+              "infra_failures": infra, "regressed": regressed,
+              "previous_step": None if prev is None else prev["step"], "tasks": per_task,
+              "time_s": time.perf_counter() - t0}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    return {**summary, "num_tasks": len(tasks), "infra_failures": infra, "regressed": regressed, "report": path}

@@ -1,0 +1,183 @@
+"""GRPO as coder defines it (../shared/DESIGN.md, "GRPO as this project defines it").
+
+For one task, G rollouts with rewards r_i (outcome reward minus length penalty, see
+`coder.rl.reward`) and correctness scores c_i:
+
+    A_i = r_i - mean_j(r_j)                         over the group's valid rollouts
+    A_i = A_i / (std_j(r_j) + eps)                  only if the c_j are not all equal
+
+so when every rollout shares one correctness score the small length-penalty differences are
+left as they are instead of being amplified into +-1 (Composer 2). Rollouts that failed for
+infrastructure reasons (sandbox crash, harness timeout) are *not* failures of the agent: they
+are masked out of their group (no advantage, no loss) instead of scoring 0.
+
+Per token t of a rollout (token arrays `[R, T]`, one rollout-generation per row):
+
+    ratio_t = exp(logp_t - behaviour_logp_t)        vs the policy that sampled the token
+    kl_t    = stop_gradient(logp_t - ref_logp_t)    k1 estimator of KL(pi_theta || pi_ref)
+    A_t     = A_row - kl_coef * kl_t                KL folded into the reward, detached
+    L       = -sum_t mask_t * min(ratio_t A_t, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_t)
+              / normalizer
+
+`normalizer` is a constant (tokens per group budget x groups), never each sequence's own length:
+dividing by |o_i| would weight a token of a short rollout more than one of a long rollout (the
+length bias of GRPO's length standardization that Composer 2 drops).
+
+Why the KL is folded into the advantage: d/dtheta of the detached penalty term gives
+E_{x~pi}[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref) exactly, while a
+differentiated k1 loss term `mean(log pi - log pi_ref)` has expected gradient
+E_{x~pi}[grad log pi] = 0 (tests/test_grpo.py checks both on a small categorical policy).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def valid_mask(infra_error: np.ndarray) -> np.ndarray:
+    """Rollouts that count in their group: `[N, G]` bool, False where the infrastructure failed."""
+    return ~np.asarray(infra_error, dtype=bool)
+
+
+def advantages(rewards, correct, valid=None, *, eps: float = 1e-6):
+    """Group-relative advantages.
+
+    Args:
+      rewards: `[N, G]` float, N groups (tasks) of G rollouts.
+      correct: `[N, G]` correctness score of each rollout (bool or float, e.g. tests passed).
+      valid: optional `[N, G]` bool; False rollouts (infrastructure failures) are left out of
+        their group's mean and std and get advantage 0.
+      eps: added to the std before dividing.
+    Returns:
+      `[N, G]` float32. A group with fewer than two valid rollouts has advantage 0 everywhere
+      (no baseline to compare against). The std is the population std (ddof=0) of the valid
+      rewards.
+    """
+    r = jnp.asarray(rewards, jnp.float32)
+    c = jnp.asarray(correct, jnp.float32)
+    v = jnp.ones(r.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    vf = v.astype(jnp.float32)
+    n = vf.sum(axis=1, keepdims=True)
+    safe_n = jnp.maximum(n, 1.0)
+    mean = (r * vf).sum(axis=1, keepdims=True) / safe_n
+    centred = (r - mean) * vf
+    std = jnp.sqrt((centred**2).sum(axis=1, keepdims=True) / safe_n)
+    # Correctness differs within the group <=> max != min over the valid rollouts.
+    c_max = jnp.where(v, c, -jnp.inf).max(axis=1, keepdims=True)
+    c_min = jnp.where(v, c, jnp.inf).min(axis=1, keepdims=True)
+    differs = c_max > c_min
+    adv = jnp.where(differs, centred / (std + eps), centred)
+    return jnp.where(n >= 2, adv, 0.0) * vf
+
+
+def policy_loss(
+    logp,
+    behaviour_logp,
+    ref_logp,
+    advantages,
+    loss_mask,
+    *,
+    clip_low: float,
+    clip_high: float,
+    kl_coef: float,
+    normalizer: float,
+    entropy=None,
+):
+    """Clipped GRPO policy loss with the k1 KL penalty folded into the per-token advantage.
+
+    Args:
+      logp: `[R, T]` log pi_theta of each token (differentiable).
+      behaviour_logp: `[R, T]` logprob recorded by the engine when the token was sampled.
+      ref_logp: `[R, T]` log pi_ref of each token (frozen reference policy).
+      advantages: `[R]` one advantage per row (all tokens of a rollout share it).
+      loss_mask: `[R, T]` 1 on policy-sampled tokens, 0 on prompt / tool output / padding.
+      clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+      kl_coef: weight of the k1 penalty (0 = no KL).
+      normalizer: constant divisor (tokens per group budget x number of groups).
+      entropy: optional `[R, T]` per-token entropy of pi_theta, reported as a metric only.
+    Returns:
+      (loss scalar, metrics dict of scalars: kl, clip_fraction, ratio_mean, ratio_max,
+      policy_tokens, advantage_mean, entropy when given). Metrics are means over loss tokens.
+    """
+    mask = jnp.asarray(loss_mask, jnp.float32)
+    logp = jnp.asarray(logp, jnp.float32)
+    behaviour_logp = jnp.asarray(behaviour_logp, jnp.float32)
+    ref_logp = jnp.asarray(ref_logp, jnp.float32)
+    adv_row = jnp.asarray(advantages, jnp.float32)[:, None]
+
+    kl = jax.lax.stop_gradient(logp - ref_logp)
+    adv = adv_row - kl_coef * kl
+    # Masked-out positions may hold garbage logprobs (padding): zero the log-ratio there so
+    # exp() cannot overflow into a NaN that a 0-weight would not remove from the gradient.
+    log_ratio = jnp.where(mask > 0, logp - behaviour_logp, 0.0)
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    surrogate = jnp.minimum(ratio * adv, clipped * adv)
+    loss = -(surrogate * mask).sum() / normalizer
+
+    n_tok = jnp.maximum(mask.sum(), 1.0)
+    sg_ratio = jax.lax.stop_gradient(ratio)
+    # A token is clipped when the clipped branch is the one taken by min() and it differs.
+    is_clipped = (clipped * adv < ratio * adv) & (sg_ratio != clipped)
+    metrics = {
+        "kl": (kl * mask).sum() / n_tok,
+        "clip_fraction": (jax.lax.stop_gradient(is_clipped) * mask).sum() / n_tok,
+        "ratio_mean": (sg_ratio * mask).sum() / n_tok,
+        "ratio_max": jnp.where(mask > 0, sg_ratio, 0.0).max(),
+        "policy_tokens": mask.sum(),
+        "advantage_mean": (jnp.broadcast_to(adv_row, mask.shape) * mask).sum() / n_tok,
+    }
+    if entropy is not None:
+        metrics["entropy"] = (jax.lax.stop_gradient(jnp.asarray(entropy, jnp.float32)) * mask).sum() / n_tok
+    return loss, metrics
+
+
+def target_logp(logits, tokens, segment_ids, temperature: float = 1.0):
+    """Log-probability of each token under the logits of the previous position.
+
+    Args:
+      logits: `[B, T, V]` model output; position t predicts token t+1.
+      tokens: `[B, T]` int32.
+      segment_ids: `[B, T]` int32, 0 = padding.
+      temperature: the sampling temperature; the engine records log_softmax(logits / temp),
+        so the learner's logprobs use the same scaling to make ratio = 1 on-policy.
+    Returns:
+      (logp `[B, T]` at the *target* index (logp[:, 0] = 0), entropy `[B, T]` of the
+      distribution that predicted each target, valid `[B, T]` bool: same segment as the
+      previous token and not padding).
+    """
+    logz = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    tgt = tokens[:, 1:]
+    lp = jnp.take_along_axis(logz, tgt[..., None], axis=-1)[..., 0]
+    ent = -(jnp.exp(logz) * logz).sum(-1)
+    valid = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    pad = jnp.zeros(tokens.shape[:1] + (1,), jnp.float32)
+    lp = jnp.concatenate([pad, jnp.where(valid, lp, 0.0)], axis=1)
+    ent = jnp.concatenate([pad, jnp.where(valid, ent, 0.0)], axis=1)
+    valid = jnp.concatenate([jnp.zeros_like(pad, bool), valid], axis=1)
+    return lp, ent, valid
+
+
+def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, router_replay=False):
+    """A trainer loss `loss_fn(model, batch, rng) -> (loss, metrics)` for GRPO batches.
+
+    The batch (docs/contracts.md) holds `tokens, positions, segment_ids, loss_mask` `[B, T]`,
+    `behaviour_logp, ref_logp` `[B, T]` at the target index, `advantages` `[B]`, and with
+    `router_replay` the engine's `expert_ids` `[moe_layers, B, T, top_k]` passed as `routing=`.
+    `normalizer` may be a number or the batch key "normalizer" (a scalar) when it varies.
+    """
+
+    def loss_fn(model, batch, rng):
+        del rng  # the GRPO loss is deterministic given the batch
+        routing = batch["expert_ids"] if router_replay else None
+        logits, _ = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing)
+        logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
+        mask = batch["loss_mask"] * valid
+        norm = batch["normalizer"] if "normalizer" in batch else normalizer
+        return policy_loss(
+            logp, batch["behaviour_logp"], batch["ref_logp"], batch["advantages"], mask,
+            clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, normalizer=norm, entropy=ent,
+        )
+
+    return loss_fn

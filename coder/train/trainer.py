@@ -1,0 +1,515 @@
+"""The training loop every stage shares: one jit-compiled optimizer step over the mesh.
+
+A stage builds a `Trainer` with its loss function and the filter of parameters it trains, then
+either calls `fit(iterator)` (the LM stages: pretrain, longctx, sft, mtp) or drives
+`train_step(batch)` itself (GRPO's learner):
+
+    trainer = Trainer(config, stage_dir, loss_fn, trainable=nnx.Param,
+                      init_from=prev_ckpt, data_iterator=it)
+    trainer.fit(it, steps=config.train.steps)      # or: metrics = trainer.train_step(batch)
+    trainer.close()
+
+`loss_fn(model, batch, rng) -> (loss, metrics)`:
+  * `model` is the nnx module, rebuilt inside the jit from the current state;
+  * `batch` is one micro-batch: a dict of arrays `[micro_batch, seq]` (docs/contracts.md),
+    except `expert_ids` `[layers, micro_batch, seq, top_k]`;
+  * `rng` is a key derived from (config.seed, step, micro-batch index): resumed runs draw the
+    same randomness;
+  * `loss` is a float32 scalar; `metrics` a dict of scalars with two optional special keys:
+      `weight`      the micro-batch's share of the step (e.g. its number of target tokens).
+                    The step minimises sum_i weight_i * loss_i / sum_i weight_i over
+                    micro-batches, so with weight = target count and loss = mean over targets,
+                    accumulation equals the big batch exactly. Default 1 per micro-batch.
+      `router_load` `[moe_layers, n_routed_experts]` (the model's aux["router_load"]): the
+                    trainer averages it over micro-batches, applies the aux-loss-free bias
+                    update (coder.model.moe.update_router_bias) after the optimizer step and
+                    logs the expert load imbalance (max load / mean load).
+    Every other metric is averaged over micro-batches with the same weights and logged.
+
+What the step does (`_step`, one function): micro-batch loop (lax.scan) of value_and_grad over
+the `trainable` parameters, weighted average, global-norm clipping and the optimizer update;
+when the loss or the gradient norm is NaN/Inf the update is skipped (params, optimizer state
+and router bias unchanged), counted, and `config.train.max_nonfinite_steps` skipped steps in a
+row stop the run with a RuntimeError.
+
+State and checkpoints: trainable params, the other model variables (router bias), optimizer
+state, step, RNG key and the data iterator's state are saved by coder.train.checkpoint into
+`{stage_dir}/checkpoints/{step}`. On construction the latest checkpoint in stage_dir is restored
+(exact resume); otherwise params come from `init_from` (a checkpoint directory; parameters the
+checkpoint lacks, e.g. fresh MTP modules, keep their initialisation and are logged), otherwise
+from the initialiser.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from coder.model import sharding
+from coder.train import checkpoint as ckpt_lib
+from coder.train import metrics as metrics_lib
+from coder.train.optim import lr_schedule, make_optimizer
+
+# Arrays whose batch axis is not the first one (router replay ids are [layers, B, T, top_k]).
+BATCH_AXIS = {"expert_ids": 1, "mtp_expert_ids": 1}
+
+
+class Preempted(SystemExit):
+    """Raised by `fit` after SIGTERM: the checkpoint is written; the process exits with code 0."""
+
+    def __init__(self, step: int):
+        super().__init__(0)
+        self.step = step
+
+
+def split_microbatches(batch: dict, accum: int) -> dict:
+    """`[B, ...]` arrays -> `[accum, B/accum, ...]` (batch axis per BATCH_AXIS).
+
+    Micro-batch j takes rows j, j+accum, j+2*accum, ...: with rows sharded in contiguous blocks
+    over the data axis, every device keeps contributing to every micro-batch.
+    """
+    out = {}
+    for name, x in batch.items():
+        ax = BATCH_AXIS.get(name, 0)
+        b = x.shape[ax]
+        x = x.reshape(x.shape[:ax] + (b // accum, accum) + x.shape[ax + 1:])
+        out[name] = jnp.moveaxis(x, ax + 1, 0)
+    return out
+
+
+def _weighted_mean(ws, xs):
+    """ws `[A]`, xs `[A, ...]` -> sum_i ws_i xs_i / sum ws (0 when every weight is 0)."""
+    total = jnp.sum(ws)
+    return jnp.tensordot(ws, xs.astype(jnp.float32), axes=1) / jnp.where(total > 0, total, 1.0)
+
+
+class Trainer:
+    """Model, optimizer, checkpoints and the jit-compiled step of one stage (module docstring).
+
+    Args:
+      config: the full run config (train, model, mesh, seed sections are read here).
+      stage_dir: `{workdir}/{stage}`; checkpoints go to `{stage_dir}/checkpoints`, metrics to
+        `{stage_dir}/metrics.jsonl` and `{stage_dir}/tb/`.
+      loss_fn: `loss_fn(model, batch, rng) -> (loss, metrics)` (module docstring).
+      trainable: nnx filter of the parameters that get gradients and optimizer state (default
+        every nnx.Param; e.g. `nnx.All(nnx.Param, nnx.PathContains("mtp"))` for MTP heads only).
+      init_from: checkpoint directory to take the model's variables from when stage_dir has no
+        checkpoint yet (fresh optimizer; missing / unexpected names are logged).
+      data_iterator: an iterator with `get_state()` / `set_state(state)`; its position is saved
+        in each checkpoint and restored here. `fit` uses it when no iterator is passed.
+      model_fn: `() -> nnx.Module`; default `Transformer(config.model, rngs=nnx.Rngs(seed))`.
+      stage: name used in logs (default: basename of stage_dir).
+    """
+
+    def __init__(
+        self,
+        config,
+        stage_dir: str,
+        loss_fn: Callable,
+        *,
+        trainable=nnx.Param,
+        init_from: str = "",
+        data_iterator=None,
+        model_fn: Callable[[], nnx.Module] | None = None,
+        stage: str | None = None,
+    ):
+        self.config = config
+        self.stage_dir = os.path.abspath(stage_dir)
+        self.stage = stage or os.path.basename(self.stage_dir.rstrip("/"))
+        self.loss_fn = loss_fn
+        self.trainable = trainable
+        self.data_iterator = data_iterator
+        tc = config.train
+        self.grad_accum = int(tc.grad_accum)
+        if self.grad_accum < 1:
+            raise ValueError(f"train.grad_accum={tc.grad_accum} must be >= 1")
+        self.max_nonfinite = int(tc.max_nonfinite_steps)
+        self.bias_rate = float(config.model.bias_update_rate)
+
+        self.mesh = sharding.make_mesh(config.mesh)
+        self.rules = tuple(tuple(r) for r in config.mesh.rules)
+        self._default_model = model_fn is None
+        if model_fn is None:
+            from coder.model import Transformer
+
+            def model_fn():
+                return Transformer(config.model, rngs=nnx.Rngs(int(config.seed)))
+
+        model = sharding.create_sharded(model_fn, self.mesh, self.rules)
+        self._graphdef, params, rest = nnx.split(model, trainable, ...)
+        if not jax.tree.leaves(params):
+            raise ValueError(f"stage {self.stage}: the trainable filter {trainable} selects no parameters")
+        self.tx = make_optimizer(tc)
+        self._schedule = lr_schedule(tc)
+        with sharding.activate(self.mesh, self.rules):
+            opt_state = jax.jit(self.tx.init)(params)
+        self.params, self.rest, self.opt_state = params, rest, opt_state
+        self.step = 0
+        self.key = jax.random.key(int(config.seed))
+        self.nonfinite_total = 0  # skipped (NaN/Inf) steps over the whole stage
+        self.nonfinite_run = 0  # skipped steps in a row
+        self._saved_step = None
+
+        self.ckpt = ckpt_lib.Checkpointer(
+            os.path.join(self.stage_dir, "checkpoints"), keep=int(tc.keep_checkpoints)
+        )
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            self._restore(latest)
+        elif init_from:
+            self._init_from(init_from)
+
+        shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
+        self._jit_step = jax.jit(
+            self._step,
+            out_shardings=(shard_of(self.params), shard_of(self.rest), shard_of(self.opt_state), None),
+            donate_argnums=(0, 1, 2),
+        )
+        self._jit_eval = jax.jit(self._eval)
+        self.writer = metrics_lib.MetricsWriter(self.stage_dir, self.stage)
+        self._preempt = False
+        self._peak_flops = None
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+        logging.info(
+            "[%s] process %d/%d, %d devices, mesh %s, %d trainable params, step %d",
+            self.stage, jax.process_index(), jax.process_count(), jax.device_count(),
+            dict(self.mesh.shape), n_params, self.step,
+        )
+
+    # ------------------------------------------------------------------ state access
+    @property
+    def model(self) -> nnx.Module:
+        """The current model (a fresh module view of the trainer's arrays; do not mutate)."""
+        return nnx.merge(self._graphdef, self.params, self.rest)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.ckpt.directory
+
+    def _flat_model(self) -> dict:
+        return {**ckpt_lib.state_to_flat(self.params), **ckpt_lib.state_to_flat(self.rest)}
+
+    def _abstract_model(self) -> dict:
+        return {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+            for k, v in self._flat_model().items()
+        }
+
+    def _set_model(self, flat: dict):
+        self.params = ckpt_lib.flat_to_state(self.params, flat)
+        self.rest = ckpt_lib.flat_to_state(self.rest, flat)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, force: bool = False):
+        """Checkpoint the current step (async). No-op when this step is already saved."""
+        if self._saved_step == self.step:
+            return
+        opt_flat = ckpt_lib.tree_to_flat(self.opt_state)
+        meta = {
+            "step": self.step,
+            "stage": self.stage,
+            "rng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_run": self.nonfinite_run,
+        }
+        data_state = None
+        if self.data_iterator is not None and hasattr(self.data_iterator, "get_state"):
+            data_state = self.data_iterator.get_state()
+        self.ckpt.save(
+            self.step,
+            arrays={"model": self._flat_model(), "opt_state": opt_flat},
+            meta=meta,
+            data_state=data_state,
+            config=json.loads(self.config.to_json_best_effort()),
+            force=force,
+        )
+        self._saved_step = self.step
+
+    def _restore(self, step: int):
+        abstract_opt = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+            for k, v in ckpt_lib.tree_to_flat(self.opt_state).items()
+        }
+        arrays, meta, data_state = self.ckpt.restore(
+            step, {"model": self._abstract_model(), "opt_state": abstract_opt}
+        )
+        self._set_model(arrays["model"])
+        self.opt_state = ckpt_lib.flat_to_tree(self.opt_state, arrays["opt_state"])
+        self.step = int(meta["step"])
+        self.key = jax.random.wrap_key_data(jnp.asarray(meta["rng_key"], jnp.uint32))
+        self.nonfinite_total = int(meta.get("nonfinite_total", 0))
+        self.nonfinite_run = int(meta.get("nonfinite_run", 0))
+        self._saved_step = self.step
+        if data_state is not None and self.data_iterator is not None:
+            self.data_iterator.set_state(data_state)
+        logging.info("[%s] resumed from %s/%d", self.stage, self.ckpt.directory, step)
+
+    def _init_from(self, path: str):
+        found, missing, unexpected = ckpt_lib.load_params(path, self._abstract_model())
+        flat = self._flat_model()
+        flat.update(found)
+        self._set_model(flat)
+        logging.info("[%s] init_from %s: %d variables loaded", self.stage, path, len(found))
+        if missing:
+            logging.warning("[%s] not in %s (kept their initialisation): %s", self.stage, path, missing)
+        if unexpected:
+            logging.warning("[%s] in %s but not in the model (ignored): %s", self.stage, path, unexpected)
+        self.init_report = {"loaded": sorted(found), "missing": missing, "unexpected": unexpected}
+
+    # ------------------------------------------------------------------ the step
+    def _loss(self, params, rest, batch, rng):
+        model = nnx.merge(self._graphdef, params, rest)
+        loss, metrics = self.loss_fn(model, batch, rng)
+        metrics = dict(metrics)
+        weight = jnp.asarray(metrics.pop("weight", 1.0), jnp.float32)
+        return jnp.asarray(loss, jnp.float32), (metrics, weight)
+
+    def _step(self, params, rest, opt_state, step, batch):
+        """One optimizer step: micro-batch grads, weighted mean, clip + update, skip if non-finite."""
+        key = jax.random.fold_in(self.key, step)
+        micro = split_microbatches(batch, self.grad_accum)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def body(grad_sum, xs):
+            mb, i = xs
+            (loss, (metrics, w)), g = grad_fn(params, rest, mb, jax.random.fold_in(key, i))
+            grad_sum = jax.tree.map(lambda s, x: s + w * x, grad_sum, g)
+            return grad_sum, (loss, metrics, w)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grad_sum, (losses, metrics, ws) = jax.lax.scan(
+            body, zeros, (micro, jnp.arange(self.grad_accum))
+        )
+        total_w = jnp.sum(ws)
+        grads = jax.tree.map(lambda g: g / jnp.where(total_w > 0, total_w, 1.0), grad_sum)
+        loss = _weighted_mean(ws, losses)
+        metrics = {k: _weighted_mean(ws, v) for k, v in metrics.items()}
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        updates, new_opt = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep_if_bad(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        new_params = keep_if_bad(new_params, params)
+        new_opt = keep_if_bad(new_opt, opt_state)
+        load = metrics.pop("router_load", None)
+        mtp_load = metrics.pop("mtp_router_load", None)
+        new_rest = rest
+        if load is not None and load.shape[0] > 0:
+            from coder.model.moe import update_router_bias
+
+            model = nnx.merge(self._graphdef, new_params, rest)
+            update_router_bias(model, load, self.bias_rate, mtp_load)
+            _, _, updated = nnx.split(model, self.trainable, ...)
+            new_rest = keep_if_bad(updated, rest)
+            # Expert load imbalance: max / mean load of the worst layer (1 = balanced).
+            metrics["load_imbalance"] = jnp.max(
+                jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-12)
+            )
+        out = {
+            **metrics,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": self._schedule(step),
+            "skipped": (~ok).astype(jnp.int32),
+        }
+        return new_params, new_rest, new_opt, out
+
+    def _eval(self, params, rest, batch):
+        loss, (metrics, weight) = self._loss(params, rest, batch, jax.random.key(0))
+        metrics.pop("router_load", None)
+        metrics.pop("mtp_router_load", None)
+        return {**metrics, "loss": loss, "weight": weight}
+
+    # ------------------------------------------------------------------ public API
+    def device_batch(self, batch: dict) -> dict:
+        """Host-local numpy batch -> global jax arrays sharded over the batch mesh axes."""
+        axes = sharding.mesh_axes_of("batch", self.rules)
+        out = {}
+        for name, x in batch.items():
+            if not isinstance(x, (np.ndarray, jax.Array)):
+                continue
+            ax = BATCH_AXIS.get(name, 0)
+            spec = [None] * x.ndim
+            spec[ax] = axes if axes else None
+            sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+            if isinstance(x, jax.Array):
+                out[name] = jax.device_put(x, sh)
+            else:
+                out[name] = jax.make_array_from_process_local_data(sh, x)
+        return out
+
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step on `batch` (dict of `[B, ...]` host arrays). Returns metrics.
+
+        Metrics are jax scalars (loss, grad_norm, lr, skipped, load_imbalance when MoE, and the
+        loss_fn's own). A skipped (non-finite) step still advances `step`; max_nonfinite_steps
+        skipped steps in a row raise RuntimeError.
+        """
+        rows = next(iter(batch.values())).shape[0]
+        if rows % self.grad_accum:
+            raise ValueError(
+                f"batch of {rows} rows does not split into train.grad_accum={self.grad_accum} "
+                "micro-batches: make data.batch_size a multiple of train.grad_accum"
+            )
+        batch = self.device_batch(batch)
+        with sharding.activate(self.mesh, self.rules):
+            self.params, self.rest, self.opt_state, metrics = self._jit_step(
+                self.params, self.rest, self.opt_state, jnp.asarray(self.step, jnp.int32), batch
+            )
+        self.step += 1
+        if int(metrics["skipped"]):
+            self.nonfinite_total += 1
+            self.nonfinite_run += 1
+            logging.warning(
+                "[%s] step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                self.stage, self.step, self.nonfinite_run,
+            )
+            if self.nonfinite_run >= self.max_nonfinite:
+                self.save(force=True)
+                self.ckpt.wait()
+                raise RuntimeError(
+                    f"[{self.stage}] {self.nonfinite_run} non-finite steps in a row at step "
+                    f"{self.step} (train.max_nonfinite_steps={self.max_nonfinite}): lower "
+                    "train.lr, check the data, or raise train.max_nonfinite_steps"
+                )
+        else:
+            self.nonfinite_run = 0
+        return metrics
+
+    def eval_step(self, batch: dict) -> dict:
+        """loss_fn on `batch` without an update; returns its metrics plus loss and weight."""
+        batch = self.device_batch(batch)
+        with sharding.activate(self.mesh, self.rules):
+            return self._jit_eval(self.params, self.rest, batch)
+
+    def log(self, metrics: dict, *, total_steps: int | None = None, eta_s=None) -> dict:
+        """Write `metrics` (scalars) for the current step to metrics.jsonl / TensorBoard / console."""
+        scalars = {}
+        for k, v in metrics.items():
+            v = np.asarray(v)
+            if v.ndim == 0:
+                scalars[k] = v.item()
+        scalars.setdefault("skipped_steps", self.nonfinite_total)
+        return self.writer.write(self.step, scalars, total_steps=total_steps, eta_s=eta_s)
+
+    def peak_flops(self) -> float:
+        """Aggregate peak FLOP/s: config per-device peak, the TPU table, or a measured matmul."""
+        if self._peak_flops is None:
+            per_device = float(self.config.train.peak_flops)
+            if per_device <= 0:
+                from coder.train.hardware import CHIPS
+
+                kind = jax.devices()[0].device_kind
+                per_device = next((c.peak_bf16_flops for c in CHIPS.values() if c.device_kind == kind), 0.0)
+            if per_device > 0:
+                self._peak_flops = per_device * jax.device_count()
+            else:
+                n = 512 if jax.devices()[0].platform == "cpu" else 4096
+                self._peak_flops = metrics_lib.measure_peak_flops(n) * jax.process_count()
+        return self._peak_flops
+
+    def _flops_per_token(self, seq_len: int) -> float:
+        if self._default_model:
+            from coder.model import count_params
+
+            counts = count_params(self.config.model)
+            active = counts["active"] + counts.get("mtp", 0)
+        else:
+            active = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        return metrics_lib.flops_per_token(self.config.model, seq_len, active)
+
+    def fit(self, iterator=None, steps: int | None = None) -> int:
+        """Train until `steps` (default config.train.steps); returns the final step.
+
+        Logs every train.log_every steps, checkpoints every train.ckpt_every steps and at the end.
+        SIGTERM: finish the current step, save, raise Preempted (exit code 0).
+        """
+        it = self.data_iterator if iterator is None else iterator
+        steps = int(self.config.train.steps if steps is None else steps)
+        tc = self.config.train
+        log_every, ckpt_every = max(1, int(tc.log_every)), max(1, int(tc.ckpt_every))
+        prev_handler = None
+        if threading.current_thread() is threading.main_thread():
+            prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        fpt = None
+        t_last, tokens, timed_steps, t_first = None, 0, 0, None
+        try:
+            while self.step < steps:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    logging.warning("[%s] data exhausted at step %d", self.stage, self.step)
+                    break
+                metrics = self.train_step(batch)
+                if t_last is None:  # the first step includes compilation: time from its end
+                    jax.block_until_ready(metrics)
+                    t_last = t_first = time.perf_counter()
+                    first_step = self.step
+                else:
+                    tokens += int(np.sum(np.asarray(batch["segment_ids"]) > 0)) * jax.process_count()
+                    timed_steps += 1
+                if self.step % log_every == 0 or self.step == steps:
+                    record = dict(metrics)
+                    now = time.perf_counter()
+                    eta = None
+                    if timed_steps:
+                        if fpt is None:
+                            fpt = self._flops_per_token(np.asarray(batch["tokens"]).shape[1])
+                        tps = tokens / max(now - t_last, 1e-9)
+                        record["tokens_per_s"] = tps
+                        record["mfu"] = tps * fpt / self.peak_flops()
+                        eta = (steps - self.step) * (now - t_first) / max(self.step - first_step, 1)
+                    record.update(_data_metrics(it))
+                    self.log(record, total_steps=steps, eta_s=eta)
+                    t_last, tokens, timed_steps = now, 0, 0
+                if self._preempt:
+                    self.save(force=True)
+                    self.ckpt.wait()
+                    logging.warning("[%s] SIGTERM: checkpoint at step %d written, exiting", self.stage, self.step)
+                    raise Preempted(self.step)
+                if self.step % ckpt_every == 0 and self.step < steps:
+                    self.save()
+            self.save(force=True)
+            self.ckpt.wait()
+        finally:
+            if prev_handler is not None:
+                signal.signal(signal.SIGTERM, prev_handler)
+        return self.step
+
+    def _on_sigterm(self, signum, frame):
+        del signum, frame
+        self._preempt = True
+
+    def close(self):
+        """Wait for pending checkpoint writes and close the writers."""
+        self.ckpt.close()
+        self.writer.close()
+
+
+def _data_metrics(it) -> dict:
+    """The data iterator's counters (coder.data: records seen / bad per kind), when it has them.
+
+    `skipped_records` is the number of bad records skipped so far (malformed, empty, ...).
+    """
+    fn = getattr(it, "metrics", None)
+    if not callable(fn):
+        return {}
+    out = dict(fn())
+    if "data/records_bad" in out:
+        out["skipped_records"] = out["data/records_bad"]
+    return out

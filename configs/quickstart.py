@@ -1,0 +1,56 @@
+"""The whole pipeline on a laptop CPU in minutes: pretrain -> longctx -> sft on a tiny model.
+
+    python main.py --config=configs/quickstart.py
+
+Data: the Python standard library of the running interpreter (pretraining, held-out split for
+eval) and transcripts of correct tool-using solutions of the env's toy tasks (SFT). The tokenizer
+is trained from the corpus on first use and cached (~/.cache/coder/tokenizers).
+"""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.workdir = "runs/quickstart"
+    c.stages = ("pretrain", "longctx", "sft")
+
+    m = c.model
+    m.vocab_size = 4096
+    m.hidden_size = 128
+    m.intermediate_size = 384
+    m.moe_intermediate_size = 64
+    m.num_hidden_layers = 2
+    m.num_attention_heads = 4
+    m.kv_lora_rank = 32
+    m.qk_nope_head_dim = 16
+    m.qk_rope_head_dim = 8
+    m.v_head_dim = 16
+    m.n_routed_experts = 4
+    m.num_experts_per_tok = 2
+    m.n_group = 1
+    m.topk_group = 1
+    m.num_mtp_layers = 1
+    m.max_position_embeddings = 256  # the pretraining context; longctx extends it 4x with YaRN
+    m.rope_scaling.original_max_position_embeddings = 256
+    m.dtype = "float32"  # CPUs have no fast bfloat16 matmul
+
+    c.data.seq_len = 256
+    c.data.batch_size = 8
+    c.data.tokenizer_vocab_size = 4096
+
+    c.train.steps = 150
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 10
+    c.train.log_every = 10
+    c.train.ckpt_every = 50
+
+    c.longctx.seq_len = 1024
+    c.longctx.steps = 30
+    c.longctx.lr = 1e-3
+
+    c.sft.steps = 60
+    c.sft.lr = 1e-3
+    c.sft.seq_len = 512
+
+    c.eval.batches = 8
+    return c

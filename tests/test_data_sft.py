@@ -1,0 +1,142 @@
+"""SFT pipeline (coder/data/sft.py): template rendering, loss masks, whole-conversation packing."""
+import json
+import random
+
+import numpy as np
+import pytest
+
+from configs import base
+from coder.data import sft
+from coder.data import tokenizer as tk
+
+WORDS = "fix the bug in parser tests pass shell read file grep edit submit".split()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(200)) + "\n" for _ in range(200)]
+    return tk.train_tokenizer(texts, vocab_size=300)
+
+
+def conversation(i, n_turns=2, words=6):
+    rng = random.Random(i)
+    say = lambda: f"#{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, words)))  # noqa: E731
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    for _ in range(n_turns):
+        messages.append({"role": "user", "content": say()})
+        messages.append({"role": "assistant", "content": say() + '<tool_call>{"name": "shell"}</tool_call>'})
+        messages.append({"role": "tool", "content": "<tool_result>" + say() + "</tool_result>"})
+        messages.append({"role": "assistant", "content": say()})
+    return {"messages": messages}
+
+
+def write(path, records):
+    with open(path, "wb") as f:
+        for r in records:
+            f.write(r if isinstance(r, bytes) else json.dumps(r).encode())
+            f.write(b"\n")
+
+
+def config(seq_len=128, batch_size=4, **data):
+    cfg = base.get_config()
+    cfg.data.seq_len, cfg.data.batch_size, cfg.data.heldout_fraction = seq_len, batch_size, 0.0
+    for k, v in data.items():
+        cfg.data[k] = v
+    return cfg
+
+
+def segments(batches):
+    """(tokens, loss_mask, positions) of every segment, in batch / row / segment order."""
+    out = []
+    for b in batches:
+        for r in range(b["tokens"].shape[0]):
+            for s in np.unique(b["segment_ids"][r]):
+                if s:
+                    where = b["segment_ids"][r] == s
+                    out.append((b["tokens"][r, where], b["loss_mask"][r, where], b["positions"][r, where]))
+    return out
+
+
+def test_conversations_packed_whole_with_template_masks(tok, tmp_path):
+    convs = [conversation(i, n_turns=1 + i % 2) for i in range(30)]
+    write(tmp_path / "c.jsonl", convs)
+    it = sft.make_sft_iterator(config(seq_len=256), tok, str(tmp_path / "c.jsonl"), "all")
+    batches = list(it)
+    assert it.metrics()["data/truncated"] == 0
+    segs = segments(batches)
+    rendered = {tuple(tok.render_conversation(c["messages"])[0]): c for c in convs}
+    assert len(segs) == 30
+    for ids, mask, pos in segs:
+        # Every segment is exactly one whole rendered conversation, with its template mask.
+        want_ids, want_mask = tok.render_conversation(rendered[tuple(ids)]["messages"])
+        np.testing.assert_array_equal(mask, want_mask)
+        np.testing.assert_array_equal(pos, np.arange(len(ids)))
+        assert ids[0] == tok.special_id("system")
+    assert {tuple(s[0]) for s in segs} == set(rendered)
+    for b in batches:
+        assert not b["loss_mask"][b["segment_ids"] == 0].any()
+        assert b["tokens"].shape == (4, 256)
+    # Loss on assistant text + <|end|> only: never on role tokens or other turns.
+    ids, mask = np.concatenate([s[0] for s in segs]), np.concatenate([s[1] for s in segs])
+    for role in tk.ROLES:
+        assert not mask[ids == tok.special_id(role)].any()
+    assert mask[ids == tok.special_id("<tool_call>")].all()
+    assert not mask[ids == tok.special_id("<tool_result>")].any()
+    assert it.metrics()["data/records_seen"] == 30
+
+
+def test_long_conversations_truncated_or_dropped_and_counted(tok, tmp_path):
+    long_conv = conversation(1, n_turns=8, words=30)
+    late = {"messages": [{"role": "user", "content": "x " * 400}, {"role": "assistant", "content": "ok"}]}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    write(tmp_path / "c.jsonl", [short, long_conv, late])
+    cfg = config(seq_len=96)
+    assert len(tok.render_conversation(long_conv["messages"])[0]) > 96
+    it = sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"), "all")
+    segs = segments(list(it))
+    assert len(segs) == 2 and max(len(s[0]) for s in segs) == 96
+    full_ids, full_mask = tok.render_conversation(long_conv["messages"])
+    (cut,) = [s for s in segs if len(s[0]) == 96]
+    np.testing.assert_array_equal(cut[0], full_ids[:96])
+    np.testing.assert_array_equal(cut[1], full_mask[:96])
+    m = it.metrics()
+    assert (m["data/truncated"], m["data/dropped"], m["data/records_bad"]) == (2, 1, 0)
+
+
+def test_invalid_conversations_are_bad_records(tok, tmp_path):
+    bad = [
+        {"messages": "hello"},
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},
+        {"messages": [{"role": "user", "content": "no answer"}]},
+        {"text": "not a conversation"},
+        b'{"messages": [',
+    ]
+    write(tmp_path / "c.jsonl", [conversation(i) for i in range(5)] + bad)
+    cfg = config(max_bad_fraction=1.0)
+    it = sft.make_sft_iterator(cfg, tok, [{"path": str(tmp_path / "c.jsonl"), "name": "t"}], "all")
+    assert len(segments(list(it))) == 5
+    c = it.counts()["t"]
+    assert (c["invalid_conversation"], c["missing_field"], c["malformed_json"]) == (5, 1, 1)
+    cfg = config(max_bad_fraction=0.1, bad_check_min_records=5)
+    with pytest.raises(ValueError, match="'t'"):
+        list(sft.make_sft_iterator(cfg, tok, [{"path": str(tmp_path / "c.jsonl"), "name": "t"}], "all"))
+
+
+def test_sft_resume_is_exact(tok, tmp_path):
+    write(tmp_path / "c.jsonl", [conversation(i, n_turns=1 + i % 3) for i in range(25)])
+    cfg = config(seq_len=160, batch_size=2)
+    ref_it = sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"))
+    ref = [next(ref_it) for _ in range(10)]
+    it = sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"))
+    for _ in range(4):
+        next(it)
+    fresh = sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"))
+    fresh.set_state(json.loads(json.dumps(it.get_state())))
+    for want in ref[4:]:
+        got = next(fresh)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    assert fresh.counts() == ref_it.counts()

@@ -1,0 +1,193 @@
+"""Engine: cache vs recomputation, logprobs vs the training forward, groups, multi-turn, buckets."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coder.infer.engine import Engine, SamplingParams
+from coder.infer.reference import NoCacheDecoder
+from coder.model import Transformer
+from configs.base import model_config
+
+MAX_LEN = 64
+
+
+def tiny_cfg():
+    cfg = model_config()
+    cfg.update(dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1,
+                    num_experts_per_tok=2, first_k_dense_replace=1, num_mtp_layers=1,
+                    max_position_embeddings=MAX_LEN, dtype="float32"))
+    # a larger init spreads the logits, so sampled sequences are far from argmax ties
+    cfg.initializer_range = 0.2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_cfg()
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=(1, 2, 4), len_buckets=(16, 32, 64))
+    return cfg, model, engine
+
+
+def forward_logprobs(model, seq, temperature):
+    """Training-style forward over the whole sequence: log_softmax(logits / T) of each next token
+    `[len-1]` and the routing `[len, moe_layers, top_k]`."""
+    tokens = jnp.asarray(seq, jnp.int32)[None]
+    pos = jnp.arange(len(seq), dtype=jnp.int32)[None]
+    logits, aux = model(tokens, pos, jnp.ones_like(tokens))
+    scaled = logits[0] / temperature if temperature > 0 else logits[0]
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    nxt = jnp.asarray(seq[1:])
+    return (np.asarray(jnp.take_along_axis(logp[:-1], nxt[:, None], 1)[:, 0]),
+            np.asarray(aux["expert_ids"][:, 0]).transpose(1, 0, 2))
+
+
+def check_row_against_forward(model, group, row, gens_by_offset, temperature):
+    """Every recorded logprob of `row` equals the training forward's, within 1e-4."""
+    seq = group.tokens(row)
+    ref_logp, ref_experts = forward_logprobs(model, seq, temperature)
+    for start, gen in gens_by_offset:
+        n = len(gen.tokens)
+        assert seq[start:start + n] == gen.tokens
+        np.testing.assert_allclose(gen.logprobs, ref_logp[start - 1:start - 1 + n], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(group.expert_ids(row), ref_experts)
+
+
+def test_greedy_with_and_without_cache(setup):
+    cfg, model, engine = setup
+    prompt = [3, 17, 42, 5, 99, 7, 8, 120, 33]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    group = engine.start_group(prompt, 2)
+    gens = engine.generate(group, params, jax.random.key(0))
+    ref = NoCacheDecoder(model, max_len=MAX_LEN, len_buckets=(16, 32, 64)).generate(
+        prompt, params, jax.random.key(0))
+    assert gens[0].tokens == ref.tokens == gens[1].tokens
+    assert len(ref.tokens) == 20 and gens[0].finish_reason == "length"
+    np.testing.assert_allclose(gens[0].logprobs, ref.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(gens[0].expert_ids, ref.expert_ids)
+    assert gens[0].expert_ids.shape == (20, cfg.num_hidden_layers - cfg.first_k_dense_replace,
+                                        cfg.num_experts_per_tok)
+
+
+def test_sampled_logprobs_match_training_forward_group_and_multiturn(setup):
+    """Shared-prefix group, top-p, two turns with appended observations, rows decoded apart."""
+    _, model, engine = setup
+    t = 0.8
+    params = SamplingParams(temperature=t, top_p=0.95, max_new_tokens=7)
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    group = engine.start_group(prompt, 3)
+    gens1 = engine.generate(group, params, jax.random.key(1))
+    # rows sample differently from one shared prefix
+    assert len({tuple(g.tokens) for g in gens1}) == 3
+    starts1 = [len(prompt)] * 3
+    obs = {0: [200, 201, 202], 2: [210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222,
+                                   223, 224, 225, 226, 227]}  # the second crosses a length bucket
+    for r, ids in obs.items():
+        engine.append(group, r, ids)
+    before = engine.prefill_tokens
+    gens2 = engine.generate(group, params, jax.random.key(2))  # rows 0 and 2 are unfinished again
+    assert engine.prefill_tokens - before == 3 + 18  # only the observations were prefilled
+    assert len(gens2) == 2
+    gens3 = engine.generate(group, params, jax.random.key(3), rows=[1])  # row 1 continues alone
+    for r, g2 in zip([0, 2], gens2):
+        check_row_against_forward(model, group, r, [(starts1[r], gens1[r]),
+                                                    (starts1[r] + 7 + len(obs[r]), g2)], t)
+    check_row_against_forward(model, group, 1, [(starts1[1], gens1[1]), (starts1[1] + 7, gens3[0])], t)
+
+
+def test_prompt_prefilled_once_for_group(setup):
+    _, _, engine = setup
+    before = engine.prefill_tokens
+    prompt = list(range(30, 50))
+    group = engine.start_group(prompt, 4)
+    assert engine.prefill_tokens - before == len(prompt)
+    leaves = jax.tree.leaves(group.cache)
+    for leaf in leaves:
+        leaf = np.asarray(leaf)
+        assert leaf.shape[0] == 4
+        np.testing.assert_array_equal(leaf[1:], np.broadcast_to(leaf[:1], leaf[1:].shape))
+    assert all(group.length(r) == len(prompt) for r in range(4))
+
+
+def test_rows_do_not_depend_on_batch_companions(setup):
+    _, _, engine = setup
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=6)
+    prompt = [5, 6, 7, 8, 9]
+    together = engine.generate(engine.start_group(prompt, 3), params, jax.random.key(4))
+    alone = engine.generate(engine.start_group(prompt, 3), params, jax.random.key(4), rows=[2])
+    assert alone[0].tokens == together[2].tokens
+    np.testing.assert_allclose(alone[0].logprobs, together[2].logprobs, atol=1e-5)
+
+
+def test_stop_length_and_max_len(setup):
+    _, _, engine = setup
+    prompt = [3, 17, 42, 5, 99, 7, 8, 120, 33]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    tokens = engine.generate(engine.start_group(prompt, 1), greedy, jax.random.key(0))[0].tokens
+    stop = tokens[3]
+    first = tokens.index(stop)
+    gen = engine.generate(engine.start_group(prompt, 1),
+                          SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop,)),
+                          jax.random.key(0))[0]
+    assert gen.finish_reason == "stop" and gen.tokens == tokens[:first + 1]
+    # the stop token stays in the cache: continuing gives the rest of the greedy sequence
+    group = engine.start_group(prompt, 1)
+    engine.generate(group, SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop,)),
+                    jax.random.key(0))
+    rest = engine.generate(group, SamplingParams(temperature=0.0, max_new_tokens=10 - first - 1),
+                           jax.random.key(0), rows=[0])[0]
+    assert rest.tokens == tokens[first + 1:] and rest.finish_reason == "length"
+    # max_len: a long prompt leaves room for MAX_LEN - len(prompt) tokens
+    long_prompt = list(range(1, 60))
+    group = engine.start_group(long_prompt, 2)
+    gens = engine.generate(group, SamplingParams(temperature=1.0, max_new_tokens=50), jax.random.key(5))
+    assert [g.finish_reason for g in gens] == ["max_len", "max_len"]
+    assert [len(g.tokens) for g in gens] == [MAX_LEN - 59] * 2
+    assert engine.generate(group, SamplingParams(), jax.random.key(6), rows=[0])[0].tokens == []
+    with pytest.raises(ValueError, match="max_len"):
+        engine.append(group, 0, [1])
+
+
+def test_no_recompilation_per_request(setup):
+    _, _, engine = setup
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+
+    def request(plen, n, seed):
+        group = engine.start_group(list(range(1, plen + 1)), n)
+        engine.generate(group, params, jax.random.key(seed))
+        engine.append(group, 0, [7, 8, 9])
+        engine.generate(group, params, jax.random.key(seed + 1), rows=[0])
+
+    request(5, 3, 0)  # warm up the bucket (prompt <= 16, 3-4 rows, cache 16 slots)
+    before = engine.num_compilations
+    for plen, n, seed in [(6, 4, 10), (9, 3, 20), (7, 4, 30)]:
+        request(plen, n, seed)
+    assert engine.num_compilations == before, engine.compilations
+
+
+def test_set_weights_between_decode_steps(setup):
+    cfg, model, engine0 = setup
+    other = Transformer(cfg, rngs=nnx.Rngs(1))
+    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=(1, 2, 4), len_buckets=(16, 32, 64))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
+    prompt = [3, 17, 42, 5, 99, 7, 8, 120, 33]
+    # the new weights are used from the next step; no recompilation for a same-shaped state
+    engine.set_weights(nnx.state(other))
+    compiled = engine.num_compilations
+    group = engine.start_group(prompt, 1)
+    swapped = engine.generate(group, greedy, jax.random.key(0))[0]
+    ref = NoCacheDecoder(other, max_len=MAX_LEN, len_buckets=(16, 32, 64)).generate(prompt, greedy, jax.random.key(0))
+    assert swapped.tokens == ref.tokens and swapped.policy_version == [1, 1, 1]
+    # in flight: tokens sampled from logits computed before the swap keep the old version
+    group = engine.start_group(prompt, 1)
+    first = engine.generate(group, greedy, jax.random.key(0))[0]
+    engine.set_weights(nnx.state(model), version=7)
+    second = engine.generate(group, greedy, jax.random.key(0), rows=[0])[0]
+    assert first.policy_version == [1, 1, 1] and second.policy_version == [1, 7, 7]
+    assert engine.num_compilations == compiled
+    with pytest.raises(ValueError, match="structure"):
+        engine.set_weights(nnx.State({"embed": nnx.Param(jnp.zeros((3, 3)))}))

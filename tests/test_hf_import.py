@@ -1,0 +1,142 @@
+"""coder.model.hf_import against transformers' DeepseekV3ForCausalLM (float32, CPU torch)."""
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from coder.model import Transformer  # noqa: E402
+from coder.model import hf_import  # noqa: E402
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64,
+            rms_norm_eps=1e-6, rope_theta=10000.0, num_nextn_predict_layers=0)
+CASES = {
+    # dense + MoE layers, no q compression, group-limited routing (2 of 4 groups), plain RoPE
+    "groups_noqlora": dict(q_lora_rank=None, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                           norm_topk_prob=True),
+    # q compression, YaRN with DeepSeek's softmax-scale correction, unnormalised top-k
+    "qlora_yarn": dict(q_lora_rank=12, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                       norm_topk_prob=False,
+                       rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                         beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)),
+}
+
+
+def _hf_model(case, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(**BASE, **CASES[case])
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger-than-default weights so differences would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(cfg.n_routed_experts))
+    return model
+
+
+def _tokens(seed=1, b=2, t=24, v=96):
+    return np.random.RandomState(seed).randint(0, v, size=(b, t)).astype(np.int32)
+
+
+def _ours(model, tokens):
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, aux = model(jnp.asarray(tokens), pos, jnp.ones((b, t), jnp.int32))
+    return np.asarray(logits), aux
+
+
+def _theirs(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_matches_transformers_and_round_trips(case, tmp_path):
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, model = hf_import.load_hf(str(tmp_path / "hf"), dtype=jnp.float32)
+    assert cfg.q_lora_rank == (CASES[case]["q_lora_rank"] or 0)
+    tokens = _tokens()
+    ref = _theirs(hf, tokens)
+    ours, aux = _ours(model, tokens)
+    assert aux["router_load"].shape == (2, 8)
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits
+
+    # export -> transformers -> the same logits
+    hf_import.save_hf(cfg, model, str(tmp_path / "ours"))
+    hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        str(tmp_path / "ours"), attn_implementation="eager").eval()
+    np.testing.assert_allclose(_theirs(hf2, tokens), ref, atol=1e-4, rtol=0)
+
+
+def test_mtp_layers_round_trip(tmp_path):
+    from configs.base import model_config
+
+    cfg = model_config()
+    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
+                    num_mtp_layers=2, dtype="float32"))
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    hf_import.save_hf(cfg, model, str(tmp_path))
+    names = set(json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"])
+    for k in range(2):  # MTP modules are layers num_hidden_layers + k, DeepSeek-V3 names
+        for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                  "self_attn.kv_b_proj.weight", "mlp.experts.3.down_proj.weight"):
+            assert f"model.layers.{2 + k}.{n}" in names
+    cfg2, model2 = hf_import.load_hf(str(tmp_path))
+    assert cfg2.num_mtp_layers == 2
+    a = dict(nnx.to_flat_state(nnx.state(model)))
+    b = dict(nnx.to_flat_state(nnx.state(model2)))
+    assert a.keys() == b.keys()
+    for p in a:
+        np.testing.assert_array_equal(np.asarray(a[p].get_value()), np.asarray(b[p].get_value()), err_msg=str(p))
+    tokens = _tokens(v=64, t=12)
+    (l1, x1), (l2, x2) = _ours(model, tokens), _ours(model2, tokens)
+    np.testing.assert_array_equal(np.asarray(x1["mtp_logits"]), np.asarray(x2["mtp_logits"]))
+
+
+def test_fp8_block_dequant(tmp_path):
+    rng = np.random.RandomState(0)
+    w = rng.randn(200, 300).astype(np.float32) * np.linspace(0.1, 3, 300)[None]
+    # per-128x128-block scales, as DeepSeek's FP8 checkpoints: w_fp8 = w / scale
+    nb = (-(-200 // 128), -(-300 // 128))
+    scale = np.zeros(nb, np.float32)
+    for i in range(nb[0]):
+        for j in range(nb[1]):
+            scale[i, j] = np.abs(w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]).max() / 448.0
+    s_full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:200, :300]
+    w8 = torch.tensor(w / s_full).to(torch.float8_e4m3fn)
+    deq = hf_import.dequant_fp8(w8.float().numpy(), scale)
+    expected = w8.float().numpy() * s_full
+    np.testing.assert_array_equal(deq, expected)
+    assert np.abs(deq - w).max() <= 0.07 * np.abs(w).max()  # e4m3: 3 mantissa bits
+
+    # through load_hf: replace one weight of a saved checkpoint by its FP8 form + scale_inv
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model("groups_noqlora")
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    orig = tensors[name].numpy()  # [H*(dn+dv), r] = [56, 16]
+    sc = np.array([[np.abs(orig).max() / 448.0]], np.float32)
+    tensors[name] = torch.tensor(orig / sc[0, 0]).to(torch.float8_e4m3fn)
+    tensors[name + "_scale_inv"] = torch.tensor(sc)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _, model = hf_import.load_hf(str(tmp_path))
+    got = np.asarray(model.layers[1].self_attn.kv_b_proj[...]).reshape(16, -1).T
+    np.testing.assert_allclose(got, tensors[name].float().numpy() * sc[0, 0], rtol=1e-6)
