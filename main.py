@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import app, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(

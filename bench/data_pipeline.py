@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import base  # noqa: E402
-from coder.data import pretrain  # noqa: E402
-from coder.data import tokenizer as tk  # noqa: E402
+from coder.data import pretrain
+from coder.data import tokenizer as tk
+from configs import base
 
 
 def model_config_100m():

@@ -142,6 +142,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Supervised fine-tuning on conversations (coder/train/lm_stages.py).
     c.sft = ml_collections.ConfigDict()
     c.sft.data = ""  # conversations JSONL (path/glob/URL); "" = transcripts of the env's toy tasks
+    c.sft.toy_tasks = 24  # toy tasks transcribed (real tool runs) when sft.data is ""
     c.sft.steps = 100  # optimizer steps of this stage
     c.sft.lr = 1e-3  # peak learning rate of this stage
     c.sft.seq_len = 0  # packed row length (0 = data.seq_len)

@@ -1,4 +1,4 @@
-"""The whole pipeline on a laptop CPU in minutes: pretrain -> longctx -> sft on a tiny model.
+"""The whole pipeline on a laptop CPU in minutes: pretrain -> longctx -> sft -> eval, tiny model.
 
     python main.py --config=configs/quickstart.py
 
@@ -12,10 +12,10 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.workdir = "runs/quickstart"
-    c.stages = ("pretrain", "longctx", "sft")
+    c.stages = ("pretrain", "longctx", "sft", "eval")
 
     m = c.model
-    m.vocab_size = 4096
+    m.vocab_size = 2048
     m.hidden_size = 128
     m.intermediate_size = 384
     m.moe_intermediate_size = 64
@@ -30,13 +30,13 @@ def get_config():
     m.n_group = 1
     m.topk_group = 1
     m.num_mtp_layers = 1
-    m.max_position_embeddings = 256  # the pretraining context; longctx extends it 4x with YaRN
+    m.max_position_embeddings = 256  # the pretraining context; longctx extends it 8x with YaRN
     m.rope_scaling.original_max_position_embeddings = 256
     m.dtype = "float32"  # CPUs have no fast bfloat16 matmul
 
     c.data.seq_len = 256
-    c.data.batch_size = 8
-    c.data.tokenizer_vocab_size = 4096
+    c.data.batch_size = 4
+    c.data.tokenizer_vocab_size = 2048
 
     c.train.steps = 150
     c.train.lr = 3e-3
@@ -44,13 +44,17 @@ def get_config():
     c.train.log_every = 10
     c.train.ckpt_every = 50
 
-    c.longctx.seq_len = 1024
+    # A toy-task transcript is ~1.8k tokens (tool outputs included): SFT packs whole
+    # conversations, so the context is extended to 2048 first.
+    c.longctx.seq_len = 2048
     c.longctx.steps = 30
     c.longctx.lr = 1e-3
 
-    c.sft.steps = 60
+    c.sft.steps = 40
     c.sft.lr = 1e-3
-    c.sft.seq_len = 512
+    c.sft.seq_len = 2048
+    c.sft.batch_size = 2
+    c.sft.toy_tasks = 24
 
     c.eval.batches = 8
     return c

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from configs import base
 from coder.data import sft
 from coder.data import tokenizer as tk
+from configs import base
 
 WORDS = "fix the bug in parser tests pass shell read file grep edit submit".split()
 
@@ -21,7 +21,7 @@ def tok():
 
 def conversation(i, n_turns=2, words=6):
     rng = random.Random(i)
-    say = lambda: f"#{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, words)))  # noqa: E731
+    say = lambda: f"#{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, words)))
     messages = [{"role": "system", "content": "You are a coding agent."}]
     for _ in range(n_turns):
         messages.append({"role": "user", "content": say()})
@@ -69,7 +69,7 @@ def test_conversations_packed_whole_with_template_masks(tok, tmp_path):
     assert len(segs) == 30
     for ids, mask, pos in segs:
         # Every segment is exactly one whole rendered conversation, with its template mask.
-        want_ids, want_mask = tok.render_conversation(rendered[tuple(ids)]["messages"])
+        _, want_mask = tok.render_conversation(rendered[tuple(ids)]["messages"])
         np.testing.assert_array_equal(mask, want_mask)
         np.testing.assert_array_equal(pos, np.arange(len(ids)))
         assert ids[0] == tok.special_id("system")

@@ -11,6 +11,8 @@ from coder.model import Transformer
 from configs.base import model_config
 
 MAX_LEN = 64
+BATCH = (1, 4)  # few buckets: each is a compiled program, and compiling dominates test time
+LENS = (32, 64)
 
 
 def tiny_cfg():
@@ -29,7 +31,7 @@ def tiny_cfg():
 def setup():
     cfg = tiny_cfg()
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=(1, 2, 4), len_buckets=(16, 32, 64))
+    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=BATCH, len_buckets=LENS)
     return cfg, model, engine
 
 
@@ -63,7 +65,7 @@ def test_greedy_with_and_without_cache(setup):
     params = SamplingParams(temperature=0.0, max_new_tokens=20)
     group = engine.start_group(prompt, 2)
     gens = engine.generate(group, params, jax.random.key(0))
-    ref = NoCacheDecoder(model, max_len=MAX_LEN, len_buckets=(16, 32, 64)).generate(
+    ref = NoCacheDecoder(model, max_len=MAX_LEN, len_buckets=LENS).generate(
         prompt, params, jax.random.key(0))
     assert gens[0].tokens == ref.tokens == gens[1].tokens
     assert len(ref.tokens) == 20 and gens[0].finish_reason == "length"
@@ -162,9 +164,10 @@ def test_no_recompilation_per_request(setup):
         engine.append(group, 0, [7, 8, 9])
         engine.generate(group, params, jax.random.key(seed + 1), rows=[0])
 
-    request(5, 3, 0)  # warm up the bucket (prompt <= 16, 3-4 rows, cache 16 slots)
+    request(20, 3, 0)  # warm up: the longest request, 2-4 rows, crosses from 32 to 64 slots
+    request(5, 3, 1)  # and the shortest, which stays within 32 slots
     before = engine.num_compilations
-    for plen, n, seed in [(6, 4, 10), (9, 3, 20), (7, 4, 30)]:
+    for plen, n, seed in [(6, 4, 10), (19, 3, 20), (12, 4, 30), (20, 2, 40)]:
         request(plen, n, seed)
     assert engine.num_compilations == before, engine.compilations
 
@@ -172,7 +175,7 @@ def test_no_recompilation_per_request(setup):
 def test_set_weights_between_decode_steps(setup):
     cfg, model, engine0 = setup
     other = Transformer(cfg, rngs=nnx.Rngs(1))
-    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=(1, 2, 4), len_buckets=(16, 32, 64))
+    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=BATCH, len_buckets=LENS)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
     prompt = [3, 17, 42, 5, 99, 7, 8, 120, 33]
     # the new weights are used from the next step; no recompilation for a same-shaped state
@@ -180,7 +183,7 @@ def test_set_weights_between_decode_steps(setup):
     compiled = engine.num_compilations
     group = engine.start_group(prompt, 1)
     swapped = engine.generate(group, greedy, jax.random.key(0))[0]
-    ref = NoCacheDecoder(other, max_len=MAX_LEN, len_buckets=(16, 32, 64)).generate(prompt, greedy, jax.random.key(0))
+    ref = NoCacheDecoder(other, max_len=MAX_LEN, len_buckets=LENS).generate(prompt, greedy, jax.random.key(0))
     assert swapped.tokens == ref.tokens and swapped.policy_version == [1, 1, 1]
     # in flight: tokens sampled from logits computed before the swap keep the old version
     group = engine.start_group(prompt, 1)

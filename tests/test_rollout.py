@@ -68,6 +68,7 @@ class ScriptedEngine:
 
     def append(self, group, row, ids):
         group.rows[row].extend(int(i) for i in ids)
+        group.queued[row] = []  # the policy now answers the new context
 
     def generate(self, group, params, rng, rows=None):
         rows = range(len(group.rows)) if rows is None else rows
@@ -216,9 +217,10 @@ def test_self_summarization_chain(tok):
     agent = rollout_lib.Agent(engine, tok, rl_cfg(), sampling(rl_cfg()))
     head = agent.head_ids(FakeEpisode().tools, "Make f() return 3.")
     obs = tok.turn_ids("tool", protocol.render_tool_results(["output of read_file: " + "x = 1\n" * 3]))
-    # Room for exactly two read turns before the summary reserve is reached.
-    budget = len(head) + 1 + 2 * (len(read) + len(obs) + 1) + 64 + 10
-    rl = rl_cfg(context_budget=budget, summary_reserve=64)
+    # The reserve holds the request turn and the summary; room for two read turns before it.
+    reserve = len(tok.turn_ids("user", rollout_lib.SUMMARY_REQUEST)) + 2 + len(summary) + 5
+    budget = len(head) + 1 + 2 * (len(read) + len(obs) + 1) + reserve + 10
+    rl = rl_cfg(context_budget=budget, summary_reserve=reserve)
     agent = rollout_lib.Agent(engine, tok, rl, sampling(rl))
     eps = [FakeEpisode(), FakeEpisode(score=0.0)]
     r1, r2 = agent.run_group("t", "Make f() return 3.", eps, jax.random.key(0))
@@ -253,7 +255,9 @@ def test_summary_limit_ends_the_rollout(tok):
     engine = ScriptedEngine(respond)
     probe = rollout_lib.Agent(engine, tok, rl_cfg(), sampling(rl_cfg()))
     head = probe.head_ids(FakeEpisode().tools, "t")
-    rl = rl_cfg(context_budget=len(head) + 200 + 64, summary_reserve=64, max_summaries=1, max_turns=50)
+    reserve = len(tok.turn_ids("user", rollout_lib.SUMMARY_REQUEST)) + len(summary) + 5
+    rl = rl_cfg(context_budget=len(head) + 200 + reserve, summary_reserve=reserve, max_summaries=1,
+                max_turns=50)
     agent = rollout_lib.Agent(engine, tok, rl, sampling(rl))
     (r,) = agent.run_group("t", "t", [FakeEpisode()], jax.random.key(0))
     assert r.summaries == 1 and len(r.generations) == 2 and r.finish == "context"

@@ -6,9 +6,9 @@ import pickle
 import numpy as np
 import pytest
 
-from configs import base
 from coder.data import corpus
 from coder.data import tokenizer as tk
+from configs import base
 
 CODE = (
     "def f(x):\n"

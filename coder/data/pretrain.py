@@ -35,9 +35,8 @@ Design:
 - Exact resume: the packer's state is the parent iterator's state *before* the document it is
   cutting plus the offset into it; restoring re-reads that one document (not re-counted).
 """
-import numpy as np
-
 import grain
+import numpy as np
 
 from coder.data import corpus, sources
 from coder.data.sources import BAD_KINDS
@@ -152,6 +151,8 @@ class _PackIterator(grain.DatasetIterator):
                 r = row
             else:
                 # Whole documents, first fit: the batch ends when one fits in no row.
+                if length > n:
+                    raise ValueError(f"a {length}-token document cannot be packed whole in {n}")
                 fits = np.flatnonzero(fill + length <= n)
                 if len(fits) == 0:
                     break
@@ -209,21 +210,21 @@ class BadDataError(ValueError):
     pass
 
 
-class DataIterator:
-    """Batches plus cumulative per-source record counters; state = pipeline state + counters."""
+class DataIterator(grain.DatasetIterator):
+    """Batches plus cumulative per-source record counters; state = pipeline state + counters.
+
+    A grain `DatasetIterator`, so `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore`
+    store its (JSON) state in an orbax checkpoint, one file per process.
+    """
 
     def __init__(self, dataset, source_names, max_bad_fraction: float, min_records: int):
-        self._dataset = dataset
-        self._it = iter(dataset)
+        super().__init__(iter(dataset))
         self.source_names = list(source_names)
         self._counts = np.zeros((len(self.source_names), len(STAT_COLUMNS)), np.int64)
         self._max_bad_fraction, self._min_records = max_bad_fraction, min_records
 
-    def __iter__(self):
-        return self
-
     def __next__(self) -> dict:
-        batch = next(self._it)
+        batch = next(self._parent)
         self._counts += batch.pop("_stats")
         self._check_bad()
         return batch
@@ -258,16 +259,11 @@ class DataIterator:
         return out
 
     def get_state(self) -> dict:
-        return {"pipeline": self._it.get_state(), "counts": self._counts.tolist()}
+        return {"pipeline": self._parent.get_state(), "counts": self._counts.tolist()}
 
     def set_state(self, state: dict) -> None:
-        self._it.set_state(state["pipeline"])
+        self._parent.set_state(state["pipeline"])
         self._counts = np.asarray(state["counts"], np.int64).reshape(self._counts.shape)
-
-    def close(self) -> None:
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
 
 
 # --- pipeline construction --------------------------------------------------------------------
@@ -291,16 +287,23 @@ def build_iterator(
     process_count: int,
     num_epochs: int | None,
     shuffle: bool,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
 ) -> DataIterator:
-    """The shared pipeline of pretraining and SFT (see the module docstring)."""
+    """The shared pipeline of pretraining and SFT (see the module docstring).
+
+    seq_len / batch_size default to config.data's; stages with their own (longctx, sft) pass them.
+    """
+    seq_len = seq_len or config.data.seq_len
+    batch_size = batch_size or config.data.batch_size
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-    if config.data.batch_size % process_count:
+    if batch_size % process_count:
         raise ValueError(
-            f"config.data.batch_size={config.data.batch_size} must be divisible by the "
-            f"{process_count} data-loading processes"
+            f"batch_size={batch_size} must be divisible by the {process_count} data-loading "
+            "processes"
         )
     datasets = []
     for i, spec in enumerate(specs):
@@ -321,8 +324,7 @@ def build_iterator(
     mixed = mixed[process_index::process_count].map(transform)
     # Threads read and tokenize ahead in order; the output order does not depend on them.
     ds = mixed.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=256))
-    rows = config.data.batch_size // process_count
-    ds = PackIterDataset(ds, config.data.seq_len, rows, len(specs), split_docs)
+    ds = PackIterDataset(ds, seq_len, batch_size // process_count, len(specs), split_docs)
     if config.data.num_workers > 0:
         from absl import flags
 
@@ -347,11 +349,14 @@ def make_pretrain_iterator(
     process_count: int = 1,
     *,
     num_epochs: int | None = -1,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
 ) -> DataIterator:
     """Packed pretraining batches of this host; see the module docstring.
 
     num_epochs: -1 = the split's default (train: forever, shuffled; heldout: one ordered pass),
-    None = forever, k = k passes.
+    None = forever, k = k passes. seq_len / batch_size (global rows) override config.data's.
+    A saved state restores only into an iterator built with the same data settings.
     """
     if num_epochs == -1:
         num_epochs = None if split == "train" else 1
@@ -371,4 +376,6 @@ def make_pretrain_iterator(
         process_count=process_count,
         num_epochs=num_epochs,
         shuffle=num_epochs != 1,
+        seq_len=seq_len,
+        batch_size=batch_size,
     )

@@ -20,7 +20,8 @@ counted (`data/truncated`); if no assistant token survives the cut it is dropped
 (`data/dropped`). Malformed conversations (not a list of {role, content} dicts with a known role
 and string content, or no assistant turn) are bad records of kind "invalid_conversation".
 """
-from coder.data import pretrain, sources, tokenizer as tokenizer_lib
+from coder.data import pretrain, sources
+from coder.data import tokenizer as tokenizer_lib
 from coder.data.pretrain import bad_doc
 
 
@@ -92,8 +93,10 @@ def make_sft_iterator(
     process_count: int = 1,
     *,
     num_epochs: int | None = -1,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
 ) -> pretrain.DataIterator:
-    """Packed SFT batches of this host. num_epochs as in make_pretrain_iterator.
+    """Packed SFT batches of this host. Keyword arguments as in make_pretrain_iterator.
 
     The held-out split is a hash of each conversation's index (config.data.heldout_fraction).
     """
@@ -103,7 +106,7 @@ def make_sft_iterator(
     return pretrain.build_iterator(
         config,
         specs,
-        SftTransform(tokenizer, specs, config.data.seq_len),
+        SftTransform(tokenizer, specs, seq_len or config.data.seq_len),
         split=split,
         split_records=True,
         split_docs=False,
@@ -111,5 +114,7 @@ def make_sft_iterator(
         process_count=process_count,
         num_epochs=num_epochs,
         shuffle=num_epochs != 1,
+        seq_len=seq_len,
+        batch_size=batch_size,
     )
 

@@ -102,19 +102,32 @@ class JsonlSource(_FileSource):
         super().__init__(paths)
         starts, ends = [], []
         for path in paths:
-            with fsspec.open(path, "rb") as f:
-                data = np.frombuffer(f.read(), np.uint8)
-            newlines = np.flatnonzero(data == ord("\n"))
-            s = np.concatenate([[0], newlines + 1])
-            e = np.concatenate([newlines, [len(data)]])
-            # A line holding nothing (or only the \r of a CRLF file) is not a record.
-            lengths = e - s
-            last = data[np.maximum(e - 1, 0)] if len(data) else np.zeros_like(e, np.uint8)
-            keep = (lengths > 1) | ((lengths == 1) & (last != ord("\r")))
-            starts.append(s[keep].astype(np.int64))
-            ends.append(e[keep].astype(np.int64))
+            s, e = self._line_spans(path)
+            starts.append(s)
+            ends.append(e)
         self._starts, self._ends = starts, ends
         self._offsets = np.cumsum([0] + [len(s) for s in starts])
+
+    @staticmethod
+    def _line_spans(path: str, chunk_bytes: int = 1 << 26) -> tuple[np.ndarray, np.ndarray]:
+        """[start, end) byte offsets of the records of one file, read in chunks."""
+        newlines, size = [], 0
+        with fsspec.open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + size)
+                size += len(chunk)
+        newlines = np.concatenate(newlines + [np.zeros(0, np.int64)]).astype(np.int64)
+        s = np.concatenate([[0], newlines + 1])
+        e = np.concatenate([newlines, [size]])
+        # A line holding nothing, or only the \r of a CRLF file, is not a record.
+        keep = e - s > 1
+        one = np.flatnonzero(e - s == 1)
+        if len(one):
+            with fsspec.open(path, "rb") as f:
+                for i in one:
+                    f.seek(int(s[i]))
+                    keep[i] = f.read(1) != b"\r"
+        return s[keep], e[keep]
 
     def __len__(self) -> int:
         return int(self._offsets[-1])

@@ -23,7 +23,7 @@ import io
 import os
 import random
 import tempfile
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -153,7 +153,7 @@ class Tokenizer:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content': {message!r}")
             if not isinstance(message["content"], str):
-                raise ValueError(f"message {i} content must be a string")
+                raise TypeError(f"message {i} content must be a string")
             turn = self.turn_ids(message["role"], message["content"])
             ids += turn
             mask += self.turn_loss_mask(message["role"], len(turn))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import os
 import random
@@ -63,6 +64,29 @@ def candidate_modules() -> list[str]:
                 and os.path.isfile(os.path.join(STDLIB, "test", f"test_{mod}.py"))):
             out.append(mod)
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def pytest_preloaded(limits: Limits | None = None) -> frozenset:
+    """Modules already imported when pytest runs a test in the sandbox: a test's `import M`
+    then gets the installed M, not the workspace copy, so M is useless unless its tests import
+    a fresh copy (`import_fresh_module`)."""
+    probe = Task(id="probe", prompt="", files={"test_probe.py": (
+        "import sys\n\ndef test_probe():\n    print('MODS', ' '.join(sorted(sys.modules)))\n")},
+        tests={})
+    with Sandbox(probe, limits=limits) as sb:
+        r = sb.run("python -I -m pytest -q -s test_probe.py", timeout_s=60)
+    line = next((ln for ln in r.stdout.splitlines() if "MODS " in ln), None)
+    if line is None:
+        raise RuntimeError(f"could not list pytest's modules: {r.stdout[-500:]}{r.stderr[-500:]}")
+    return frozenset(line.split("MODS ", 1)[1].split())
+
+
+def usable(module: str, preloaded: frozenset) -> bool:
+    if module not in preloaded:
+        return True
+    test_src = module_files(module)[1]
+    return f"import_fresh_module('{module}'" in test_src or f'import_fresh_module("{module}"' in test_src
 
 
 def split_of(module: str, heldout_percent: int = 20) -> str:
@@ -241,7 +265,8 @@ def stdlib_tasks(n: int, seed: int, split: str = "train", modules: list[str] | N
         raise ValueError(f"split {split!r}: use 'train' or 'heldout'")
     rng = random.Random(seed)
     limits = limits or Limits(timeout_s=max_test_s * 3, cpu_s=int(max_test_s * 3))
-    mods = [m for m in (modules or candidate_modules()) if split_of(m) == split]
+    preloaded = pytest_preloaded(limits)
+    mods = [m for m in (modules or candidate_modules()) if split_of(m) == split and usable(m, preloaded)]
     rng.shuffle(mods)
     out, seen = [], set()
     for module in mods:
@@ -281,7 +306,10 @@ def stdlib_tasks(n: int, seed: int, split: str = "train", modules: list[str] | N
             probe = _task(module, m.source, test_src, "", f"stdlib/{module}/{key}", command)
             importable, s = _check(probe, module, limits, max_test_s * 3)
             if not importable or s.infra_error or s.reward >= 1.0 or s.total == 0:
-                continue  # equivalent mutant, crash of the whole suite, or harness trouble
+                if log:  # equivalent mutant, crash of the whole suite, or harness trouble
+                    log(f"reject {m.op} in {module}.{m.function}: importable={importable}, "
+                        f"{s.passed}/{s.total} pass {s.infra_error or ''}")
+                continue
             test = s.not_passed[0].split("::", 1)[1].replace("::", ".")
             prompt = rng.choice(_REPORTS).format(func=m.function, module=module, test=test,
                                                  n=s.total - s.passed)

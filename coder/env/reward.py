@@ -79,10 +79,10 @@ def _force_write(sb: Sandbox, path: str, text: str) -> None:
         if os.path.islink(cur) or (os.path.exists(cur) and not os.path.isdir(cur)):
             os.unlink(cur)
     target = os.path.join(cur, parts[-1])
-    if os.path.islink(target) or os.path.isfile(target):
-        os.unlink(target)
-    elif os.path.isdir(target):
+    if os.path.isdir(target) and not os.path.islink(target):
         shutil.rmtree(target)
+    elif os.path.lexists(target):  # file, symlink, FIFO, socket: never followed or opened
+        os.unlink(target)
     sb.write("/".join(parts), text)
 
 

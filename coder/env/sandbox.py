@@ -180,6 +180,36 @@ def _cleanup(path: str, procs: set) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _process_identity(pid: int) -> str | None:
+    """'pid starttime' of a live process (pids are reused; start times tell them apart)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat_fields = f.read().rsplit(")", 1)[1].split()
+        return f"{pid} {stat_fields[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def reap_stale(root: str) -> int:
+    """Delete sandbox directories whose owning process is gone (it was killed before close());
+    returns how many. Their commands died with them (bwrap --die-with-parent)."""
+    n = 0
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        try:
+            with open(os.path.join(path, "owner")) as f:
+                owner = f.read().strip()
+        except OSError:
+            continue  # being created right now, or not ours
+        if owner and _process_identity(int(owner.split()[0])) != owner:
+            shutil.rmtree(path, ignore_errors=True)
+            n += 1
+    return n
+
+
+_REAPED: set = set()
+
+
 class Sandbox:
     """One isolated workspace. `Sandbox(task)` copies `task.files` in; see the module docstring.
 
@@ -192,6 +222,9 @@ class Sandbox:
         self._privileged = os.geteuid() == 0
         root = root or os.path.join(tempfile.gettempdir(), "coder-sandboxes")
         os.makedirs(root, mode=0o700, exist_ok=True)
+        if root not in _REAPED:  # once per process and root
+            _REAPED.add(root)
+            reap_stale(root)
         self.uid, self.dir = self._allocate(root)
         self._procs: set = set()
         self._finalizer = weakref.finalize(self, _cleanup, self.dir, self._procs)
@@ -223,9 +256,11 @@ class Sandbox:
             path = os.path.join(root, str(uid))
             try:
                 os.mkdir(path, 0o700)
-                return uid, path
             except FileExistsError:
                 continue
+            with open(os.path.join(path, "owner"), "w") as f:
+                f.write(_process_identity(os.getpid()) or "")
+            return uid, path
         raise SandboxError(f"no free sandbox uid under {root}")
 
     @property
@@ -356,9 +391,10 @@ class Sandbox:
                         caps[key.fileobj][0](chunk)
                     else:
                         sel.unregister(key.fileobj)
-            try:
-                code = proc.wait(timeout=10)
+            try:  # output closed (e.g. `exec >&-`) but the command may still be running
+                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
+                timed_out = True
                 _kill_group(proc)
                 code = proc.wait()
         finally:
@@ -409,9 +445,13 @@ class Sandbox:
         for d in reversed(missing):
             os.mkdir(d, 0o755)
             self._chown(d)
-        assert real.startswith(root + os.sep)
+        if not real.startswith(root + os.sep):
+            raise ValueError(f"{path}: resolves outside the workspace")
+        if os.path.lexists(real) and not os.path.isfile(real):
+            os.unlink(real)  # a FIFO or socket the agent left would block or misdirect the write
         data = text.encode("utf-8") if isinstance(text, str) else text
-        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         self._chown(real)

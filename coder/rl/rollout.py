@@ -271,6 +271,8 @@ class Agent:
         request = self.tok.turn_ids("user", SUMMARY_REQUEST) + self.tok.generation_prefix()
         if len(row.gen) > row.turn_start:  # close the cut-off turn before the request
             request = [self.tok.end_id] + request
+        if len(row.gen) + len(request) >= c.context_budget:  # rl.summary_reserve is too small
+            return self._end(row, "context")
         self._append(row, request)
         row.summarizing = True
 
@@ -324,9 +326,24 @@ class Agent:
             return self._end(row, "submit")
         if r.turns >= c.max_turns:
             return self._end(row, "turns")
-        obs = self.tok.turn_ids("tool", protocol.render_tool_results(outputs))
+        obs = self._fit_observation(row, protocol.render_tool_results(outputs))
         r.tool_io_tokens += len(obs)
         self._append(row, obs + self.tok.generation_prefix())
+
+    def _fit_observation(self, row: _Row, text: str) -> list[int]:
+        """The tool message's ids, cut so the generation keeps its summary reserve.
+
+        A cut message keeps its head and says so; whatever does not fit is for the summary to
+        recover (the agent can re-run the tool in the next generation).
+        """
+        c = self.cfg
+        ids = self.tok.turn_ids("tool", text)
+        room = c.context_budget - c.summary_reserve - len(row.gen) - len(self.tok.generation_prefix())
+        if len(ids) <= room:
+            return ids
+        note = self.tok.encode(f"\n[... tool output cut: {len(ids) - 2} tokens did not fit the context ...]")
+        keep = max(0, room - len(note) - 2)
+        return ids[:1 + keep] + note + [self.tok.end_id]
 
     def _append_context_only(self, row: _Row, ids: list[int]) -> None:
         row.gen.add_context(ids)  # the engine sees it with the next append (or never, at the end)

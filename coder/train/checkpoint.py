@@ -1,9 +1,10 @@
 """Orbax checkpoints: one directory per stage, one step subfolder per save.
 
 Layout of `{stage_dir}/checkpoints/{step}/`:
-  state/   arrays (one orbax PyTree): {"params": {name: array}, "model_state": {name: array},
-           "opt_state": {name: array}} with flat string names ("layers.0.attn.wq.kernel"), so a
-           checkpoint is readable without the code that wrote it and parameters can be matched by
+  state/   arrays (one orbax PyTree): {"model": {name: array}, "opt_state": {name: array}}
+           with flat string names ("layers.0.attn.wq"). "model" holds every variable of the
+           model (trained or not, e.g. the router bias), whatever the stage trained, so a
+           checkpoint is readable without the code that wrote it and variables are matched by
            name when a later stage adds modules (fresh MTP heads).
   meta/    JSON: step, RNG key data, counters (skipped steps).
   data/    JSON: the data iterator's `get_state()`.
@@ -42,15 +43,15 @@ def flat_name(path) -> str:
 
 def state_to_flat(state: nnx.State) -> dict:
     """nnx.State -> {flat name: array}."""
-    return {flat_name(path): var.get_value() for path, var in state.flat_state()}
+    return {flat_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
 def flat_to_state(template: nnx.State, flat: dict) -> nnx.State:
     """Inverse of `state_to_flat`: the values of `flat` in `template`'s structure and types."""
     leaves = []
-    for path, var in template.flat_state():
+    for path, var in nnx.to_flat_state(template):
         leaves.append((path, var.replace(flat[flat_name(path)])))
-    return nnx.State.from_flat_path(leaves)
+    return nnx.from_flat_state(leaves)
 
 
 def tree_to_flat(tree) -> dict:
@@ -87,7 +88,7 @@ class Checkpointer:
         return self._mngr.latest_step()
 
     def save(self, step: int, *, arrays: dict, meta: dict, data_state, config: dict, force=False):
-        """Start an async save of step. arrays = {"params", "model_state", "opt_state"} flat dicts."""
+        """Start an async save of step. arrays = {"model", "opt_state"} flat dicts."""
         args = dict(
             state=ocp.args.PyTreeSave(arrays),
             meta=ocp.args.JsonSave(meta),
@@ -144,18 +145,23 @@ def checkpoint_step(path: str) -> int:
 
 
 def load_params(path: str, abstract_params: dict) -> tuple[dict, list[str], list[str]]:
-    """Params of a checkpoint for `init_from`, matched by name.
+    """Model variables of a checkpoint for `init_from`, matched by name.
 
     path: a checkpoint directory (its latest step) or one step's subfolder.
-    abstract_params: {flat name: ShapeDtypeStruct with sharding} of the model being started.
+    abstract_params: {flat name: ShapeDtypeStruct with sharding} of the model being started
+    (every variable: params and the router bias).
     Returns (found {name: array} restored onto the target shardings, missing names (in the model,
     not in the checkpoint: they keep their initialisation), unexpected names (in the checkpoint,
     not in the model)). A name present in both with a different shape raises ValueError.
     """
     directory, step = _resolve(path)
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    mngr = ocp.CheckpointManager(
+        directory,
+        options=ocp.CheckpointManagerOptions(read_only=True),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+    )
     stored = mngr.item_metadata(step)["state"]
-    stored = getattr(stored, "tree", stored)["params"]
+    stored = getattr(stored, "tree", stored)["model"]
     found_abs, missing = {}, []
     for name, target in abstract_params.items():
         if name not in stored:
@@ -169,7 +175,7 @@ def load_params(path: str, abstract_params: dict) -> tuple[dict, list[str], list
             )
         found_abs[name] = target
     unexpected = sorted(set(stored) - set(abstract_params))
-    target = {"params": found_abs}
+    target = {"model": found_abs}
     restored = mngr.restore(
         step,
         args=ocp.args.Composite(
@@ -182,7 +188,7 @@ def load_params(path: str, abstract_params: dict) -> tuple[dict, list[str], list
     )
     mngr.close()
     logging.info("init_from %s step %d: %d params loaded", directory, step, len(found_abs))
-    return restored["state"]["params"], sorted(missing), unexpected
+    return restored["state"]["model"], sorted(missing), unexpected
 
 
 def read_config(path: str) -> dict:

@@ -529,6 +529,11 @@ def to_markdown(r: dict) -> str:
     lines += ["", "## Setup", "", "| key | value |", "|---|---|"]
     for k, v in r["setup"].items():
         lines.append(f"| {k} | {v} |")
+    if "memory_overflow" in r:
+        o = r["memory_overflow"]
+        lines += ["", "## Memory per chip", "",
+                  f"XLA:TPU stopped compiling: the step needs {_gib(o['used_bytes'])} GiB of "
+                  f"{_gib(o['hbm_bytes'])} GiB HBM ({100 * o['fraction_of_hbm']:.0f}%)."]
     if "memory" in r:
         m = r["memory"]
         lines += ["", "## Memory per chip (GiB)", "", "| part | GiB |", "|---|---|"]
@@ -731,11 +736,36 @@ def active_params(model_cfg) -> int:
     return int(c["active"] + mtp_active - embed)
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_overflow(message: str) -> tuple[float, float] | None:
+    """(used, capacity) bytes from XLA:TPU's out-of-memory compile error, else None.
+
+    e.g. "RESOURCE_EXHAUSTED: ... Ran out of memory in memory space hbm. Used 120.53G of
+    95.74G hbm. Exceeded hbm capacity by 24.79G."
+    """
+    m = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", message)
+    if not m:
+        return None
+    return (float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)])
+
+
 def advice(report: dict, config) -> list[str]:
     """What to change when the step does not fit, or where its time goes (from the numbers)."""
     out = []
     m = report.get("memory")
     if m is None:
+        o = report.get("memory_overflow")
+        if o:
+            out.append(f"XLA needs {_gib(o['used_bytes'])} GiB of the chip's "
+                       f"{_gib(o['hbm_bytes'])} GiB HBM ({100 * o['fraction_of_hbm']:.0f}%)")
+            if not config.compile.offload_optimizer:
+                out.append("compile.offload_optimizer=True moves the Adam moments to host memory")
+            if config.model.remat != "full":
+                out.append("model.remat=full keeps only block inputs for the backward pass")
+            out.append("more chips (fsdp x expert) divide the parameters and optimizer state; "
+                       "a larger mesh.sequence (or mesh.tensor) divides a long row's activations")
         return out
     mesh = report["setup"]["mesh"]
     if not m["fits"]:
@@ -801,9 +831,14 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001  (an OOM or a bad mesh is this stage's finding)
         logging.error("compile for %s failed:\n%s", topo.name, traceback.format_exc())
-        msg = str(e).strip().splitlines()
-        report.update(status="compile_error", error=(msg[0] if msg else type(e).__name__)[:2000],
+        msg = " ".join(str(e).split())
+        oom = hbm_overflow(msg)
+        report.update(status="does_not_fit" if oom else "compile_error",
+                      error=msg[:2000] or type(e).__name__,
                       compile_seconds=time.perf_counter() - t0)
+        if oom:
+            report["memory_overflow"] = dict(used_bytes=oom[0], hbm_bytes=oom[1],
+                                             fraction_of_hbm=oom[0] / oom[1])
     else:
         report["compile_seconds"] = time.perf_counter() - t0
         report.update(analyse(compiled, topo, params=part_sizes["params"],

@@ -142,8 +142,13 @@ def topology_devices(topo: Topology) -> list:
     jax.devices() stays the CPU backend: these devices can only be used to lower and compile
     (AOT), which is what `stage=compile` does. Needs the `tpu` extra (libtpu).
     """
+    import os
+
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) so that two processes never
+    # drive the same chips; compile-only devices drive none, so several compiles may run at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         desc = topologies.get_topology_desc(
             topology_name=topo.libtpu_name,

@@ -23,7 +23,6 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -116,16 +115,40 @@ def sft_config(config):
     return c
 
 
-def _sft_data(config, stage_dir: str, tok) -> str:
-    """sft.data, or the env's toy-task transcripts written once to {stage_dir}/transcripts.jsonl."""
+def _transcribe(item):
+    """(task, solution, seed) -> conversation or None (runs in an EpisodePool worker)."""
+    from coder.env import transcripts
+
+    task, solution, seed = item
+    conv, _ = transcripts.transcript(task, solution, seed)
+    return conv
+
+
+def toy_transcripts(n: int, seed: int, workers: int = 2) -> list[dict]:
+    """Conversations solving `n` of the env's toy tasks, with real tool outputs (coder.env.transcripts).
+
+    Only transcripts whose episode scored reward 1 come back from the env; fewer than half of
+    them is an environment problem worth stopping for.
+    """
+    from coder.env.pool import EpisodePool
+    from coder.env.tasks import toy_tasks
+
+    items = [(task, solution, seed) for task, solution in toy_tasks(n, seed)]
+    with EpisodePool(max(1, min(workers, n)), token_count=len) as pool:
+        convs = [c for c in pool.map(_transcribe, items) if c is not None]
+    if len(convs) < max(1, n // 2):
+        raise RuntimeError(f"only {len(convs)} of {n} toy-task transcripts succeeded: check the sandbox (bwrap)")
+    return convs
+
+
+def _sft_data(config, stage_dir: str) -> str:
+    """sft.data, or toy-task transcripts written once to {stage_dir}/transcripts.jsonl."""
     if config.sft.data:
         return config.sft.data
     path = os.path.join(stage_dir, "transcripts.jsonl")
     if jax.process_index() == 0 and not os.path.exists(path):
-        from coder.env import transcripts
-
         os.makedirs(stage_dir, exist_ok=True)
-        convs = transcripts.generate(config, tok)
+        convs = toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1))
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             for conv in convs:
@@ -142,8 +165,7 @@ def _sft_data(config, stage_dir: str, tok) -> str:
 def sft(config, stage_dir: str, init_from: str) -> str:
     """Fine-tune on conversations; only assistant tokens carry loss (coder.data.sft)."""
     c = sft_config(config)
-    tok = _tokenizer(c)
-    data = _sft_data(c, stage_dir, tok)
+    data = _sft_data(c, stage_dir)
 
     def make_iterator(cfg, tokenizer):
         from coder.data.sft import make_sft_iterator
@@ -185,7 +207,7 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
 
     @jax.jit
     def score(state, batch):
-        logits, aux = nnx.merge(graphdef, state)(batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits, _ = nnx.merge(graphdef, state)(batch["tokens"], batch["positions"], batch["segment_ids"])
         _, metrics = lm_loss(logits, {}, batch, mtp_loss_weight=0.0, z_loss_weight=0.0)
         return metrics["ce"] * metrics["weight"], metrics["weight"]
 
@@ -215,7 +237,10 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     if int(config.eval.agent_tasks) > 0:
         from coder.rl.eval import run_agent_eval
 
-        results = run_agent_eval(config, nnx.merge(graphdef, state), tok, stage_dir)
+        agent_config = copy.deepcopy(config)
+        agent_config.rl.eval_num_tasks = int(config.eval.agent_tasks)
+        step = ckpt_lib.checkpoint_step(init_from)
+        results = run_agent_eval(agent_config, nnx.merge(graphdef, state), tok, stage_dir, step=step)
         record.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
     step = ckpt_lib.checkpoint_step(init_from)
     writer = MetricsWriter(stage_dir, "eval", tensorboard=True)

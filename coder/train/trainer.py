@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -170,7 +169,7 @@ class Trainer:
         elif init_from:
             self._init_from(init_from)
 
-        shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
+        shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(self.params), shard_of(self.rest), shard_of(self.opt_state), None),
@@ -295,7 +294,7 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / jnp.where(total_w > 0, total_w, 1.0), grad_sum)
         loss = _weighted_mean(ws, losses)
         metrics = {k: _weighted_mean(ws, v) for k, v in metrics.items()}
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         updates, new_opt = self.tx.update(grads, opt_state, params)

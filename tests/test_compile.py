@@ -1,0 +1,187 @@
+"""stage=compile: AOT compilation for TPU topologies on this CPU (libtpu) and its report.
+
+The HLO-analysis tests use a small stand-in sharded function; the stage test compiles the
+quickstart model's real training step for a TPU v5e 2x2 slice.
+"""
+import collections
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from coder.train import compile as C
+from coder.train import hardware as hw
+
+libtpu = pytest.importorskip("libtpu", reason="the tpu extra (libtpu) is needed for TPU topologies")
+
+
+# ----------------------------------------------------------------------------- topologies
+@pytest.mark.parametrize("spec, slices, libtpu_name, chips, name", [
+    ("v5e-4", 1, "v5e:2x2", 4, "v5e-4"),
+    ("v5p-512", 1, "v5:4x8x8", 256, "v5p-512"),
+    ("v5p:4x4x4", 1, "v5:4x4x4", 64, "v5p-128"),
+    ("v6e-256", 2, "v6e:16x16", 512, "2xv6e-256"),
+    ("v4-8", 1, "v4:2x2x1", 4, "v4-8"),
+])
+def test_parse_topology(spec, slices, libtpu_name, chips, name):
+    t = hw.parse_topology(spec, slices)
+    assert (t.libtpu_name, t.num_chips, t.name) == (libtpu_name, chips, name)
+
+
+@pytest.mark.parametrize("spec", ["v5e-3", "v7-8", "v5p-7", "v5p:4x4", "tpu"])
+def test_parse_topology_rejects_unknown_slices(spec):
+    with pytest.raises(ValueError, match="compile.topology"):
+        hw.parse_topology(spec)
+
+
+def test_topology_devices_are_tpu_chips_of_every_slice():
+    devs = hw.topology_devices(hw.parse_topology("v5p-16", 2))
+    assert len(devs) == 16
+    assert {d.platform for d in devs} == {"tpu"}
+    assert {d.device_kind for d in devs} == {hw.CHIPS["v5p"].device_kind}
+    assert collections.Counter(d.slice_index for d in devs) == {0: 8, 1: 8}
+    assert jax.devices()[0].platform == "cpu"  # the default backend is untouched
+
+
+# ----------------------------------------------------------------------------- HLO analysis
+def _stand_in(mesh, layers, scan):
+    """grad of an L-layer tanh MLP with weights sharded over fsdp: [L, 512, 512] f32."""
+    w = jax.ShapeDtypeStruct((layers, 512, 512), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "fsdp", None)))
+    x = jax.ShapeDtypeStruct((32, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
+
+    def loss(w, x):
+        if scan:
+            h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl.astype(h.dtype)), None), x, w)
+        else:
+            h = x
+            for i in range(layers):
+                h = jnp.tanh(h @ w[i].astype(h.dtype))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.grad(loss)).lower(w, x).compile()
+
+
+@pytest.fixture(scope="module")
+def v5e_mesh():
+    return Mesh(np.array(hw.topology_devices(hw.parse_topology("v5e-4"))), ("fsdp",))
+
+
+def test_loop_trip_counts_restore_the_flops_xla_counts_once(v5e_mesh):
+    layers = 6
+    unrolled = _stand_in(v5e_mesh, layers, scan=False)
+    scanned = _stand_in(v5e_mesh, layers, scan=True)
+    matmul = 3 * 2 * 32 * 512 * 512 * layers / 4  # fwd + 2 bwd matmuls per layer, per chip
+    xla_unrolled = unrolled.cost_analysis()["flops"]
+    xla_scanned = scanned.cost_analysis()["flops"]
+    assert xla_unrolled == pytest.approx(matmul, rel=0.05)
+    assert xla_scanned < 0.5 * matmul  # XLA counts the loop body once
+
+    module = C.parse_hlo(scanned.as_text())
+    runs, unknown = C.multiplicities(module)
+    assert not unknown
+    assert max(runs.values()) == layers  # the loop bodies run once per layer
+    flops, traffic = C.loop_corrected_cost(module, xla_scanned,
+                                           scanned.cost_analysis()["bytes accessed"])
+    assert flops == pytest.approx(xla_unrolled, rel=0.05)
+    assert traffic > scanned.cost_analysis()["bytes accessed"]
+
+
+def test_collectives_are_counted_per_execution(v5e_mesh):
+    layers = 5
+    compiled = _stand_in(v5e_mesh, layers, scan=True)
+    module = C.parse_hlo(compiled.as_text())
+    runs, _ = C.multiplicities(module)
+    stats = C.collective_stats(module, runs, num_devices=4)
+    gathers = stats["all-gather"]
+    # each layer's weight shard is all-gathered in the forward (and again in the backward)
+    assert gathers["count"] >= 1 and gathers["executed"] >= layers
+    per_layer = 512 * 512 * 2  # bf16 weight of one layer, gathered whole on every chip
+    assert gathers["bytes"] >= layers * per_layer
+    assert gathers["wire_bytes"] == pytest.approx(gathers["bytes"] * 3 / 4)
+
+
+@pytest.mark.parametrize("attrs, n", [
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 4),
+    ("replica_groups=[2,4]<=[8], to_apply=%add", 4),
+    ("replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add", 2),
+    ("replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}, dimensions={1}", 4),
+    ("replica_groups=mesh['data'=2,'fsdp'=4] {'data','fsdp'}, dimensions={1}", 8),
+    ("replica_groups={}, to_apply=%add", 16),
+])
+def test_group_size_reads_every_replica_group_spelling(attrs, n):
+    assert C.group_size(attrs, 16) == n
+
+
+def test_memory_report_flags_a_step_over_hbm_and_advice_names_the_fix():
+    Stats = collections.namedtuple("Stats", "argument_size_in_bytes output_size_in_bytes "
+                                   "alias_size_in_bytes temp_size_in_bytes "
+                                   "generated_code_size_in_bytes peak_memory_in_bytes "
+                                   "host_argument_size_in_bytes host_output_size_in_bytes "
+                                   "host_temp_size_in_bytes")
+    gib = 2**30
+    stats = Stats(12 * gib, 12 * gib, 12 * gib, 6 * gib, 0, 0, 0, 0, 0)
+    mem = C.memory_report(stats, 16 * 10**9, params=4 * gib, optimizer=8 * gib, batch=0)
+    assert mem["total_bytes"] == 18 * gib and not mem["fits"]
+    assert mem["fraction_of_hbm"] > 1
+
+    from configs import base
+    config = base.get_config()
+    report = dict(memory=mem, setup=dict(mesh={"data": 4}),
+                  roofline=dict(bound="compute", step_time_lower_s=1.0, step_time_serial_s=2.0))
+    tips = " ".join(C.advice(report, config))
+    assert "compile.offload_optimizer=True" in tips and "model.remat=full" in tips
+
+
+# ----------------------------------------------------------------------------- the stage
+@pytest.fixture(scope="module")
+def quickstart_report(tmp_path_factory):
+    from configs import quickstart
+
+    config = quickstart.get_config()
+    config.compile.topology = "v5e-4"
+    config.model.dtype = "bfloat16"  # as on a TPU
+    out = str(tmp_path_factory.mktemp("compile"))
+    assert C.run(config, out, "prev/ckpt") == "prev/ckpt"  # passes init_from on to a next stage
+    with open(os.path.join(out, "report.json")) as f:
+        return config, json.load(f), open(os.path.join(out, "report.md")).read()
+
+
+@pytest.mark.slow
+def test_quickstart_train_step_compiles_for_v5e_2x2(quickstart_report):
+    from coder.model import count_params
+
+    config, r, md = quickstart_report
+    assert r["status"] == "fits", r.get("error")
+    assert r["hardware"]["libtpu_name"] == "v5e:2x2" and r["hardware"]["chips"] == 4
+    assert r["setup"]["mesh"]["data"] == 4
+
+    m = r["memory"]
+    counts = count_params(config.model)
+    n_params = counts["total"] + counts["mtp"]
+    # data parallel: every chip holds all float32 params (+ router biases) and two Adam moments
+    assert n_params * 4 <= m["params_bytes"] <= n_params * 4 * 1.01
+    assert 2 * n_params * 4 <= m["optimizer_bytes"] <= 2 * n_params * 4 * 1.01
+    assert m["batch_bytes"] == 4 * 4 * (8 // 4) * 256  # 4 int32/f32 arrays, 2 rows per chip
+    assert m["activations_temp_bytes"] > 0
+    assert m["params_bytes"] + m["optimizer_bytes"] <= m["total_bytes"] < m["hbm_bytes"]
+    assert m["fits"] and m["fraction_of_hbm"] == pytest.approx(m["total_bytes"] / m["hbm_bytes"])
+
+    c = r["cost"]
+    model_flops = r["roofline"]["model_flops"]
+    assert c["flops"] >= c["xla_flops"] > 0 and c["bytes_accessed"] > 0
+    assert 0.8 < c["flops"] * 4 / model_flops < 5  # compiled work vs 6N + attention
+    assert not c["loops_with_unknown_trip_count"]
+
+    # data parallel over 4 chips: gradients are all-reduced (or reduce-scattered) every step
+    reduced = r["collectives"]["all-reduce"]["bytes"] + r["collectives"]["reduce-scatter"]["bytes"]
+    assert reduced > 0 and r["collectives"]["dcn"]["count"] == 0
+
+    f = r["roofline"]
+    assert f["step_time_lower_s"] == max(f["compute_s"], f["hbm_s"], f["ici_s"], f["dcn_s"]) > 0
+    assert 0 < f["mfu_lower"] <= f["mfu_upper"] < 1
+    assert "v5e-4" in md and "fits" in md and "| all-reduce |" in md

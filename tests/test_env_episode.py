@@ -1,0 +1,100 @@
+"""Episode: text and per-call interfaces, ending conditions, counters, infra errors."""
+import pytest
+
+from coder.env import sandbox as sandbox_lib
+from coder.env.episode import Episode
+from coder.env.protocol import ToolCall, render_tool_call as rc
+from coder.env.sandbox import InfraError
+from coder.env.tasks import toy_tasks
+
+(TASK, SOLUTION), = toy_tasks(1, seed=5)
+
+
+def test_token_count_is_required():
+    with pytest.raises(TypeError):
+        Episode(None)
+
+
+def test_solve_toy_task_by_text():
+    ep = Episode(len)
+    assert ep.reset(TASK) == TASK.prompt
+    obs, done, info = ep.step("Look. " + rc("read_file", {"path": "answer.py"})
+                              + rc("shell", {"command": "ls"}))
+    assert not done and obs.count("<tool_result>") == 2 and "test_answer.py" in obs
+    assert info["turns"] == 1 and info["tool_calls"] == 2 and info["broken_calls"] == 0
+    assert info["tool_output_chars"] == len(obs) == info["tool_output_tokens"]
+    obs, done, info = ep.step(rc("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]})
+                              + rc("submit", {}) + rc("shell", {"command": "touch late"}))
+    assert done and info["done_reason"] == "submit"
+    assert "1 call(s) after submit were not run" in obs
+    assert (info["reward"], info["passed"], info["total"], info["infra_error"]) == (1.0, 1, 1, None)
+    roles = [m["role"] for m in ep.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    assert ep.sandbox is None  # closed once scored
+    with pytest.raises(RuntimeError):
+        ep.step(rc("submit", {}))
+
+
+def test_broken_call_is_reported_and_fails_the_rollout():
+    ep = Episode(lambda s: len(s.split()))
+    ep.reset(TASK)
+    obs, done, info = ep.step('<tool_call>{"name": "write_file"}</tool_call>')
+    assert not done and "broken tool call" in obs and info["broken_calls"] == 1
+    _, done, info = ep.step(rc("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]})
+                            + rc("submit", {}))
+    assert done and info["passed"] == info["total"] == 1  # the tests pass ...
+    assert info["reward"] == 0.0 and "broken" in info["score_error"]  # ... but the rollout fails
+
+
+def test_ends_without_tool_call_and_on_turn_limit_and_budget():
+    ep = Episode(len, max_turns=2)
+    ep.reset(TASK)
+    _, done, info = ep.step("I give up.")
+    assert done and info["done_reason"] == "no_tool_call" and info["reward"] == 0.0
+    ep.reset(TASK)
+    ep.step(rc("shell", {"command": "true"}))
+    _, done, info = ep.step(rc("shell", {"command": "true"}))
+    assert done and info["done_reason"] == "max_turns" and info["turns"] == 2
+    ep = Episode(len, max_tool_output_tokens=50)
+    ep.reset(TASK)
+    _, done, info = ep.step(rc("shell", {"command": "seq 1 100"}))
+    assert done and info["done_reason"] == "budget" and info["tool_output_tokens"] >= 50
+
+
+def test_per_call_interface_and_snapshot():
+    ep = Episode(len)
+    ep.reset(TASK)
+    snap = ep.sandbox.snapshot()
+    out = ep.step(ToolCall("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]}, ""))
+    assert out.startswith("wrote")
+    assert ep.call(ToolCall("submit", {}, "")) == "submitted" and ep.done
+    reward, info = ep.score()
+    assert reward == 1.0 and ep.score()[0] == 1.0  # scored once
+    ep.reset(TASK, snapshot=snap)  # G rollouts start from one snapshot
+    assert ep.sandbox.read("answer.py") == TASK.files["answer.py"]
+    ep.close()
+
+
+def test_sandbox_start_failure_is_an_infra_error(monkeypatch):
+    def broken():
+        raise sandbox_lib.SandboxError("bwrap exploded")
+    monkeypatch.setattr(sandbox_lib, "find_bwrap", broken)
+    ep = Episode(len)
+    ep.reset(TASK)
+    obs, done, info = ep.step(rc("submit", {}))
+    assert done and "bwrap exploded" in info["infra_error"] and info["reward"] is None
+    with pytest.raises(InfraError):
+        ep.call(ToolCall("shell", {"command": "true"}, ""))
+
+
+def test_tool_crash_is_an_infra_error(monkeypatch):
+    from coder.env import tools
+
+    def crash(ctx, args):
+        raise KeyError("harness bug")
+    monkeypatch.setitem(tools.FUNCTIONS, "grep", crash)
+    ep = Episode(len)
+    ep.reset(TASK)
+    obs, done, info = ep.step(rc("grep", {"pattern": "x"}))
+    assert done and "harness bug" in info["infra_error"] and info["reward"] is None
+    assert ep.sandbox is None

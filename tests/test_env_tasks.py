@@ -1,0 +1,83 @@
+"""Tasks: JSONL format, toy tasks, and the stdlib bug-fix generator."""
+import ast
+import random
+
+import pytest
+
+from coder.env import mutate
+from coder.env.reward import score_solution
+from coder.env.tasks import Task, read_solutions, read_tasks, toy_tasks, write_solutions, write_tasks
+
+
+def test_task_jsonl_roundtrip_and_validation(tmp_path):
+    tasks = [Task("a", "p", {"x.py": "1"}, {"test_x.py": "2"}), Task("b", "q", {}, {}, source="toy")]
+    write_tasks(tmp_path / "t.jsonl", tasks)
+    assert read_tasks(tmp_path / "t.jsonl") == tasks
+    write_solutions(tmp_path / "s.jsonl", {"a": {"x.py": "3"}})
+    assert read_solutions(tmp_path / "s.jsonl") == {"a": {"x.py": "3"}}
+    t = Task.from_json({"id": "c", "prompt": "p", "files": {}, "tests": {}})
+    assert t.test_command == "python -m pytest -q" and t.language == "python"
+    with pytest.raises(ValueError, match="lacks"):
+        Task.from_json({"id": "c", "prompt": "p", "files": {}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        Task.from_json({"id": "c", "prompt": "p", "files": {}, "tests": {}, "extra": 1})
+    with pytest.raises(ValueError, match="map paths"):
+        Task.from_json({"id": "c", "prompt": "p", "files": {"a": 1}, "tests": {}})
+
+
+def test_toy_tasks_are_reproducible_distinct_and_solvable():
+    a, b = toy_tasks(12, seed=3), toy_tasks(12, seed=3)
+    assert a == b and len({t.id for t, _ in a}) == 12
+    assert [t.id for t, _ in toy_tasks(12, seed=4)] != [t.id for t, _ in a]
+    for task, sol in random.Random(0).sample(a, 3):
+        assert score_solution(task, sol).reward == 1.0
+        assert score_solution(task, {}).reward == 0.0
+
+
+SRC = '''
+def f(xs, n):
+    total = 0
+    for i in range(n):
+        if xs[i] < 10:
+            total += xs[i]
+    return max(total, n)
+'''
+
+
+def test_every_mutation_operator_applies_and_parses():
+    muts = mutate.mutations(SRC, random.Random(0))
+    assert {m.op for m in muts} == set(mutate.OPERATORS)
+    for m in muts:
+        ast.parse(m.source)
+        assert m.source != SRC and m.function == "f"
+    # one site each: the mutant differs from the original in a single contiguous region
+    flips = [m.source for m in muts if m.op == "flip_comparison"]
+    assert "xs[i] <= 10" in flips[0]
+    assert any("max(n, total)" in m.source for m in muts if m.op == "swap_arguments")
+    assert mutate.mutations(SRC, random.Random(7)) == mutate.mutations(SRC, random.Random(7))
+
+
+def test_splits_are_disjoint_by_module():
+    mods = mutate.candidate_modules()
+    train = {m for m in mods if mutate.split_of(m) == "train"}
+    held = {m for m in mods if mutate.split_of(m) == "heldout"}
+    assert train and held and not train & held and train | held == set(mods)
+
+
+def test_stdlib_generator_sample_fails_mutated_passes_original():
+    log = []
+    pairs = mutate.stdlib_tasks(1, seed=0, split="heldout", modules=["colorsys"],
+                                max_per_module=1, log=log.append)
+    assert len(pairs) == 1, log
+    task, solution = pairs[0]
+    assert task.source == "stdlib" and task.id.startswith("stdlib/colorsys/")
+    assert set(task.files) == {"colorsys.py", "test_colorsys.py"} and set(task.tests) == {"test_colorsys.py"}
+    assert task.files["colorsys.py"] != solution["colorsys.py"]
+    assert "colorsys" in task.prompt and "@@" not in task.prompt and "line" not in task.prompt
+    broken = score_solution(task, {}, mode="all")
+    fixed = score_solution(task, solution, mode="all")
+    assert broken.infra_error is None and broken.reward == 0.0 and broken.total > 0
+    assert fixed.reward == 1.0 and fixed.passed == fixed.total == broken.total
+    again = mutate.stdlib_tasks(1, seed=0, split="heldout", modules=["colorsys"], max_per_module=1)
+    assert again == pairs  # reproducible from the seed
+    assert mutate.stdlib_tasks(1, seed=0, split="train", modules=["colorsys"]) == []  # wrong split

@@ -1,0 +1,84 @@
+"""Agent tools in a sandbox, and BM25 search."""
+import pytest
+
+from coder.env import search, tools
+from coder.env.sandbox import Limits, Sandbox
+from coder.env.tasks import Task
+
+CODE = ("import os\n\n\ndef parse_header(line):\n    key, _, value = line.partition(':')\n"
+        "    return key.strip(), value.strip()\n\n\ndef add(a, b):\n    return a + b\n")
+TEST = "from mod import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+TASK = Task("t", "p", {"mod.py": CODE, "test_mod.py": TEST}, {"test_mod.py": TEST})
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with Sandbox(TASK, limits=Limits(timeout_s=30)) as sb:
+        yield tools.ToolContext(sb, TASK, max_output_chars=2000, command_timeout_s=30)
+
+
+def call(ctx, name, **args):
+    return tools.call(ctx, name, args)
+
+
+def test_read_file_numbers_lines_and_ranges(ctx):
+    out = call(ctx, "read_file", path="mod.py", start_line=4, end_line=5)
+    assert out == "4\tdef parse_header(line):\n5\t    key, _, value = line.partition(':')"
+    assert call(ctx, "read_file", path="mod.py").splitlines()[9] == "10\t    return a + b"
+    assert "error" in call(ctx, "read_file", path="nope.py")
+    assert "past the end" in call(ctx, "read_file", path="mod.py", start_line=99)
+    assert "outside the workspace" in call(ctx, "read_file", path="../../etc/passwd")
+
+
+def test_write_and_edit_file(ctx):
+    assert call(ctx, "write_file", path="new/x.py", content="a = 1\na = 1\nb = 2\n") == "wrote 18 bytes to new/x.py"
+    assert ctx.sandbox.run("cat new/x.py").stdout == "a = 1\na = 1\nb = 2\n"  # visible inside
+    out = call(ctx, "edit_file", path="new/x.py", old="a = 1\n", new="a = 3\n")
+    assert "occurs 2 times" in out and "[1, 2]" in out
+    assert "not found" in call(ctx, "edit_file", path="new/x.py", old="c = 1", new="c = 2")
+    assert "whitespace" in call(ctx, "edit_file", path="new/x.py", old="  b = 2", new="b = 3")
+    assert "identical" in call(ctx, "edit_file", path="new/x.py", old="b = 2", new="b = 2")
+    assert call(ctx, "edit_file", path="new/x.py", old="b = 2", new="b = 5") == "edited new/x.py at line 3"
+    assert ctx.sandbox.read("new/x.py") == "a = 1\na = 1\nb = 5\n"
+
+
+def test_shell_grep_lint_tests(ctx):
+    out = call(ctx, "shell", command="echo hi; echo err >&2; exit 3")
+    assert out == "exit code: 3\nhi\n[stderr]\nerr"
+    assert "mod.py:4:def parse_header" in call(ctx, "grep", pattern="def parse_", path=".")
+    assert call(ctx, "grep", pattern="zzz_nothing") == "no matches"
+    assert call(ctx, "grep", pattern="(unclosed").startswith("error")
+    lint = call(ctx, "lint", path="mod.py")
+    assert "F401" in lint and "os" in lint  # unused import found by ruff in the sandbox
+    assert "1 passed" in call(ctx, "run_tests")
+    assert "(timed out)" in call(ctx, "shell", command="sleep 5", timeout_s=1)
+
+
+def test_output_is_capped_with_a_note(ctx):
+    out = call(ctx, "shell", command="seq 1 100000")
+    assert len(out) < 2100 and "characters cut" in out
+    assert out.rstrip().endswith("100000")  # the tail is kept
+
+
+def test_search_ranks_the_relevant_chunk(ctx):
+    out = call(ctx, "search", query="parse an http header line")
+    assert out.startswith("mod.py:1-10 (score") and "def parse_header" in out
+    assert out.index("def parse_header") < out.find("test_mod.py:") or "test_mod.py:" not in out
+
+
+def test_tokenize_and_bm25():
+    assert search.tokenize("parseHTTPHeader snake_case2") == [
+        "parsehttpheader", "parse", "http", "header", "snake_case2", "snake", "case", "2"]
+    files = {"a.py": "def load_config(path):\n    return open(path).read()\n",
+             "b.py": "def add(a, b):\n    return a + b\n",
+             "c.py": "def config_value(cfg, key):\n    return cfg[key]\n"}
+    hits = search.search(files, "load the config file", k=3)
+    assert hits[0][1].path == "a.py" and all(s > 0 for s, _ in hits)
+    assert search.search(files, "quantum chromodynamics") == []
+
+
+def test_chunking_covers_every_line():
+    text = "\n".join(f"line {i}" for i in range(1, 101))
+    chunks = search.chunk_file("x.txt", text, chunk_lines=40)
+    covered = {i for c in chunks for i in range(c.start, c.end + 1)}
+    assert covered == set(range(1, 101)) and all(c.end - c.start < 40 for c in chunks)

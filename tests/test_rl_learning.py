@@ -1,0 +1,196 @@
+"""GRPO learns: the whole stage (real engine, real trainer, rollout loop, reward, GRPO loss).
+
+The learning test uses a light in-process environment so it runs in about a minute on CPU: the
+task is "submit the number k" with one tool, `submit(answer)`, and the reward is 1 when the
+submitted answer is k. It goes through exactly the code a sandboxed run uses (Agent.run_group,
+protocol parsing, score_groups, Learner with coder.rl.grpo's loss, engine weight updates,
+metrics.jsonl); only the episode is in-process instead of a bwrap sandbox.
+
+Starting point: a tiny model briefly SFT-ed on the *format* (it calls submit with a uniformly
+random number from {1..6}, whatever the prompt says), so its reward starts near 1/6; GRPO must
+teach it to read k from the prompt. A wrong loss sign drives the pass rate down, and wrong
+target alignment or masking leaves it at chance: both fail the test.
+
+The smoke test runs the real sandboxed toy tasks of coder.env through the same loop.
+"""
+import json
+import os
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from coder.data import tokenizer as tokenizer_lib
+from coder.env import protocol
+from coder.env import tasks as tasks_lib
+from coder.model import Transformer
+from coder.rl import rollout as rollout_lib
+from coder.rl import stage as stage_lib
+from coder.train import losses
+from configs import base
+
+SUBMIT = protocol.ToolSpec(
+    "submit", "Submit your answer.",
+    {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+     "additionalProperties": False})
+ANSWERS = "123456"
+NAMES = ["Ada", "Alan", "Grace", "Linus", "Guido", "Barbara", "Donald", "Edsger", "Ken", "Dennis",
+         "Frances", "John", "Margaret", "Niklaus", "Tony", "Leslie", "Radia", "Sophie", "Bjarne", "Yukihiro"]
+OPENERS = ["Hi", "Hello", "Dear", "Hey"]
+CLOSERS = ["Thanks.", "Please.", "Quickly.", "Now."]
+
+
+def make_tasks(n, seed):
+    """n distinct toy tasks (distinct prompts: single epoch) with their answers."""
+    combos = [(o, name, k, c) for o in OPENERS for name in NAMES for k in ANSWERS for c in CLOSERS]
+    random.Random(seed).shuffle(combos)
+    out = []
+    for o, name, k, c in combos[:n]:
+        prompt = f"{o} {name}, submit the number {k}. {c}"
+        out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), k))
+    return out
+
+
+class SubmitEpisode:
+    """In-process episode: one tool, reward 1 when the submitted answer is the task's."""
+
+    tools = [SUBMIT]
+
+    def __init__(self, expected):
+        self.expected, self.answer, self.done = expected, None, False
+
+    def step(self, call):
+        self.answer, self.done = call.arguments["answer"], True
+        return "submitted"
+
+    def score(self):
+        return float(self.answer == self.expected), {}
+
+    def close(self):
+        pass
+
+
+def tokenizer():
+    system = protocol.render_system_prompt([SUBMIT])
+    prompts = [t.prompt for t, _ in make_tasks(200, 1)]
+    calls = [protocol.render_tool_call("submit", {"answer": k}) for k in ANSWERS]
+    return tokenizer_lib.train_tokenizer([system] * 20 + prompts + calls * 20, 400)
+
+
+def tiny_config(tok, stage_len):
+    c = base.get_config()
+    c.model.update(dict(vocab_size=tok.padded_vocab_size, hidden_size=64, intermediate_size=128,
+                        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+                        first_k_dense_replace=1, num_mtp_layers=0, max_position_embeddings=stage_len,
+                        dtype="float32"))
+    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=24,
+                     max_rollout_tokens=48, context_budget=stage_len, summary_reserve=8, max_summaries=0))
+    c.grpo.update(dict(kl_coef=0.0, clip_low=0.2, clip_high=0.28))
+    c.train.update(dict(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0,
+                        log_every=1, ckpt_every=1000))
+    return c
+
+
+def sft_format(cfg, tok, steps=150, seed=0):
+    """Teaches the call format with a random answer (independent of the prompt)."""
+    model = Transformer(cfg.model, rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    rng = random.Random(seed)
+    system = protocol.render_system_prompt([SUBMIT])
+    tasks = make_tasks(400, 99)  # prompts for the format only
+    T = cfg.model.max_position_embeddings
+
+    def batch():
+        toks, masks = np.zeros((16, T), np.int32), np.zeros((16, T), np.float32)
+        seg = np.zeros((16, T), np.int32)
+        for i in range(16):
+            task, _ = rng.choice(tasks)
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt},
+                    {"role": "assistant", "content": protocol.render_tool_call("submit", {"answer": rng.choice(ANSWERS)})}]
+            ids, mask = tok.render_conversation(msgs)
+            toks[i, :len(ids)], masks[i, :len(ids)], seg[i, :len(ids)] = ids, mask, 1
+        pos = np.broadcast_to(np.arange(T, dtype=np.int32), (16, T))
+        return dict(tokens=toks, positions=pos, segment_ids=seg, loss_mask=masks)
+
+    @nnx.jit
+    def step(model, opt, b):
+        def loss_fn(m):
+            logits, _ = m(b["tokens"], b["positions"], b["segment_ids"])
+            return losses.next_token_loss(logits, b)[0]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    for _ in range(steps):
+        loss = step(model, opt, batch())
+    return model, float(loss)
+
+
+def _read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_read_the_task(tmp_path):
+    tok = tokenizer()
+    head = len(tok.turn_ids("system", protocol.render_system_prompt([SUBMIT]))) + 24
+    stage_len = -(-(head + 48) // 16) * 16
+    cfg = tiny_config(tok, stage_len)
+    steps = 30
+    cfg.train.steps = steps
+    sft_model, sft_loss = sft_format(cfg, tok)
+    state = nnx.state(sft_model)
+    tasks = make_tasks(steps * cfg.rl.tasks_per_step, seed=0)
+    answer = {t.id: k for t, k in tasks}
+
+    def model_fn():
+        m = Transformer(cfg.model, rngs=nnx.Rngs(1))
+        nnx.update(m, state)
+        return m
+
+    stage_lib.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
+                    make_episode=lambda task: SubmitEpisode(answer[task.id]), model_fn=model_fn)
+    m = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    assert [r["step"] for r in m] == list(range(1, steps + 1))
+    early = np.mean([r["reward"] for r in m[:3]])
+    late = np.mean([r["reward"] for r in m[-3:]])
+    print("sft loss", sft_loss, "rewards", [round(r["reward"], 2) for r in m],
+          "pass", [round(r["pass_rate"], 2) for r in m])
+    assert m[0]["submitted"] > 0.9  # the SFT-ed format works: the test is about the answer
+    assert early < 0.2, early
+    assert late > 0.8, late
+    assert np.isfinite(m[-1]["loss"]) and "kl" in m[-1] and "entropy" in m[-1]
+
+
+@pytest.mark.slow
+def test_sandboxed_toy_tasks_smoke(tmp_path):
+    """The real engine and real bwrap sandboxes on coder.env's toy tasks, one GRPO step."""
+    cfg = base.get_config()
+    tok = tokenizer_lib.load_or_train(cfg)
+    cfg.rl.update(dict(group_size=2, tasks_per_step=1, max_turn_tokens=16, max_turns=2,
+                       max_rollout_tokens=32, context_budget=768, summary_reserve=64))
+    cfg.model.update(dict(vocab_size=tok.padded_vocab_size, hidden_size=32, intermediate_size=64,
+                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                          n_routed_experts=4, n_group=1, topk_group=1, num_mtp_layers=0,
+                          max_position_embeddings=768, dtype="float32"))
+    cfg.rl.tools = ("read_file", "edit_file", "submit")
+    cfg.train.update(dict(steps=1, warmup_steps=0, log_every=1))
+    tasks = stage_lib.train_tasks(cfg)[:1]
+    ckpt = stage_lib.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=tasks,
+                           make_episode=stage_lib.episode_factory(cfg), held_out=stage_lib.eval_tasks(cfg)[:1])
+    (rec,) = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    assert rec["step"] == 1 and rec["rollouts"] == 2 and np.isfinite(rec["loss"])
+    assert rec["infra_failures"] == 0  # the sandboxes ran and scored (a random model fails them)
+    assert 0.0 <= rec["pass_rate"] <= 1.0 and rec["rollout_time_s"] > 0
+    assert os.path.isdir(ckpt)
+    reports = os.listdir(tmp_path / "grpo" / "agent_eval")
+    assert reports == ["step_00000001.json"]

@@ -1,0 +1,147 @@
+"""coder.model.sharding on 8 fake CPU devices: same logits and grads on several meshes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from coder.model import Transformer, sharding
+
+
+def tiny(**kw):
+    from configs.base import model_config
+
+    cfg = model_config()
+    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_group=2, topk_group=1,
+                    num_experts_per_tok=2, num_mtp_layers=1, q_lora_rank=8, dtype="float32",
+                    initializer_range=0.1))
+    cfg.update(kw)
+    return cfg
+
+
+def mesh_cfg(rules_override=None, **axes):
+    from configs.base import get_config
+
+    m = get_config().mesh
+    m.update(dict(data=1, fsdp=1, expert=1, tensor=1, sequence=1))
+    m.update(axes)
+    if rules_override:
+        m.rules = tuple((k, rules_override.get(k, v)) for k, v in m.rules)
+    return m
+
+
+TOKENS_OVER_EXPERT = {"batch": ("data", "fsdp", "expert")}
+LAYOUTS = {
+    "data8": mesh_cfg(data=8),
+    "fsdp4_data2": mesh_cfg(data=2, fsdp=4),
+    "expert4_data2": mesh_cfg(data=2, expert=4),  # tokens replicated over expert: psum path
+    "expert4_fsdp2_tokens": mesh_cfg(TOKENS_OVER_EXPERT, fsdp=2, expert=4),  # gather / scatter
+    "tensor2_expert2_fsdp2": mesh_cfg(fsdp=2, expert=2, tensor=2),
+    "tensor4_seq2": mesh_cfg(tensor=4, sequence=2),
+}
+
+
+def batch(b=8, t=8):
+    tok = jax.random.randint(jax.random.key(0), (b, t), 1, 64, dtype=jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seg = jnp.ones((b, t), jnp.int32).at[:, 6:].set(2)  # two documents per row
+    return tok, pos, seg
+
+
+def loss_fn(model, tok, pos, seg):
+    logits, aux = model(tok, pos, seg)
+    lp = jax.nn.log_softmax(logits[:, :-1])
+    ce = -jnp.take_along_axis(lp, tok[:, 1:, None], -1).mean()
+    return ce + 0.1 * jnp.mean(aux["mtp_logits"] ** 2), logits
+
+
+def run(model):
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, *batch())
+    return loss, logits, grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = tiny()
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    loss, logits, grads = nnx.jit(run)(model)
+    return cfg, nnx.state(model), (loss, logits, dict(nnx.to_flat_state(grads)))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_same_logits_and_grads(layout, reference):
+    cfg, state, (loss0, logits0, grads0) = reference
+    mcfg = LAYOUTS[layout]
+    sharding.validate(cfg, mcfg, 8)
+    mesh = sharding.make_mesh(mcfg)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(jnp.copy, state))
+    sharding.shard_model(model, mesh, mcfg.rules)
+    with sharding.activate(mesh, mcfg.rules):
+        loss, logits, grads = nnx.jit(run)(model)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-5)
+    np.testing.assert_allclose(logits, logits0, atol=2e-5)
+    for p, g in nnx.to_flat_state(grads):
+        np.testing.assert_allclose(g.get_value(), grads0[p].get_value(), atol=2e-5, err_msg=str(p))
+
+
+def test_expert_weights_are_split():
+    cfg, mcfg = tiny(), LAYOUTS["expert4_fsdp2_tokens"]
+    mesh = sharding.make_mesh(mcfg)
+    model = sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, mcfg.rules)
+    wg = model.layers[1].mlp.wg[...]  # [E=8, D=32, F=16], spec ('expert', 'fsdp', None)
+    assert wg.sharding.spec == P("expert", "fsdp", None)
+    shards = wg.addressable_shards
+    assert len(shards) == 8 and all(s.data.shape == (2, 16, 16) for s in shards)
+    experts_on = {}
+    for s in shards:
+        experts_on.setdefault(s.device, set()).update(range(*s.index[0].indices(8)))
+    assert all(len(e) == 2 for e in experts_on.values())  # each device holds 2 of the 8 experts
+    # created-sharded parameters equal an unsharded init with the same seed
+    ref = Transformer(cfg, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(wg), np.asarray(ref.layers[1].mlp.wg[...]), rtol=1e-6)
+
+
+def test_golden_partition_specs():
+    """Every parameter's PartitionSpec for the tiny config under DeepSeek-V3's rules."""
+    from configs.deepseek_v3_671b import get_config
+
+    rules = get_config().mesh.rules
+    model = nnx.eval_shape(lambda: Transformer(tiny(), rngs=nnx.Rngs(0)))
+    got = {k: tuple(v) for k, v in sharding.param_specs(model, rules).items()}
+    attn = {
+        "input_layernorm/weight": (None,), "post_attention_layernorm/weight": (None,),
+        "self_attn/q_a_proj": ("fsdp", None), "self_attn/q_a_layernorm/weight": (None,),
+        "self_attn/q_b_proj": (None, "tensor", None), "self_attn/kv_a_proj": ("fsdp", None),
+        "self_attn/kv_a_layernorm/weight": (None,), "self_attn/kv_b_proj": (None, "tensor", None),
+        "self_attn/o_proj": ("tensor", None, "fsdp"),
+    }
+    dense = {"mlp/gate_proj": ("fsdp", "tensor"), "mlp/up_proj": ("fsdp", "tensor"),
+             "mlp/down_proj": ("tensor", "fsdp")}
+    moe = {"mlp/router": ("fsdp", None), "mlp/bias": (None,),
+           "mlp/wg": ("expert", "fsdp", "tensor"), "mlp/wu": ("expert", "fsdp", "tensor"),
+           "mlp/wd": ("expert", "tensor", "fsdp"), "mlp/shared/gate_proj": ("fsdp", "tensor"),
+           "mlp/shared/up_proj": ("fsdp", "tensor"), "mlp/shared/down_proj": ("tensor", "fsdp")}
+    want = {"embed": ("tensor", "fsdp"), "norm/weight": (None,), "lm_head": ("fsdp", "tensor"),
+            "mtp/0/enorm/weight": (None,), "mtp/0/hnorm/weight": (None,),
+            "mtp/0/eh_proj": (None, "fsdp"), "mtp/0/shared_head_norm/weight": (None,)}
+    for prefix, table in (("layers/0/", {**attn, **dense}), ("layers/1/", {**attn, **moe}),
+                          ("mtp/0/block/", {**attn, **moe})):
+        want.update({prefix + k: v for k, v in table.items()})
+    assert got == want
+
+
+def test_validate_names_the_keys():
+    cfg = tiny()
+    with pytest.raises(ValueError, match="model.num_attention_heads"):
+        sharding.validate(cfg, mesh_cfg(tensor=8), 8)
+    with pytest.raises(ValueError, match="model.n_routed_experts"):
+        sharding.validate(tiny(n_routed_experts=6, n_group=1), mesh_cfg(expert=4, data=2), 8)
+    with pytest.raises(ValueError, match="devices"):
+        sharding.validate(cfg, mesh_cfg(data=4, expert=4), 8)
+    with pytest.raises(ValueError, match="model.topk_group"):
+        sharding.validate(tiny(topk_group=3), mesh_cfg(data=-1), 8)
+    assert sharding.validate(cfg, mesh_cfg(data=-1, expert=2), 8)["data"] == 4

@@ -1,0 +1,225 @@
+"""Trainer pieces: loss masks, gradient accumulation, non-finite steps, init_from, optimizers.
+
+A toy nnx LM (embedding -> tanh layer -> head) with the Transformer's call signature keeps these
+fast; the step, sharding and checkpoint code under test is the same the real model runs through.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coder.train import losses
+from coder.train.trainer import Trainer, split_microbatches
+from configs import base
+
+V, D, B, T = 32, 16, 8, 12
+
+
+class Toy(nnx.Module):
+    def __init__(self, rngs, extra: bool = False):
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, D)) * 0.5)
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, D)) * 0.5)
+        self.lm_head = nnx.Param(jax.random.normal(rngs.params(), (D, V)) * 0.5)
+        if extra:  # stands in for modules a later stage adds (fresh MTP heads)
+            self.mtp_w = nnx.Param(jnp.full((D, D), 0.25))
+
+    def __call__(self, tokens, positions, segment_ids):
+        h = jnp.tanh(self.embed[...][tokens] @ self.w[...])
+        if hasattr(self, "mtp_w"):
+            h = h + 0.0 * (h @ self.mtp_w[...])
+        return h @ self.lm_head[...], {}
+
+
+def make_config(**train):
+    c = base.get_config()
+    c.train.steps = 10
+    c.train.warmup_steps = 0
+    c.train.lr = 1e-2
+    c.train.log_every = 1
+    c.train.ckpt_every = 1000
+    for k, v in train.items():
+        c.train[k] = v
+    return c
+
+
+def make_batch(seed=0, rows=B):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, V, (rows, T)).astype(np.int32)
+    seg = np.ones((rows, T), np.int32)
+    seg[:, T // 2:] = 2
+    pos = np.concatenate([np.arange(T // 2), np.arange(T - T // 2)])[None].repeat(rows, 0).astype(np.int32)
+    mask = np.ones((rows, T), np.float32)
+    return dict(tokens=tokens, positions=pos, segment_ids=seg, loss_mask=mask)
+
+
+def make_trainer(tmp_path, config, loss_fn=None, **kw):
+    model_fn = kw.pop("model_fn", lambda: Toy(nnx.Rngs(0)))
+    return Trainer(config, str(tmp_path), loss_fn or losses.lm_loss_fn(config.train),
+                   model_fn=model_fn, **kw)
+
+
+# ----------------------------------------------------------------------------- losses
+def test_next_token_targets_follow_mask_and_segments():
+    tokens = jnp.array([[5, 6, 7, 8, 9, 0]], jnp.int32)
+    seg = jnp.array([[1, 1, 1, 2, 2, 0]], jnp.int32)
+    mask = jnp.array([[1, 0, 1, 1, 1, 0]], jnp.float32)
+    targets, w = losses.shifted_targets(tokens, seg, mask, 1)
+    # index t predicts tokens[t+1]: 6 (mask 0), 7, 8 (first of doc 2: never a target), 9, pad.
+    np.testing.assert_array_equal(targets, [[6, 7, 8, 9, 0]])
+    np.testing.assert_array_equal(w, [[0, 1, 0, 1, 0]])
+    targets2, w2 = losses.shifted_targets(tokens, seg, mask, 2)  # MTP depth 1
+    np.testing.assert_array_equal(targets2, [[7, 8, 9, 0]])
+    np.testing.assert_array_equal(w2, [[1, 0, 0, 0]])  # 8 and 9 sit in another doc than t
+
+
+def test_lm_loss_is_mean_nll_over_weighted_targets():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(2, 6, V)), jnp.float32)
+    batch = dict(
+        tokens=jnp.asarray(rng.integers(1, V, (2, 6)), jnp.int32),
+        segment_ids=jnp.array([[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]], jnp.int32),
+        loss_mask=jnp.array([[1, 1, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0]], jnp.float32),
+    )
+    mean, count = losses.next_token_loss(logits, batch)
+    logp = jax.nn.log_softmax(logits, -1)
+    expected = []
+    for b in range(2):
+        for t in range(5):
+            s = batch["segment_ids"]
+            if s[b, t] == s[b, t + 1] and s[b, t + 1] > 0 and batch["loss_mask"][b, t + 1] > 0:
+                expected.append(-logp[b, t, batch["tokens"][b, t + 1]])
+    assert int(count) == len(expected) == 5
+    np.testing.assert_allclose(mean, np.mean(expected), rtol=1e-6)
+
+
+def test_lm_loss_adds_weighted_mtp_and_z_loss():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(1, 6, V)), jnp.float32)
+    mtp_logits = jnp.asarray(rng.normal(size=(1, 1, 6, V)), jnp.float32)
+    batch = dict(tokens=jnp.asarray(rng.integers(1, V, (1, 6)), jnp.int32),
+                 segment_ids=jnp.ones((1, 6), jnp.int32), loss_mask=jnp.ones((1, 6), jnp.float32))
+    aux = dict(mtp_logits=mtp_logits, router_z_loss=jnp.float32(3.0))
+    loss, m = losses.lm_loss(logits, aux, batch, mtp_loss_weight=0.5, z_loss_weight=0.1)
+    ce, _ = losses.next_token_loss(logits, batch)
+    mtp, _ = losses.mtp_loss(mtp_logits, batch)
+    np.testing.assert_allclose(loss, ce + 0.5 * mtp + 0.1 * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(m["mtp_ce"], mtp)
+
+
+# ----------------------------------------------------------------------------- the step
+def test_split_microbatches_strided_rows():
+    x = np.arange(8)[:, None].repeat(3, 1)
+    out = split_microbatches({"tokens": x, "expert_ids": np.zeros((2, 8, 3, 1))}, 2)
+    np.testing.assert_array_equal(out["tokens"][0][:, 0], [0, 2, 4, 6])
+    np.testing.assert_array_equal(out["tokens"][1][:, 0], [1, 3, 5, 7])
+    assert out["expert_ids"].shape == (2, 2, 4, 3, 1)
+
+
+def test_grad_accumulation_equals_big_batch(tmp_path):
+    batch = make_batch(3)
+    batch["loss_mask"][1::2, 2:] = 0.0  # odd rows (micro-batch 2) have far fewer targets
+    results = []
+    for accum in (1, 2):
+        tr = make_trainer(tmp_path / f"a{accum}", make_config(grad_accum=accum))
+        m = tr.train_step(batch)
+        results.append((float(m["loss"]), float(m["grad_norm"]),
+                        jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params))))
+        tr.close()
+    (l1, g1, p1), (l2, g2, p2) = results
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    np.testing.assert_allclose(g2, g1, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), p1, p2)
+
+
+def _poisoned_loss(train_cfg):
+    base_fn = losses.lm_loss_fn(train_cfg)
+
+    def loss_fn(model, batch, rng):
+        loss, metrics = base_fn(model, batch, rng)
+        return loss + jnp.sum(batch["poison"]), metrics  # NaN poison -> NaN loss and gradient
+
+    return loss_fn
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path):
+    cfg = make_config(max_nonfinite_steps=3)
+    tr = make_trainer(tmp_path, cfg, _poisoned_loss(cfg.train))
+    good = dict(make_batch(0), poison=np.zeros((B,), np.float32))
+    bad = dict(make_batch(0), poison=np.full((B,), np.nan, np.float32))
+    tr.train_step(good)
+    before = jax.tree.map(np.array, nnx.to_pure_dict(tr.params))
+    opt_before = jax.tree.map(np.array, tr.opt_state)
+    m = tr.train_step(bad)
+    assert int(m["skipped"]) == 1 and tr.step == 2 and tr.nonfinite_total == 1
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, nnx.to_pure_dict(tr.params)))
+    jax.tree.map(np.testing.assert_array_equal, opt_before, jax.tree.map(np.array, tr.opt_state))
+    m = tr.train_step(good)  # a good step resets the run and updates again
+    assert int(m["skipped"]) == 0 and tr.nonfinite_run == 0
+    assert not np.array_equal(before["w"], np.asarray(tr.params["w"][...]))
+    tr.train_step(bad)
+    tr.train_step(bad)
+    with pytest.raises(RuntimeError, match="max_nonfinite_steps=3"):
+        tr.train_step(bad)
+    tr.close()
+
+
+def test_trainable_filter_freezes_the_rest(tmp_path):
+    cfg = make_config()
+    only_head = nnx.All(nnx.Param, nnx.PathContains("lm_head"))
+    tr = make_trainer(tmp_path, cfg, trainable=only_head)
+    w0 = np.asarray(tr.model.w[...])
+    h0 = np.asarray(tr.model.lm_head[...])
+    tr.train_step(make_batch(0))
+    np.testing.assert_array_equal(w0, np.asarray(tr.model.w[...]))
+    assert not np.array_equal(h0, np.asarray(tr.model.lm_head[...]))
+    assert set(nnx.to_pure_dict(tr.params)) == {"lm_head"}
+    tr.close()
+
+
+def test_init_from_loads_by_name_and_keeps_new_params(tmp_path):
+    cfg = make_config()
+    tr = make_trainer(tmp_path / "a", cfg)
+    for s in range(3):
+        tr.train_step(make_batch(s))
+    tr.save(force=True)
+    tr.close()
+    trained_w = np.asarray(tr.params["w"][...])
+    tr2 = make_trainer(tmp_path / "b", cfg, init_from=str(tmp_path / "a" / "checkpoints"),
+                       model_fn=lambda: Toy(nnx.Rngs(1), extra=True))
+    np.testing.assert_array_equal(np.asarray(tr2.params["w"][...]), trained_w)
+    np.testing.assert_array_equal(np.asarray(tr2.params["mtp_w"][...]), np.full((D, D), 0.25))
+    assert tr2.init_report["missing"] == ["mtp_w"] and tr2.step == 0
+    tr2.close()
+
+
+def test_muon_optimizer_trains(tmp_path):
+    cfg = make_config(optimizer="muon", lr=2e-2)
+    tr = make_trainer(tmp_path, cfg)
+    batch = make_batch(5)
+    first = float(tr.train_step(batch)["loss"])
+    for _ in range(8):
+        last = float(tr.train_step(batch)["loss"])
+    assert last < first - 0.1
+    tr.close()
+
+
+def test_fit_writes_metrics_and_final_checkpoint(tmp_path):
+    cfg = make_config(steps=4, log_every=2)
+
+    def batches():
+        i = 0
+        while True:
+            yield make_batch(i)
+            i += 1
+
+    tr = make_trainer(tmp_path, cfg)
+    assert tr.fit(batches()) == 4
+    tr.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    import json
+
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [2, 4]
+    assert all({"loss", "grad_norm", "lr", "tokens_per_s", "mfu"} <= set(r) for r in records)
+    assert (tmp_path / "checkpoints" / "4").is_dir()
