@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from coder.env import mutate  # noqa: E402
 from coder.env.pool import EpisodePool  # noqa: E402
 from coder.env.protocol import render_tool_call  # noqa: E402
-from coder.env.sandbox import Sandbox  # noqa: E402
+from coder.env.sandbox import Sandbox, Snapshot  # noqa: E402
 from coder.env.tasks import Task, toy_tasks  # noqa: E402
 
 
@@ -48,7 +48,8 @@ def latency(reps: int) -> None:
 
 
 def snapshots(reps: int) -> None:
-    print("== snapshot / restore (median ms)")
+    print("== snapshot / restore (median ms): restore after a rollout edited one file, and "
+          "into an empty workspace")
     mod, test = mutate.module_files("argparse")
     cases = {
         "toy (2 files)": toy_tasks(1, 0)[0][0].files,
@@ -58,9 +59,26 @@ def snapshots(reps: int) -> None:
     for label, files in cases.items():
         with Sandbox(Task("b", "", files, {})) as sb:
             snap = sb.snapshot()
+            empty = Snapshot((), (), ())
+            first = sorted(files)[0]
             s = _median_ms(sb.snapshot, reps)
-            r = _median_ms(lambda s=snap: sb.restore(s), reps)
-            print(f"{label:28s} {snap.nbytes / 1e6:6.2f} MB  snapshot {s:7.2f}  restore {r:7.2f}")
+
+            def edited(snap=snap, first=first, sb=sb):
+                sb.write(first, "changed\n")
+                t0 = time.perf_counter()
+                sb.restore(snap)
+                return time.perf_counter() - t0
+
+            def fresh(snap=snap, empty=empty, sb=sb):
+                sb.restore(empty)
+                t0 = time.perf_counter()
+                sb.restore(snap)
+                return time.perf_counter() - t0
+
+            r_edit = 1000 * statistics.median(edited() for _ in range(reps))
+            r_fresh = 1000 * statistics.median(fresh() for _ in range(reps))
+            print(f"{label:28s} {snap.nbytes / 1e6:6.2f} MB  snapshot {s:7.2f}  "
+                  f"restore-after-edit {r_edit:7.2f}  restore-fresh {r_fresh:7.2f}")
 
 
 def _episode_texts(solution: dict) -> list[str]:

@@ -194,13 +194,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.memory_mb = 2048  # RLIMIT_AS per process
     c.env.nproc = 64  # RLIMIT_NPROC of the sandbox's own uid (processes + threads)
     c.env.fsize_mb = 64  # largest file a sandboxed process may write
-    c.env.tmp_mb = 64  # size of the sandbox's private /tmp (tmpfs)
+    c.env.tmp_mb = 64  # size of the sandbox's private /tmp and /dev/shm (tmpfs, each)
     c.env.output_kb = 64  # command output kept per stream (head + tail; the rest is dropped)
     c.env.max_output_chars = 8000  # one tool result is cut to this many characters
     c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
     c.env.reward_mode = "fraction"  # "fraction" of hidden tests passed | "all" (all-or-nothing)
     c.env.test_timeout_s = 300.0  # wall time of the scoring test run
-    c.env.workers = 4  # sandbox worker processes of coder.env.pool / coder.env.check
 
     # GRPO learner (coder/rl/grpo.py, stage.py).
     c.grpo = ml_collections.ConfigDict()
@@ -210,6 +209,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.tokens_per_group = 0  # loss normalizer per group (0 = group_size * max_rollout_tokens)
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
+
+    # MTP self-distillation (coder/train/mtp.py, stage "mtp"): trunk frozen, MTP modules trained.
+    c.mtp = ml_collections.ConfigDict()
+    c.mtp.steps = 100  # optimizer steps of the mtp stage
+    c.mtp.lr = 3e-3  # peak learning rate of the MTP modules
+    c.mtp.ce_weight = 0.0  # mix in cross-entropy on the data (0 = pure distillation)
+    c.mtp.fresh = True  # re-initialise the MTP modules instead of continuing init_from's
+    c.mtp.eval_batches = 8  # held-out batches for KL / agreement / acceptance at the end
 
     # Ahead-of-time compilation for a TPU topology (coder/train/compile.py, stage "compile").
     c.compile = ml_collections.ConfigDict()

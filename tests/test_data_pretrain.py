@@ -188,6 +188,13 @@ def test_bad_source_specs_are_rejected(tmp_path):
         pretrain.make_pretrain_iterator(config([{"path": "x.jsonl", "wieght": 2}]), None)
     with pytest.raises(ValueError, match="format"):
         pretrain.make_pretrain_iterator(config([{"path": "x.jsonl", "format": "csv"}]), None)
+    with pytest.raises(ValueError, match="compressed"):
+        pretrain.make_pretrain_iterator(config([{"path": "x.jsonl.gz"}]), None)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no records"):
+        pretrain.make_pretrain_iterator(config([{"path": str(tmp_path / "empty.jsonl")}]), None)
+    with pytest.raises(ValueError, match="no held-out split"):
+        pretrain.make_pretrain_iterator(config([{"path": str(tmp_path / "empty.jsonl")}]), None, "heldout")
 
 
 # --- bad records ----------------------------------------------------------------------------------
@@ -230,6 +237,11 @@ def test_too_many_bad_records_fail_naming_the_source(tok, tmp_path):
     with pytest.raises(pretrain.BadDataError, match="'scraped'.*malformed_json"):
         for _ in range(50):
             next(it)
+    # A source with no good record at all fails instead of spinning forever inside one batch.
+    write_mixed(tmp_path / "all_bad.jsonl", [], [b'{"text": ""}'] * 5)
+    cfg_all_bad = config([{"path": str(tmp_path / "all_bad.jsonl"), "name": "void"}], bad_check_min_records=10)
+    with pytest.raises(pretrain.BadDataError, match="'void'.*empty_text"):
+        next(pretrain.make_pretrain_iterator(cfg_all_bad, tok))
     cfg.data.max_bad_fraction = 0.6
     it = pretrain.make_pretrain_iterator(cfg, tok)
     for _ in range(30):

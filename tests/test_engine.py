@@ -35,17 +35,26 @@ def setup():
     return cfg, model, engine
 
 
+@nnx.jit
+def _forward(model, tokens, segment_ids):
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, aux = model(tokens, pos, segment_ids)
+    return logits, aux["expert_ids"]
+
+
 def forward_logprobs(model, seq, temperature):
-    """Training-style forward over the whole sequence: log_softmax(logits / T) of each next token
-    `[len-1]` and the routing `[len, moe_layers, top_k]`."""
-    tokens = jnp.asarray(seq, jnp.int32)[None]
-    pos = jnp.arange(len(seq), dtype=jnp.int32)[None]
-    logits, aux = model(tokens, pos, jnp.ones_like(tokens))
-    scaled = logits[0] / temperature if temperature > 0 else logits[0]
+    """Training-style forward over the whole sequence (padded to MAX_LEN, padding in segment 0):
+    log_softmax(logits / T) of each next token `[len-1]` and the routing `[len, moe_layers, top_k]`."""
+    n = len(seq)
+    tokens = np.zeros((1, MAX_LEN), np.int32)
+    tokens[0, :n] = seq
+    logits, experts = _forward(model, jnp.asarray(tokens), jnp.asarray((np.arange(MAX_LEN) < n)[None], jnp.int32))
+    logits = logits[0, :n]
+    scaled = logits / temperature if temperature > 0 else logits
     logp = jax.nn.log_softmax(scaled, axis=-1)
     nxt = jnp.asarray(seq[1:])
     return (np.asarray(jnp.take_along_axis(logp[:-1], nxt[:, None], 1)[:, 0]),
-            np.asarray(aux["expert_ids"][:, 0]).transpose(1, 0, 2))
+            np.asarray(experts[:, 0, :n]).transpose(1, 0, 2))
 
 
 def check_row_against_forward(model, group, row, gens_by_offset, temperature):
@@ -180,9 +189,9 @@ def test_set_weights_between_decode_steps(setup):
     prompt = [3, 17, 42, 5, 99, 7, 8, 120, 33]
     # the new weights are used from the next step; no recompilation for a same-shaped state
     engine.set_weights(nnx.state(other))
-    compiled = engine.num_compilations
     group = engine.start_group(prompt, 1)
     swapped = engine.generate(group, greedy, jax.random.key(0))[0]
+    compiled = engine.num_compilations
     ref = NoCacheDecoder(other, max_len=MAX_LEN, len_buckets=LENS).generate(prompt, greedy, jax.random.key(0))
     assert swapped.tokens == ref.tokens and swapped.policy_version == [1, 1, 1]
     # in flight: tokens sampled from logits computed before the swap keep the old version

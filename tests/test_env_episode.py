@@ -98,3 +98,12 @@ def test_tool_crash_is_an_infra_error(monkeypatch):
     obs, done, info = ep.step(rc("grep", {"pattern": "x"}))
     assert done and "harness bug" in info["infra_error"] and info["reward"] is None
     assert ep.sandbox is None
+
+
+def test_from_config_reads_the_env_section():
+    from configs.base import get_config
+
+    cfg = get_config().env
+    ep = Episode.from_config(cfg, len, max_turns=3)
+    assert ep.limits.memory_bytes == cfg.memory_mb << 20 and ep.limits.nproc == cfg.nproc
+    assert ep.max_tool_output_tokens == cfg.max_tool_output_tokens and ep.max_turns == 3

@@ -66,7 +66,7 @@ def test_transcript_follows_the_agent_loop_format():
     msgs = conv["messages"]
     assert [m["role"] for m in msgs[:2]] == ["system", "user"] and msgs[1]["content"] == task.prompt
     assert all(set(m) == {"role", "content"} for m in msgs)
-    for a, b in zip(msgs[2::2], msgs[3::2]):  # assistant / tool alternate
+    for a, b in zip(msgs[2::2], msgs[3::2], strict=False):  # assistant / tool alternate
         assert a["role"] == "assistant" and b["role"] == "tool"
         calls = parse_tool_calls(a["content"], SPECS)
         assert calls and all(hasattr(c, "name") for c in calls)

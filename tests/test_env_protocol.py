@@ -16,6 +16,14 @@ def test_render_parse_roundtrip_and_exact_text():
     assert call == ToolCall("write_file", args, text)
 
 
+def test_literal_tags_in_arguments_round_trip():
+    args = {"path": "doc.md", "content": "write <tool_call>{...}</tool_call> then </tool_result>"}
+    text = render_tool_call("write_file", args)
+    assert text.count("<tool_call>") == 1 and text.count("</tool_call>") == 1
+    (call,) = parse_tool_calls(text, TOOLS)
+    assert call.arguments == args
+
+
 def test_several_calls_in_order_and_no_calls():
     text = ("a " + render_tool_call("read_file", {"path": "a"}) + " b "
             + render_tool_call("grep", {"pattern": "x"}) + render_tool_call("submit", {}))

@@ -47,7 +47,8 @@ def sb():
 
 def test_runs_as_unprivileged_uid_with_scrubbed_env(sb, monkeypatch):
     monkeypatch.setenv("CODER_TEST_SECRET", "hunter2")
-    r = sb.run("id -u; env; pwd; python -c 'import pytest, sys; print(sys.version_info[:2])'")
+    r = sb.run("id -u; env; pwd; python -c 'import pytest, sys; print(sys.version_info[:2])';"
+               "python -c 'import multiprocessing as m; m.Lock()'")
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
     assert int(lines[0]) == sb.uid and sb.uid != 0
@@ -248,9 +249,16 @@ def test_sandboxes_of_dead_processes_are_reaped(tmp_path):
 def test_snapshot_restore_roundtrip(sb):
     sb.write("pkg/a.py", "A = 1\n")
     sb.run("mkdir -p empty && ln -s pkg/a.py link && chmod 755 pkg/a.py")
+    sb.write("keep.txt", "same")
     snap = sb.snapshot()
     sb.run("rm -rf pkg empty link && echo junk > junk.txt")
     sb.restore(snap)
+    assert sb.snapshot() == snap
+    sb.run("chmod 600 keep.txt; rm -rf empty; touch empty; ln -sfn keep.txt link; mkdir -p pkg/new;"
+           "chmod 000 pkg; chmod 000 .")
+    sb.restore(snap)
+    assert sb.snapshot() == snap
+    assert sb.run("cat pkg/a.py").exit_code == 0  # the agent can use the workspace again
     assert sb.read("pkg/a.py") == "A = 1\n"
     assert os.path.isdir(os.path.join(sb.workspace, "empty"))
     assert os.readlink(os.path.join(sb.workspace, "link")) == "pkg/a.py"

@@ -20,6 +20,11 @@ def tiny(**kw):
     return cfg
 
 
+fwd = nnx.jit(lambda m, t, p, s: m(t, p, s))
+fwd_cache = nnx.jit(lambda m, t, p, s, c: m(t, p, s, cache=c))
+mtp = nnx.jit(lambda m, h, n, p, s, c: m.mtp_module(0, h, n, p, s, cache=c))
+
+
 def inputs(b=2, t=12, v=64, seed=0):
     tok = jax.random.randint(jax.random.key(seed), (b, t), 1, v, dtype=jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -30,7 +35,7 @@ def test_aux_contract():
     cfg = tiny()
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tok, pos, seg = inputs()
-    logits, aux = model(tok, pos, seg)
+    logits, aux = fwd(model, tok, pos, seg)
     assert logits.shape == (2, 12, 64) and logits.dtype == jnp.float32
     assert aux["router_load"].shape == (2, 8)
     np.testing.assert_allclose(aux["router_load"].sum(-1), 1.0, rtol=1e-6)
@@ -41,7 +46,7 @@ def test_aux_contract():
     assert "cache" not in aux
     # the MTP logits equal an explicit mtp_module call on the trunk hidden state
     nxt = jnp.pad(tok[:, 1:], ((0, 0), (0, 1)))
-    _, lg, _ = model.mtp_module(0, aux["hidden"], nxt, pos, seg)
+    _, lg, _ = mtp(model, aux["hidden"], nxt, pos, seg, None)
     np.testing.assert_allclose(lg, aux["mtp_logits"][0], atol=1e-5)
 
 
@@ -49,9 +54,9 @@ def test_bf16_compute_float32_params():
     cfg = tiny(dtype="bfloat16")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     assert model.layers[0].self_attn.kv_b_proj[...].dtype == jnp.float32
-    logits, aux = model(*inputs())
+    logits, aux = fwd(model, *inputs())
     assert logits.dtype == jnp.float32 and aux["hidden"].dtype == jnp.bfloat16
-    ref, _ = Transformer(tiny(), rngs=nnx.Rngs(0))(*inputs())
+    ref, _ = fwd(Transformer(tiny(), rngs=nnx.Rngs(0)), *inputs())
     assert np.abs(np.asarray(logits) - np.asarray(ref)).max() < 0.1 * np.abs(np.asarray(ref)).max()
 
 
@@ -61,22 +66,21 @@ def test_cached_decode_equals_full_forward(q_lora_rank):
     cfg = tiny(q_lora_rank=q_lora_rank)
     model = Transformer(cfg, rngs=nnx.Rngs(1))
     tok, pos, seg = inputs(t=12)
-    full, aux = model(tok, pos, seg)
+    full, aux = fwd(model, tok, pos, seg)
     lens = np.array([5, 8])
     pseg = jnp.asarray((np.arange(8)[None] < lens[:, None]).astype(np.int32))  # 0 = padding
     cache = init_cache(cfg, 2, 16, jnp.float32)
-    logits, a = model(tok[:, :8], pos[:, :8], pseg, cache=cache)
+    logits, a = fwd_cache(model, tok[:, :8], pos[:, :8], pseg, cache)
     assert "mtp_logits" not in a
     for b in range(2):
         np.testing.assert_allclose(logits[b, : lens[b]], full[b, : lens[b]], atol=2e-5)
     cache = a["cache"]
     cur = lens.copy()
-    decode = jax.jit(lambda m, t, p, s, c: m(t, p, s, cache=c))
     while (cur < 12).any():
         p = np.minimum(cur, 11)
         t_ = jnp.asarray(np.asarray(tok)[np.arange(2), p][:, None])
         s_ = jnp.asarray((cur < 12).astype(np.int32)[:, None])  # finished rows feed padding
-        lg, a = decode(model, t_, jnp.asarray(p[:, None], jnp.int32), s_, cache)
+        lg, a = fwd_cache(model, t_, jnp.asarray(p[:, None], jnp.int32), s_, cache)
         cache = a["cache"]
         for b in range(2):
             if cur[b] < 12:
@@ -84,7 +88,7 @@ def test_cached_decode_equals_full_forward(q_lora_rank):
         cur = cur + 1
     # MTP module with its own cache reproduces the full forward's MTP logits
     nxt = jnp.pad(tok[:, 1:], ((0, 0), (0, 1)))
-    _, mlg, cache2 = model.mtp_module(0, aux["hidden"], nxt, pos, seg, cache=cache)
+    _, mlg, cache2 = mtp(model, aux["hidden"], nxt, pos, seg, cache)
     np.testing.assert_allclose(mlg, aux["mtp_logits"][0], atol=2e-5)
     assert float(jnp.abs(cache2["mtp"][0]["latent"][:, :12]).max()) > 0
 
@@ -93,12 +97,12 @@ def test_rolling_back_is_rewriting():
     cfg = tiny()
     model = Transformer(cfg, rngs=nnx.Rngs(2))
     tok, pos, seg = inputs(b=1, t=6)
-    full, _ = model(tok, pos, seg)
+    full, _ = fwd(model, tok, pos, seg)
     cache = init_cache(cfg, 1, 8, jnp.float32)
-    _, a = model(tok, pos, seg, cache=cache)
+    _, a = fwd_cache(model, tok, pos, seg, cache)
     wrong = tok.at[0, 5].set((tok[0, 5] + 1) % 64)  # speculate a wrong token at slot 5
-    _, a = model(wrong[:, 5:], pos[:, 5:], seg[:, 5:], cache=a["cache"])
-    lg, _ = model(tok[:, 5:], pos[:, 5:], seg[:, 5:], cache=a["cache"])  # rewrite slot 5
+    _, a = fwd_cache(model, wrong[:, 5:], pos[:, 5:], seg[:, 5:], a["cache"])
+    lg, _ = fwd_cache(model, tok[:, 5:], pos[:, 5:], seg[:, 5:], a["cache"])  # rewrite slot 5
     np.testing.assert_allclose(lg[0, 0], full[0, 5], atol=2e-5)
 
 
@@ -109,9 +113,9 @@ def test_document_masking():
     tok, _, _ = inputs(b=1, t=10)
     pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]], jnp.int32)
     seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 2, 2, 2]], jnp.int32)
-    packed, _ = model(tok, pos, seg)
-    a, _ = model(tok[:, :4], pos[:, :4], seg[:, :4])
-    b, _ = model(tok[:, 4:], pos[:, 4:], seg[:, 4:] - 1)
+    packed, _ = fwd(model, tok, pos, seg)
+    a, _ = fwd(model, tok[:, :4], pos[:, :4], seg[:, :4])
+    b, _ = fwd(model, tok[:, 4:], pos[:, 4:], seg[:, 4:] - 1)
     np.testing.assert_allclose(packed, jnp.concatenate([a, b], 1), atol=2e-5)
 
 
@@ -123,7 +127,7 @@ def _grads(cfg):
         logits, aux = m(tok, pos, seg)
         return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.mean(aux["mtp_logits"] ** 2)
 
-    return nnx.to_flat_state(nnx.grad(loss)(model))
+    return nnx.to_flat_state(nnx.jit(nnx.grad(loss))(model))
 
 
 def test_remat_policies_same_gradients():

@@ -21,17 +21,22 @@ def _selection(x, seg, g):
 
 def _check(f_ref, f_kernel, args, w):
     """Forward and gradients w.r.t. every argument agree."""
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
-    np.testing.assert_allclose(f_kernel(*args), f_ref(*args), atol=2e-5)
-    g_ref = jax.grad(loss(f_ref), argnums=range(len(args)))(*args)
-    g_ker = jax.grad(loss(f_kernel), argnums=range(len(args)))(*args)
+    def run(f):
+        def loss(*a):
+            out = f(*a)
+            return jnp.sum(out * w), out
+        return jax.value_and_grad(loss, argnums=range(len(args)), has_aux=True)(*args)
+
+    (_, o_ref), g_ref = run(f_ref)
+    (_, o_ker), g_ker = run(f_kernel)
+    np.testing.assert_allclose(o_ker, o_ref, atol=2e-5)
     for i, (a, b) in enumerate(zip(g_ref, g_ker)):
         np.testing.assert_allclose(b, a, atol=5e-5, err_msg=f"grad of argument {i}")
 
 
 @pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", [
-    pytest.param(1, 21, 4, 2, 16, 16, 2, 2, id="gqa-ragged-2docs-pad"),
-    pytest.param(2, 19, 4, 1, 24, 16, 2, 0, id="mqa-mla-layout"),
+    pytest.param(1, 19, 4, 2, 16, 16, 2, 2, id="gqa-ragged-2docs-pad"),
+    pytest.param(1, 12, 4, 1, 24, 16, 2, 0, id="mqa-mla-layout"),
 ])
 def test_selected_branch(b, t, h, g, dk, dv, docs, pad):
     x = make_inputs(b, t, h, g, dk, dv, CFG, seed=t)
@@ -45,7 +50,7 @@ def test_selected_branch(b, t, h, g, dk, dv, docs, pad):
 
 
 @pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", [
-    pytest.param(1, 29, 4, 2, 16, 16, 3, 3, id="gqa-ragged-3docs-pad"),
+    pytest.param(1, 21, 4, 2, 16, 16, 3, 3, id="gqa-ragged-3docs-pad"),
     pytest.param(1, 13, 2, 1, 24, 16, 1, 0, id="mqa-short"),
 ])
 def test_window_branch(b, t, h, g, dk, dv, docs, pad):
@@ -58,10 +63,11 @@ def test_window_branch(b, t, h, g, dk, dv, docs, pad):
     _check(f_ref, f_ker, (x["q"], x["k"], x["v"]), w)
 
 
+@pytest.mark.slow
 def test_full_layer_with_race_detection():
     """nsa_attention(impl=pallas_tpu) == reference, gradients w.r.t. q, k, v, compressed k/v and gates,
     with the interpreter's race detector on."""
-    b, t, h, g, d = 1, 18, 2, 1, 16
+    b, t, h, g, d = 1, 13, 2, 1, 16
     x = make_inputs(b, t, h, g, d, d, CFG, seed=5)
     seg = packed_segments(b, t, 2, 1, seed=5)
     w = jax.random.normal(jax.random.key(5), (b, t, h, d))

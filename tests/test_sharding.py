@@ -92,8 +92,8 @@ def test_expert_weights_are_split():
     cfg, mcfg = tiny(), LAYOUTS["expert4_fsdp2_tokens"]
     mesh = sharding.make_mesh(mcfg)
     model = sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, mcfg.rules)
-    wg = model.layers[1].mlp.wg[...]  # [E=8, D=32, F=16], spec ('expert', 'fsdp', None)
-    assert wg.sharding.spec == P("expert", "fsdp", None)
+    wg = model.layers[1].mlp.wg[...]  # [E=8, D=32, F=16], spec (expert, fsdp, tensor=1)
+    assert wg.sharding.spec == P("expert", "fsdp", "tensor")  # tensor has size 1 here
     shards = wg.addressable_shards
     assert len(shards) == 8 and all(s.data.shape == (2, 16, 16) for s in shards)
     experts_on = {}

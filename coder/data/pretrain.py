@@ -10,6 +10,11 @@ Entry point for the trainer:
     it.set_state(state)     # on a fresh iterator from the same config: continues exactly
     it.metrics()            # {"data/records_seen": ..., "data/records_bad": ..., per kind, ...}
 
+`it` is a grain DatasetIterator, so `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore`
+put its state in an orbax checkpoint (one JSON file per process). Keyword arguments `seq_len`
+and `batch_size` override config.data's (longctx / sft stages). A state restores only into an
+iterator built from the same data settings (sources, seed, seq_len, batch, hosts, workers).
+
 Batches follow docs/contracts.md: `tokens` int32, `positions` int32, `segment_ids` int32,
 `loss_mask` float32 (1 on every non-padding token). Padding only appears at the end of a finite
 (held-out) pass. `split="train"` repeats forever (each epoch reshuffled); "heldout" makes one
@@ -34,6 +39,10 @@ Design:
   `config.data.max_bad_fraction` after `config.data.bad_check_min_records` records.
 - Exact resume: the packer's state is the parent iterator's state *before* the document it is
   cutting plus the offset into it; restoring re-reads that one document (not re-counted).
+- `config.data.num_workers > 0`: grain worker processes (`mp_prefetch`) each read, tokenize and
+  pack their own slice of this host's records; batches alternate between workers. The order
+  differs from num_workers=0 but is deterministic and checkpointed (workers' states included).
+  Without workers, two threads read and tokenize ahead of the packer.
 """
 import grain
 import numpy as np
@@ -90,14 +99,33 @@ class PretrainTransform:
         return {"source": source_index, "bad": -1, "tokens": tokens}
 
 
+class BadDataError(ValueError):
+    pass
+
+
+def check_bad_counts(counts, names, max_bad_fraction: float, min_records: int) -> None:
+    """Raises BadDataError naming the first source over the bad-record threshold."""
+    bad = counts[:, 1 : 1 + len(BAD_KINDS)]
+    for s, name in enumerate(names):
+        seen = counts[s, _SEEN]
+        if seen >= min_records and bad[s].sum() > max_bad_fraction * seen:
+            kinds = {k: int(v) for k, v in zip(BAD_KINDS, bad[s]) if v}
+            raise BadDataError(
+                f"data source {name!r}: {int(bad[s].sum())} of {int(seen)} records are bad "
+                f"{kinds}, more than config.data.max_bad_fraction={max_bad_fraction}; "
+                "fix or remove the bad records, or raise the threshold"
+            )
+
+
 # --- packing ----------------------------------------------------------------------------------
 class _PackIterator(grain.DatasetIterator):
     """Packs documents into batches [rows, seq_len]; see PackIterDataset."""
 
-    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool):
+    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool, guard):
         super().__init__(parent)
         self._seq_len, self._rows, self._split_docs = seq_len, rows, split_docs
         self._num_sources = num_sources
+        self._guard = guard  # (source names, max bad fraction, min records) or None
         self._pending = None  # [doc, token offset, parent state before doc]
         self._exhausted = False
 
@@ -114,6 +142,10 @@ class _PackIterator(grain.DatasetIterator):
             row[_SEEN] += 1
             if doc["bad"] >= 0:
                 row[1 + doc["bad"]] += 1
+                if self._guard is not None and row[_SEEN] >= self._guard[2]:
+                    # A long run of bad records would otherwise spin here without ever
+                    # returning a batch to DataIterator's check.
+                    check_bad_counts(stats, *self._guard)
                 continue
             if doc.get("truncated"):
                 row[_TRUNCATED] += 1
@@ -192,24 +224,23 @@ class PackIterDataset(grain.IterDataset):
     split_docs=True: concat-then-split (pretraining; documents may be cut across rows).
     split_docs=False: whole documents placed first-fit (SFT; each must be <= seq_len tokens).
     Each batch carries "_stats" [num_sources, len(STAT_COLUMNS)]: records consumed for it.
+    guard: (source names, max bad fraction, min records): raise BadDataError when the records
+    consumed for one batch are mostly bad (DataIterator checks the cumulative counts).
     """
 
-    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool):
+    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool, guard=None):
         super().__init__(parent)
-        self._args = (seq_len, rows, num_sources, split_docs)
+        self._args = (seq_len, rows, num_sources, split_docs, guard)
 
     def __iter__(self):
         return _PackIterator(self._parent.__iter__(), *self._args)
 
     def __str__(self) -> str:
-        return f"PackIterDataset(seq_len, rows, sources, split_docs={self._args})"
+        seq_len, rows, num_sources, split_docs, _ = self._args
+        return f"PackIterDataset({seq_len=}, {rows=}, {num_sources=}, {split_docs=})"
 
 
 # --- the iterator the trainer sees ------------------------------------------------------------
-class BadDataError(ValueError):
-    pass
-
-
 class DataIterator(grain.DatasetIterator):
     """Batches plus cumulative per-source record counters; state = pipeline state + counters.
 
@@ -226,20 +257,8 @@ class DataIterator(grain.DatasetIterator):
     def __next__(self) -> dict:
         batch = next(self._parent)
         self._counts += batch.pop("_stats")
-        self._check_bad()
+        check_bad_counts(self._counts, self.source_names, self._max_bad_fraction, self._min_records)
         return batch
-
-    def _check_bad(self) -> None:
-        bad = self._counts[:, 1 : 1 + len(BAD_KINDS)]
-        for s, name in enumerate(self.source_names):
-            seen = self._counts[s, _SEEN]
-            if seen >= self._min_records and bad[s].sum() > self._max_bad_fraction * seen:
-                kinds = {k: int(v) for k, v in zip(BAD_KINDS, bad[s]) if v}
-                raise BadDataError(
-                    f"data source {name!r}: {int(bad[s].sum())} of {int(seen)} records are bad "
-                    f"{kinds}, more than config.data.max_bad_fraction={self._max_bad_fraction}; "
-                    "fix or remove the bad records, or raise the threshold"
-                )
 
     def counts(self) -> dict:
         """{source name: {column: count}} since the start of training (restored on resume)."""
@@ -305,9 +324,14 @@ def build_iterator(
             f"batch_size={batch_size} must be divisible by the {process_count} data-loading "
             "processes"
         )
+    if split == "heldout" and config.data.heldout_fraction <= 0:
+        raise ValueError("config.data.heldout_fraction is 0: there is no held-out split")
     datasets = []
     for i, spec in enumerate(specs):
-        ds = grain.MapDataset.range(len(source := sources.open_source(spec)))
+        source = sources.open_source(spec)
+        if len(source) == 0:
+            raise ValueError(f"data source {spec['name']!r} holds no records")
+        ds = grain.MapDataset.range(len(source))
         if split_records:
             ds = ds.filter(_InSplit(i, split, config.data.heldout_fraction))
         ds = ds.map(_Fetch(i, source))
@@ -324,7 +348,9 @@ def build_iterator(
     mixed = mixed[process_index::process_count].map(transform)
     # Threads read and tokenize ahead in order; the output order does not depend on them.
     ds = mixed.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=256))
-    ds = PackIterDataset(ds, seq_len, batch_size // process_count, len(specs), split_docs)
+    names = [s["name"] for s in specs]
+    guard = (names, config.data.max_bad_fraction, config.data.bad_check_min_records)
+    ds = PackIterDataset(ds, seq_len, batch_size // process_count, len(specs), split_docs, guard)
     if config.data.num_workers > 0:
         from absl import flags
 
@@ -335,7 +361,7 @@ def build_iterator(
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.data.num_workers))
     return DataIterator(
         ds,
-        [s["name"] for s in specs],
+        names,
         config.data.max_bad_fraction,
         config.data.bad_check_min_records,
     )

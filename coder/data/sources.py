@@ -3,8 +3,9 @@
 A source spec (an entry of `config.data.sources`) is a dict:
   path        glob, URL or list of them: local paths or any fsspec URL (gs://, s3://, memory://)
   weight      mixture weight (default 1.0): the share of *records* drawn from this source
-  format      "jsonl" | "parquet" | "arrayrecord" | "text" (default: from the file extension;
-              "text" = each file is one document, e.g. a tree of .py files)
+  format      "jsonl" | "parquet" | "arrayrecord" | "text" (default: from the file extension,
+              .jsonl/.json, .parquet, .array_record; any other = "text": each file is one
+              document, e.g. a tree of .py files). Compressed files are refused (no random access).
   text_field  field holding the document text (default "text"; SFT reads "messages")
   name        name used in counters and errors (default: the path)
 
@@ -54,8 +55,15 @@ def normalize_spec(spec) -> dict:
     spec.setdefault("weight", 1.0)
     if not float(spec["weight"]) > 0:
         raise ValueError(f"data source {spec['path']}: weight must be > 0, got {spec['weight']}")
+    first = spec["path"][0].rstrip("*").lower()
+    if first.endswith((".gz", ".zst", ".bz2", ".xz")):
+        # Records are read by index (global shuffle, exact resume): that needs random access.
+        raise ValueError(
+            f"data source {spec['path']}: compressed files cannot be read by record index; "
+            "decompress them or convert them to ArrayRecord"
+        )
     if "format" not in spec:
-        ext = os.path.splitext(spec["path"][0].rstrip("*"))[1].lower()
+        ext = os.path.splitext(first)[1]
         spec["format"] = _EXTENSIONS.get(ext, "text" if ext else "jsonl")
     if spec["format"] not in FORMATS:
         raise ValueError(f"data source {spec['path']}: format {spec['format']!r} not in {FORMATS}")
@@ -249,7 +257,7 @@ def extract_text(obj: dict, field: str) -> tuple[str | None, str | None]:
     text = obj.get(field)
     if not isinstance(text, str):
         return None, "missing_field"
-    if not text.strip():
+    if not text or text.isspace():
         return None, "empty_text"
     try:
         # JSON "\ud800" escapes decode to lone surrogates that are not encodable text.

@@ -205,7 +205,7 @@ def _sites(src: "_Source", tree, rng: random.Random) -> list[tuple]:
                     add("swap_arguments", fname, [(a1, b1, src.segment(y)), (a2, b2, src.segment(x))])
         for block in [fn.body] + [getattr(n, f) for n in nodes for f in ("body", "orelse", "finalbody")
                                   if isinstance(getattr(n, f, None), list)]:
-            for i, stmt in enumerate(block):
+            for stmt in block:
                 if not isinstance(stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.Return, ast.Raise)):
                     continue
                 if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
@@ -281,11 +281,13 @@ def stdlib_tasks(n: int, seed: int, split: str = "train", modules: list[str] | N
         # task's own test command, so the reference solution scores 1.
         command = DEFAULT_TEST_COMMAND + "".join(
             f" --deselect {shlex.quote(t)}" for t in base.not_passed)
-        if (not ok or base.infra_error or base.total - len(base.not_passed) < 3
-                or len(base.not_passed) > max_deselect or took > max_test_s):
+        why = ("not importable" if not ok else base.infra_error
+               or ("fewer than 3 passing tests" if base.total - len(base.not_passed) < 3 else "")
+               or (f"{len(base.not_passed)} tests to deselect" if len(base.not_passed) > max_deselect
+                   else "") or (f"tests take {took:.1f} s" if took > max_test_s else ""))
+        if why:
             if log:
-                log(f"skip {module}: original passes {base.passed}/{base.total} in {took:.1f} s "
-                    f"({base.error or base.infra_error or 'too slow'})")
+                log(f"skip {module}: {why} (original passes {base.passed}/{base.total})")
             continue
         if base.not_passed:  # confirm the deselection makes the original pass cleanly
             ok, base = _check(_task(module, original, test_src, "", "baseline", command), module,

@@ -102,7 +102,7 @@ class EpisodePool:
     def _scatter(self, cmd: str, items: list, workers: list[int]) -> list:
         per: dict[int, list] = {w: [] for w in range(self.n)}
         slots = []
-        for item, w in zip(items, workers):
+        for item, w in zip(items, workers, strict=True):
             slots.append((w, len(per[w])))
             per[w].append(item)
         res = self._run(cmd, per)
@@ -132,7 +132,7 @@ class EpisodePool:
         """items: (key, model_text). Finished episodes are dropped from their worker."""
         outs = self._scatter("step", list(items), [self._owner[k] for k, _ in items])
         result = []
-        for (key, _), o in zip(items, outs):
+        for (key, _), o in zip(items, outs, strict=True):
             if isinstance(o, _Failure):
                 o = ("", True, {"infra_error": f"pool worker: {o.tb}", "done_reason": "infra_error",
                                 "reward": None})

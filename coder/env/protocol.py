@@ -46,8 +46,14 @@ class BrokenToolCall:
 
 
 def render_tool_call(name: str, arguments: dict) -> str:
-    """The canonical text of one call (compact JSON, keys in the given order, UTF-8 kept)."""
+    """The canonical text of one call (JSON, keys in the given order, UTF-8 kept).
+
+    A literal tag inside an argument (a file that mentions `</tool_call>`) is written with its
+    `<` as the JSON escape \\u003c, so the call still parses back to the same arguments.
+    """
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    for tag in (CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE):
+        body = body.replace(tag, "\\u003c" + tag[1:])
     return f"{CALL_OPEN}{body}{CALL_CLOSE}"
 
 

@@ -16,9 +16,11 @@
    the report, pytest's "interrupted"/"no tests" statuses, or a timeout give 0. Skipped tests
    count as not passed, so skipping (e.g. raising SkipTest from the module) earns nothing.
 
-Limit: the tests import the agent's code into the pytest process, so a program written to
-forge this specific report format from inside that process is not excluded; the random report
-path (only visible in that process's argv) and the exit-status cross-check make it deliberate.
+Limit: the tests import the agent's code into the pytest process, so code written to subvert
+that process from inside (forge this report format, monkey-patch `unittest.TestCase` asserts)
+is not excluded by this layer; the random report path (only in that process's argv) and the
+exit-status cross-check make such a cheat deliberate rather than accidental. Tests that drive
+the code through a subprocess, or a review of the final diff, are the next layer.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class Limits:
     nproc: int = 64  # RLIMIT_NPROC: processes+threads of the sandbox uid
     fsize_bytes: int = 64 << 20  # RLIMIT_FSIZE: largest file a process may write
     nofile: int = 256  # RLIMIT_NOFILE
-    tmp_bytes: int = 64 << 20  # size of the private /tmp (tmpfs, counts against host RAM)
+    tmp_bytes: int = 64 << 20  # size of the private /tmp and /dev/shm (tmpfs: host RAM)
     output_bytes: int = 64 << 10  # kept per stream (head + tail); the rest is counted, dropped
 
     @classmethod
@@ -100,7 +100,7 @@ class Snapshot:
 
     files: tuple  # ((rel, mode, data), ...)
     symlinks: tuple  # ((rel, target), ...)
-    dirs: tuple  # (rel, ...) including empty directories
+    dirs: tuple  # ((rel, mode), ...) including empty directories
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +161,11 @@ def _stream_cap(limit: int):
         return text + tail.decode("utf-8", "replace"), dropped[0] > 0
 
     return feed, finish
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -267,6 +272,10 @@ class Sandbox:
     def _inner_uid(self) -> int:
         return self.uid if self._privileged else os.getuid()
 
+    @property
+    def _owner_uid(self) -> int:
+        return self.uid if self._privileged else os.getuid()
+
     def _chown(self, path: str) -> None:
         if self._privileged:
             os.lchown(path, self.uid, self.uid)
@@ -319,6 +328,8 @@ class Sandbox:
         a += ["--ro-bind", os.path.join(self.dir, "etc/passwd"), "/etc/passwd",
               "--ro-bind", os.path.join(self.dir, "etc/group"), "/etc/group",
               "--proc", "/proc", "--dev", "/dev",
+              # multiprocessing's semaphores live in /dev/shm
+              "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
               "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
         for prefix in self._prefixes:
             # Parents such as /root are 0700 on the host; inside they only need to be traversable.
@@ -332,9 +343,12 @@ class Sandbox:
         a += ["--bind", self.workspace, WORKDIR]
         for host, inner, writable in binds:
             a += ["--bind" if writable else "--ro-bind", host, inner]
-        bindir = os.path.dirname(sys.executable)
+        # The running interpreter first, then its base installation's scripts (ruff, pytest).
+        bindirs = dict.fromkeys([os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin"),
+                                 os.path.join(sys.base_prefix, "bin")])
+        path = ":".join([*bindirs, "/usr/local/bin", "/usr/bin", "/bin"])
         a += ["--chdir", WORKDIR, "--clearenv",
-              "--setenv", "PATH", f"{bindir}:/usr/local/bin:/usr/bin:/bin",
+              "--setenv", "PATH", path,
               "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
               "--setenv", "TERM", "dumb", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
               "--setenv", "PYTHONIOENCODING", "utf-8", "--setenv", "USER", "agent",
@@ -485,7 +499,7 @@ class Sandbox:
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, self.workspace)
             if rel_dir != ".":
-                dirs.append(rel_dir)
+                dirs.append((rel_dir, stat.S_IMODE(os.lstat(dirpath).st_mode)))
             for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, self.workspace)
@@ -501,23 +515,48 @@ class Sandbox:
         return Snapshot(tuple(files), tuple(links), tuple(dirs))
 
     def restore(self, snap: Snapshot) -> None:
-        for name in os.listdir(self.workspace):
-            full = os.path.join(self.workspace, name)
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full)
-            else:
-                os.unlink(full)
-        for rel in snap.dirs:
+        """Make the workspace equal to `snap`. Files that already match (type, mode, owner,
+        bytes) are left alone, so restoring a workspace after a rollout rewrites only what the
+        rollout changed (creating files dominates the cost on a journaling file system)."""
+        want_files = {rel: (mode, data) for rel, mode, data in snap.files}
+        want_links = dict(snap.symlinks)
+        want_dirs = dict(snap.dirs)
+        os.chmod(self.workspace, 0o755)  # the agent may have locked its own workspace root
+        self._chown(self.workspace)
+        for dirpath, dirnames, filenames in os.walk(self.workspace, topdown=True):
+            for name in list(dirnames) + filenames:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, self.workspace)
+                st = os.lstat(full)
+                if stat.S_ISDIR(st.st_mode):
+                    if rel in want_dirs and st.st_uid == self._owner_uid:
+                        if stat.S_IMODE(st.st_mode) != want_dirs[rel]:
+                            os.chmod(full, want_dirs[rel])
+                        continue
+                    shutil.rmtree(full)
+                    dirnames.remove(name)
+                elif stat.S_ISLNK(st.st_mode) and want_links.get(rel) == os.readlink(full):
+                    want_links.pop(rel)
+                elif (stat.S_ISREG(st.st_mode) and rel in want_files
+                      and stat.S_IMODE(st.st_mode) == want_files[rel][0]
+                      and st.st_uid == self._owner_uid and st.st_size == len(want_files[rel][1])
+                      and _read_bytes(full) == want_files[rel][1]):
+                    want_files.pop(rel)
+                else:
+                    os.unlink(full)
+        for rel, mode in snap.dirs:
             full = os.path.join(self.workspace, rel)
-            os.makedirs(full, exist_ok=True)
-            self._chown(full)
-        for rel, mode, data in snap.files:
+            if not os.path.isdir(full):
+                os.mkdir(full, mode)  # parents come first: os.walk lists them top-down
+                os.chmod(full, mode)
+                self._chown(full)
+        for rel, (mode, data) in want_files.items():
             full = os.path.join(self.workspace, rel)
             with open(full, "wb") as f:
                 f.write(data)
             os.chmod(full, mode)
             self._chown(full)
-        for rel, target in snap.symlinks:
+        for rel, target in want_links.items():
             full = os.path.join(self.workspace, rel)
             os.symlink(target, full)
             self._chown(full)

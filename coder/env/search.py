@@ -50,7 +50,7 @@ def chunk_file(path: str, text: str, chunk_lines: int = 40) -> list[Chunk]:
                 starts.append(d)
     chunks = []
     bounds = starts + [len(lines)]
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         step = max(chunk_lines // 2, 1)
         i = s
         while True:
@@ -76,7 +76,7 @@ class BM25:
     def scores(self, query: list[str]) -> list[float]:
         q = Counter(query)
         out = []
-        for tf, ln in zip(self.tf, self.len):
+        for tf, ln in zip(self.tf, self.len, strict=True):
             s = 0.0
             norm = self.k1 * (1 - self.b + self.b * ln / max(self.avg, 1e-9))
             for t, qn in q.items():
@@ -93,5 +93,6 @@ def search(files: dict[str, str], query: str, k: int = 5, chunk_lines: int = 40)
     if not chunks:
         return []
     index = BM25([tokenize(c.path + "\n" + c.text) for c in chunks])
-    scored = sorted(zip(index.scores(tokenize(query)), range(len(chunks))), key=lambda x: (-x[0], x[1]))
+    scores = index.scores(tokenize(query))
+    scored = sorted(zip(scores, range(len(chunks)), strict=True), key=lambda x: (-x[0], x[1]))
     return [(s, chunks[i]) for s, i in scored[:k] if s > 0]

@@ -179,8 +179,12 @@ class Engine:
         self._broadcast_fn = jax.jit(self._counted("broadcast", _broadcast), static_argnums=1)
 
     # ------------------------------------------------------------------ public API
-    def start_group(self, prompt_ids, n: int) -> Group:
-        """Prefill `prompt_ids` once and share its cache among `n` rows."""
+    def start_group(self, prompt_ids, n: int, *, share_prefix: bool = True) -> Group:
+        """Prefill `prompt_ids` once and share its cache among `n` rows.
+
+        share_prefix=False prefills the prompt in every row instead (one batched prefill of n
+        copies): the same result at n times the prefill work, kept as bench/engine.py's baseline.
+        """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("start_group: empty prompt")
@@ -190,13 +194,11 @@ class Engine:
             raise ValueError(f"start_group: n={n}, need at least one row")
         self._sync_weights()
         cap = _bucket(self.len_buckets, len(prompt))
-        seed = Group(
-            rows=[_Row(tokens=prompt, length=0, expert_chunks=[], logits_version=self.policy_version)],
-            cache=init_cache(self.cfg, 1, cap, self.cache_dtype),
-            logits=jnp.zeros((1, self.cfg.vocab_size), jnp.float32),
-            hidden=jnp.zeros((1, self.cfg.hidden_size), self.cache_dtype),
-            capacity=cap,
-        )
+        if not share_prefix:
+            group = self._empty_group(prompt, n, _bucket(self.batch_buckets, n), cap)
+            self._prefill_pending(group, list(range(n)))
+            return group
+        seed = self._empty_group(prompt, 1, 1, cap)
         self._prefill_pending(seed, [0])
         r0 = seed.rows[0]
         rows = [_Row(tokens=list(prompt), length=r0.length, expert_chunks=list(r0.expert_chunks),
@@ -264,6 +266,17 @@ class Engine:
             self.compilations[name] += 1  # runs only when jit traces, i.e. on a cache miss
             return fn(*args)
         return traced
+
+    def _empty_group(self, prompt, n: int, slots: int, capacity: int) -> Group:
+        """n rows holding `prompt` as pending tokens, an all-zero cache of `slots` rows."""
+        return Group(
+            rows=[_Row(tokens=list(prompt), length=0, expert_chunks=[], logits_version=self.policy_version)
+                  for _ in range(n)],
+            cache=init_cache(self.cfg, slots, capacity, self.cache_dtype),
+            logits=jnp.zeros((slots, self.cfg.vocab_size), jnp.float32),
+            hidden=jnp.zeros((slots, self.cfg.hidden_size), self.cache_dtype),
+            capacity=capacity,
+        )
 
     def _check_cache_layout(self):
         """Every cache leaf must be `[batch, slots, ...]` (the contract); fail early otherwise."""

@@ -113,10 +113,11 @@ class NSA(nnx.Module):
         return k_cmp_cache, v_cmp_cache
 
     def __call__(self, q, k, v, gate_input, segment_ids, positions, *, softmax_scale: float | None = None,
-                 impl: str = "xla", kernel: ops.Kernel | None = None):
-        """-> [B,T,H,Dv] (see module docstring)."""
+                 impl: str = "xla", kernel: ops.Kernel | None = None, chunk: int = 128, unroll: bool = False):
+        """-> [B,T,H,Dv] (see module docstring). chunk/unroll: XLA-loop options (ops.nsa_attention)."""
         del positions  # document layout comes from segment_ids
         scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
         k_cmp, v_cmp = self.compress(k, v)
         return ops.nsa_attention(q, k, v, k_cmp, v_cmp, self.gates(gate_input), segment_ids,
-                                 cfg=self.cfg, softmax_scale=scale, impl=impl, kernel=kernel)
+                                 cfg=self.cfg, softmax_scale=scale, impl=impl, kernel=kernel,
+                                 chunk=chunk, unroll=unroll)

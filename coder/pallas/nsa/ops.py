@@ -154,8 +154,10 @@ IMPLS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 
 
 def nsa_attention(q, k, v, k_cmp, v_cmp, gates, segment_ids, *, cfg: NSAConfig, softmax_scale: float,
-                  impl: str = "xla", kernel: Kernel | None = None, chunk: int = 128):
-    """NSA over a packed batch -> [B,T,H,Dv] in v's dtype. See the module docstring."""
+                  impl: str = "xla", kernel: Kernel | None = None, chunk: int = 128, unroll: bool = False):
+    """NSA over a packed batch -> [B,T,H,Dv] in v's dtype. See the module docstring.
+
+    chunk: queries per step of the XLA loops; unroll: unroll them (exact XLA cost analysis)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown NSA impl {impl!r}; choose one of {IMPLS}")
     if q.shape[2] % k.shape[2]:
@@ -164,12 +166,13 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, segment_ids, *, cfg: NSAConfig, 
         out = reference.nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg, softmax_scale)
         return out.astype(v.dtype)
     if impl == "xla":
-        return xla.nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg, softmax_scale, chunk).astype(v.dtype)
+        return xla.nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg, softmax_scale, chunk,
+                       unroll).astype(v.dtype)
     kernel = kernel or Kernel(backend=impl)
     if kernel.backend != impl:
         raise ValueError(f"impl={impl!r} but kernel.backend={kernel.backend!r}")
     ds = xla.doc_starts(segment_ids)
-    o_cmp, sel = xla.compress_and_select(q, k_cmp, v_cmp, ds, cfg, softmax_scale, chunk)
+    o_cmp, sel = xla.compress_and_select(q, k_cmp, v_cmp, ds, cfg, softmax_scale, chunk, unroll)
     o_slc = selected_attention(q, k, v, sel, ds, block=cfg.select_block, scale=softmax_scale, kernel=kernel)
     o_win = window_attention(q, k, v, ds, window=cfg.window, scale=softmax_scale, kernel=kernel)
     return xla.combine(gates, o_cmp, o_slc.astype(jnp.float32), o_win.astype(jnp.float32)).astype(v.dtype)

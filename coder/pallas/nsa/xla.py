@@ -32,7 +32,7 @@ def _round_up(x, m):
 
 
 def _chunk_queries(q, doc_start, chunk):
-    """Pads T to a multiple of chunk; -> (q [N,B,C,G,Hg,D]... as given rank, ds [N,B,C], n, C).
+    """Pads T to a multiple of the chunk C; q [B,T,...] -> (q [N,B,C,...], ds [N,B,C], N, C).
 
     Padded queries get doc_start = their own index, so they see only themselves (no NaN).
     """
@@ -53,6 +53,12 @@ def _unchunk(x, t):
     return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :t]
 
 
+def _map(body, xs, unroll):
+    """lax.map as a scan; unroll=True lets XLA's cost analysis count every chunk (it counts a
+    rolled loop's body once)."""
+    return jax.lax.scan(lambda carry, x: (carry, body(x)), None, xs, unroll=unroll)[1]
+
+
 def _softmax_rows(s, mask):
     """Softmax over the last axis with empty rows -> 0."""
     s = jnp.where(mask, s, NEG_INF)
@@ -60,7 +66,7 @@ def _softmax_rows(s, mask):
     return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
 
 
-def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk=256):
+def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk=256, unroll=False):
     """Compressed branch and block selection in one pass over query chunks.
 
     q [B,T,H,Dk], k_cmp [B,Nc,G,Dk], v_cmp [B,Nc,G,Dv], doc_start [B,T]
@@ -95,7 +101,7 @@ def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk
                              cfg.select_topk)
         return o, sel
 
-    o, sel = jax.lax.map(body, (qc, dsc, jnp.arange(n)))
+    o, sel = _map(body, (qc, dsc, jnp.arange(n)), unroll)
     return _unchunk(o, t).reshape(b, t, h, -1), _unchunk(sel, t)
 
 
@@ -104,7 +110,7 @@ def active_slots(sel):
     return jnp.concatenate([jnp.ones_like(sel[..., :1], bool), sel[..., 1:] != sel[..., :-1]], -1)
 
 
-def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128):
+def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128, unroll=False):
     """Attention over the selected blocks by gathering them per query.
 
     q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], sel [B,T,G,n] canonical, doc_start [B,T]
@@ -135,11 +141,11 @@ def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128):
         p = _softmax_rows(s.reshape(sh[:4] + (-1,)), mask.reshape(sh[:3] + (1, -1)))
         return jnp.einsum("bcghm,bgcmd->bcghd", p, vg.astype(jnp.float32).reshape(b, g, c, -1, dv))
 
-    o = jax.lax.map(body, (qc, selc, dsc, jnp.arange(n)))
+    o = _map(body, (qc, selc, dsc, jnp.arange(n)), unroll)
     return _unchunk(o, t).reshape(b, t, h, dv)
 
 
-def window_attention(q, k, v, doc_start, window, scale, chunk=128):
+def window_attention(q, k, v, doc_start, window, scale, chunk=128, unroll=False):
     """Sliding-window attention, each query chunk against the window + chunk keys before it.
 
     q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], doc_start [B,T] -> [B,T,H,Dv] float32.
@@ -164,7 +170,7 @@ def window_attention(q, k, v, doc_start, window, scale, chunk=128):
         p = _softmax_rows(s, mask[:, :, None, None, :])
         return jnp.einsum("bcghs,bsgd->bcghd", p, vw)
 
-    o = jax.lax.map(body, (qc, dsc, jnp.arange(n)))
+    o = _map(body, (qc, dsc, jnp.arange(n)), unroll)
     return _unchunk(o, t).reshape(b, t, h, dv)
 
 
@@ -174,11 +180,11 @@ def combine(gates, o_cmp, o_slc, o_win):
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "scale", "chunk"))
-def nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg: NSAConfig, scale, chunk=128):
+@functools.partial(jax.jit, static_argnames=("cfg", "scale", "chunk", "unroll"))
+def nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg: NSAConfig, scale, chunk=128, unroll=False):
     """Blockwise XLA NSA -> [B,T,H,Dv] float32; same arguments as reference.nsa."""
     ds = doc_starts(segment_ids)
-    o_cmp, sel = compress_and_select(q, k_cmp, v_cmp, ds, cfg, scale, chunk)
-    o_slc = selected_attention(q, k, v, sel, ds, cfg.select_block, scale, chunk)
-    o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk)
+    o_cmp, sel = compress_and_select(q, k_cmp, v_cmp, ds, cfg, scale, chunk, unroll)
+    o_slc = selected_attention(q, k, v, sel, ds, cfg.select_block, scale, chunk, unroll)
+    o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk, unroll)
     return combine(gates, o_cmp, o_slc, o_win)
