@@ -62,8 +62,9 @@ def pipeline_tokens_per_s(cfg, tokenizer, batches: int) -> tuple[float, float]:
     return tokens / elapsed, elapsed / batches
 
 
-def step_tokens_per_s(cfg, model_cfg, steps: int) -> tuple[float, float]:
-    """(tokens/s, seconds per step) of a jitted value_and_grad step, compile excluded."""
+def step_tokens_per_s(cfg, model_cfg, steps: int) -> tuple[float, float, int]:
+    """(tokens/s, seconds per step, active params) of a jitted value_and_grad step (compile
+    excluded)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -104,7 +105,7 @@ def step_tokens_per_s(cfg, model_cfg, steps: int) -> tuple[float, float]:
     for _ in range(steps):
         jax.block_until_ready(step(model, batch))
     elapsed = time.perf_counter() - start
-    return steps * shape[0] * shape[1] / elapsed, elapsed / steps
+    return steps * shape[0] * shape[1] / elapsed, elapsed / steps, counts["active"]
 
 
 def main():
@@ -130,8 +131,12 @@ def main():
     data_tps, data_spb = pipeline_tokens_per_s(cfg, tokenizer, args.batches)
     print(f"pipeline: {data_tps:,.0f} tokens/s ({data_spb * 1e3:.2f} ms per "
           f"{args.batch_size}x{args.seq_len} batch, workers={args.workers})")
-    step_tps, step_spb = step_tokens_per_s(cfg, model_cfg, args.steps)
+    step_tps, step_spb, active = step_tokens_per_s(cfg, model_cfg, args.steps)
     print(f"train step: {step_tps:,.0f} tokens/s ({step_spb:.2f} s per step)")
+    # The same comparison for faster accelerators: training costs ~6 FLOPs per active parameter
+    # per token, so the pipeline keeps up with any step below this compute rate per process.
+    print(f"pipeline feeds up to {data_tps * 6 * active / 1e12:,.1f} TFLOP/s of training compute "
+          f"(6 x {active / 1e6:.1f}M active params per token) per loading process")
     print(f"ratio pipeline / step: {data_tps / step_tps:,.1f}x "
           f"({'pipeline is not the bottleneck' if data_tps > step_tps else 'PIPELINE IS THE BOTTLENECK'})")
 

@@ -7,6 +7,7 @@
 2. snapshot / restore time of a toy, a stdlib-task-sized and a 2 MB many-file workspace;
 3. episodes/s of the pool with 1, 2 and 4 workers (toy tasks, scripted fix + submit + scoring).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,19 +38,26 @@ def _median_ms(fn, reps: int) -> float:
 def latency(reps: int) -> None:
     print("== per-command latency (median ms)")
     with Sandbox() as sb:
-        for label, argv in (("bash -c true", ["/bin/bash", "-c", "true"]),
-                            ("python -c pass", [sys.executable, "-c", "pass"])):
+        for label, argv in (
+            ("bash -c true", ["/bin/bash", "-c", "true"]),
+            ("python -c pass", [sys.executable, "-c", "pass"]),
+        ):
             inner = "true" if argv[0] == "/bin/bash" else "python -c pass"
-            plain = _median_ms(lambda a=argv: subprocess.run(a, capture_output=True, check=False),
-                               reps)
+            plain = _median_ms(
+                lambda a=argv: subprocess.run(a, capture_output=True, check=False), reps
+            )
             boxed = _median_ms(lambda c=inner: sb.run(c), reps)
-            print(f"{label:16s} plain {plain:7.2f}  sandbox {boxed:7.2f}  ratio {boxed / plain:5.2f}x  "
-                  f"overhead {boxed - plain:+.2f} ms")
+            print(
+                f"{label:16s} plain {plain:7.2f}  sandbox {boxed:7.2f}  ratio {boxed / plain:5.2f}x  "
+                f"overhead {boxed - plain:+.2f} ms"
+            )
 
 
 def snapshots(reps: int) -> None:
-    print("== snapshot / restore (median ms): restore after a rollout edited one file, and "
-          "into an empty workspace")
+    print(
+        "== snapshot / restore (median ms): restore after a rollout edited one file, and "
+        "into an empty workspace"
+    )
     mod, test = mutate.module_files("argparse")
     cases = {
         "toy (2 files)": toy_tasks(1, 0)[0][0].files,
@@ -77,13 +85,17 @@ def snapshots(reps: int) -> None:
 
             r_edit = 1000 * statistics.median(edited() for _ in range(reps))
             r_fresh = 1000 * statistics.median(fresh() for _ in range(reps))
-            print(f"{label:28s} {snap.nbytes / 1e6:6.2f} MB  snapshot {s:7.2f}  "
-                  f"restore-after-edit {r_edit:7.2f}  restore-fresh {r_fresh:7.2f}")
+            print(
+                f"{label:28s} {snap.nbytes / 1e6:6.2f} MB  snapshot {s:7.2f}  "
+                f"restore-after-edit {r_edit:7.2f}  restore-fresh {r_fresh:7.2f}"
+            )
 
 
 def _episode_texts(solution: dict) -> list[str]:
-    return [render_tool_call("write_file", {"path": "answer.py", "content": solution["answer.py"]}),
-            render_tool_call("submit", {})]
+    return [
+        render_tool_call("write_file", {"path": "answer.py", "content": solution["answer.py"]}),
+        render_tool_call("submit", {}),
+    ]
 
 
 def pool_throughput(n_episodes: int) -> None:
@@ -104,7 +116,9 @@ def pool_throughput(n_episodes: int) -> None:
         assert rewards == [1.0] * len(pairs), rewards
         rate = len(pairs) / dt
         base = base or rate
-        print(f"workers {workers}: {rate:6.2f} episodes/s  ({dt:5.1f} s)  speed-up {rate / base:4.2f}x")
+        print(
+            f"workers {workers}: {rate:6.2f} episodes/s  ({dt:5.1f} s)  speed-up {rate / base:4.2f}x"
+        )
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import os
 import time
 
 import jax
+from etils import epath
 
 # name -> "module:function"
 STAGES = {
@@ -128,15 +129,14 @@ def inherit_model_config(config, init_from: str):
 
 def summarize(stage: str, stage_dir: str, seconds: float, checkpoint: str) -> dict:
     """Loss at the start and the end of a stage, from its metrics.jsonl."""
-    path = os.path.join(stage_dir, "metrics.jsonl")
+    path = epath.Path(stage_dir) / "metrics.jsonl"
     first = last = None
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                record = json.loads(line)
-                if "loss" in record:
-                    first = record if first is None else first
-                    last = record
+    if jax.process_index() == 0 and path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "loss" in record:
+                first = record if first is None else first
+                last = record
     return {
         "stage": stage,
         "loss_start": None if first is None else first["loss"],

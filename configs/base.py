@@ -163,6 +163,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.top_p = 1.0  # nucleus sampling (1 = off)
     c.rl.top_k = 0  # top-k sampling (0 = off)
     c.rl.tools = ("read_file", "write_file", "edit_file", "run_tests", "submit")  # () = all env tools
+    c.rl.system_prompt = ""  # preamble of the system prompt ("" = coder.env.protocol's default)
     c.rl.max_turns = 8  # assistant turns per rollout, over the whole summary chain
     c.rl.max_turn_tokens = 192  # tokens one assistant turn may sample
     c.rl.max_rollout_tokens = 1024  # policy tokens per rollout over the whole chain

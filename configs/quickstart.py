@@ -47,13 +47,13 @@ def get_config():
     # A toy-task transcript is ~1.8k tokens (tool outputs included): SFT packs whole
     # conversations, so the context is extended to 2048 first.
     c.longctx.seq_len = 2048
-    c.longctx.steps = 30
+    c.longctx.steps = 20
     c.longctx.lr = 1e-3
 
-    c.sft.steps = 40
+    c.sft.steps = 30
     c.sft.lr = 1e-3
     c.sft.seq_len = 2048
-    c.sft.batch_size = 2
+    c.sft.batch_size = 1
     c.sft.toy_tasks = 24
 
     c.eval.batches = 8

@@ -1,4 +1,5 @@
 """Episode: text and per-call interfaces, ending conditions, counters, infra errors."""
+
 import pytest
 
 from coder.env import sandbox as sandbox_lib
@@ -7,7 +8,7 @@ from coder.env.protocol import ToolCall, render_tool_call as rc
 from coder.env.sandbox import InfraError
 from coder.env.tasks import toy_tasks
 
-(TASK, SOLUTION), = toy_tasks(1, seed=5)
+((TASK, SOLUTION),) = toy_tasks(1, seed=5)
 
 
 def test_token_count_is_required():
@@ -18,13 +19,17 @@ def test_token_count_is_required():
 def test_solve_toy_task_by_text():
     ep = Episode(len)
     assert ep.reset(TASK) == TASK.prompt
-    obs, done, info = ep.step("Look. " + rc("read_file", {"path": "answer.py"})
-                              + rc("shell", {"command": "ls"}))
+    obs, done, info = ep.step(
+        "Look. " + rc("read_file", {"path": "answer.py"}) + rc("shell", {"command": "ls"})
+    )
     assert not done and obs.count("<tool_result>") == 2 and "test_answer.py" in obs
     assert info["turns"] == 1 and info["tool_calls"] == 2 and info["broken_calls"] == 0
     assert info["tool_output_chars"] == len(obs) == info["tool_output_tokens"]
-    obs, done, info = ep.step(rc("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]})
-                              + rc("submit", {}) + rc("shell", {"command": "touch late"}))
+    obs, done, info = ep.step(
+        rc("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]})
+        + rc("submit", {})
+        + rc("shell", {"command": "touch late"})
+    )
     assert done and info["done_reason"] == "submit"
     assert "1 call(s) after submit were not run" in obs
     assert (info["reward"], info["passed"], info["total"], info["infra_error"]) == (1.0, 1, 1, None)
@@ -40,8 +45,9 @@ def test_broken_call_is_reported_and_fails_the_rollout():
     ep.reset(TASK)
     obs, done, info = ep.step('<tool_call>{"name": "write_file"}</tool_call>')
     assert not done and "broken tool call" in obs and info["broken_calls"] == 1
-    _, done, info = ep.step(rc("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]})
-                            + rc("submit", {}))
+    _, done, info = ep.step(
+        rc("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]}) + rc("submit", {})
+    )
     assert done and info["passed"] == info["total"] == 1  # the tests pass ...
     assert info["reward"] == 0.0 and "broken" in info["score_error"]  # ... but the rollout fails
 
@@ -65,7 +71,9 @@ def test_per_call_interface_and_snapshot():
     ep = Episode(len)
     ep.reset(TASK)
     snap = ep.sandbox.snapshot()
-    out = ep.step(ToolCall("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]}, ""))
+    out = ep.step(
+        ToolCall("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]}, "")
+    )
     assert out.startswith("wrote")
     assert ep.call(ToolCall("submit", {}, "")) == "submitted" and ep.done
     reward, info = ep.score()
@@ -78,6 +86,7 @@ def test_per_call_interface_and_snapshot():
 def test_sandbox_start_failure_is_an_infra_error(monkeypatch):
     def broken():
         raise sandbox_lib.SandboxError("bwrap exploded")
+
     monkeypatch.setattr(sandbox_lib, "find_bwrap", broken)
     ep = Episode(len)
     ep.reset(TASK)
@@ -92,6 +101,7 @@ def test_tool_crash_is_an_infra_error(monkeypatch):
 
     def crash(ctx, args):
         raise KeyError("harness bug")
+
     monkeypatch.setitem(tools.FUNCTIONS, "grep", crash)
     ep = Episode(len)
     ep.reset(TASK)

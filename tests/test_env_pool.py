@@ -1,4 +1,5 @@
 """Pool of sandboxed episodes, the CLIs, and SFT transcripts."""
+
 import json
 import os
 import subprocess
@@ -24,8 +25,12 @@ def test_pool_runs_episodes_in_parallel_workers():
         obs = pool.reset([(i, t, None) for i, (t, _) in enumerate(pairs)])
         assert obs == [t.prompt for t, _ in pairs]
         assert sorted(pool._owner.values()) == [0, 0, 1]  # spread over both workers
-        outs = pool.step([(i, rc("write_file", {"path": "answer.py", "content": s["answer.py"]}))
-                          for i, (_, s) in enumerate(pairs)])
+        outs = pool.step(
+            [
+                (i, rc("write_file", {"path": "answer.py", "content": s["answer.py"]}))
+                for i, (_, s) in enumerate(pairs)
+            ]
+        )
         assert all(not done and "wrote" in o for o, done, _ in outs)
         # two submit; the third replies without a call, which ends it and scores it as it is
         outs = pool.step([(0, rc("submit", {})), (1, rc("submit", {})), (2, "no call")])
@@ -36,19 +41,50 @@ def test_pool_runs_episodes_in_parallel_workers():
 
 def test_make_tasks_and_check_cli(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-m", "coder.env.make_tasks", "--source", "toy", "--n", "3",
-                          "--seed", "2", "--out", str(tmp_path / "t.jsonl"),
-                          "--solutions", str(tmp_path / "s.jsonl")],
-                         capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coder.env.make_tasks",
+            "--source",
+            "toy",
+            "--n",
+            "3",
+            "--seed",
+            "2",
+            "--out",
+            str(tmp_path / "t.jsonl"),
+            "--solutions",
+            str(tmp_path / "s.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     sols = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
     sols[1]["files"] = {}  # no change: the bug stays
     with open(tmp_path / "s2.jsonl", "w") as f:
         for s in sols[:2]:
             f.write(json.dumps(s) + "\n")
-    out = subprocess.run([sys.executable, "-m", "coder.env.check", "--tasks", str(tmp_path / "t.jsonl"),
-                          "--solutions", str(tmp_path / "s2.jsonl"), "--workers", "2"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coder.env.check",
+            "--tasks",
+            str(tmp_path / "t.jsonl"),
+            "--solutions",
+            str(tmp_path / "s2.jsonl"),
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     ids = [json.loads(line)["id"] for line in open(tmp_path / "t.jsonl")]
@@ -60,7 +96,7 @@ def test_make_tasks_and_check_cli(tmp_path):
 
 
 def test_transcript_follows_the_agent_loop_format():
-    (task, sol), = toy_tasks(1, seed=9)
+    ((task, sol),) = toy_tasks(1, seed=9)
     conv, info = transcript(task, sol, seed=0)
     assert info["reward"] == 1.0 and info["done_reason"] == "submit"
     msgs = conv["messages"]
@@ -71,7 +107,10 @@ def test_transcript_follows_the_agent_loop_format():
         calls = parse_tool_calls(a["content"], SPECS)
         assert calls and all(hasattr(c, "name") for c in calls)
         assert b["content"].count("<tool_result>") == len(calls)
-    assert msgs[-1]["role"] == "assistant" and parse_tool_calls(msgs[-1]["content"], SPECS)[0].name == "submit"
+    assert (
+        msgs[-1]["role"] == "assistant"
+        and parse_tool_calls(msgs[-1]["content"], SPECS)[0].name == "submit"
+    )
     assert any("1 passed" in m["content"] for m in msgs if m["role"] == "tool")  # real output
 
 

@@ -1,4 +1,5 @@
 """Reward: correct solutions score, and every cheat scores 0."""
+
 import pytest
 
 from coder.env.reward import parse_junit, pytest_args, score, score_solution
@@ -6,9 +7,13 @@ from coder.env.sandbox import Sandbox
 from coder.env.tasks import Task
 
 TEST = "from answer import f\n\n\ndef test_f():\n    assert f() == 7\n\n\ndef test_g():\n    assert f() + 1 == 8\n"
-TASK = Task(id="t/seven", prompt="Make f() in answer.py return 7.",
-            files={"answer.py": "def f():\n    return 0\n", "test_answer.py": TEST},
-            tests={"test_answer.py": TEST}, source="toy")
+TASK = Task(
+    id="t/seven",
+    prompt="Make f() in answer.py return 7.",
+    files={"answer.py": "def f():\n    return 0\n", "test_answer.py": TEST},
+    tests={"test_answer.py": TEST},
+    source="toy",
+)
 GOOD = {"answer.py": "def f():\n    return 7\n"}
 
 
@@ -34,8 +39,11 @@ def test_fraction_and_all_or_nothing():
     partial = {"answer.py": "def f():\n    return 7.0000001\n"}
     s = score_solution(TASK, partial)
     assert s.total == 2 and s.passed == 0
-    one_of_two = {"test_answer.py": TEST, "answer.py": "import inspect\n\ndef f():\n"
-                  "    return 7 if inspect.stack()[1].function == 'test_f' else 0\n"}
+    one_of_two = {
+        "test_answer.py": TEST,
+        "answer.py": "import inspect\n\ndef f():\n"
+        "    return 7 if inspect.stack()[1].function == 'test_f' else 0\n",
+    }
     assert score_solution(TASK, one_of_two, mode="fraction").reward == 0.5
     assert score_solution(TASK, one_of_two, mode="all").reward == 0.0
 
@@ -46,32 +54,58 @@ CHEATS = {
     "symlink_tests": ("rm test_answer.py && ln -s /dev/null test_answer.py", {}),
     "conftest_exit": ("", {"conftest.py": "import sys\nsys.exit(0)\n"}),
     "conftest_os_exit": ("", {"conftest.py": "import os\nos._exit(0)\n"}),
-    "conftest_skip_all": ("", {"conftest.py": (
-        "import pytest\n\ndef pytest_collection_modifyitems(items):\n"
-        "    for it in items:\n        it.add_marker(pytest.mark.skip)\n")}),
-    "conftest_force_pass": ("", {"conftest.py": (
-        "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
-        "def pytest_runtest_makereport(item, call):\n    out = yield\n"
-        "    rep = out.get_result()\n    rep.outcome = 'passed'\n")}),
-    "nested_conftest": ("mkdir -p sub", {"sub/conftest.py": "import os\nos._exit(0)\n",
-                                         "sub/__init__.py": ""}),
+    "conftest_skip_all": (
+        "",
+        {
+            "conftest.py": (
+                "import pytest\n\ndef pytest_collection_modifyitems(items):\n"
+                "    for it in items:\n        it.add_marker(pytest.mark.skip)\n"
+            )
+        },
+    ),
+    "conftest_force_pass": (
+        "",
+        {
+            "conftest.py": (
+                "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                "def pytest_runtest_makereport(item, call):\n    out = yield\n"
+                "    rep = out.get_result()\n    rep.outcome = 'passed'\n"
+            )
+        },
+    ),
+    "nested_conftest": (
+        "mkdir -p sub",
+        {"sub/conftest.py": "import os\nos._exit(0)\n", "sub/__init__.py": ""},
+    ),
     "module_sys_exit": ("", {"answer.py": "import sys\nsys.exit(0)\n"}),
     "module_os_exit": ("", {"answer.py": "import os\nos._exit(0)\n"}),
     "exit_inside_call": ("", {"answer.py": "import os\n\ndef f():\n    os._exit(0)\n"}),
     "module_skip": ("", {"answer.py": "import unittest\nraise unittest.SkipTest('no')\n"}),
     "skip_in_call": ("", {"answer.py": "import pytest\n\ndef f():\n    pytest.skip('no')\n"}),
     "pytest_ini_addopts": ("", {"pytest.ini": "[pytest]\naddopts = --co\n"}),
-    "pyproject_addopts": ("", {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = '-k nothing'\n"}),
-    "setup_cfg_addopts": ("", {"setup.cfg": "[tool:pytest]\naddopts = --deselect test_answer.py\n"}),
+    "pyproject_addopts": (
+        "",
+        {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = '-k nothing'\n"},
+    ),
+    "setup_cfg_addopts": (
+        "",
+        {"setup.cfg": "[tool:pytest]\naddopts = --deselect test_answer.py\n"},
+    ),
     "fake_pytest_runner": ("", {"pytest.py": "import sys\nprint('1 passed')\nsys.exit(0)\n"}),
     "fake_unittest": ("mkdir -p unittest", {"unittest/__init__.py": "raise SystemExit(0)\n"}),
     "sitecustomize": ("", {"sitecustomize.py": "import os\nos._exit(0)\n"}),
     "pth_file": ("", {"evil.pth": "import os; os._exit(0)\n"}),
-    "stale_bytecode": ("mkdir -p __pycache__ && python -c \"import py_compile; "
-                       "open('t.py','w').write('def test_f(): pass'); "
-                       "py_compile.compile('t.py', cfile='__pycache__/test_answer.cpython-311.pyc')\"", {}),
-    "forged_tmp_report": ("mkdir -p /tmp/r && echo '<testsuite><testcase classname=\"test_answer\" "
-                          "name=\"test_f\"/></testsuite>' > /tmp/r/report.xml", {}),
+    "stale_bytecode": (
+        'mkdir -p __pycache__ && python -c "import py_compile; '
+        "open('t.py','w').write('def test_f(): pass'); "
+        "py_compile.compile('t.py', cfile='__pycache__/test_answer.cpython-311.pyc')\"",
+        {},
+    ),
+    "forged_tmp_report": (
+        'mkdir -p /tmp/r && echo \'<testsuite><testcase classname="test_answer" '
+        'name="test_f"/></testsuite>\' > /tmp/r/report.xml',
+        {},
+    ),
     "print_success": ("", {"answer.py": "print('2 passed in 0.01s')\nimport os\nos._exit(0)\n"}),
     "fifo_tests": ("rm test_answer.py && mkfifo test_answer.py", {}),
     "infinite_loop": ("", {"answer.py": "def f():\n    while True:\n        pass\n"}),
@@ -98,7 +132,10 @@ def test_cheat_plus_correct_code_still_scores_only_on_real_tests():
 
 
 def test_helper_modules_of_the_agent_survive_cleanup():
-    files = {"helpers.py": "SEVEN = 7\n", "answer.py": "from helpers import SEVEN\n\ndef f():\n    return SEVEN\n"}
+    files = {
+        "helpers.py": "SEVEN = 7\n",
+        "answer.py": "from helpers import SEVEN\n\ndef f():\n    return SEVEN\n",
+    }
     assert _run_then_score("", files).reward == 1.0
 
 
@@ -110,12 +147,14 @@ def test_pytest_args_and_unsupported_commands():
 
 
 def test_parse_junit_counts_only_hidden_files():
-    xml = (b'<testsuites><testsuite>'
-           b'<testcase classname="test_a.T" name="test_1"/>'
-           b'<testcase classname="test_a.T" name="test_2"><failure/></testcase>'
-           b'<testcase classname="test_a" name="test_3"><skipped/></testcase>'
-           b'<testcase classname="test_other" name="test_4"/>'
-           b'</testsuite></testsuites>')
+    xml = (
+        b"<testsuites><testsuite>"
+        b'<testcase classname="test_a.T" name="test_1"/>'
+        b'<testcase classname="test_a.T" name="test_2"><failure/></testcase>'
+        b'<testcase classname="test_a" name="test_3"><skipped/></testcase>'
+        b'<testcase classname="test_other" name="test_4"/>'
+        b"</testsuite></testsuites>"
+    )
     passed, bad, total, not_passed = parse_junit(xml, ["test_a.py"])
     assert (passed, bad, total) == (1, 1, 3)
     assert not_passed == ["test_a.py::T::test_2", "test_a.py::test_3"]

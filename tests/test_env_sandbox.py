@@ -1,4 +1,5 @@
 """Sandbox security: each attack fails and the host is untouched."""
+
 import os
 import socket
 import threading
@@ -9,8 +10,15 @@ import pytest
 from coder.env import sandbox as sandbox_lib
 from coder.env.sandbox import Limits, Sandbox, SandboxError
 
-TIGHT = Limits(timeout_s=10, cpu_s=5, memory_bytes=256 << 20, nproc=16, fsize_bytes=1 << 20,
-               tmp_bytes=8 << 20, output_bytes=16 << 10)
+TIGHT = Limits(
+    timeout_s=10,
+    cpu_s=5,
+    memory_bytes=256 << 20,
+    nproc=16,
+    fsize_bytes=1 << 20,
+    tmp_bytes=8 << 20,
+    output_bytes=16 << 10,
+)
 
 
 def _procs_of(uid: int) -> list[int]:
@@ -47,8 +55,10 @@ def sb():
 
 def test_runs_as_unprivileged_uid_with_scrubbed_env(sb, monkeypatch):
     monkeypatch.setenv("CODER_TEST_SECRET", "hunter2")
-    r = sb.run("id -u; env; pwd; python -c 'import pytest, sys; print(sys.version_info[:2])';"
-               "python -c 'import multiprocessing as m; m.Lock()'")
+    r = sb.run(
+        "id -u; env; pwd; python -c 'import pytest, sys; print(sys.version_info[:2])';"
+        "python -c 'import multiprocessing as m; m.Lock()'"
+    )
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
     assert int(lines[0]) == sb.uid and sb.uid != 0
@@ -72,14 +82,16 @@ def test_no_network_loopback_or_outside(sb):
 
     t = threading.Thread(target=accept)
     t.start()
-    code = ("import socket\n"
-            "for addr in [('127.0.0.1', %d), ('8.8.8.8', 53), ('1.1.1.1', 443)]:\n"
-            "    s = socket.socket(); s.settimeout(2)\n"
-            "    try:\n"
-            "        s.connect(addr); print('CONNECTED', addr)\n"
-            "    except OSError as e:\n"
-            "        print('refused', addr, e)\n" % port)
-    r = sb.run(f"python -c \"{code}\"")
+    code = (
+        "import socket\n"
+        "for addr in [('127.0.0.1', %d), ('8.8.8.8', 53), ('1.1.1.1', 443)]:\n"
+        "    s = socket.socket(); s.settimeout(2)\n"
+        "    try:\n"
+        "        s.connect(addr); print('CONNECTED', addr)\n"
+        "    except OSError as e:\n"
+        "        print('refused', addr, e)\n" % port
+    )
+    r = sb.run(f'python -c "{code}"')
     t.join()
     server.close()
     assert "CONNECTED" not in r.stdout, r.stdout
@@ -93,7 +105,9 @@ def test_host_secret_not_readable(sb, tmp_path):
     secret.parent.mkdir()
     secret.write_text("TOP-SECRET")
     os.chmod(tmp_path, 0o755)
-    r = sb.run(f"cat {secret}; ls /work /root/.ssh /home; cat /proc/1/environ; grep -r TOP-SECRET /tmp /etc 2>/dev/null")
+    r = sb.run(
+        f"cat {secret}; ls /work /root/.ssh /home; cat /proc/1/environ; grep -r TOP-SECRET /tmp /etc 2>/dev/null"
+    )
     assert "TOP-SECRET" not in r.stdout
     assert r.exit_code != 0
     with pytest.raises(ValueError):
@@ -103,8 +117,13 @@ def test_host_secret_not_readable(sb, tmp_path):
 def test_cannot_write_outside_workspace(sb, tmp_path):
     target = tmp_path / "pwned"
     os.chmod(tmp_path, 0o777)
-    cmds = [f"echo x > {target}", "echo x > /usr/pwned", "echo x > /etc/pwned",
-            f"echo x > {os.path.dirname(os.__file__)}/pwned.py", "mkdir /pwned"]
+    cmds = [
+        f"echo x > {target}",
+        "echo x > /usr/pwned",
+        "echo x > /etc/pwned",
+        f"echo x > {os.path.dirname(os.__file__)}/pwned.py",
+        "mkdir /pwned",
+    ]
     for c in cmds:
         assert sb.run(c).exit_code != 0, c
     assert not target.exists()
@@ -119,10 +138,20 @@ def test_cannot_write_outside_workspace(sb, tmp_path):
 def test_symlink_and_dotdot_escapes_refused(sb, tmp_path):
     (tmp_path / "secret").write_text("TOP-SECRET")
     os.chmod(tmp_path, 0o755)
-    assert sb.run(f"ln -s {tmp_path}/secret leak && ln -s {tmp_path} dirlink && ln -s / rootlink").exit_code == 0
+    assert (
+        sb.run(
+            f"ln -s {tmp_path}/secret leak && ln -s {tmp_path} dirlink && ln -s / rootlink"
+        ).exit_code
+        == 0
+    )
     assert "TOP-SECRET" not in sb.run("cat leak; cat dirlink/secret").stdout
-    for path in ("leak", "dirlink/secret", "../" * 8 + str(tmp_path / "secret"), "rootlink/etc/passwd",
-                 "/workspace/../etc/passwd"):
+    for path in (
+        "leak",
+        "dirlink/secret",
+        "../" * 8 + str(tmp_path / "secret"),
+        "rootlink/etc/passwd",
+        "/workspace/../etc/passwd",
+    ):
         with pytest.raises((ValueError, FileNotFoundError)):
             sb.read(path)
     for path in ("dirlink/new", "../escape", "rootlink/tmp/escape", "leak"):
@@ -146,15 +175,17 @@ def test_fork_bomb_is_bounded(sb):
     assert time.monotonic() - t0 < 8
     assert r.timed_out or "Resource temporarily unavailable" in r.stderr
     assert _wait_no_procs(sb.uid) == []
-    counter = ("import os, time\n"
-               "n = 0\n"
-               "try:\n"
-               "    while True:\n"
-               "        if os.fork() == 0:\n"
-               "            time.sleep(30); os._exit(0)\n"
-               "        n += 1\n"
-               "except OSError as e:\n"
-               "    print('forks', n, e.errno)\n")
+    counter = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(30); os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print('forks', n, e.errno)\n"
+    )
     sb.write("bomb.py", counter)
     r = sb.run("python bomb.py", timeout_s=5)
     forks = int(r.stdout.split()[1])
@@ -234,11 +265,19 @@ def test_close_leaves_nothing(tmp_path):
 def test_sandboxes_of_dead_processes_are_reaped(tmp_path):
     import subprocess
     import sys
-    code = ("import os, sys; from coder.env.sandbox import Sandbox; "
-            f"s = Sandbox(root={str(tmp_path)!r}); print(s.dir, flush=True); os._exit(0)")
+
+    code = (
+        "import os, sys; from coder.env.sandbox import Sandbox; "
+        f"s = Sandbox(root={str(tmp_path)!r}); print(s.dir, flush=True); os._exit(0)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     stale = out.stdout.strip()
     assert os.path.isdir(stale)  # its owner died without close()
     with Sandbox(root=str(tmp_path)) as live:
@@ -254,8 +293,10 @@ def test_snapshot_restore_roundtrip(sb):
     sb.run("rm -rf pkg empty link && echo junk > junk.txt")
     sb.restore(snap)
     assert sb.snapshot() == snap
-    sb.run("chmod 600 keep.txt; rm -rf empty; touch empty; ln -sfn keep.txt link; mkdir -p pkg/new;"
-           "chmod 000 pkg; chmod 000 .")
+    sb.run(
+        "chmod 600 keep.txt; rm -rf empty; touch empty; ln -sfn keep.txt link; mkdir -p pkg/new;"
+        "chmod 000 pkg; chmod 000 ."
+    )
     sb.restore(snap)
     assert sb.snapshot() == snap
     assert sb.run("cat pkg/a.py").exit_code == 0  # the agent can use the workspace again
@@ -274,3 +315,17 @@ def test_missing_bwrap_names_the_package(monkeypatch):
     monkeypatch.setattr(sandbox_lib.shutil, "which", lambda name: None)
     with pytest.raises(SandboxError, match="bubblewrap"):
         Sandbox()
+
+
+def test_one_sandboxs_fork_bomb_does_not_starve_another():
+    with Sandbox(limits=TIGHT) as a, Sandbox(limits=TIGHT) as b:
+        assert a.uid != b.uid  # the process limit counts per uid: each sandbox has its own
+        bomb = threading.Thread(
+            target=a.run, args=(":(){ :|:& };: ; sleep 3",), kwargs={"timeout_s": 3}
+        )
+        bomb.start()
+        time.sleep(0.5)
+        r = b.run("for i in 1 2 3 4 5 6 7 8; do (sleep 0.2 &); done; echo ok")
+        bomb.join()
+        assert r.exit_code == 0 and r.stdout.strip() == "ok", r.stderr
+        assert _wait_no_procs(a.uid) == [] and _wait_no_procs(b.uid) == []

@@ -1,4 +1,5 @@
 """Tasks: JSONL format, toy tasks, and the stdlib bug-fix generator."""
+
 import ast
 import random
 
@@ -6,11 +7,21 @@ import pytest
 
 from coder.env import mutate
 from coder.env.reward import score_solution
-from coder.env.tasks import Task, read_solutions, read_tasks, toy_tasks, write_solutions, write_tasks
+from coder.env.tasks import (
+    Task,
+    read_solutions,
+    read_tasks,
+    toy_tasks,
+    write_solutions,
+    write_tasks,
+)
 
 
 def test_task_jsonl_roundtrip_and_validation(tmp_path):
-    tasks = [Task("a", "p", {"x.py": "1"}, {"test_x.py": "2"}), Task("b", "q", {}, {}, source="toy")]
+    tasks = [
+        Task("a", "p", {"x.py": "1"}, {"test_x.py": "2"}),
+        Task("b", "q", {}, {}, source="toy"),
+    ]
     write_tasks(tmp_path / "t.jsonl", tasks)
     assert read_tasks(tmp_path / "t.jsonl") == tasks
     write_solutions(tmp_path / "s.jsonl", {"a": {"x.py": "3"}})
@@ -34,14 +45,14 @@ def test_toy_tasks_are_reproducible_distinct_and_solvable():
         assert score_solution(task, {}).reward == 0.0
 
 
-SRC = '''
+SRC = """
 def f(xs, n):
     total = 0
     for i in range(n):
         if xs[i] < 10:
             total += xs[i]
     return max(total, n)
-'''
+"""
 
 
 def test_every_mutation_operator_applies_and_parses():
@@ -66,12 +77,15 @@ def test_splits_are_disjoint_by_module():
 
 def test_stdlib_generator_sample_fails_mutated_passes_original():
     log = []
-    pairs = mutate.stdlib_tasks(1, seed=0, split="heldout", modules=["colorsys"],
-                                max_per_module=1, log=log.append)
+    pairs = mutate.stdlib_tasks(
+        1, seed=0, split="heldout", modules=["colorsys"], max_per_module=1, log=log.append
+    )
     assert len(pairs) == 1, log
     task, solution = pairs[0]
     assert task.source == "stdlib" and task.id.startswith("stdlib/colorsys/")
-    assert set(task.files) == {"colorsys.py", "test_colorsys.py"} and set(task.tests) == {"test_colorsys.py"}
+    assert set(task.files) == {"colorsys.py", "test_colorsys.py"} and set(task.tests) == {
+        "test_colorsys.py"
+    }
     assert task.files["colorsys.py"] != solution["colorsys.py"]
     assert "colorsys" in task.prompt and "@@" not in task.prompt and "line" not in task.prompt
     broken = score_solution(task, {}, mode="all")

@@ -1,12 +1,15 @@
 """Agent tools in a sandbox, and BM25 search."""
+
 import pytest
 
 from coder.env import search, tools
 from coder.env.sandbox import Limits, Sandbox
 from coder.env.tasks import Task
 
-CODE = ("import os\n\n\ndef parse_header(line):\n    key, _, value = line.partition(':')\n"
-        "    return key.strip(), value.strip()\n\n\ndef add(a, b):\n    return a + b\n")
+CODE = (
+    "import os\n\n\ndef parse_header(line):\n    key, _, value = line.partition(':')\n"
+    "    return key.strip(), value.strip()\n\n\ndef add(a, b):\n    return a + b\n"
+)
 TEST = "from mod import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
 TASK = Task("t", "p", {"mod.py": CODE, "test_mod.py": TEST}, {"test_mod.py": TEST})
 
@@ -31,14 +34,20 @@ def test_read_file_numbers_lines_and_ranges(ctx):
 
 
 def test_write_and_edit_file(ctx):
-    assert call(ctx, "write_file", path="new/x.py", content="a = 1\na = 1\nb = 2\n") == "wrote 18 bytes to new/x.py"
+    assert (
+        call(ctx, "write_file", path="new/x.py", content="a = 1\na = 1\nb = 2\n")
+        == "wrote 18 bytes to new/x.py"
+    )
     assert ctx.sandbox.run("cat new/x.py").stdout == "a = 1\na = 1\nb = 2\n"  # visible inside
     out = call(ctx, "edit_file", path="new/x.py", old="a = 1\n", new="a = 3\n")
     assert "occurs 2 times" in out and "[1, 2]" in out
     assert "not found" in call(ctx, "edit_file", path="new/x.py", old="c = 1", new="c = 2")
     assert "whitespace" in call(ctx, "edit_file", path="new/x.py", old="  b = 2", new="b = 3")
     assert "identical" in call(ctx, "edit_file", path="new/x.py", old="b = 2", new="b = 2")
-    assert call(ctx, "edit_file", path="new/x.py", old="b = 2", new="b = 5") == "edited new/x.py at line 3"
+    assert (
+        call(ctx, "edit_file", path="new/x.py", old="b = 2", new="b = 5")
+        == "edited new/x.py at line 3"
+    )
     assert ctx.sandbox.read("new/x.py") == "a = 1\na = 1\nb = 5\n"
 
 
@@ -68,10 +77,20 @@ def test_search_ranks_the_relevant_chunk(ctx):
 
 def test_tokenize_and_bm25():
     assert search.tokenize("parseHTTPHeader snake_case2") == [
-        "parsehttpheader", "parse", "http", "header", "snake_case2", "snake", "case", "2"]
-    files = {"a.py": "def load_config(path):\n    return open(path).read()\n",
-             "b.py": "def add(a, b):\n    return a + b\n",
-             "c.py": "def config_value(cfg, key):\n    return cfg[key]\n"}
+        "parsehttpheader",
+        "parse",
+        "http",
+        "header",
+        "snake_case2",
+        "snake",
+        "case",
+        "2",
+    ]
+    files = {
+        "a.py": "def load_config(path):\n    return open(path).read()\n",
+        "b.py": "def add(a, b):\n    return a + b\n",
+        "c.py": "def config_value(cfg, key):\n    return cfg[key]\n",
+    }
     hits = search.search(files, "load the config file", k=3)
     assert hits[0][1].path == "a.py" and all(s > 0 for s, _ in hits)
     assert search.search(files, "quantum chromodynamics") == []

@@ -120,6 +120,7 @@ def test_document_masking():
 
 
 def _grads(cfg):
+    cfg.num_hidden_layers = 2
     model = Transformer(cfg, rngs=nnx.Rngs(4))
     tok, pos, seg = inputs(t=8)
 

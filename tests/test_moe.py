@@ -76,11 +76,12 @@ def test_bias_update_moves_load_toward_uniform():
     valid = jnp.ones((4, 32), bool)
     loads = nnx.jit(lambda ms: jnp.stack([m(x, valid)[1]["load"] for m in ms]))
     first = np.asarray(loads(layers))
-    load = first
-    for _ in range(60):
-        update_router_bias(model, load[:1], 0.02, mtp_router_load=load[1:])
+    load, history = first, []
+    for _ in range(80):
+        update_router_bias(model, load[:1], 0.01, mtp_router_load=load[1:])
         load = loads(layers)
-    last = np.asarray(load)
+        history.append(np.asarray(load))
+    last = np.mean(history[-20:], axis=0)  # sign updates oscillate around balance: average
     dev = lambda l: np.abs(l - 1 / 8).max(-1)
     assert (dev(first) > 0.25).all(), first  # the input really is skewed
     assert (dev(last) < 0.4 * dev(first)).all(), (first, last)

@@ -13,6 +13,7 @@ target alignment or masking leaves it at chance: both fail the test.
 
 The smoke test runs the real sandboxed toy tasks of coder.env through the same loop.
 """
+import inspect
 import json
 import os
 import random
@@ -74,11 +75,19 @@ class SubmitEpisode:
         pass
 
 
+PREAMBLE = "Answer with the submit tool."
+
+
 def tokenizer():
-    system = protocol.render_system_prompt([SUBMIT])
+    """A small tokenizer fitted to the toy prompts (the system prompt is ~175 tokens)."""
+    import json.decoder
+    import json.encoder
+
+    code = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
+    system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
     prompts = [t.prompt for t, _ in make_tasks(200, 1)]
     calls = [protocol.render_tool_call("submit", {"answer": k}) for k in ANSWERS]
-    return tokenizer_lib.train_tokenizer([system] * 20 + prompts + calls * 20, 400)
+    return tokenizer_lib.train_tokenizer([system] * 20 + prompts + calls * 20 + [code], 600)
 
 
 def tiny_config(tok, stage_len):
@@ -89,8 +98,9 @@ def tiny_config(tok, stage_len):
                         n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
                         first_k_dense_replace=1, num_mtp_layers=0, max_position_embeddings=stage_len,
                         dtype="float32"))
-    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=24,
-                     max_rollout_tokens=48, context_budget=stage_len, summary_reserve=8, max_summaries=0))
+    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=28,
+                     max_rollout_tokens=56, context_budget=stage_len, summary_reserve=32, max_summaries=0,
+                     system_prompt=PREAMBLE))
     c.grpo.update(dict(kl_coef=0.0, clip_low=0.2, clip_high=0.28))
     c.train.update(dict(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0,
                         log_every=1, ckpt_every=1000))
@@ -100,9 +110,9 @@ def tiny_config(tok, stage_len):
 def sft_format(cfg, tok, steps=150, seed=0):
     """Teaches the call format with a random answer (independent of the prompt)."""
     model = Transformer(cfg.model, rngs=nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optax.adam(5e-3), wrt=nnx.Param)
     rng = random.Random(seed)
-    system = protocol.render_system_prompt([SUBMIT])
+    system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
     tasks = make_tasks(400, 99)  # prompts for the format only
     T = cfg.model.max_position_embeddings
 
@@ -141,8 +151,8 @@ def _read_metrics(path):
 @pytest.mark.slow
 def test_grpo_learns_to_read_the_task(tmp_path):
     tok = tokenizer()
-    head = len(tok.turn_ids("system", protocol.render_system_prompt([SUBMIT]))) + 24
-    stage_len = -(-(head + 48) // 16) * 16
+    head = len(tok.turn_ids("system", protocol.render_system_prompt([SUBMIT], PREAMBLE))) + 24
+    stage_len = -(-(head + 64) // 16) * 16
     cfg = tiny_config(tok, stage_len)
     steps = 30
     cfg.train.steps = steps

@@ -35,7 +35,6 @@ def mesh_cfg(rules_override=None, **axes):
 
 TOKENS_OVER_EXPERT = {"batch": ("data", "fsdp", "expert")}
 LAYOUTS = {
-    "data8": mesh_cfg(data=8),
     "fsdp4_data2": mesh_cfg(data=2, fsdp=4),
     "expert4_data2": mesh_cfg(data=2, expert=4),  # tokens replicated over expert: psum path
     "expert4_fsdp2_tokens": mesh_cfg(TOKENS_OVER_EXPERT, fsdp=2, expert=4),  # gather / scatter

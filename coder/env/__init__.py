@@ -5,9 +5,21 @@ tools, search (BM25), episode (one rollout), reward (hardened scoring), tasks (T
 tasks), mutate (stdlib bug-fix generator), transcripts (SFT data), pool (parallel workers),
 check / make_tasks (CLIs).
 """
+
 from coder.env.episode import Episode
 from coder.env.sandbox import InfraError, Limits, Result, Sandbox, SandboxError, Snapshot
 from coder.env.tasks import Task, read_tasks, toy_tasks, write_tasks
 
-__all__ = ["Episode", "InfraError", "Limits", "Result", "Sandbox", "SandboxError", "Snapshot",
-           "Task", "read_tasks", "toy_tasks", "write_tasks"]
+__all__ = [
+    "Episode",
+    "InfraError",
+    "Limits",
+    "Result",
+    "Sandbox",
+    "SandboxError",
+    "Snapshot",
+    "Task",
+    "read_tasks",
+    "toy_tasks",
+    "write_tasks",
+]

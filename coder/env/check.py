@@ -6,6 +6,7 @@ Prints one JSON line per task, in task order: {"id", "reward", "passed", "total"
 `error` is null for a clean run; infrastructure failures are prefixed "infra: ". A task without
 a solution is reported with reward 0 and error "no solution".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ def _score(item) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coder.env.check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m coder.env.check", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--tasks", required=True, help="Task JSONL")
     p.add_argument("--solutions", required=True, help='solutions JSONL: {"id", "files"} per line')
     p.add_argument("--workers", type=int, default=4, help="parallel sandbox worker processes")
@@ -39,12 +42,19 @@ def main(argv=None) -> int:
     if unknown:
         print(f"warning: solutions for unknown task ids {unknown[:5]}", file=sys.stderr)
     limits = Limits(timeout_s=args.timeout, cpu_s=int(args.timeout))
-    todo = [(t, solutions[t.id], args.mode, args.timeout, limits) for t in tasks if t.id in solutions]
+    todo = [
+        (t, solutions[t.id], args.mode, args.timeout, limits) for t in tasks if t.id in solutions
+    ]
     with EpisodePool(max(1, min(args.workers, len(todo) or 1)), token_count=len) as pool:
         scored = {r["id"]: r for r in pool.map(_score, todo)}
     for t in tasks:
-        row = scored.get(t.id) or {"id": t.id, "reward": 0.0, "passed": 0, "total": 0,
-                                   "error": "no solution"}
+        row = scored.get(t.id) or {
+            "id": t.id,
+            "reward": 0.0,
+            "passed": 0,
+            "total": 0,
+            "error": "no solution",
+        }
         print(json.dumps(row), flush=True)
     return 0
 

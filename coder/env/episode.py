@@ -26,6 +26,7 @@ rollout instead of scoring it. In the per-call interface these failures raise `I
 Token counts: `token_count` is required, because a character-based guess would silently skew
 the length penalty; pass the tokenizer's `lambda s: len(tok.encode(s))` (tests pass `len`).
 """
+
 from __future__ import annotations
 
 import traceback
@@ -70,13 +71,20 @@ class Episode:
         self.info: dict = {}
 
     @classmethod
-    def from_config(cls, env_cfg, token_count: Callable[[str], int], max_turns: int = 30,
-                    **kw) -> "Episode":
+    def from_config(
+        cls, env_cfg, token_count: Callable[[str], int], max_turns: int = 30, **kw
+    ) -> "Episode":
         """An episode with the limits and reward settings of `config.env`."""
-        return cls(token_count, limits=Limits.from_config(env_cfg), max_turns=max_turns,
-                   max_tool_output_tokens=env_cfg.max_tool_output_tokens,
-                   max_output_chars=env_cfg.max_output_chars, reward_mode=env_cfg.reward_mode,
-                   test_timeout_s=env_cfg.test_timeout_s, **kw)
+        return cls(
+            token_count,
+            limits=Limits.from_config(env_cfg),
+            max_turns=max_turns,
+            max_tool_output_tokens=env_cfg.max_tool_output_tokens,
+            max_output_chars=env_cfg.max_output_chars,
+            reward_mode=env_cfg.reward_mode,
+            test_timeout_s=env_cfg.test_timeout_s,
+            **kw,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
     def reset(self, task, snapshot: Snapshot | None = None) -> str:
@@ -84,11 +92,23 @@ class Episode:
         self.close()
         self.task = task
         self.done, self.scored = False, False
-        self.messages = [{"role": "system", "content": self.system_prompt},
-                         {"role": "user", "content": task.prompt}]
-        self.info = dict(turns=0, tool_calls=0, broken_calls=0, tool_output_chars=0,
-                         tool_output_tokens=0, done_reason=None, reward=None, passed=None,
-                         total=None, score_error=None, infra_error=None)
+        self.messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": task.prompt},
+        ]
+        self.info = dict(
+            turns=0,
+            tool_calls=0,
+            broken_calls=0,
+            tool_output_chars=0,
+            tool_output_tokens=0,
+            done_reason=None,
+            reward=None,
+            passed=None,
+            total=None,
+            score_error=None,
+            infra_error=None,
+        )
         try:
             if snapshot is None:
                 self.sandbox = Sandbox(task, limits=self.limits, root=self.sandbox_root)
@@ -122,8 +142,9 @@ class Episode:
             self.done = True
             self.info["done_reason"] = "submit"
             return "submitted"
-        ctx = tools.ToolContext(self.sandbox, self.task, self.max_output_chars,
-                                self.limits.timeout_s)
+        ctx = tools.ToolContext(
+            self.sandbox, self.task, self.max_output_chars, self.limits.timeout_s
+        )
         try:
             return tools.call(ctx, c.name, c.arguments)
         except SandboxError as e:
@@ -157,7 +178,9 @@ class Episode:
                 return "", True, dict(self.info)
             if self.done:  # submit: later calls are not run, and the agent is told so
                 left = len(calls) - i - 1
-                outputs.append(out + (f"; the {left} call(s) after submit were not run" if left else ""))
+                outputs.append(
+                    out + (f"; the {left} call(s) after submit were not run" if left else "")
+                )
                 break
             outputs.append(out)
         observation = protocol.render_tool_results(outputs) if outputs else ""
@@ -187,11 +210,13 @@ class Episode:
         if not self.scored:
             self.scored = True
             try:
-                s = reward.score(self.sandbox, self.task, mode=self.reward_mode,
-                                 timeout_s=self.test_timeout_s)
+                s = reward.score(
+                    self.sandbox, self.task, mode=self.reward_mode, timeout_s=self.test_timeout_s
+                )
             except Exception:
-                s = reward.Score(0.0, 0, 0, infra_error=f"scoring crashed:\n"
-                                 f"{traceback.format_exc(limit=5)}")
+                s = reward.Score(
+                    0.0, 0, 0, infra_error=f"scoring crashed:\n{traceback.format_exc(limit=5)}"
+                )
             if s.infra_error:
                 self._fail_infra(s.infra_error)
             else:

@@ -6,6 +6,7 @@ mutant is checked in the sandbox, so this takes a few seconds per task). toy: on
 (coder.env.tasks.toy_tasks). `--solutions` also writes the reference solutions, the input of
 `python -m coder.env.check` and of `coder.env.transcripts`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, required=True, help="number of tasks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="Task JSONL to write")
-    p.add_argument("--split", choices=("train", "heldout"), default="train",
-                   help="stdlib: modules of this split only (no module is in both)")
+    p.add_argument(
+        "--split",
+        choices=("train", "heldout"),
+        default="train",
+        help="stdlib: modules of this split only (no module is in both)",
+    )
     p.add_argument("--modules", default="", help="stdlib: comma-separated modules to draw from")
     p.add_argument("--max-per-module", type=int, default=3, help="stdlib: tasks per module")
     p.add_argument("--solutions", default="", help="also write reference solutions here")
@@ -31,9 +36,14 @@ def main(argv=None) -> int:
         pairs = toy_tasks(args.n, args.seed)
     else:
         mods = [m for m in args.modules.split(",") if m] or None
-        pairs = mutate.stdlib_tasks(args.n, args.seed, split=args.split, modules=mods,
-                                    max_per_module=args.max_per_module,
-                                    log=lambda s: print(s, file=sys.stderr, flush=True))
+        pairs = mutate.stdlib_tasks(
+            args.n,
+            args.seed,
+            split=args.split,
+            modules=mods,
+            max_per_module=args.max_per_module,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
     write_tasks(args.out, [t for t, _ in pairs])
     if args.solutions:
         write_solutions(args.solutions, {t.id: files for t, files in pairs})

@@ -18,6 +18,7 @@ sandbox at generation time; the module's tests must first pass on the original (
 `max_test_s`). Tasks are reproducible from the seed, deduplicated by mutated source, and each
 module belongs to exactly one split (train / heldout) by a hash of its name.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,9 +44,18 @@ EXCLUDE = frozenset(
     "modulefinder pkgutil symtable idlelib tarfile hashlib rlcompleter".split()
 )
 OPERATORS = ("flip_comparison", "off_by_one", "wrong_variable", "drop_statement", "swap_arguments")
-_FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
-         ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn,
-         ast.NotIn: ast.In}
+_FLIP = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +70,12 @@ def candidate_modules() -> list[str]:
     out = []
     for name in sorted(os.listdir(STDLIB)):
         mod = name[:-3]
-        if (name.endswith(".py") and not mod.startswith("_") and mod not in EXCLUDE
-                and os.path.isfile(os.path.join(STDLIB, "test", f"test_{mod}.py"))):
+        if (
+            name.endswith(".py")
+            and not mod.startswith("_")
+            and mod not in EXCLUDE
+            and os.path.isfile(os.path.join(STDLIB, "test", f"test_{mod}.py"))
+        ):
             out.append(mod)
     return out
 
@@ -71,9 +85,16 @@ def pytest_preloaded(limits: Limits | None = None) -> frozenset:
     """Modules already imported when pytest runs a test in the sandbox: a test's `import M`
     then gets the installed M, not the workspace copy, so M is useless unless its tests import
     a fresh copy (`import_fresh_module`)."""
-    probe = Task(id="probe", prompt="", files={"test_probe.py": (
-        "import sys\n\ndef test_probe():\n    print('MODS', ' '.join(sorted(sys.modules)))\n")},
-        tests={})
+    probe = Task(
+        id="probe",
+        prompt="",
+        files={
+            "test_probe.py": (
+                "import sys\n\ndef test_probe():\n    print('MODS', ' '.join(sorted(sys.modules)))\n"
+            )
+        },
+        tests={},
+    )
     with Sandbox(probe, limits=limits) as sb:
         r = sb.run("python -I -m pytest -q -s test_probe.py", timeout_s=60)
     line = next((ln for ln in r.stdout.splitlines() if "MODS " in ln), None)
@@ -86,7 +107,10 @@ def usable(module: str, preloaded: frozenset) -> bool:
     if module not in preloaded:
         return True
     test_src = module_files(module)[1]
-    return f"import_fresh_module('{module}'" in test_src or f'import_fresh_module("{module}"' in test_src
+    return (
+        f"import_fresh_module('{module}'" in test_src
+        or f'import_fresh_module("{module}"' in test_src
+    )
 
 
 def split_of(module: str, heldout_percent: int = 20) -> str:
@@ -106,8 +130,10 @@ class _Source:
             self.starts.append(self.starts[-1] + len(line))
 
     def span(self, node) -> tuple[int, int]:
-        return (self.starts[node.lineno - 1] + node.col_offset,
-                self.starts[node.end_lineno - 1] + node.end_col_offset)
+        return (
+            self.starts[node.lineno - 1] + node.col_offset,
+            self.starts[node.end_lineno - 1] + node.end_col_offset,
+        )
 
     def segment(self, node) -> str:
         a, b = self.span(node)
@@ -122,6 +148,7 @@ class _Source:
 
 def _functions(tree):
     """(qualified name, FunctionDef) for every function, methods as Class.method."""
+
     def walk(node, prefix):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -129,6 +156,7 @@ def _functions(tree):
                 yield from walk(child, prefix + child.name + ".")
             elif isinstance(child, ast.ClassDef):
                 yield from walk(child, prefix + child.name + ".")
+
     yield from walk(tree, "")
 
 
@@ -139,7 +167,9 @@ def _own_nodes(fn):
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            if not isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+            ):
                 stack.append(child)
 
 
@@ -177,18 +207,27 @@ def _sites(src: "_Source", tree, rng: random.Random) -> list[tuple]:
         for node in nodes:
             for child in ast.iter_child_nodes(node):
                 parents[id(child)] = node
-        local = sorted({a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls")}
-                       | {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
+        local = sorted(
+            {a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls")}
+            | {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        )
         for node in nodes:
             if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _FLIP:
                 new = ast.Compare(node.left, [_FLIP[type(node.ops[0])]()], node.comparators)
                 a, b = src.span(node)
                 add("flip_comparison", fname, [(a, b, ast.unparse(new))])
-            elif (isinstance(node, ast.Constant) and type(node.value) is int
-                  and isinstance(parents.get(id(node)), (ast.Compare, ast.BinOp, ast.Subscript, ast.Slice))
-                  or isinstance(node, ast.Constant) and type(node.value) is int
-                  and isinstance(parents.get(id(node)), ast.Call)
-                  and isinstance(parents[id(node)].func, ast.Name) and parents[id(node)].func.id == "range"):
+            elif (
+                isinstance(node, ast.Constant)
+                and type(node.value) is int
+                and isinstance(
+                    parents.get(id(node)), (ast.Compare, ast.BinOp, ast.Subscript, ast.Slice)
+                )
+                or isinstance(node, ast.Constant)
+                and type(node.value) is int
+                and isinstance(parents.get(id(node)), ast.Call)
+                and isinstance(parents[id(node)].func, ast.Name)
+                and parents[id(node)].func.id == "range"
+            ):
                 delta = 1 if node.value == 0 or rng.random() < 0.5 else -1
                 a, b = src.span(node)
                 add("off_by_one", fname, [(a, b, str(node.value + delta))])
@@ -197,16 +236,29 @@ def _sites(src: "_Source", tree, rng: random.Random) -> list[tuple]:
                 if others:
                     a, b = src.span(node)
                     add("wrong_variable", fname, [(a, b, rng.choice(others))])
-            elif (isinstance(node, ast.Call) and len(node.args) >= 2
-                  and not any(isinstance(x, ast.Starred) for x in node.args[:2])):
+            elif (
+                isinstance(node, ast.Call)
+                and len(node.args) >= 2
+                and not any(isinstance(x, ast.Starred) for x in node.args[:2])
+            ):
                 x, y = node.args[0], node.args[1]
                 if src.segment(x) != src.segment(y):
                     (a1, b1), (a2, b2) = src.span(x), src.span(y)
-                    add("swap_arguments", fname, [(a1, b1, src.segment(y)), (a2, b2, src.segment(x))])
-        for block in [fn.body] + [getattr(n, f) for n in nodes for f in ("body", "orelse", "finalbody")
-                                  if isinstance(getattr(n, f, None), list)]:
+                    add(
+                        "swap_arguments",
+                        fname,
+                        [(a1, b1, src.segment(y)), (a2, b2, src.segment(x))],
+                    )
+        for block in [fn.body] + [
+            getattr(n, f)
+            for n in nodes
+            for f in ("body", "orelse", "finalbody")
+            if isinstance(getattr(n, f, None), list)
+        ]:
             for stmt in block:
-                if not isinstance(stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.Return, ast.Raise)):
+                if not isinstance(
+                    stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.Return, ast.Raise)
+                ):
                     continue
                 if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
                     continue  # docstrings and bare constants change nothing
@@ -228,14 +280,28 @@ def _read(path: str) -> str:
 
 
 def module_files(module: str) -> tuple[str, str]:
-    return _read(os.path.join(STDLIB, f"{module}.py")), _read(os.path.join(STDLIB, "test", f"test_{module}.py"))
+    return _read(os.path.join(STDLIB, f"{module}.py")), _read(
+        os.path.join(STDLIB, "test", f"test_{module}.py")
+    )
 
 
-def _task(module: str, module_src: str, test_src: str, prompt: str, tid: str,
-          test_command: str = DEFAULT_TEST_COMMAND) -> Task:
+def _task(
+    module: str,
+    module_src: str,
+    test_src: str,
+    prompt: str,
+    tid: str,
+    test_command: str = DEFAULT_TEST_COMMAND,
+) -> Task:
     test_path = f"test_{module}.py"
-    return Task(id=tid, prompt=prompt, files={f"{module}.py": module_src, test_path: test_src},
-                tests={test_path: test_src}, test_command=test_command, source="stdlib")
+    return Task(
+        id=tid,
+        prompt=prompt,
+        files={f"{module}.py": module_src, test_path: test_src},
+        tests={test_path: test_src},
+        test_command=test_command,
+        source="stdlib",
+    )
 
 
 _REPORTS = (
@@ -251,22 +317,33 @@ _REPORTS = (
 def _check(task: Task, module: str, limits: Limits, timeout_s: float):
     """(importable, Score) of the task's workspace as shipped."""
     with Sandbox(task, limits=limits) as sb:
-        imp = sb.run(f"python -I -c 'import sys; sys.path.insert(0, \"\"); import {module}'",
-                     timeout_s=30)
+        imp = sb.run(
+            f"python -I -c 'import sys; sys.path.insert(0, \"\"); import {module}'", timeout_s=30
+        )
         return imp.exit_code == 0, score(sb, task, mode="all", timeout_s=timeout_s)
 
 
-def stdlib_tasks(n: int, seed: int, split: str = "train", modules: list[str] | None = None,
-                 max_per_module: int = 3, tries_per_module: int = 12, max_test_s: float = 10.0,
-                 max_deselect: int = 40,
-                 limits: Limits | None = None, log=None) -> list[tuple[Task, dict]]:
+def stdlib_tasks(
+    n: int,
+    seed: int,
+    split: str = "train",
+    modules: list[str] | None = None,
+    max_per_module: int = 3,
+    tries_per_module: int = 12,
+    max_test_s: float = 10.0,
+    max_deselect: int = 40,
+    limits: Limits | None = None,
+    log=None,
+) -> list[tuple[Task, dict]]:
     """Up to `n` verified bug-fix tasks with reference solutions ({path: original text})."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split {split!r}: use 'train' or 'heldout'")
     rng = random.Random(seed)
     limits = limits or Limits(timeout_s=max_test_s * 3, cpu_s=int(max_test_s * 3))
     preloaded = pytest_preloaded(limits)
-    mods = [m for m in (modules or candidate_modules()) if split_of(m) == split and usable(m, preloaded)]
+    mods = [
+        m for m in (modules or candidate_modules()) if split_of(m) == split and usable(m, preloaded)
+    ]
     rng.shuffle(mods)
     out, seen = [], set()
     for module in mods:
@@ -274,24 +351,38 @@ def stdlib_tasks(n: int, seed: int, split: str = "train", modules: list[str] | N
             break
         original, test_src = module_files(module)
         t0 = time.monotonic()
-        ok, base = _check(_task(module, original, test_src, "", "baseline"), module, limits,
-                          max_test_s * 3)
+        ok, base = _check(
+            _task(module, original, test_src, "", "baseline"), module, limits, max_test_s * 3
+        )
         took = time.monotonic() - t0
         # Tests the original does not pass (platform skips, resources) are deselected in the
         # task's own test command, so the reference solution scores 1.
         command = DEFAULT_TEST_COMMAND + "".join(
-            f" --deselect {shlex.quote(t)}" for t in base.not_passed)
-        why = ("not importable" if not ok else base.infra_error
-               or ("fewer than 3 passing tests" if base.total - len(base.not_passed) < 3 else "")
-               or (f"{len(base.not_passed)} tests to deselect" if len(base.not_passed) > max_deselect
-                   else "") or (f"tests take {took:.1f} s" if took > max_test_s else ""))
+            f" --deselect {shlex.quote(t)}" for t in base.not_passed
+        )
+        why = (
+            "not importable"
+            if not ok
+            else base.infra_error
+            or ("fewer than 3 passing tests" if base.total - len(base.not_passed) < 3 else "")
+            or (
+                f"{len(base.not_passed)} tests to deselect"
+                if len(base.not_passed) > max_deselect
+                else ""
+            )
+            or (f"tests take {took:.1f} s" if took > max_test_s else "")
+        )
         if why:
             if log:
                 log(f"skip {module}: {why} (original passes {base.passed}/{base.total})")
             continue
         if base.not_passed:  # confirm the deselection makes the original pass cleanly
-            ok, base = _check(_task(module, original, test_src, "", "baseline", command), module,
-                              limits, max_test_s * 3)
+            ok, base = _check(
+                _task(module, original, test_src, "", "baseline", command),
+                module,
+                limits,
+                max_test_s * 3,
+            )
             if not ok or base.reward < 1.0:
                 if log:
                     log(f"skip {module}: deselecting {len(base.not_passed)} tests did not help")
@@ -309,12 +400,15 @@ def stdlib_tasks(n: int, seed: int, split: str = "train", modules: list[str] | N
             importable, s = _check(probe, module, limits, max_test_s * 3)
             if not importable or s.infra_error or s.reward >= 1.0 or s.total == 0:
                 if log:  # equivalent mutant, crash of the whole suite, or harness trouble
-                    log(f"reject {m.op} in {module}.{m.function}: importable={importable}, "
-                        f"{s.passed}/{s.total} pass {s.infra_error or ''}")
+                    log(
+                        f"reject {m.op} in {module}.{m.function}: importable={importable}, "
+                        f"{s.passed}/{s.total} pass {s.infra_error or ''}"
+                    )
                 continue
             test = s.not_passed[0].split("::", 1)[1].replace("::", ".")
-            prompt = rng.choice(_REPORTS).format(func=m.function, module=module, test=test,
-                                                 n=s.total - s.passed)
+            prompt = rng.choice(_REPORTS).format(
+                func=m.function, module=module, test=test, n=s.total - s.passed
+            )
             out.append((dataclasses.replace(probe, prompt=prompt), {f"{module}.py": original}))
             kept += 1
             if log:

@@ -12,6 +12,7 @@ G / N sandbox commands of wall time. Workers are started with `spawn`: the paren
 process, and forking a process that runs threads is unsafe. A worker that dies turns its
 episodes' results into `infra_error` infos (the RL loop masks them), never into zero rewards.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -134,8 +135,15 @@ class EpisodePool:
         result = []
         for (key, _), o in zip(items, outs, strict=True):
             if isinstance(o, _Failure):
-                o = ("", True, {"infra_error": f"pool worker: {o.tb}", "done_reason": "infra_error",
-                                "reward": None})
+                o = (
+                    "",
+                    True,
+                    {
+                        "infra_error": f"pool worker: {o.tb}",
+                        "done_reason": "infra_error",
+                        "reward": None,
+                    },
+                )
             if o[1]:
                 self._owner.pop(key, None)
             result.append(o)
@@ -146,7 +154,9 @@ class EpisodePool:
 
     def map(self, fn, items: list) -> list:
         """[fn(x) for x in items] across the workers (fn must be picklable, e.g. top-level)."""
-        outs = self._scatter("map", [(fn, x) for x in items], [i % self.n for i in range(len(items))])
+        outs = self._scatter(
+            "map", [(fn, x) for x in items], [i % self.n for i in range(len(items))]
+        )
         for o in outs:
             if isinstance(o, _Failure):
                 raise RuntimeError(f"pool map failed in a worker:\n{o.tb}")

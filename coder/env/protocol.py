@@ -12,6 +12,7 @@ A call that cannot be run is a `BrokenToolCall(reason)`: bad JSON, not an object
 arguments that violate the tool's JSON schema, an unclosed `<tool_call>` or a stray
 `</tool_call>`. Broken calls are reported back to the model and count as failures (DESIGN.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,8 +78,12 @@ def render_system_prompt(tools: list[ToolSpec], preamble: str | None = None) -> 
         "Tools:",
     ]
     for t in tools:
-        lines.append(json.dumps({"name": t.name, "description": t.description,
-                                 "parameters": t.parameters}, ensure_ascii=False))
+        lines.append(
+            json.dumps(
+                {"name": t.name, "description": t.description, "parameters": t.parameters},
+                ensure_ascii=False,
+            )
+        )
     return "\n".join(lines)
 
 
@@ -90,20 +95,28 @@ def parse_tool_calls(text: str, tools: dict[str, ToolSpec] | list[ToolSpec]) -> 
     for m in _TAG.finditer(text):
         if m.group() == CALL_OPEN:
             if open_at is not None:  # a second open before a close: the first is unclosed
-                out.append(BrokenToolCall("unclosed <tool_call> (a new <tool_call> began before "
-                                          "</tool_call>)", text[open_at:m.start()]))
+                out.append(
+                    BrokenToolCall(
+                        "unclosed <tool_call> (a new <tool_call> began before </tool_call>)",
+                        text[open_at : m.start()],
+                    )
+                )
             open_at = m.start()
         elif open_at is None:
-            out.append(BrokenToolCall("</tool_call> without a matching <tool_call>",
-                                      text[pos:m.end()]))
+            out.append(
+                BrokenToolCall("</tool_call> without a matching <tool_call>", text[pos : m.end()])
+            )
         else:
-            body = text[open_at + len(CALL_OPEN):m.start()]
-            out.append(_parse_one(body, text[open_at:m.end()], tools))
+            body = text[open_at + len(CALL_OPEN) : m.start()]
+            out.append(_parse_one(body, text[open_at : m.end()], tools))
             open_at = None
         pos = m.end()
     if open_at is not None:
-        out.append(BrokenToolCall("unclosed <tool_call> (no </tool_call> before the end of the "
-                                  "reply)", text[open_at:]))
+        out.append(
+            BrokenToolCall(
+                "unclosed <tool_call> (no </tool_call> before the end of the reply)", text[open_at:]
+            )
+        )
     return out
 
 
@@ -113,14 +126,13 @@ def _parse_one(body: str, source: str, tools: dict[str, ToolSpec]):
     except json.JSONDecodeError as e:
         return BrokenToolCall(f"invalid JSON: {e.msg} at char {e.pos}", source)
     if not isinstance(obj, dict):
-        return BrokenToolCall("the call must be a JSON object with \"name\" and \"arguments\"",
-                              source)
+        return BrokenToolCall('the call must be a JSON object with "name" and "arguments"', source)
     extra = set(obj) - {"name", "arguments"}
     if extra:
         return BrokenToolCall(f"unexpected keys in the call: {sorted(extra)}", source)
     name = obj.get("name")
     if not isinstance(name, str):
-        return BrokenToolCall("\"name\" must be a string", source)
+        return BrokenToolCall('"name" must be a string', source)
     if name not in tools:
         return BrokenToolCall(f"unknown tool {name!r}; tools are {sorted(tools)}", source)
     args = obj.get("arguments", {})
@@ -130,8 +142,14 @@ def _parse_one(body: str, source: str, tools: dict[str, ToolSpec]):
     return ToolCall(name, args, source)
 
 
-_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
-          "object": dict, "array": list}
+_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+}
 
 
 def validate(value, schema: dict, where: str = "value") -> str | None:

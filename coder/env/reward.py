@@ -22,6 +22,7 @@ is not excluded by this layer; the random report path (only in that process's ar
 exit-status cross-check make such a cheat deliberate rather than accidental. Tests that drive
 the code through a subprocess, or a review of the final diff, are the next layer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,16 @@ import xml.etree.ElementTree as ET
 
 from coder.env.sandbox import Sandbox, SandboxError
 
-_CONTROL_FILES = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-                  "sitecustomize.py", "usercustomize.py", ".pytest.ini"}
+_CONTROL_FILES = {
+    "conftest.py",
+    "pytest.ini",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+    "sitecustomize.py",
+    "usercustomize.py",
+    ".pytest.ini",
+}
 _MAX_REPORT_BYTES = 32 << 20
 
 
@@ -55,8 +64,12 @@ class Score:
 def _is_test_path(path: str) -> bool:
     name = os.path.basename(path)
     parts = path.replace("\\", "/").split("/")
-    return (name.startswith("test_") or name.endswith("_test.py") or name in _CONTROL_FILES
-            or any(p in ("tests", "test", "testing") for p in parts[:-1]))
+    return (
+        name.startswith("test_")
+        or name.endswith("_test.py")
+        or name in _CONTROL_FILES
+        or any(p in ("tests", "test", "testing") for p in parts[:-1])
+    )
 
 
 def _protected_module_names() -> frozenset:
@@ -110,8 +123,11 @@ def _clean_workspace(sb: Sandbox, task) -> None:
             if rel in keep:
                 continue
             stem, ext = os.path.splitext(name)
-            if (name in _CONTROL_FILES or ext in (".pth", ".pyc")
-                    or (ext in (".py", ".so") and stem.split(".")[0] in _PROTECTED)):
+            if (
+                name in _CONTROL_FILES
+                or ext in (".pth", ".pyc")
+                or (ext in (".py", ".so") and stem.split(".")[0] in _PROTECTED)
+            ):
                 os.unlink(full)
 
 
@@ -120,7 +136,11 @@ def pytest_args(test_command: str) -> list[str]:
     argv = shlex.split(test_command)
     if argv[:1] in (["pytest"], ["py.test"]):
         return argv[1:]
-    if len(argv) >= 3 and os.path.basename(argv[0]).startswith("python") and argv[1:3] == ["-m", "pytest"]:
+    if (
+        len(argv) >= 3
+        and os.path.basename(argv[0]).startswith("python")
+        and argv[1:3] == ["-m", "pytest"]
+    ):
         return argv[3:]
     raise ValueError(f"unsupported test_command {test_command!r}: scoring needs pytest")
 
@@ -149,9 +169,12 @@ def parse_junit(xml_bytes: bytes, test_files: list[str]) -> tuple[int, int, int,
             passed += 1
             continue
         if mod is not None:
-            rest = cls[len(mod):].lstrip(".")
-            not_passed.append("::".join([mods[mod]] + ([*rest.split(".")] if rest else [])
-                                        + [case.get("name", "")]))
+            rest = cls[len(mod) :].lstrip(".")
+            not_passed.append(
+                "::".join(
+                    [mods[mod]] + ([*rest.split(".")] if rest else []) + [case.get("name", "")]
+                )
+            )
     return passed, bad, total, not_passed
 
 
@@ -177,9 +200,10 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         sb._chown(report_host)
         inner = f"/tmp/.r{token}"
         report = f"{inner}/{secrets.token_hex(8)}.xml"
-        cmd = ("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -B -m pytest -p no:cacheprovider "
-               f"-o junit_family=xunit2 --junitxml={report} "
-               + " ".join(shlex.quote(a) for a in args))
+        cmd = (
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -B -m pytest -p no:cacheprovider "
+            f"-o junit_family=xunit2 --junitxml={report} " + " ".join(shlex.quote(a) for a in args)
+        )
         res = sb.run(cmd, timeout_s=timeout_s, binds=((report_host, inner, True),))
         output = (res.stdout + res.stderr)[-4000:]
         if res.timed_out:
@@ -187,14 +211,22 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         files = os.listdir(report_host)
         report_file = os.path.join(report_host, os.path.basename(report))
         if files != [os.path.basename(report)] or os.path.islink(report_file):
-            return Score(0.0, 0, 0, f"no test report (pytest exit status {res.exit_code}: "
-                         "the run ended early or was tampered with)", output=output)
+            return Score(
+                0.0,
+                0,
+                0,
+                f"no test report (pytest exit status {res.exit_code}: "
+                "the run ended early or was tampered with)",
+                output=output,
+            )
         if os.path.getsize(report_file) > _MAX_REPORT_BYTES:
             return Score(0.0, 0, 0, "test report too large", output=output)
         with open(report_file, "rb") as f:
             data = f.read()
         try:
-            passed, bad, total, not_passed = parse_junit(data, sorted(task.tests))
+            passed, bad, total, not_passed = parse_junit(
+                data, sorted(os.path.normpath(p) for p in task.tests)
+            )
         except ET.ParseError as e:
             return Score(0.0, 0, 0, f"unreadable test report: {e}", output=output)
     except SandboxError as e:
@@ -205,11 +237,21 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         if report_host:
             shutil.rmtree(report_host, ignore_errors=True)
     if res.exit_code not in (0, 1):
-        return Score(0.0, passed, total, f"pytest exit status {res.exit_code} (interrupted, "
-                     "collection errors or no tests)", output=output)
+        return Score(
+            0.0,
+            passed,
+            total,
+            f"pytest exit status {res.exit_code} (interrupted, collection errors or no tests)",
+            output=output,
+        )
     if (res.exit_code == 0) != (bad == 0):
-        return Score(0.0, passed, total, f"pytest exit status {res.exit_code} disagrees with "
-                     "its report", output=output)
+        return Score(
+            0.0,
+            passed,
+            total,
+            f"pytest exit status {res.exit_code} disagrees with its report",
+            output=output,
+        )
     if total == 0:
         return Score(0.0, 0, 0, "no tests of the task ran", output=output)
     if mode == "all":
@@ -220,8 +262,9 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
     return Score(reward, passed, total, err, output=output, not_passed=tuple(not_passed))
 
 
-def score_solution(task, files: dict, limits=None, mode: str = "fraction",
-                   timeout_s: float = 300.0) -> Score:
+def score_solution(
+    task, files: dict, limits=None, mode: str = "fraction", timeout_s: float = 300.0
+) -> Score:
     """Score `files` written over the task's workspace in a fresh sandbox."""
     try:
         with Sandbox(task, limits=limits) as sb:

@@ -27,6 +27,7 @@ tests), so they can be pickled to pool workers; restore rewrites the tree. Host-
 writes resolve paths and refuse anything that lands outside the workspace (symlinks, `..`); this
 is race-free because no agent process is alive between commands.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -119,7 +120,11 @@ def find_bwrap() -> str:
 
 def _python_prefixes() -> list[str]:
     """Host directories the sandboxed Python needs, read-only: interpreter and site-packages."""
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))),
+    }
     paths.update(p for p in site.getsitepackages() if os.path.isdir(p))
     if site.ENABLE_USER_SITE and site.USER_SITE and os.path.isdir(site.USER_SITE):
         paths.add(site.USER_SITE)
@@ -308,8 +313,16 @@ class Sandbox:
     # ---- commands --------------------------------------------------------------------------
     def _argv(self, cmd: str, binds: tuple) -> list[str]:
         lim = self.limits
-        a = [self._bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-             "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+        a = [
+            self._bwrap,
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+        ]
         if self._privileged:
             a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
         else:  # unprivileged host user: a user namespace maps the caller's own uid
@@ -325,12 +338,31 @@ class Sandbox:
         for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime"):
             if os.path.lexists("/etc/" + name):
                 a += ["--ro-bind", "/etc/" + name, "/etc/" + name]
-        a += ["--ro-bind", os.path.join(self.dir, "etc/passwd"), "/etc/passwd",
-              "--ro-bind", os.path.join(self.dir, "etc/group"), "/etc/group",
-              "--proc", "/proc", "--dev", "/dev",
-              # multiprocessing's semaphores live in /dev/shm
-              "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-              "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+        a += [
+            "--ro-bind",
+            os.path.join(self.dir, "etc/passwd"),
+            "/etc/passwd",
+            "--ro-bind",
+            os.path.join(self.dir, "etc/group"),
+            "/etc/group",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            # multiprocessing's semaphores live in /dev/shm
+            "--size",
+            str(lim.tmp_bytes),
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/dev/shm",
+            "--size",
+            str(lim.tmp_bytes),
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/tmp",
+        ]
         for prefix in self._prefixes:
             # Parents such as /root are 0700 on the host; inside they only need to be traversable.
             parents, p = [], os.path.dirname(prefix)
@@ -344,23 +376,72 @@ class Sandbox:
         for host, inner, writable in binds:
             a += ["--bind" if writable else "--ro-bind", host, inner]
         # The running interpreter first, then its base installation's scripts (ruff, pytest).
-        bindirs = dict.fromkeys([os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin"),
-                                 os.path.join(sys.base_prefix, "bin")])
+        bindirs = dict.fromkeys(
+            [
+                os.path.dirname(sys.executable),
+                os.path.join(sys.prefix, "bin"),
+                os.path.join(sys.base_prefix, "bin"),
+            ]
+        )
         path = ":".join([*bindirs, "/usr/local/bin", "/usr/bin", "/bin"])
-        a += ["--chdir", WORKDIR, "--clearenv",
-              "--setenv", "PATH", path,
-              "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
-              "--setenv", "TERM", "dumb", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-              "--setenv", "PYTHONIOENCODING", "utf-8", "--setenv", "USER", "agent",
-              # The host's pytest plugins are not part of any task; no cache dir in the workspace.
-              "--setenv", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1",
-              "--setenv", "PYTEST_ADDOPTS", "-p no:cacheprovider", "--"]
+        a += [
+            "--chdir",
+            WORKDIR,
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            path,
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "TERM",
+            "dumb",
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--setenv",
+            "PYTHONIOENCODING",
+            "utf-8",
+            "--setenv",
+            "USER",
+            "agent",
+            # The host's pytest plugins are not part of any task; no cache dir in the workspace.
+            "--setenv",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
+            "1",
+            "--setenv",
+            "PYTEST_ADDOPTS",
+            "-p no:cacheprovider",
+            "--",
+        ]
         if self._privileged:
-            a += ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                  "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
-        a += ["prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_bytes}", f"--nproc={lim.nproc}",
-              f"--fsize={lim.fsize_bytes}", f"--nofile={lim.nofile}", "--core=0", "--",
-              "/bin/bash", "-c", cmd]
+            a += [
+                "setpriv",
+                f"--reuid={self.uid}",
+                f"--regid={self.uid}",
+                "--clear-groups",
+                "--no-new-privs",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--",
+            ]
+        a += [
+            "prlimit",
+            f"--cpu={lim.cpu_s}",
+            f"--as={lim.memory_bytes}",
+            f"--nproc={lim.nproc}",
+            f"--fsize={lim.fsize_bytes}",
+            f"--nofile={lim.nofile}",
+            "--core=0",
+            "--",
+            "/bin/bash",
+            "-c",
+            cmd,
+        ]
         return a
 
     def run(self, cmd: str, timeout_s: float | None = None, binds: tuple = ()) -> Result:
@@ -374,12 +455,18 @@ class Sandbox:
         timeout_s = self.limits.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            self._argv(cmd, binds), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, env={"PATH": "/usr/bin:/bin"},
+            self._argv(cmd, binds),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={"PATH": "/usr/bin:/bin"},
         )
         self._procs.add(proc)
-        caps = {proc.stdout: _stream_cap(self.limits.output_bytes),
-                proc.stderr: _stream_cap(self.limits.output_bytes)}
+        caps = {
+            proc.stdout: _stream_cap(self.limits.output_bytes),
+            proc.stderr: _stream_cap(self.limits.output_bytes),
+        }
         timed_out = False
         sel = selectors.DefaultSelector()
         for f in caps:
@@ -423,14 +510,16 @@ class Sandbox:
         stderr, trunc_e = caps[proc.stderr][1]()
         if timed_out:
             code = -signal.SIGKILL
-            stderr += f"\n[command timed out after {timeout_s:g} s; all its processes were killed]\n"
+            stderr += (
+                f"\n[command timed out after {timeout_s:g} s; all its processes were killed]\n"
+            )
         return Result(code, stdout, stderr, timed_out, trunc_o or trunc_e, time.monotonic() - t0)
 
     # ---- files (host side, confined to the workspace) --------------------------------------
     def resolve(self, path: str) -> str:
         """Host path of a workspace path; ValueError if it resolves outside the workspace."""
         if path.startswith(WORKDIR + "/") or path == WORKDIR:
-            path = path[len(WORKDIR):].lstrip("/") or "."
+            path = path[len(WORKDIR) :].lstrip("/") or "."
         if os.path.isabs(path):
             raise ValueError(f"{path}: absolute paths must be under {WORKDIR}")
         root = os.path.realpath(self.workspace)
@@ -464,8 +553,9 @@ class Sandbox:
         if os.path.lexists(real) and not os.path.isfile(real):
             os.unlink(real)  # a FIFO or socket the agent left would block or misdirect the write
         data = text.encode("utf-8") if isinstance(text, str) else text
-        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
-                     0o644)
+        fd = os.open(
+            real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644
+        )
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         self._chown(real)
@@ -473,7 +563,7 @@ class Sandbox:
     def remove(self, path: str) -> None:
         """Delete a workspace file or symlink (not following it) if present."""
         if path.startswith(WORKDIR + "/"):
-            path = path[len(WORKDIR) + 1:]
+            path = path[len(WORKDIR) + 1 :]
         parent = self.resolve(os.path.dirname(path) or ".")
         target = os.path.join(parent, os.path.basename(path))
         if os.path.islink(target) or os.path.isfile(target):
@@ -500,7 +590,9 @@ class Sandbox:
             rel_dir = os.path.relpath(dirpath, self.workspace)
             if rel_dir != ".":
                 dirs.append((rel_dir, stat.S_IMODE(os.lstat(dirpath).st_mode)))
-            for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            for name in sorted(filenames) + [
+                d for d in dirnames if os.path.islink(os.path.join(dirpath, d))
+            ]:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, self.workspace)
                 st = os.lstat(full)
@@ -537,10 +629,14 @@ class Sandbox:
                     dirnames.remove(name)
                 elif stat.S_ISLNK(st.st_mode) and want_links.get(rel) == os.readlink(full):
                     want_links.pop(rel)
-                elif (stat.S_ISREG(st.st_mode) and rel in want_files
-                      and stat.S_IMODE(st.st_mode) == want_files[rel][0]
-                      and st.st_uid == self._owner_uid and st.st_size == len(want_files[rel][1])
-                      and _read_bytes(full) == want_files[rel][1]):
+                elif (
+                    stat.S_ISREG(st.st_mode)
+                    and rel in want_files
+                    and stat.S_IMODE(st.st_mode) == want_files[rel][0]
+                    and st.st_uid == self._owner_uid
+                    and st.st_size == len(want_files[rel][1])
+                    and _read_bytes(full) == want_files[rel][1]
+                ):
                     want_files.pop(rel)
                 else:
                     os.unlink(full)

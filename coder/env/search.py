@@ -8,6 +8,7 @@ the whole identifier, so a natural-language query matches code names.
 No embedding model is used: none can be had offline here at a cost a rollout can afford; BM25 is
 the ranking model (a `rank(query, chunks)` with another scorer can replace it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,7 +88,9 @@ class BM25:
         return out
 
 
-def search(files: dict[str, str], query: str, k: int = 5, chunk_lines: int = 40) -> list[tuple[float, Chunk]]:
+def search(
+    files: dict[str, str], query: str, k: int = 5, chunk_lines: int = 40
+) -> list[tuple[float, Chunk]]:
     """Top-k chunks of `files` ({path: text}) for `query`, best first; zero-score chunks dropped."""
     chunks = [c for path in sorted(files) for c in chunk_file(path, files[path], chunk_lines)]
     if not chunks:

@@ -8,6 +8,7 @@ Solution line: {"id", "files": {path: text}} (files written over the task's file
 Sources: JSONL files (`read_tasks`), the stdlib bug-fix generator (`coder.env.mutate`), and
 `toy_tasks` below: one-line fixes a tiny model can learn, for RL smoke tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,28 +92,37 @@ def content_id(*parts: str) -> str:
 # ---- toy tasks -------------------------------------------------------------------------------
 # Each template: (prompt, buggy answer.py, fixed answer.py, test body), formatted with `k`.
 _TOY = {
-    "const": ("Make `f()` in answer.py return {k}.",
-              "def f():\n    return 0\n",
-              "def f():\n    return {k}\n",
-              "def test_f():\n    assert f() == {k}\n"),
-    "add": ("`add(a, b)` in answer.py should return a + b plus {k}; it does not.",
-            "def add(a, b):\n    return a - b\n",
-            "def add(a, b):\n    return a + b + {k}\n",
-            "def test_add():\n    assert add(2, 3) == 5 + {k}\n    assert add(-1, 1) == {k}\n"),
-    "scale": ("`scale(x)` in answer.py should multiply x by {k}.",
-              "def scale(x):\n    return x\n",
-              "def scale(x):\n    return x * {k}\n",
-              "def test_scale():\n    assert scale(3) == 3 * {k}\n    assert scale(0) == 0\n"),
-    "last": ("`pick(xs)` in answer.py should return the item at index {k} from the end "
-             "(pick([..., a]) is a when {k} == 1).",
-             "def pick(xs):\n    return xs[0]\n",
-             "def pick(xs):\n    return xs[-{k}]\n",
-             "def test_pick():\n    xs = list(range(100, 120))\n    assert pick(xs) == xs[-{k}]\n"),
-    "greet": ("`greet(name)` in answer.py should return 'Hello, NAME' followed by {k} "
-              "exclamation marks.",
-              "def greet(name):\n    return 'Hello ' + name\n",
-              "def greet(name):\n    return 'Hello, ' + name + '!' * {k}\n",
-              "def test_greet():\n    assert greet('Ada') == 'Hello, Ada' + '!' * {k}\n"),
+    "const": (
+        "Make `f()` in answer.py return {k}.",
+        "def f():\n    return 0\n",
+        "def f():\n    return {k}\n",
+        "def test_f():\n    assert f() == {k}\n",
+    ),
+    "add": (
+        "`add(a, b)` in answer.py should return a + b plus {k}; it does not.",
+        "def add(a, b):\n    return a - b\n",
+        "def add(a, b):\n    return a + b + {k}\n",
+        "def test_add():\n    assert add(2, 3) == 5 + {k}\n    assert add(-1, 1) == {k}\n",
+    ),
+    "scale": (
+        "`scale(x)` in answer.py should multiply x by {k}.",
+        "def scale(x):\n    return x\n",
+        "def scale(x):\n    return x * {k}\n",
+        "def test_scale():\n    assert scale(3) == 3 * {k}\n    assert scale(0) == 0\n",
+    ),
+    "last": (
+        "`pick(xs)` in answer.py should return the item at index {k} from the end "
+        "(pick([..., a]) is a when {k} == 1).",
+        "def pick(xs):\n    return xs[0]\n",
+        "def pick(xs):\n    return xs[-{k}]\n",
+        "def test_pick():\n    xs = list(range(100, 120))\n    assert pick(xs) == xs[-{k}]\n",
+    ),
+    "greet": (
+        "`greet(name)` in answer.py should return 'Hello, NAME' followed by {k} exclamation marks.",
+        "def greet(name):\n    return 'Hello ' + name\n",
+        "def greet(name):\n    return 'Hello, ' + name + '!' * {k}\n",
+        "def test_greet():\n    assert greet('Ada') == 'Hello, Ada' + '!' * {k}\n",
+    ),
 }
 
 

@@ -7,6 +7,7 @@ Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with 
 how much was cut. Tool errors the agent caused (missing file, non-unique edit) are ordinary
 outputs starting with "error:"; only harness failures raise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,7 @@ def cap(text: str, limit: int) -> str:
         return text
     half = limit // 2
     cut = len(text) - 2 * half
-    return f"{text[:half]}\n[... {cut} characters cut from this output ...]\n{text[len(text) - half:]}"
+    return f"{text[:half]}\n[... {cut} characters cut from this output ...]\n{text[len(text) - half :]}"
 
 
 def _format_result(r: Result) -> str:
@@ -70,7 +71,9 @@ def read_file(ctx: ToolContext, args: dict) -> str:
     if end < start:
         return f"error: end_line {end} < start_line {start}"
     width = len(str(min(end, len(lines)) or 1))
-    return "\n".join(f"{i:>{width}}\t{lines[i - 1]}" for i in range(start, min(end, len(lines)) + 1))
+    return "\n".join(
+        f"{i:>{width}}\t{lines[i - 1]}" for i in range(start, min(end, len(lines)) + 1)
+    )
 
 
 def write_file(ctx: ToolContext, args: dict) -> str:
@@ -103,8 +106,10 @@ def edit_file(ctx: ToolContext, args: dict) -> str:
             at = text.index(old, at)
             lines.append(text.count("\n", 0, at) + 1)
             at += 1
-        return (f"error: old text occurs {n} times in {path} (lines {lines}); include more "
-                "surrounding text so it matches exactly once")
+        return (
+            f"error: old text occurs {n} times in {path} (lines {lines}); include more "
+            "surrounding text so it matches exactly once"
+        )
     ctx.sandbox.write(path, text.replace(old, new, 1))
     line = text.count("\n", 0, text.index(old)) + 1
     return f"edited {path} at line {line}"
@@ -112,7 +117,9 @@ def edit_file(ctx: ToolContext, args: dict) -> str:
 
 def grep(ctx: ToolContext, args: dict) -> str:
     flags = "-rnI" + ("i" if args.get("ignore_case") else "")
-    cmd = f"grep {flags} -E -e {shlex.quote(args['pattern'])} -- {shlex.quote(args.get('path', '.'))}"
+    cmd = (
+        f"grep {flags} -E -e {shlex.quote(args['pattern'])} -- {shlex.quote(args.get('path', '.'))}"
+    )
     r = ctx.sandbox.run(cmd, timeout_s=min(30.0, ctx.command_timeout_s))
     if r.exit_code == 1 and not r.stderr:
         return "no matches"
@@ -160,38 +167,78 @@ _STR = {"type": "string"}
 
 
 def _obj(props: dict, required: list) -> dict:
-    return {"type": "object", "properties": props, "required": required,
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": False,
+    }
 
 
 SPECS = [
-    ToolSpec("shell", "Run a bash command in /workspace (fresh shell each call, no network). "
-             "Returns the exit code, stdout and stderr.",
-             _obj({"command": _STR, "timeout_s": {"type": "number", "minimum": 1}}, ["command"])),
-    ToolSpec("read_file", "Read a file, with line numbers; optionally only lines start_line.."
-             "end_line (1-based, inclusive).",
-             _obj({"path": _STR, "start_line": {"type": "integer", "minimum": 1},
-                   "end_line": {"type": "integer", "minimum": 1}}, ["path"])),
-    ToolSpec("write_file", "Create or overwrite a file with the given content.",
-             _obj({"path": _STR, "content": _STR}, ["path", "content"])),
-    ToolSpec("edit_file", "Replace the exact text old with new in a file; old must occur exactly "
-             "once.", _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"])),
-    ToolSpec("grep", "Search files for an extended regular expression; prints file:line:text.",
-             _obj({"pattern": _STR, "path": _STR, "ignore_case": {"type": "boolean"}},
-                  ["pattern"])),
-    ToolSpec("search", "Search the code of the workspace for chunks relevant to a natural-"
-             "language or identifier query (ranked by BM25).",
-             _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}},
-                  ["query"])),
-    ToolSpec("lint", "Run the ruff linter on a path (default: the whole workspace).",
-             _obj({"path": _STR}, [])),
-    ToolSpec("run_tests", "Run the task's test command (optionally on one test path).",
-             _obj({"path": _STR}, [])),
+    ToolSpec(
+        "shell",
+        "Run a bash command in /workspace (fresh shell each call, no network). "
+        "Returns the exit code, stdout and stderr.",
+        _obj({"command": _STR, "timeout_s": {"type": "number", "minimum": 1}}, ["command"]),
+    ),
+    ToolSpec(
+        "read_file",
+        "Read a file, with line numbers; optionally only lines start_line.."
+        "end_line (1-based, inclusive).",
+        _obj(
+            {
+                "path": _STR,
+                "start_line": {"type": "integer", "minimum": 1},
+                "end_line": {"type": "integer", "minimum": 1},
+            },
+            ["path"],
+        ),
+    ),
+    ToolSpec(
+        "write_file",
+        "Create or overwrite a file with the given content.",
+        _obj({"path": _STR, "content": _STR}, ["path", "content"]),
+    ),
+    ToolSpec(
+        "edit_file",
+        "Replace the exact text old with new in a file; old must occur exactly once.",
+        _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"]),
+    ),
+    ToolSpec(
+        "grep",
+        "Search files for an extended regular expression; prints file:line:text.",
+        _obj({"pattern": _STR, "path": _STR, "ignore_case": {"type": "boolean"}}, ["pattern"]),
+    ),
+    ToolSpec(
+        "search",
+        "Search the code of the workspace for chunks relevant to a natural-"
+        "language or identifier query (ranked by BM25).",
+        _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
+    ),
+    ToolSpec(
+        "lint",
+        "Run the ruff linter on a path (default: the whole workspace).",
+        _obj({"path": _STR}, []),
+    ),
+    ToolSpec(
+        "run_tests",
+        "Run the task's test command (optionally on one test path).",
+        _obj({"path": _STR}, []),
+    ),
     ToolSpec(SUBMIT, "Finish: your changes in /workspace are the solution.", _obj({}, [])),
 ]
-FUNCTIONS = {"shell": shell, "read_file": read_file, "write_file": write_file,
-             "edit_file": edit_file, "grep": grep, "search": search, "lint": lint,
-             "run_tests": run_tests, SUBMIT: submit}
+FUNCTIONS = {
+    "shell": shell,
+    "read_file": read_file,
+    "write_file": write_file,
+    "edit_file": edit_file,
+    "grep": grep,
+    "search": search,
+    "lint": lint,
+    "run_tests": run_tests,
+    SUBMIT: submit,
+}
 
 
 def default_tools() -> dict[str, ToolSpec]:

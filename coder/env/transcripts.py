@@ -11,6 +11,7 @@ conversations whose episode scored reward 1 are kept.
 
 writes `{"messages": [{"role", "content"}, ...]}` per line (docs/contracts.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,21 @@ from coder.env.pool import EpisodePool
 from coder.env.protocol import render_tool_call
 from coder.env.tasks import read_solutions, read_tasks, write_jsonl
 
-_OPEN = ("Let me run the tests first to see what fails.", "I'll start by running the test suite.",
-         "First, the failing tests.")
-_READ = ("Now the code around the problem in {path}.", "Let me read the relevant part of {path}.",
-         "Looking at {path}.")
-_EDIT = ("The bug is here; fixing it.", "This line is wrong. Editing it.",
-         "Found it. Applying the fix.")
+_OPEN = (
+    "Let me run the tests first to see what fails.",
+    "I'll start by running the test suite.",
+    "First, the failing tests.",
+)
+_READ = (
+    "Now the code around the problem in {path}.",
+    "Let me read the relevant part of {path}.",
+    "Looking at {path}.",
+)
+_EDIT = (
+    "The bug is here; fixing it.",
+    "This line is wrong. Editing it.",
+    "Found it. Applying the fix.",
+)
 _NEW = ("Creating {path}.", "Writing {path}.")
 _TEST = ("Running the tests again.", "Checking that the tests pass now.")
 _DONE = ("The tests pass. Submitting.", "All tests pass, done.")
@@ -38,8 +48,11 @@ def minimal_edit(old_text: str, new_text: str) -> tuple[str, str, int, int]:
     """(old, new, first_line, last_line) replacing the changed span of `old_text`, grown by
     whole lines of context until `old` occurs exactly once (lines 1-based, of old_text)."""
     a, b = old_text.splitlines(keepends=True), new_text.splitlines(keepends=True)
-    ops = [op for op in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
-           if op[0] != "equal"]
+    ops = [
+        op
+        for op in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+        if op[0] != "equal"
+    ]
     if not ops:
         raise ValueError("texts are equal")
     i1, i2, j1, j2 = ops[0][1], ops[-1][2], ops[0][3], ops[-1][4]
@@ -61,17 +74,28 @@ def script(task, solution: dict, rng: random.Random):
     for path in sorted(solution):
         new_text = solution[path]
         if path not in task.files:
-            yield rng.choice(_NEW).format(path=path) + "\n" + render_tool_call(
-                "write_file", {"path": path, "content": new_text})
+            yield (
+                rng.choice(_NEW).format(path=path)
+                + "\n"
+                + render_tool_call("write_file", {"path": path, "content": new_text})
+            )
             continue
         old_text = task.files[path]
         if old_text == new_text:
             continue
         old, new, lo, hi = minimal_edit(old_text, new_text)
-        yield rng.choice(_READ).format(path=path) + "\n" + render_tool_call(
-            "read_file", {"path": path, "start_line": max(1, lo - 8), "end_line": hi + 8})
-        yield rng.choice(_EDIT) + "\n" + render_tool_call(
-            "edit_file", {"path": path, "old": old, "new": new})
+        yield (
+            rng.choice(_READ).format(path=path)
+            + "\n"
+            + render_tool_call(
+                "read_file", {"path": path, "start_line": max(1, lo - 8), "end_line": hi + 8}
+            )
+        )
+        yield (
+            rng.choice(_EDIT)
+            + "\n"
+            + render_tool_call("edit_file", {"path": path, "old": old, "new": new})
+        )
     yield rng.choice(_TEST) + "\n" + render_tool_call("run_tests", {})
     yield rng.choice(_DONE) + "\n" + render_tool_call("submit", {})
 
@@ -115,8 +139,10 @@ def main(argv=None) -> int:
     convs = [c for _, c, _ in results if c is not None]
     for tid, c, info in results:
         if c is None:
-            print(f"dropped {tid}: {info.get('score_error') or info.get('infra_error')}",
-                  file=sys.stderr)
+            print(
+                f"dropped {tid}: {info.get('score_error') or info.get('infra_error')}",
+                file=sys.stderr,
+            )
     write_jsonl(args.out, convs)
     print(f"wrote {len(convs)} of {len(todo)} conversations to {args.out}", file=sys.stderr)
     return 0

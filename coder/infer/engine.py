@@ -5,7 +5,10 @@ API (coder/rl/rollout.py is written against exactly this):
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256,
                             stop_token_ids=())
     engine = Engine(model, model_cfg, *, max_len, batch_buckets=(1, 2, 4, 8, 16, 32),
-                    len_buckets=(16, 32, ..., >= max_len))
+                    len_buckets=(16, 32, ..., >= max_len), speculative_k=0)
+        speculative_k > 0 drafts that many tokens per step with the MTP modules and verifies
+        them with one main-model forward (coder/infer/speculative.py); the output distribution,
+        greedy output and recorded logprobs are those of plain decoding.
     group = engine.start_group(prompt_ids: list[int], n: int)
         Prefills the prompt ONCE (batch 1) and broadcasts its cache to the n rows.
     gens = engine.generate(group, params, rng, rows=None) -> list[Generation]
@@ -37,6 +40,8 @@ scattered back afterwards (padding rows have segment id 0, which the model never
 the cache). One decode step samples every active row's next token from the logits it holds
 and feeds that token through the model at its position, which writes it into the cache and
 yields the next logits; finished rows ride along with segment 0 until the whole batch is done.
+With speculative_k = k a step instead emits 1 .. k+1 tokens per row (speculative.py), and every
+prefill also runs the MTP modules so that their caches follow the main one.
 Compiled shapes: batch bucket x prefill length bucket x cache capacity bucket (the cache grows
 by whole buckets, so short rows do not pay for `max_len` attention), so a run compiles a
 handful of programs and none per request. `compilations` counts the traces.
@@ -55,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from coder.infer import sampling
+from coder.infer import sampling, speculative
 from coder.model import init_cache
 
 FINISH_REASONS = ("stop", "length", "max_len")
@@ -93,18 +98,23 @@ class _Row:
 
 
 class Group:
-    """n rows that share a prompt: the cache `[nb, capacity]`, next-token logits `[nb, V]` and
-    last hidden state `[nb, D]` of every row, and the host-side bookkeeping of each row.
+    """n rows that share a prompt, and the host-side bookkeeping of each row.
 
-    nb is n rounded up to a batch bucket (so groups of 3 and 4 share compiled programs); the
-    rows past n are scratch space that no row owns."""
+    `store` holds, per slot: `cache` (the model cache `[nb, capacity, ...]`), `logits` `[nb, V]`
+    (next-token logits after the cached tokens), `hidden` `[nb, D]` (trunk hidden state of the
+    last cached token) and `mtp_hidden` `[nb, k, D]` (the hidden state each MTP depth still owes
+    the next, see speculative.py; k = 0 without speculative decoding). nb is n rounded up to a
+    batch bucket (so groups of 3 and 4 share compiled programs); slots past n are scratch.
+    """
 
-    def __init__(self, rows, cache, logits, hidden, capacity):
+    def __init__(self, rows, store, capacity):
         self.rows = rows
-        self.cache = cache
-        self.logits = logits
-        self.hidden = hidden
+        self.store = store
         self.capacity = capacity
+
+    @property
+    def cache(self):
+        return self.store["cache"]
 
     @property
     def n(self) -> int:
@@ -112,7 +122,7 @@ class Group:
 
     @property
     def slots(self) -> int:
-        return jax.tree.leaves(self.cache)[0].shape[0]
+        return self.store["logits"].shape[0]
 
     def tokens(self, row: int) -> list:
         return list(self.rows[row].tokens)
@@ -150,11 +160,15 @@ def _empty_experts(moe_layers: int, top_k: int) -> np.ndarray:
 
 class Engine:
     def __init__(self, model, model_cfg, *, max_len: int, batch_buckets=(1, 2, 4, 8, 16, 32),
-                 len_buckets=None, cache_dtype=None):
+                 len_buckets=None, speculative_k: int = 0, cache_dtype=None):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
+        if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
+            raise ValueError(f"speculative_k={speculative_k}: drafting uses one MTP module per token, "
+                             f"the model has model.num_mtp_layers={model_cfg.num_mtp_layers}")
         self.cfg = model_cfg
         self.max_len = int(max_len)
+        self.spec_k = int(speculative_k)
         self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
         self.len_buckets = tuple(sorted(set(int(b) for b in (len_buckets or default_len_buckets(max_len)))))
         if self.batch_buckets[0] < 1 or self.len_buckets[0] < 1:
@@ -169,10 +183,13 @@ class Engine:
         self.policy_version = 0
         self.compilations = collections.Counter()  # traces per compiled function
         self.prefill_tokens = 0  # real tokens run through prefill (shared prompts count once)
-        self.decode_steps = 0  # batched decode steps
+        self.decode_steps = 0  # batched decode (or draft + verify) steps
+        self.drafted = 0  # speculative: drafts proposed for active rows
+        self.accepted = 0  # speculative: drafts accepted
         self._check_cache_layout()
         self._prefill_fn = jax.jit(self._counted("prefill", self._prefill_impl), static_argnums=2)
         self._decode_fn = jax.jit(self._counted("decode", self._decode_impl))
+        self._spec_fn = jax.jit(self._counted("speculative", self._spec_impl))
         self._take_fn = jax.jit(self._counted("take", _take_rows))
         self._put_fn = jax.jit(self._counted("put", _put_rows))
         self._grow_fn = jax.jit(self._counted("grow", _grow), static_argnums=1)
@@ -194,8 +211,9 @@ class Engine:
             raise ValueError(f"start_group: n={n}, need at least one row")
         self._sync_weights()
         cap = _bucket(self.len_buckets, len(prompt))
+        slots = _bucket(self.batch_buckets, n)
         if not share_prefix:
-            group = self._empty_group(prompt, n, _bucket(self.batch_buckets, n), cap)
+            group = self._empty_group(prompt, n, slots, cap)
             self._prefill_pending(group, list(range(n)))
             return group
         seed = self._empty_group(prompt, 1, 1, cap)
@@ -203,9 +221,7 @@ class Engine:
         r0 = seed.rows[0]
         rows = [_Row(tokens=list(prompt), length=r0.length, expert_chunks=list(r0.expert_chunks),
                      logits_version=r0.logits_version) for _ in range(n)]
-        slots = _bucket(self.batch_buckets, n)
-        cache, logits, hidden = self._broadcast_fn((seed.cache, seed.logits, seed.hidden), slots)
-        return Group(rows, cache, logits, hidden, seed.capacity)
+        return Group(rows, self._broadcast_fn(seed.store, slots), seed.capacity)
 
     def append(self, group: Group, row: int, token_ids) -> None:
         """Append observation tokens to `row`; they are prefilled by the next generate."""
@@ -268,15 +284,17 @@ class Engine:
         return traced
 
     def _empty_group(self, prompt, n: int, slots: int, capacity: int) -> Group:
-        """n rows holding `prompt` as pending tokens, an all-zero cache of `slots` rows."""
-        return Group(
-            rows=[_Row(tokens=list(prompt), length=0, expert_chunks=[], logits_version=self.policy_version)
-                  for _ in range(n)],
+        """n rows holding `prompt` as pending tokens, an all-zero store of `slots` rows."""
+        d = self.cfg.hidden_size
+        store = dict(
             cache=init_cache(self.cfg, slots, capacity, self.cache_dtype),
             logits=jnp.zeros((slots, self.cfg.vocab_size), jnp.float32),
-            hidden=jnp.zeros((slots, self.cfg.hidden_size), self.cache_dtype),
-            capacity=capacity,
+            hidden=jnp.zeros((slots, d), self.cache_dtype),
+            mtp_hidden=jnp.zeros((slots, self.spec_k, d), self.cache_dtype),
         )
+        rows = [_Row(tokens=list(prompt), length=0, expert_chunks=[], logits_version=self.policy_version)
+                for _ in range(n)]
+        return Group(rows, store, capacity)
 
     def _check_cache_layout(self):
         """Every cache leaf must be `[batch, slots, ...]` (the contract); fail early otherwise."""
@@ -293,45 +311,107 @@ class Engine:
             self._state = pending[0]
             self.policy_version = self.policy_version + 1 if pending[1] is None else int(pending[1])
 
-    def _forward(self, state, tokens, positions, segment_ids, cache):
-        model = nnx.merge(self._graphdef, state)
-        logits, aux = model(tokens, positions, segment_ids, cache=cache)
-        return logits, aux
-
+    # ------------------------------------------------------------------ compiled programs
     def _prefill_impl(self, state, store, identity, idx, tokens, positions, segment_ids, last):
-        """Prefill group rows `idx` `[B]` (store = (cache, logits, hidden) of the whole group).
+        """Prefill group slots `idx` `[B]` of `store` (every slot in order if `identity`).
 
         tokens/positions/segment_ids `[B,T]`, last `[B]` index of each row's last real token.
-        The rows are gathered from the group cache, run, and scattered back (unless `identity`:
-        idx is every slot in order). Returns (store with the rows' cache written and their
-        logits / hidden at `last`, expert ids `[moe_layers, B, T, top_k]`)."""
-        cache = store[0] if identity else _take_rows(store[0], idx)
-        logits, aux = self._forward(state, tokens, positions, segment_ids, cache)
+        Returns (store with the rows' tokens cached and their logits / hidden taken at `last`,
+        expert ids `[moe_layers, B, T, top_k]`)."""
+        sub = store if identity else _take_rows(store, idx)
+        model = nnx.merge(self._graphdef, state)
+        logits, aux = model(tokens, positions, segment_ids, cache=sub["cache"])
         pick = last[:, None, None]
-        last_logits = jnp.take_along_axis(logits, pick, axis=1)[:, 0]
-        last_hidden = jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0].astype(self.cache_dtype)
-        sub = (aux["cache"], last_logits, last_hidden)
-        return (sub if identity else _put_rows(store, idx, sub)), aux["expert_ids"]
+        cache, mtp_hidden = aux["cache"], sub["mtp_hidden"]
+        if self.spec_k:
+            cache, mtp_hidden = speculative.advance(
+                model, cache, sub["hidden"], mtp_hidden, aux["hidden"], tokens, positions[:, 0],
+                last + 1, segment_ids[:, 0] > 0)
+        new = dict(
+            cache=cache,
+            logits=jnp.take_along_axis(logits, pick, axis=1)[:, 0],
+            hidden=jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0].astype(self.cache_dtype),
+            mtp_hidden=mtp_hidden,
+        )
+        return (new if identity else _put_rows(store, idx, new)), aux["expert_ids"]
 
-    def _decode_impl(self, state, cache, logits, hidden, row_ids, positions, active, rng,
+    def _decode_impl(self, state, sub, carry, row_ids, positions, active, budget, stops, rng,
                      temperature, top_k, top_p):
-        """One step for `[B]` rows: sample from `logits` `[B,V]`, feed the token at `positions`.
+        """One plain step for `[B]` rows: sample from the held logits, feed the token.
 
-        Inactive rows feed with segment 0 (no cache write) and keep their logits/hidden.
-        Returns (tokens `[B]`, logprobs `[B]`, logits `[B,V]`, hidden `[B,D]`, cache, expert ids
-        `[moe_layers, B, top_k]`)."""
+        Inactive rows feed with segment 0 (no cache write) and keep their state. Returns
+        (sub, carry, tokens `[B,1]`, emitted count `[B]`, logprobs `[B,1]`, expert ids
+        `[moe_layers, B, 1, top_k]`, accepted drafts `[B]` (0))."""
         keys = sampling.row_keys(rng, row_ids, positions)
-        tok, logp = sampling.sample(logits, keys, temperature, top_k, top_p)
-        seg = active.astype(jnp.int32)[:, None]
-        new_logits, aux = self._forward(state, tok[:, None], positions[:, None], seg, cache)
-        new_logits = jnp.where(active[:, None], new_logits[:, 0], logits)
-        new_hidden = jnp.where(active[:, None], aux["hidden"][:, 0].astype(hidden.dtype), hidden)
-        return tok, logp, new_logits, new_hidden, aux["cache"], aux["expert_ids"][:, :, 0]
+        tok, logp = sampling.sample(sub["logits"], keys, temperature, top_k, top_p)
+        model = nnx.merge(self._graphdef, state)
+        logits, aux = model(tok[:, None], positions[:, None], active.astype(jnp.int32)[:, None],
+                            cache=sub["cache"])
+        keep = active[:, None]
+        new = dict(sub, cache=aux["cache"], logits=jnp.where(keep, logits[:, 0], sub["logits"]),
+                   hidden=jnp.where(keep, aux["hidden"][:, 0].astype(self.cache_dtype), sub["hidden"]))
+        ones = jnp.ones_like(positions)
+        return new, carry, tok[:, None], ones, logp[:, None], aux["expert_ids"], 0 * ones
 
+    def _spec_impl(self, state, sub, carry, row_ids, positions, active, budget, stops, rng,
+                   temperature, top_k, top_p):
+        """One speculative step (speculative.py) for `[B]` rows at cache lengths `positions`.
+
+        carry: (q `[B,V]`, has_q `[B]`) the rejected draft distribution at the next position.
+        budget `[B]`: tokens a row may still emit; stops `[S]` stop ids (-1 padded). Emits
+        tokens `[B,k+1]` of which the first `count` `[B]` count; the row's state ends after them.
+        """
+        k = self.spec_k
+        model = nnx.merge(self._graphdef, state)
+        q_prev, has_q = carry
+        b = positions.shape[0]
+        held = sub["logits"]
+        # t0: from the held logits, or from the residual of a draft rejected at this position
+        p_held = sampling.sampling_probs(held, temperature, top_k, top_p)
+        p0 = jnp.where(has_q[:, None], speculative.residual(p_held, q_prev), p_held)
+        t0 = speculative.draw(p0, sampling.row_keys(rng, row_ids, positions), temperature)
+        draft_keys = jnp.stack([sampling.row_keys(jax.random.fold_in(rng, 1), row_ids, positions + d)
+                                for d in range(1, k + 1)])
+        drafts, q, cache = speculative.draft(model, sub["cache"], sub["hidden"], sub["mtp_hidden"], t0,
+                                             positions, active, draft_keys, k, temperature, top_k, top_p)
+        toks = jnp.concatenate([t0[:, None], drafts], axis=1)  # [B, k+1] at positions L..L+k
+        pos = positions[:, None] + jnp.arange(k + 1)[None]
+        logits, aux = model(toks, pos, jnp.broadcast_to(active[:, None], toks.shape).astype(jnp.int32),
+                            cache=cache)
+        p = sampling.sampling_probs(logits[:, :k].reshape(b * k, -1), temperature, top_k, top_p)
+        u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(
+            sampling.row_keys(jax.random.fold_in(rng, 2), row_ids, positions))
+        n_acc = speculative.accept(p.reshape(b, k, -1), q, drafts, u)
+        # emitted: t0 and the accepted drafts, cut after a stop token or at the budget
+        j = jnp.arange(k + 1)[None]
+        is_stop = (toks[:, :, None] == stops[None, None, :]).any(-1) & (j <= n_acc[:, None])
+        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), k + 1)
+        count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), budget)
+        count = jnp.where(active, jnp.maximum(count, 1), 0)
+        finished = (first_stop < count) | (count >= budget)
+        last = jnp.maximum(count - 1, 0)[:, None, None]
+        cache, mtp_hidden = speculative.advance(model, aux["cache"], sub["hidden"], sub["mtp_hidden"],
+                                                aux["hidden"], toks, positions, count, active)
+        keep = active[:, None]
+        new = dict(
+            cache=cache,
+            logits=jnp.where(keep, jnp.take_along_axis(logits, last, axis=1)[:, 0], held),
+            hidden=jnp.where(keep, jnp.take_along_axis(aux["hidden"], last, axis=1)[:, 0].astype(self.cache_dtype),
+                             sub["hidden"]),
+            mtp_hidden=jnp.where(keep[:, :, None], mtp_hidden, sub["mtp_hidden"]),
+        )
+        # the residual is owed only if the step ended at a rejection and the row goes on
+        rejected = active & ~finished & (n_acc < k) & (count == n_acc + 1)
+        q_next = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
+        logp = jnp.concatenate([sampling.token_logprob(held, t0, temperature)[:, None],
+                                sampling.token_logprob(logits[:, :k], drafts, temperature)], axis=1)
+        return new, (q_next, rejected), toks, count, logp, aux["expert_ids"], jnp.where(active, n_acc, 0)
+
+    # ------------------------------------------------------------------ host loops
     def _ensure_capacity(self, group: Group, need: int) -> None:
         if need > group.capacity:
             cap = _bucket(self.len_buckets, need)
-            group.cache = self._grow_fn(group.cache, cap)
+            group.store = dict(group.store, cache=self._grow_fn(group.store["cache"], cap))
             group.capacity = cap
 
     def _prefill_pending(self, group: Group, rows) -> None:
@@ -359,9 +439,8 @@ class Engine:
                     last[j] = len(c) - 1
                 self._ensure_capacity(group, max(group.rows[r].length + len(c) for r, c in zip(part, chunks)))
                 idx, identity = _row_index(part, bb, group.slots)
-                (group.cache, group.logits, group.hidden), eids = self._prefill_fn(
-                    self._state, (group.cache, group.logits, group.hidden), identity, idx,
-                    tokens, positions, seg, last)
+                group.store, eids = self._prefill_fn(self._state, group.store, identity, idx,
+                                                     tokens, positions, seg, last)
                 eids = np.asarray(eids)
                 self.prefill_tokens += sum(len(c) for c in chunks)
                 for j, (r, c) in enumerate(zip(part, chunks)):
@@ -372,73 +451,73 @@ class Engine:
 
     def _decode_rows(self, group: Group, rows, params: SamplingParams, rng) -> dict:
         """Decode `rows` (at most the largest batch bucket) to completion; returns {row: Generation}."""
-        k = len(rows)
-        bb = _bucket(self.batch_buckets, k)
+        n = len(rows)
+        bb = _bucket(self.batch_buckets, n)
         idx, identity = _row_index(rows, bb, group.slots)
-        store = (group.cache, group.logits, group.hidden)
-        sub_cache, logits, hidden = store if identity else self._take_fn(store, idx)
+        sub = group.store if identity else self._take_fn(group.store, idx)
         cap = group.capacity
         lengths = np.zeros((bb,), np.int32)
-        lengths[:k] = [group.rows[r].length for r in rows]
+        lengths[:n] = [group.rows[r].length for r in rows]
         active = np.zeros((bb,), bool)
-        active[:k] = True
+        active[:n] = True
+        emitted = np.zeros((bb,), np.int32)
         row_ids = np.where(idx < group.n, idx, 0).astype(np.int32)  # sampling keys
-        temperature = np.float32(params.temperature)
-        top_k = np.int32(params.top_k)
-        top_p = np.float32(params.top_p)
+        knobs = (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p))
         stops = set(int(s) for s in params.stop_token_ids)
-        toks = [[] for _ in range(k)]
-        logps = [[] for _ in range(k)]
-        experts = [[] for _ in range(k)]
-        versions = [[] for _ in range(k)]
-        reasons = [None] * k
+        stop_arr = np.full((-(-max(len(stops), 1) // 8) * 8,), -1, np.int32)  # padded: few shapes
+        stop_arr[:len(stops)] = sorted(stops)
+        step_fn = self._spec_fn if self.spec_k else self._decode_fn
+        carry = (jnp.zeros((bb, self.cfg.vocab_size), jnp.float32), jnp.zeros((bb,), bool))
+        gens = [Generation([], [], None, None, []) for _ in range(n)]
+        experts = [[] for _ in range(n)]
         while active.any():
             self._sync_weights()
-            need = int(lengths[active].max()) + 1
+            need = int(lengths[active].max()) + 1 + self.spec_k
             if need > cap:
                 cap = _bucket(self.len_buckets, need)
-                sub_cache = self._grow_fn(sub_cache, cap)
-            tok, logp, logits, hidden, sub_cache, eids = self._decode_fn(
-                self._state, sub_cache, logits, hidden, row_ids, lengths, active, rng,
-                temperature, top_k, top_p)
-            tok, logp, eids = np.asarray(tok), np.asarray(logp), np.asarray(eids)
+                sub = dict(sub, cache=self._grow_fn(sub["cache"], cap))
+            budget = np.minimum(params.max_new_tokens - emitted, self.max_len - lengths).astype(np.int32)
+            sub, carry, tok, count, logp, eids, n_acc = step_fn(
+                self._state, sub, carry, row_ids, lengths, active, budget, stop_arr, rng, *knobs)
+            tok, count, logp, eids = np.asarray(tok), np.asarray(count), np.asarray(logp), np.asarray(eids)
             self.decode_steps += 1
-            for j in np.flatnonzero(active[:k]):
-                row = group.rows[rows[j]]
-                t = int(tok[j])
-                toks[j].append(t)
-                logps[j].append(float(logp[j]))
-                experts[j].append(eids[:, j])
-                versions[j].append(row.logits_version)
-                row.tokens.append(t)
-                row.expert_chunks.append(eids[None, :, j])
-                row.length += 1
+            if self.spec_k:
+                self.drafted += self.spec_k * int(active.sum())
+                self.accepted += int(np.asarray(n_acc).sum())
+            for j in np.flatnonzero(active[:n]):
+                row, gen = group.rows[rows[j]], gens[j]
+                c = int(count[j])
+                new = [int(t) for t in tok[j, :c]]
+                gen.tokens += new
+                gen.logprobs += [float(x) for x in logp[j, :c]]
+                gen.policy_version += [row.logits_version] + [self.policy_version] * (c - 1)
+                experts[j].append(eids[:, j, :c].transpose(1, 0, 2))
+                row.tokens += new
+                row.expert_chunks.append(experts[j][-1])
+                row.length += c
                 row.logits_version = self.policy_version
-                lengths[j] += 1
-                if t in stops:
-                    reasons[j] = "stop"
+                lengths[j] += c
+                emitted[j] += c
+                if new[-1] in stops:
+                    gen.finish_reason = "stop"
                 elif row.length >= self.max_len:
-                    reasons[j] = "max_len"
-                elif len(toks[j]) >= params.max_new_tokens:
-                    reasons[j] = "length"
-                if reasons[j] is not None:
-                    row.finish_reason = reasons[j]
+                    gen.finish_reason = "max_len"
+                elif emitted[j] >= params.max_new_tokens:
+                    gen.finish_reason = "length"
+                if gen.finish_reason is not None:
+                    row.finish_reason = gen.finish_reason
                     active[j] = False
         if identity:
-            group.cache, group.logits, group.hidden, group.capacity = sub_cache, logits, hidden, cap
+            group.store, group.capacity = sub, cap
         else:
             self._ensure_capacity(group, cap)
-            group.cache, group.logits, group.hidden = self._put_fn(
-                (group.cache, group.logits, group.hidden), idx, (sub_cache, logits, hidden))
-        return {
-            r: Generation(toks[j], logps[j],
-                          np.stack(experts[j]) if experts[j] else _empty_experts(self.moe_layers, self.top_k_experts),
-                          reasons[j], versions[j])
-            for j, r in enumerate(rows)
-        }
+            group.store = self._put_fn(group.store, idx, sub)
+        for gen, ex in zip(gens, experts):
+            gen.expert_ids = np.concatenate(ex) if ex else _empty_experts(self.moe_layers, self.top_k_experts)
+        return dict(zip(rows, gens))
 
 
-# ---------------------------------------------------------------------- cache plumbing (pure)
+# ---------------------------------------------------------------------- store plumbing (pure)
 def _signature(state):
     return jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
 
@@ -451,7 +530,7 @@ def _row_index(rows, bucket: int, slots: int) -> tuple:
     otherwise padding gets `slots` (out of range: gathers clip, scatters drop)."""
     idx = np.full((bucket,), slots, np.int32)
     idx[:len(rows)] = rows
-    if bucket == slots and sorted(rows) == list(rows) and list(rows) == list(range(len(rows))):
+    if bucket == slots and list(rows) == list(range(len(rows))):
         return np.arange(bucket, dtype=np.int32), True
     return idx, False
 
@@ -464,8 +543,8 @@ def _take_rows(tree, idx):
 def _put_rows(tree, idx, sub):
     """Scatter `sub` leaves `[b, ...]` into rows `idx` of `tree` leaves `[n, ...]` (padding dropped).
 
-    A sub-cache may have grown past the group cache's capacity only if the group cache was
-    grown first (Engine._ensure_capacity), so shapes match past the batch axis."""
+    A sub-cache grows past the group's capacity only after the group cache was grown
+    (Engine._ensure_capacity), so shapes match past the batch axis."""
     return jax.tree.map(lambda x, s: x.at[idx].set(s.astype(x.dtype), mode="drop"), tree, sub)
 
 

@@ -173,7 +173,8 @@ class Agent:
     # --- prompts ---------------------------------------------------------------------------
     def head_ids(self, tools, task_prompt: str) -> list[int]:
         """System turn (tool schemas) + user turn (task): the start of every generation."""
-        system = self.tok.turn_ids("system", protocol.render_system_prompt(list(tools)))
+        preamble = self.cfg.get("system_prompt") or None
+        system = self.tok.turn_ids("system", protocol.render_system_prompt(list(tools), preamble))
         return system + self.tok.turn_ids("user", task_prompt)
 
     def chain_context(self, head: Sequence[int], summary_ids: Sequence[int]) -> list[int]:
@@ -296,7 +297,7 @@ class Agent:
             self._start_next_generation(row, head, self._summary_ids(body))
             return
         r.turns += 1
-        text = self.tok.decode(body)
+        text = self._decode(body)
         calls = protocol.parse_tool_calls(text, tools)
         if not ended:  # cut at max_turn_tokens: close the turn for the template
             self._append_context_only(row, [self.tok.end_id])
@@ -328,7 +329,7 @@ class Agent:
             return self._end(row, "turns")
         obs = self._fit_observation(row, protocol.render_tool_results(outputs))
         r.tool_io_tokens += len(obs)
-        self._append(row, obs + self.tok.generation_prefix())
+        self._observe(row, obs)
 
     def _fit_observation(self, row: _Row, text: str) -> list[int]:
         """The tool message's ids, cut so the generation keeps its summary reserve.
@@ -345,9 +346,22 @@ class Agent:
         keep = max(0, room - len(note) - 2)
         return ids[:1 + keep] + note + [self.tok.end_id]
 
+    def _observe(self, row: _Row, obs: list[int]) -> None:
+        """Appends the tool message and the next `<|assistant|>`, or ends the rollout when even
+        the cut message does not fit the context (rl.summary_reserve smaller than the note)."""
+        ids = obs + self.tok.generation_prefix()
+        if len(row.gen) + len(ids) >= self.cfg.context_budget:
+            return self._end(row, "context")
+        self._append(row, ids)
+
     def _append_context_only(self, row: _Row, ids: list[int]) -> None:
         row.gen.add_context(ids)  # the engine sees it with the next append (or never, at the end)
         self.engine.append(row.group, row.index, ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Text of sampled ids, for parsing only. Ids past the tokenizer's vocabulary (the
+        model's embedding is padded to a multiple of 128) have no text and are skipped."""
+        return self.tok.decode([i for i in ids if i < self.tok.vocab_size])
 
     def _tokens_in_calls(self, ids: Sequence[int]) -> int:
         """Sampled tokens inside `<tool_call>...</tool_call>` spans, tags included."""

@@ -672,6 +672,7 @@ def lower_train_step(config, mesh):
     """
     import jax
     import jax.numpy as jnp
+    import optax
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -686,11 +687,14 @@ def lower_train_step(config, mesh):
     params, rest = _with_shardings(params, p_sh), _with_shardings(rest, r_sh)
 
     tr = _step_trainer(config, graphdef, lm_loss_fn(config.train), nnx.Param)
-    # the optimizer state's shardings are whatever the trainer's jit(tx.init) produces
-    with sharding.activate(mesh, rules):
-        init = jax.jit(tr.tx.init).lower(params).compile()
-    o_sh = init.output_shardings
-    opt = _with_shardings(jax.eval_shape(tr.tx.init, params), o_sh)
+    # Optimizer moments are sharded like their parameters; counters are replicated. (Left to
+    # XLA, jit(tx.init) returns *replicated* zeros: sharding does not flow into constants.)
+    opt = jax.eval_shape(tr.tx.init, params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (masked-out leaves)
+    o_sh = optax.tree_map_params(tr.tx, lambda x, s: x if masked(x) else s, opt, p_sh,
+                                 transform_non_params=lambda _: replicated, is_leaf=masked)
+    opt = _with_shardings(opt, o_sh)
 
     b, t = int(config.data.batch_size), int(config.data.seq_len)
     batch_axes = sharding.mesh_axes_of("batch", rules)
@@ -742,13 +746,18 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def hbm_overflow(message: str) -> tuple[float, float] | None:
     """(used, capacity) bytes from XLA:TPU's out-of-memory compile error, else None.
 
-    e.g. "RESOURCE_EXHAUSTED: ... Ran out of memory in memory space hbm. Used 120.53G of
-    95.74G hbm. Exceeded hbm capacity by 24.79G."
+    e.g. "Ran out of memory in memory space hbm. Used 120.53G of 95.74G hbm." or "the total
+    memory required for HLO temporaries (4.97T) exceeds available HBM (95.74G)" (temporaries
+    only: the lower bound XLA found before giving up).
     """
-    m = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", message)
-    if not m:
-        return None
-    return (float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)])
+    for pattern in (r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm",
+                    r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available "
+                    r"HBM \(([\d.]+)([KMGT]?)\)"):
+        m = re.search(pattern, message)
+        if m:
+            return (float(m.group(1)) * _UNITS[m.group(2)],
+                    float(m.group(3)) * _UNITS[m.group(4)])
+    return None
 
 
 def advice(report: dict, config) -> list[str]:

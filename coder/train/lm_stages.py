@@ -24,6 +24,7 @@ import os
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from coder.train.losses import lm_loss, lm_loss_fn
@@ -145,21 +146,19 @@ def _sft_data(config, stage_dir: str) -> str:
     """sft.data, or toy-task transcripts written once to {stage_dir}/transcripts.jsonl."""
     if config.sft.data:
         return config.sft.data
-    path = os.path.join(stage_dir, "transcripts.jsonl")
-    if jax.process_index() == 0 and not os.path.exists(path):
-        os.makedirs(stage_dir, exist_ok=True)
+    path = epath.Path(stage_dir) / "transcripts.jsonl"
+    if jax.process_index() == 0 and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         convs = toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1))
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            for conv in convs:
-                f.write(json.dumps(conv) + "\n")
-        os.replace(tmp, path)  # atomic: a preempted run never leaves half a file
+        tmp = path.parent / (path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(conv) + "\n" for conv in convs))
+        tmp.rename(path)  # a preempted run never leaves half a file behind
         logging.info("sft: %d transcripts of the env's toy tasks -> %s", len(convs), path)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("sft_transcripts")
-    return path
+    return os.fspath(path)
 
 
 def sft(config, stage_dir: str, init_from: str) -> str:

@@ -7,6 +7,7 @@ Only process 0 writes (multi-host runs log the same global metrics on every host
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -14,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 
 def flops_per_token(model_cfg, seq_len: int, active_params: int) -> float:
@@ -75,15 +77,28 @@ class MetricsWriter:
         self.stage = stage
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(stage_dir, "metrics.jsonl")
+        # Object stores (gs://) cannot append: remote files are rewritten whole on each write.
+        self._remote = "://" in stage_dir
+        self._lines: list[str] = []
         self._file = None
         self._tb = None
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self._remote:
+            p = epath.Path(self.path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if p.exists():
+                self._lines = p.read_text().splitlines(keepends=True)
+        else:
             os.makedirs(stage_dir, exist_ok=True)
-            self._file = open(self.path, "a")
-            if tensorboard:
+            self._file = open(self.path, "a")  # noqa: SIM115 (kept open for the stage)
+        if tensorboard:
+            try:
                 from tensorboardX import SummaryWriter
 
                 self._tb = SummaryWriter(os.path.join(stage_dir, "tb"))
+            except Exception as e:  # e.g. gs:// without google-cloud-storage installed
+                logging.warning("TensorBoard events disabled for %s: %s", stage_dir, e)
 
     def write(self, step: int, metrics: dict, *, total_steps: int | None = None, eta_s=None):
         """Append one record (floats / ints only) and print the progress line."""
@@ -93,8 +108,13 @@ class MetricsWriter:
             record[k] = v
         if not self.enabled:
             return record
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        if self._remote:
+            self._lines.append(line)
+            epath.Path(self.path).write_text("".join(self._lines))
+        else:
+            self._file.write(line)
+            self._file.flush()
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):

@@ -124,7 +124,7 @@ class Trainer:
         stage: str | None = None,
     ):
         self.config = config
-        self.stage_dir = os.path.abspath(stage_dir)
+        self.stage_dir = stage_dir if "://" in stage_dir else os.path.abspath(stage_dir)
         self.stage = stage or os.path.basename(self.stage_dir.rstrip("/"))
         self.loss_fn = loss_fn
         self.trainable = trainable
@@ -435,7 +435,8 @@ class Trainer:
     def fit(self, iterator=None, steps: int | None = None) -> int:
         """Train until `steps` (default config.train.steps); returns the final step.
 
-        Logs every train.log_every steps, checkpoints every train.ckpt_every steps and at the end.
+        Logs every train.log_every steps (`loss` = mean over the non-skipped steps since the last
+        line, `loss_step` = this step's), checkpoints every train.ckpt_every steps and at the end.
         SIGTERM: finish the current step, save, raise Preempted (exit code 0).
         """
         it = self.data_iterator if iterator is None else iterator
@@ -447,6 +448,7 @@ class Trainer:
             prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         fpt = None
         t_last, tokens, timed_steps, t_first = None, 0, 0, None
+        loss_sum, loss_n = 0.0, 0  # device-side sum: no host sync per step
         try:
             while self.step < steps:
                 try:
@@ -455,6 +457,8 @@ class Trainer:
                     logging.warning("[%s] data exhausted at step %d", self.stage, self.step)
                     break
                 metrics = self.train_step(batch)
+                if not int(metrics["skipped"]):
+                    loss_sum, loss_n = loss_sum + metrics["loss"], loss_n + 1
                 if t_last is None:  # the first step includes compilation: time from its end
                     jax.block_until_ready(metrics)
                     t_last = t_first = time.perf_counter()
@@ -464,6 +468,9 @@ class Trainer:
                     timed_steps += 1
                 if self.step % log_every == 0 or self.step == steps:
                     record = dict(metrics)
+                    record["loss_step"] = metrics["loss"]
+                    record["loss"] = loss_sum / max(loss_n, 1) if loss_n else metrics["loss"]
+                    loss_sum, loss_n = 0.0, 0
                     now = time.perf_counter()
                     eta = None
                     if timed_steps:

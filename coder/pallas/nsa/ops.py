@@ -31,8 +31,8 @@ from coder.pallas.nsa.reference import NSAConfig
 class Kernel:
     backend: str = "pallas_tpu"  # "pallas_tpu" | "pallas_gpu"
     interpret: Any = None  # passed to pl.pallas_call; None = compile for the hardware
-    token_tile: int = 8  # selected branch: tokens per query tile (output block)
-    window_tile: int = 128  # window branch: query/key tile length
+    token_tile: int = 8  # selected branch, TPU: tokens per query tile (output block)
+    window_tile: int = 128  # window branch: query/key tile length (GPU: must be 64)
 
     def module(self):
         if self.backend == "pallas_tpu":
@@ -60,11 +60,8 @@ def _selected_fwd(q, k, v, sel, ds, block, scale, kernel):
 def _selected_bwd(block, scale, kernel, res, do):
     q, k, v, sel, ds, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
-    mod = kernel.module()
-    dq = mod.selected_dq(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
-                         token_tile=kernel.token_tile, interpret=kernel.interpret)
-    dk, dv = mod.selected_dkv(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
-                              interpret=kernel.interpret)
+    dq, dk, dv = kernel.module().selected_bwd(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
+                                              token_tile=kernel.token_tile, interpret=kernel.interpret)
     return dq, dk, dv, None, None
 
 
@@ -87,10 +84,8 @@ def _window_fwd(q, k, v, rows_ds, window, scale, kernel):
 def _window_bwd(window, scale, kernel, res, do):
     q, k, v, rows_ds, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
-    mod = kernel.module()
-    kw = dict(window=window, scale=scale, tile=kernel.window_tile, interpret=kernel.interpret)
-    dq = mod.window_dq(q, k, v, rows_ds, do, lse, delta, **kw)
-    dk, dv = mod.window_dkv(q, k, v, rows_ds, do, lse, delta, **kw)
+    dq, dk, dv = kernel.module().window_bwd(q, k, v, rows_ds, do, lse, delta, window=window, scale=scale,
+                                            tile=kernel.window_tile, interpret=kernel.interpret)
     return dq, dk, dv, None
 
 
@@ -138,8 +133,9 @@ def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):
     """Kernel-backed sliding window: q [B,T,H,Dk], k/v [B,T,G,D] -> [B,T,H,Dv]."""
     b, t, h, dk = q.shape
     g = k.shape[2]
-    tile = min(kernel.window_tile, _pad_len(t, 8))
-    kernel = dataclasses.replace(kernel, window_tile=tile)
+    if kernel.backend == "pallas_tpu":  # the GPU kernel's tile is fixed by wgmma
+        kernel = dataclasses.replace(kernel, window_tile=min(kernel.window_tile, _pad_len(t, 8)))
+    tile = kernel.window_tile
     tp = _pad_len(t, tile)
     qk, kk, vk, ds = _to_kernel_layout(q, k, v, doc_start, tp)
     hg = h // g

@@ -19,8 +19,6 @@ Window branch: flash attention restricted to the key tiles that can fall inside 
 grid's last axis walks them, index maps clamp the out-of-range ones (the copy is then skipped and
 the compute guarded by `pl.when`).
 """
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -162,6 +160,14 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
     )(sel.reshape(-1), doc_start.reshape(-1), q, k, v, do, lse, delta)
+
+
+def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile, interpret=None):
+    """-> (dq, dk, dv) from the two backward kernels."""
+    dq = selected_dq(q, k, v, sel, doc_start, do, lse, delta, block=block, scale=scale,
+                     token_tile=token_tile, interpret=interpret)
+    dk, dv = selected_dkv(q, k, v, sel, doc_start, do, lse, delta, block=block, scale=scale, interpret=interpret)
+    return dq, dk, dv
 
 
 def selection_pairs(sel, num_blocks):
@@ -315,6 +321,13 @@ def window_fwd(q, k, v, rows_ds, *, window, scale, tile, interpret=None):
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
     )(q, k, v, rows_ds)
+
+
+def window_bwd(q, k, v, rows_ds, do, lse, delta, *, window, scale, tile, interpret=None):
+    """-> (dq rows, dk, dv) from the two backward kernels."""
+    kw = dict(window=window, scale=scale, tile=tile, interpret=interpret)
+    dk, dv = window_dkv(q, k, v, rows_ds, do, lse, delta, **kw)
+    return window_dq(q, k, v, rows_ds, do, lse, delta, **kw), dk, dv
 
 
 def window_dq(q, k, v, rows_ds, do, lse, delta, *, window, scale, tile, interpret=None):

@@ -66,42 +66,59 @@ def _softmax_rows(s, mask):
     return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
 
 
+SUPER_CHUNKS = 8  # compressed branch: query groups with their own causal key count
+
+
 def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk=256, unroll=False):
     """Compressed branch and block selection in one pass over query chunks.
 
     q [B,T,H,Dk], k_cmp [B,Nc,G,Dk], v_cmp [B,Nc,G,Dv], doc_start [B,T]
     -> (o_cmp [B,T,H,Dv] float32, sel [B,T,G,n] int32 canonical, gradient-free).
+    The chunks are split into up to SUPER_CHUNKS consecutive groups; a group reads only the
+    compressed blocks its last query can see, which skips most of the work above the diagonal.
     """
     b, t, h, dk = q.shape
     nc, g = k_cmp.shape[1], k_cmp.shape[2]
     ns = num_select_blocks(t, cfg)
     lsel = cfg.select_block
-    overlap = jnp.asarray(overlap_matrix(t, cfg))
-    starts = jnp.arange(nc) * cfg.compress_stride
-    ends = starts + cfg.compress_block - 1
+    overlap_all = jnp.asarray(overlap_matrix(t, cfg))
     qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
-    kf, vf = k_cmp.astype(jnp.float32), v_cmp.astype(jnp.float32)
+    kf_all, vf_all = k_cmp.astype(jnp.float32), v_cmp.astype(jnp.float32)
 
-    @jax.checkpoint
-    def body(args):
-        qi, dsi, i = args  # [B,C,G,Hg,Dk], [B,C], scalar
-        tq = i * c + jnp.arange(c)
-        vis = (ends[None, None, :] <= tq[None, :, None]) & (starts[None, None, :] >= dsi[:, :, None])
-        s = jnp.einsum("bcghd,bngd->bcghn", qi.astype(jnp.float32), kf) * scale
-        p = _softmax_rows(s, vis[:, :, None, None, :])
-        o = jnp.einsum("bcghn,bngd->bcghd", p, vf)
-        imp = jnp.einsum("bcgn,ns->bcgs", jax.lax.stop_gradient(p).sum(3), overlap)
-        j = jnp.arange(ns)[None, None, :]
-        cur, first = (tq // lsel)[None, :, None], (dsi // lsel)[..., None]
-        cand = (j * lsel <= tq[None, :, None]) & ((j + 1) * lsel - 1 >= dsi[..., None])
-        forced = cand & ((j == cur) | (j == cur - 1) | (j == first))
-        bg = lambda x: jnp.broadcast_to(x[:, :, None, :], imp.shape)
-        cur_b = jnp.broadcast_to(cur, (b, c, 1))
-        sel = canonical_topk(imp, bg(forced), bg(cand), jnp.broadcast_to(cur_b, imp.shape[:3]),
-                             cfg.select_topk)
-        return o, sel
+    def make_body(nk):
+        starts = jnp.arange(nk) * cfg.compress_stride
+        ends = starts + cfg.compress_block - 1
+        kf, vf, overlap = kf_all[:, :nk], vf_all[:, :nk], overlap_all[:nk]
 
-    o, sel = _map(body, (qc, dsc, jnp.arange(n)), unroll)
+        @jax.checkpoint
+        def body(args):
+            qi, dsi, i = args  # [B,C,G,Hg,Dk], [B,C], scalar
+            tq = i * c + jnp.arange(c)
+            vis = (ends[None, None, :] <= tq[None, :, None]) & (starts[None, None, :] >= dsi[:, :, None])
+            s = jnp.einsum("bcghd,bngd->bcghn", qi.astype(jnp.float32), kf) * scale
+            p = _softmax_rows(s, vis[:, :, None, None, :])
+            o = jnp.einsum("bcghn,bngd->bcghd", p, vf)
+            imp = jnp.einsum("bcgn,ns->bcgs", jax.lax.stop_gradient(p).sum(3), overlap)
+            j = jnp.arange(ns)[None, None, :]
+            cur, first = (tq // lsel)[None, :, None], (dsi // lsel)[..., None]
+            cand = (j * lsel <= tq[None, :, None]) & ((j + 1) * lsel - 1 >= dsi[..., None])
+            forced = cand & ((j == cur) | (j == cur - 1) | (j == first))
+            bg = lambda x: jnp.broadcast_to(x[:, :, None, :], imp.shape)
+            cur_b = jnp.broadcast_to(cur, (b, c, 1))
+            sel = canonical_topk(imp, bg(forced), bg(cand), jnp.broadcast_to(cur_b, imp.shape[:3]),
+                                 cfg.select_topk)
+            return o, sel
+        return body
+
+    per = -(-n // min(SUPER_CHUNKS, n))
+    outs, sels = [], []
+    for lo in range(0, n, per):
+        hi = min(lo + per, n)
+        nk = min(nc, max(1, (hi * c - cfg.compress_block) // cfg.compress_stride + 1))
+        o, sel = _map(make_body(nk), (qc[lo:hi], dsc[lo:hi], jnp.arange(lo, hi)), unroll)
+        outs.append(o)
+        sels.append(sel)
+    o, sel = jnp.concatenate(outs, 0), jnp.concatenate(sels, 0)
     return _unchunk(o, t).reshape(b, t, h, -1), _unchunk(sel, t)
 
 
@@ -152,6 +169,7 @@ def window_attention(q, k, v, doc_start, window, scale, chunk=128, unroll=False)
     """
     b, t, h, dk = q.shape
     g, dv = k.shape[2], v.shape[3]
+    chunk = max(8, min(chunk, window // 4))  # keys read beyond the window: at most a quarter more
     qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
     front = _round_up(max(window - 1, 0), c)
     span = front + c
