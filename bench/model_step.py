@@ -9,13 +9,17 @@ FLOP/s, and that as a fraction of a dense f32 matmul's FLOP/s measured in the sa
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coder.model import Transformer, count_params
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from coder.model import Transformer, count_params  # noqa: E402
 
 
 def moe_100m():

@@ -109,7 +109,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.bad_check_min_records = 1000  # records of a source read before the bad check applies
     c.data.heldout_fraction = 0.05  # documents kept out of training for eval
     c.data.num_workers = 0  # grain worker processes (0 = in-process)
-    c.data.shuffle_buffer = 0  # unused by the index-based grain pipeline (global shuffle)
 
     # Optimisation and the training loop (coder/train).
     c.train = ml_collections.ConfigDict()

@@ -137,6 +137,18 @@ def test_memory_report_flags_a_step_over_hbm_and_advice_names_the_fix():
     assert "compile.offload_optimizer=True" in tips and "model.remat=full" in tips
 
 
+@pytest.mark.parametrize("message, used, hbm", [
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+     "hbm. Used 120.53G of 95.74G hbm. Exceeded hbm capacity by 24.79G.", 120.53, 95.74),
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+     "temporaries (4.97T) exceeds available HBM (95.74G).", 4.97 * 1024, 95.74),
+])
+def test_hbm_overflow_reads_xla_tpu_out_of_memory_errors(message, used, hbm):
+    got = C.hbm_overflow(message)
+    assert got[0] == pytest.approx(used * 2**30) and got[1] == pytest.approx(hbm * 2**30)
+    assert C.hbm_overflow("INVALID_ARGUMENT: shapes do not match") is None
+
+
 # ----------------------------------------------------------------------------- the stage
 @pytest.fixture(scope="module")
 def quickstart_report(tmp_path_factory):
@@ -166,7 +178,8 @@ def test_quickstart_train_step_compiles_for_v5e_2x2(quickstart_report):
     # data parallel: every chip holds all float32 params (+ router biases) and two Adam moments
     assert n_params * 4 <= m["params_bytes"] <= n_params * 4 * 1.01
     assert 2 * n_params * 4 <= m["optimizer_bytes"] <= 2 * n_params * 4 * 1.01
-    assert m["batch_bytes"] == 4 * 4 * (8 // 4) * 256  # 4 int32/f32 arrays, 2 rows per chip
+    rows_per_chip = config.data.batch_size // 4
+    assert m["batch_bytes"] == 4 * 4 * rows_per_chip * config.data.seq_len  # 4 int32/f32 arrays
     assert m["activations_temp_bytes"] > 0
     assert m["params_bytes"] + m["optimizer_bytes"] <= m["total_bytes"] < m["hbm_bytes"]
     assert m["fits"] and m["fraction_of_hbm"] == pytest.approx(m["total_bytes"] / m["hbm_bytes"])

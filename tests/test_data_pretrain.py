@@ -180,6 +180,33 @@ def test_parquet_and_arrayrecord_sources_match_jsonl(tok, tmp_path):
     assert run({"path": "memory://coder-test/ar/d.array_record"}) == want
 
 
+def test_sources_are_thread_safe(tmp_path):
+    """grain reads with several threads: concurrent reads must return the right records."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from coder.data import sources
+
+    docs = [f"record {i} " + "x" * (i % 97) for i in range(3000)]
+    for part in range(3):
+        write_jsonl(tmp_path / f"p{part}.jsonl", docs[part * 1000 : (part + 1) * 1000])
+    pq.write_table(pa.table({"text": docs}), tmp_path / "d.parquet", row_group_size=100)
+    order = list(range(3000))
+    random.Random(0).shuffle(order)
+    for spec in ({"path": str(tmp_path / "p*.jsonl")}, {"path": str(tmp_path / "d.parquet")}):
+        spec = sources.normalize_spec(spec)
+        source = sources.open_source(spec)
+        source._MAX_OPEN = 2  # also exercise closing and reopening handles
+
+        def read(i, source=source, spec=spec):
+            return sources.parse_record(source[i], spec["format"], "text")[0]["text"]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(read, order)) == [docs[i] for i in order]
+
+
 def test_bad_source_specs_are_rejected(tmp_path):
     cfg = config([{"path": str(tmp_path / "missing-*.jsonl")}])
     with pytest.raises(FileNotFoundError, match="missing"):

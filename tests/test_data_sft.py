@@ -21,7 +21,10 @@ def tok():
 
 def conversation(i, n_turns=2, words=6):
     rng = random.Random(i)
-    say = lambda: f"#{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, words)))
+
+    def say():
+        return f"#{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, words)))
+
     messages = [{"role": "system", "content": "You are a coding agent."}]
     for _ in range(n_turns):
         messages.append({"role": "user", "content": say()})

@@ -104,6 +104,16 @@ def test_mtp_layers_round_trip(tmp_path):
     assert a.keys() == b.keys()
     for p in a:
         np.testing.assert_array_equal(np.asarray(a[p].get_value()), np.asarray(b[p].get_value()), err_msg=str(p))
+    # loading straight into a sharded layout: experts split over the expert axis
+    from coder.model import sharding
+
+    mcfg = __import__("configs.base", fromlist=["x"]).get_config().mesh
+    mcfg.update(dict(data=2, expert=4))
+    mesh = sharding.make_mesh(mcfg)
+    _, model3 = hf_import.load_hf(str(tmp_path), mesh=mesh, rules=mcfg.rules)
+    wg = model3.layers[1].mlp.wg[...]
+    assert {s.data.shape[0] for s in wg.addressable_shards} == {1}  # 4 experts / 4 devices
+    np.testing.assert_array_equal(np.asarray(wg), np.asarray(model.layers[1].mlp.wg[...]))
     tokens = _tokens(v=64, t=12)
     (l1, x1), (l2, x2) = _ours(model, tokens), _ours(model2, tokens)
     np.testing.assert_array_equal(np.asarray(x1["mtp_logits"]), np.asarray(x2["mtp_logits"]))

@@ -95,3 +95,26 @@ def test_aux_registry():
     assert R.aux_total(ro, {"lint_introduced": 1.0, "unanswered_question": 1.0}) == 0.0
     with pytest.raises(KeyError):
         R.aux_total(ro, {"nope": 1.0})
+
+
+# --- agent eval scoring (coder/rl/eval.py) ------------------------------------------------------
+def test_pass_at_k_unbiased_estimator_by_hand():
+    from coder.rl.eval import pass_at_k, summarize
+
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert pass_at_k(5, 3, 3) == 1.0 and pass_at_k(5, 0, 3) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+    s = summarize([(4, 1), (4, 4), (1, 1)], ks=(1, 2))
+    assert s["pass@1"] == pytest.approx((0.25 + 1 + 1) / 3)
+    assert s["pass@2"] == pytest.approx((0.5 + 1) / 2)  # the 1-sample task is left out of pass@2
+
+
+def test_regression_flag():
+    from coder.rl.eval import is_regression
+
+    assert is_regression({"pass@1": 0.6}, {"pass@1": 0.5}, 0.05)
+    assert not is_regression({"pass@1": 0.6}, {"pass@1": 0.56}, 0.05)
+    assert not is_regression({"pass@1": float("nan")}, {"pass@1": 0.1}, 0.05)

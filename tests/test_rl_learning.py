@@ -43,16 +43,18 @@ NAMES = ["Ada", "Alan", "Grace", "Linus", "Guido", "Barbara", "Donald", "Edsger"
          "Frances", "John", "Margaret", "Niklaus", "Tony", "Leslie", "Radia", "Sophie", "Bjarne", "Yukihiro"]
 OPENERS = ["Hi", "Hello", "Dear", "Hey"]
 CLOSERS = ["Thanks.", "Please.", "Quickly.", "Now."]
+WHICH = {"smallest": "1", "largest": "6"}
 
 
 def make_tasks(n, seed):
-    """n distinct toy tasks (distinct prompts: single epoch) with their answers."""
-    combos = [(o, name, k, c) for o in OPENERS for name in NAMES for k in ANSWERS for c in CLOSERS]
+    """n distinct toy tasks (distinct prompts: single epoch) with their answers: "submit the
+    smallest number" -> 1, "submit the largest number" -> 6."""
+    combos = [(o, name, w, c) for o in OPENERS for name in NAMES for w in WHICH for c in CLOSERS]
     random.Random(seed).shuffle(combos)
     out = []
-    for o, name, k, c in combos[:n]:
-        prompt = f"{o} {name}, submit the number {k}. {c}"
-        out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), k))
+    for o, name, w, c in combos[:n]:
+        prompt = f"{o} {name}, submit the {w} number from 1 to 6. {c}"
+        out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), WHICH[w]))
     return out
 
 

@@ -44,6 +44,15 @@ def test_special_tokens_are_single_fixed_ids(tok):
         tok.special_id("<|nope|>")
 
 
+def test_special_strings_can_be_encoded_as_plain_text(tok):
+    text = 'print("<|end|>")  # </tool_call> <tool_call'
+    plain = tok.encode(text, allow_special=False)
+    assert not set(plain) & {tok.special_id(t) for t in tk.SPECIAL_TOKENS}
+    assert tok.decode(plain) == text
+    assert tok.end_id in tok.encode(text)
+    assert tok.encode("no specials", allow_special=False) == tok.encode("no specials")
+
+
 def test_code_round_trips_exactly(tok):
     # identity normalisation, no dummy prefix, whitespace kept, byte fallback for rare chars.
     for text in (CODE, "  leading", "trailing  \n", "\n", "a\u00a0b", "x" * 3000, "\x00\x01"):
@@ -146,6 +155,38 @@ def test_load_or_train_caches_by_corpus_and_vocab(tmp_path):
     assert len(os.listdir(cache)) == 2
     cfg.data.tokenizer = str(cache / cached)
     assert tk.load_or_train(cfg, str(cache)).model_proto == first.model_proto
+
+
+def test_concurrent_load_or_train_processes_agree(tmp_path):
+    """Two processes racing to train the same cached tokenizer both succeed, with one file."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as f:
+        for text in _small_corpus_texts(40_000):
+            f.write(json.dumps({"text": text}) + "\n")
+    script = (
+        "import sys, hashlib\n"
+        "from configs import base\n"
+        "from coder.data import tokenizer as tk\n"
+        "cfg = base.get_config()\n"
+        f"cfg.data.sources = ({{'path': {str(data)!r}}},)\n"
+        "cfg.data.tokenizer_vocab_size = 400\n"
+        "print(hashlib.sha256(tk.load_or_train(cfg, sys.argv[1]).model_proto).hexdigest())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cache")], cwd=root, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    assert outs[0][0] == outs[1][0]
+    (name,) = os.listdir(tmp_path / "cache")
+    assert name.endswith(".model")
 
 
 def test_corpus_split_is_deterministic_disjoint_and_complete():

@@ -9,9 +9,9 @@ A source spec (an entry of `config.data.sources`) is a dict:
   text_field  field holding the document text (default "text"; SFT reads "messages")
   name        name used in counters and errors (default: the path)
 
-Sources are grain `RandomAccessDataSource`s (len + getitem), so the pipeline can shuffle
-globally by index. They return *raw* records (bytes, or a Parquet cell); `parse_record` turns
-one into a dict or a bad-record kind, so bad records are counted where they are consumed.
+Sources are random-access data sources in grain's sense (len + getitem), so the pipeline can
+shuffle globally by index. They return *raw* records (bytes, or a Parquet cell); `parse_record`
+turns one into a dict or a bad-record kind, so bad records are counted where they are consumed.
 ArrayRecord records are UTF-8 JSON objects, like JSONL lines.
 
 Costs to know at scale: a JSONL file is read once at start to index its line offsets; a Parquet
@@ -24,9 +24,9 @@ import collections
 import json
 import os
 import tempfile
+import threading
 
 import fsspec
-import grain
 import numpy as np
 
 FORMATS = ("jsonl", "parquet", "arrayrecord", "text")
@@ -84,23 +84,36 @@ def expand_paths(patterns) -> list[str]:
 
 
 class _FileSource:
-    """Shared plumbing: lazily opened fsspec file handles that are not pickled to workers."""
+    """Shared plumbing: lazily opened fsspec file handles, one set per thread (grain reads with
+    several threads; a shared handle's seek + read would race), never pickled to workers."""
 
     def __init__(self, paths: list[str]):
         self.paths = paths
-        self._handles = {}
+        self._local = threading.local()
+
+    _MAX_OPEN = 32  # per thread: thousands of shards must not exhaust file descriptors
 
     def _open(self, file_index: int):
-        handle = self._handles.get(file_index)
+        handles = getattr(self._local, "handles", None)
+        if handles is None:
+            handles = self._local.handles = collections.OrderedDict()
+        handle = handles.get(file_index)
         if handle is None:
-            handle = fsspec.open(self.paths[file_index], "rb").open()
-            self._handles[file_index] = handle
+            handle = handles[file_index] = fsspec.open(self.paths[file_index], "rb").open()
+            if len(handles) > self._MAX_OPEN:
+                handles.popitem(last=False)[1].close()
+        else:
+            handles.move_to_end(file_index)
         return handle
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_handles"] = {}
+        del state["_local"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local = threading.local()
 
 
 class JsonlSource(_FileSource):
@@ -170,7 +183,8 @@ class ParquetSource(_FileSource):
                     self._groups.append((file_index, g, total))
                     total += meta.row_group(g).num_rows
         self._starts = np.asarray([g[2] for g in self._groups] + [total], np.int64)
-        self._cache = collections.OrderedDict()
+        self._cache = collections.OrderedDict()  # row group -> decoded column, LRU
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -179,20 +193,27 @@ class ParquetSource(_FileSource):
         import pyarrow.parquet as pq
 
         g = int(np.searchsorted(self._starts, index, side="right") - 1)
-        column = self._cache.get(g)
+        with self._lock:
+            column = self._cache.get(g)
         if column is None:
             file_index, group, _ = self._groups[g]
             table = pq.ParquetFile(self._open(file_index)).read_row_group(group, columns=[self.field])
             column = table.column(self.field).to_pylist()
-            self._cache[g] = column
-            if len(self._cache) > self._CACHED_GROUPS:
-                self._cache.popitem(last=False)
+            with self._lock:
+                self._cache[g] = column
+                if len(self._cache) > self._CACHED_GROUPS:
+                    self._cache.popitem(last=False)
         return column[index - int(self._starts[g])]
 
     def __getstate__(self):
         state = super().__getstate__()
         state["_cache"] = collections.OrderedDict()
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
 
 class TextFileSource(_FileSource):
@@ -227,6 +248,8 @@ def open_source(spec: dict):
     if fmt == "parquet":
         return ParquetSource(paths, spec["text_field"])
     if fmt == "arrayrecord":
+        import grain  # imported here: the tokenizer imports this module and needs no grain
+
         return grain.sources.ArrayRecordDataSource(_local_arrayrecord_paths(paths))
     return TextFileSource(paths)
 

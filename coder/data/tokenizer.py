@@ -10,8 +10,8 @@ depends on what precedes it, which keeps token-in / token-out exact), whitespace
 (runs of spaces are pieces: indentation costs one token), digits split, byte fallback (no <unk>
 for any UTF-8 text). The special tokens are matched inside any text, so `<tool_call>` written by
 `coder.env.protocol` is always one id. A consequence: a literal `<|end|>` inside user or tool
-content also becomes the control token; content that may hold such strings must be escaped by
-its producer.
+content also becomes the control token; content that may hold such strings (tool output, files)
+should be encoded with `encode(text, allow_special=False)`, which keeps them ordinary text.
 
 Chat template: a turn is `<|role|>` + encode(text) + `<|end|>`; a conversation is the
 concatenation of its turns (no bos). Loss falls on an assistant turn's text tokens and its
@@ -22,6 +22,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -45,6 +46,7 @@ SPECIAL_TOKENS = (
     "<summary>",
     "</summary>",
 )
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 # Bump when the trainer options below change, so cached tokenizers are retrained.
 _TRAINER_VERSION = 1
 # SentencePiece skips training "sentences" longer than this many bytes; chunks stay below it.
@@ -105,8 +107,19 @@ class Tokenizer:
 
     pad_id, unk_id, bos_id, eos_id = PAD, UNK, BOS, EOS
 
-    def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`. allow_special=False encodes special-token strings in the text
+        (e.g. a file the agent read that contains "<|end|>") as ordinary text pieces."""
+        if allow_special or not _SPECIAL_RE.search(text):
+            return self._sp.encode(text)
+        ids = []
+        for i, part in enumerate(_SPECIAL_RE.split(text)):
+            if i % 2 == 0:
+                ids += self._sp.encode(part)
+            else:
+                # Encoded in two halves, neither of which is a whole special token.
+                ids += self._sp.encode(part[:2]) + self._sp.encode(part[2:])
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts))

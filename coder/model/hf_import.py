@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from coder.model import sharding
+
 FP8_BLOCK = 128
 
 # suffix -> (our path below the layer, conversion)
@@ -189,10 +191,12 @@ def _read(handle, name: str, scale_lookup) -> np.ndarray:
     return t.float().numpy()
 
 
-def load_hf(path: str, dtype=jnp.float32):
+def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None):
     """Read an HF DeepSeek-V3 / Kimi-K2 checkpoint directory -> (model_cfg, Transformer).
 
-    `dtype` is the parameter dtype (model_cfg.param_dtype); streaming, shard by shard.
+    `dtype` is the parameter dtype (model_cfg.param_dtype); streaming, shard by shard. With a
+    `mesh` (and `rules`, default the config's), each parameter is placed in its final sharding
+    as soon as it is complete, so no device holds the whole model.
     """
     from safetensors import safe_open
 
@@ -200,6 +204,10 @@ def load_hf(path: str, dtype=jnp.float32):
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = config_from_hf(json.load(f))
+    if mesh is not None and rules is None:
+        from configs.base import get_config
+
+        rules = get_config().mesh.rules
     cfg.param_dtype = jnp.dtype(dtype).name
     cfg.dtype = jnp.dtype(dtype).name if jnp.dtype(dtype) == jnp.float32 else cfg.dtype
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -229,7 +237,12 @@ def load_hf(path: str, dtype=jnp.float32):
 
     def finish(p, arr):
         var = flat[p]
-        flat[p] = var.replace(jnp.asarray(arr, dtype=var.get_value().dtype))
+        arr = np.asarray(arr, dtype=var.get_value().dtype)
+        if mesh is not None:
+            spec = sharding.logical_to_spec(var.get_metadata().get("logical_axes") or (), rules)
+            flat[p] = var.replace(jax.device_put(arr, jax.sharding.NamedSharding(mesh, spec)))
+        else:
+            flat[p] = var.replace(jnp.asarray(arr))
         done.add(p)
 
     for fn in files:

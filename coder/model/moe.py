@@ -9,9 +9,9 @@ Routing for token x (DeepSeek-V3 section 2.1.2), N tokens, E experts, k = num_ex
     y      = sum_j g_j FFN_{ids_j}(x) + sum_shared FFN_shared(x)
 Balancing (aux-loss-free): after each optimizer step, b += rate * sign(mean load - load).
 
-Dropless dispatch: the N*k (token, expert) pairs are sorted by expert and run through
-`jax.lax.ragged_dot` (grouped matmul over contiguous groups), then scattered back and summed;
-no capacity factor, no token dropped.
+Dropless dispatch: the N*k (token, expert) pairs are sorted by expert and run through a grouped
+matmul over contiguous groups (`jax.lax.ragged_dot` on TPU/GPU; on CPU a block-padded einsum,
+see `grouped_matmul`), then scattered back and summed; no capacity factor, no token dropped.
 
 Expert parallelism: inside `coder.model.sharding.activate` with experts split over mesh axes,
 the expert FFN runs in a `shard_map`. Each device holds E/ep experts; it gathers the tokens of
@@ -72,13 +72,50 @@ def load_fraction(ids, valid, n_experts: int):
 
 
 # ----------------------------------------------------------------------------- experts
+GMM_BLOCK = 128  # rows per block of the block-padded grouped matmul (CPU: bigger blocks run faster)
+
+
+def block_grouped_matmul(x, w, group_sizes, block: int = GMM_BLOCK):
+    """Grouped matmul by padding each group to whole row blocks (exact FLOPs up to padding).
+
+    x `[M, K]` rows sorted by group, w `[G, K, N]`, group_sizes `[G]` (sum <= M; rows past the
+    sum give zeros) -> `[M, N]`. Each group's rows are placed at a block-aligned offset, every
+    block is multiplied by its group's weight (`[blocks, block, K] x [blocks, K, N]`), and the
+    rows are gathered back: (M + G*block) * K * N multiply-adds instead of the M * G * K * N
+    that XLA's CPU lowering of `ragged_dot` performs.
+    """
+    m, g = x.shape[0], w.shape[0]
+    n_blocks = -(-(m + g * block) // block)
+    padded = -(-group_sizes // block) * block
+    start = jnp.cumsum(group_sizes) - group_sizes  # first row of each group in x
+    pstart = jnp.cumsum(padded) - padded  # first row of each group in the padded layout
+    rows = jnp.arange(m)
+    grp = jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right")  # G for rows past the sum
+    valid = grp < g
+    grp = jnp.minimum(grp, g - 1)
+    dest = jnp.where(valid, pstart[grp] + rows - start[grp], n_blocks * block)
+    xp = jnp.zeros((n_blocks * block, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * block, side="right")
+    wb = w[jnp.minimum(block_group, g - 1)]  # [blocks, K, N]
+    yp = jnp.einsum("jbk,jkn->jbn", xp.reshape(n_blocks, block, -1), wb).reshape(n_blocks * block, -1)
+    return jnp.where(valid[:, None], yp[jnp.minimum(dest, n_blocks * block - 1)], 0).astype(x.dtype)
+
+
+def grouped_matmul(x, w, group_sizes):
+    """`jax.lax.ragged_dot` on TPU/GPU (native grouped matmul); the block-padded form on CPU,
+    where XLA lowers ragged_dot to a dense product with every group."""
+    if jax.default_backend() == "cpu":
+        return block_grouped_matmul(x, w, group_sizes)
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
 def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     """Dropless SwiGLU experts for the (token, expert) pairs whose expert is local.
 
     x `[N, D]`, ids/weights `[N, k]`, wg/wu `[El, D, F]`, wd `[El, F, D]` hold experts
     first_expert .. first_expert+El-1. Returns `sum_j weights_j * FFN_{ids_j}(x)` over the local
     pairs, `[N, D]` in x.dtype. Pairs of other experts are sorted past the last group, where
-    ragged_dot produces zeros.
+    the grouped matmul produces zeros.
     """
     n, k = ids.shape
     n_local = wg.shape[0]
@@ -90,9 +127,9 @@ def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     token = order // k
     xs = x[token]  # [N*k, D]
     dt = x.dtype
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg.astype(dt), group_sizes)) * jax.lax.ragged_dot(
+    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes)) * grouped_matmul(
         xs, wu.astype(dt), group_sizes)
-    y = jax.lax.ragged_dot(h, wd.astype(dt), group_sizes)  # [N*k, D]
+    y = grouped_matmul(h, wd.astype(dt), group_sizes)  # [N*k, D]
     w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
     y = jnp.where(is_local[order][:, None], y.astype(jnp.float32) * w[:, None], 0.0)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(dt)

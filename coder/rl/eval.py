@@ -44,6 +44,12 @@ def summarize(counts: list[tuple[int, int]], ks) -> dict:
     return out
 
 
+def is_regression(previous: dict, current: dict, margin: float) -> bool:
+    """pass@1 fell by more than `margin` (absolute) from the previous report."""
+    a, b = previous.get("pass@1", float("nan")), current.get("pass@1", float("nan"))
+    return bool(np.isfinite(a) and np.isfinite(b) and a - b > margin)
+
+
 def previous_report(report_dir: str, step: int) -> dict | None:
     """The latest report of a step before `step`, or None."""
     paths = sorted(glob.glob(os.path.join(report_dir, "step_*.json")))
@@ -104,8 +110,7 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     os.makedirs(report_dir, exist_ok=True)
     prev = previous_report(report_dir, step)
     margin = float(rl.eval_regression_margin)
-    regressed = bool(prev is not None and np.isfinite(prev["summary"].get("pass@1", np.nan))
-                     and prev["summary"]["pass@1"] - summary.get("pass@1", np.nan) > margin)
+    regressed = prev is not None and is_regression(prev["summary"], summary, margin)
     if regressed:
         logging.warning("agent eval at step %d: pass@1 %.3f regressed from %.3f (step %d) by more than %.3f",
                         step, summary["pass@1"], prev["summary"]["pass@1"], prev["step"], margin)

@@ -169,6 +169,8 @@ class Agent:
         self.call_close = tokenizer.special_id("</tool_call>")
         self.summary_open = tokenizer.special_id("<summary>")
         self.summary_close = tokenizer.special_id("</summary>")
+        self.result_open = tokenizer.special_id(protocol.RESULT_OPEN)
+        self.result_close = tokenizer.special_id(protocol.RESULT_CLOSE)
 
     # --- prompts ---------------------------------------------------------------------------
     def head_ids(self, tools, task_prompt: str) -> list[int]:
@@ -287,6 +289,8 @@ class Agent:
         sampled = row.gen.tokens[row.turn_start:]
         ended = out.finish_reason == "stop" or (sampled and sampled[-1] in self.stop_ids)
         turn_full = len(sampled) >= c.max_turn_tokens and not row.summarizing
+        if not out.tokens and not ended:  # the engine has no room left for this row
+            return self._end(row, "context")
         if not ended and not turn_full:
             return  # keep sampling this turn next round (or summarize if the context is full)
         body = sampled[:-1] if ended else sampled
@@ -327,18 +331,26 @@ class Agent:
             return self._end(row, "submit")
         if r.turns >= c.max_turns:
             return self._end(row, "turns")
-        obs = self._fit_observation(row, protocol.render_tool_results(outputs))
+        obs = self._fit_observation(row, self.tool_message_ids(outputs))
         r.tool_io_tokens += len(obs)
         self._observe(row, obs)
 
-    def _fit_observation(self, row: _Row, text: str) -> list[int]:
+    def tool_message_ids(self, outputs: Sequence[str]) -> list[int]:
+        """`<|tool|>` + one `<tool_result>...</tool_result>` per output + `<|end|>`: the ids of
+        `protocol.render_tool_results`, with the outputs encoded as plain text so a file holding
+        "<|end|>" cannot forge a control token."""
+        ids = [self.tok.special_id("tool")]
+        for o in outputs:
+            ids += [self.result_open] + self.tok.encode(o, allow_special=False) + [self.result_close]
+        return ids + [self.tok.end_id]
+
+    def _fit_observation(self, row: _Row, ids: list[int]) -> list[int]:
         """The tool message's ids, cut so the generation keeps its summary reserve.
 
         A cut message keeps its head and says so; whatever does not fit is for the summary to
         recover (the agent can re-run the tool in the next generation).
         """
         c = self.cfg
-        ids = self.tok.turn_ids("tool", text)
         room = c.context_budget - c.summary_reserve - len(row.gen) - len(self.tok.generation_prefix())
         if len(ids) <= room:
             return ids

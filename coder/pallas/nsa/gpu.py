@@ -53,6 +53,18 @@ def _load_rows(ref, interpret):
     return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
 
 
+def _pv(p, p_s, v_s):
+    """p [M,L] float32 @ v_s [L,Dv] (SMEM) on the tensor core -> [M,Dv] float32. p is staged in
+    SMEM (p_s) rather than fed from registers: the GPU interpreter takes wgmma operands from SMEM only."""
+    p_s[...] = p.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, p_s, v_s)
+        return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC((p.shape[0], v_s.shape[1]), jnp.float32))
+
+
 def _pad_rows(x, axis, multiple):
     pad = -x.shape[axis] % multiple
     widths = [(0, 0)] * x.ndim
@@ -78,7 +90,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, inte
     vb = v.astype(jnp.bfloat16)
     interp = interpret is not None
 
-    def body(sel_ref, ds_ref, q_ref, kt_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, o_s, lse_s, bar):
+    def body(sel_ref, ds_ref, q_ref, kt_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, bar):
         bg, t = lax.axis_index("bg"), lax.axis_index("t")
         b, g = bg // g_, bg % g_
         plgpu.copy_gmem_to_smem(q_ref.at[b, g, t], q_s, bar.at[0])
@@ -106,9 +118,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, inte
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(bar.at[2])
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_s))(
-                plgpu.ACC.init(acc))
-            return acc, m_new, l
+            return acc + _pv(p, p_s, v_s), m_new, l
 
         acc0 = jnp.zeros((rows, dv), jnp.float32)
         if not interp:
@@ -127,7 +137,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, inte
         body,
         out_type=[jax.ShapeDtypeStruct((b_, g_, t_, rows, dv), jnp.float32),
                   jax.ShapeDtypeStruct((b_, g_, t_, rows), jnp.float32)],
-        scratch_types=[_smem((rows, dk)), _smem((dk, block)), _smem((block, dv)),
+        scratch_types=[_smem((rows, dk)), _smem((dk, block)), _smem((block, dv)), _smem((rows, block)),
                        plgpu.SMEM((rows, dv), jnp.float32), plgpu.SMEM((rows,), jnp.float32),
                        plgpu.Barrier(num_barriers=3)],
         grid=(b_ * g_, t_), grid_names=("bg", "t"), interpret=interpret,
@@ -150,7 +160,7 @@ def window_fwd(q, k, v, rows_ds, *, window, scale, tile, interpret=None):
     vb = v.astype(jnp.bfloat16)
     interp = interpret is not None
 
-    def body(ds_ref, q_ref, kt_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, ds_s, o_s, lse_s, bar):
+    def body(ds_ref, q_ref, kt_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, ds_s, o_s, lse_s, bar):
         bgh, qt = lax.axis_index("bgh"), lax.axis_index("qt")
         b, g, h = bgh // (g_ * hg), (bgh // hg) % g_, bgh % hg
         plgpu.copy_gmem_to_smem(q_ref.at[b, g, h, pl.ds(qt * tile, tile)], q_s, bar.at[0])
@@ -181,9 +191,7 @@ def window_fwd(q, k, v, rows_ds, *, window, scale, tile, interpret=None):
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(bar.at[2])
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_s))(
-                plgpu.ACC.init(acc))
-            return acc, m_new, l
+            return acc + _pv(p, p_s, v_s), m_new, l
 
         acc0 = jnp.zeros((tile, dv), jnp.float32)
         if not interp:
@@ -202,7 +210,7 @@ def window_fwd(q, k, v, rows_ds, *, window, scale, tile, interpret=None):
         body,
         out_type=[jax.ShapeDtypeStruct((b_, g_, hg, t_, dv), jnp.float32),
                   jax.ShapeDtypeStruct((b_, g_, hg, t_), jnp.float32)],
-        scratch_types=[_smem((tile, dk)), _smem((dk, tile)), _smem((tile, dv)),
+        scratch_types=[_smem((tile, dk)), _smem((dk, tile)), _smem((tile, dv)), _smem((tile, tile)),
                        plgpu.SMEM((tile,), jnp.int32), plgpu.SMEM((tile, dv), jnp.float32),
                        plgpu.SMEM((tile,), jnp.float32), plgpu.Barrier(num_barriers=4)],
         grid=(b_ * g_ * hg, t_ // tile), grid_names=("bgh", "qt"), interpret=interpret,

@@ -162,34 +162,40 @@ def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128, 
     return _unchunk(o, t).reshape(b, t, h, dv)
 
 
-def window_attention(q, k, v, doc_start, window, scale, chunk=128, unroll=False):
+def window_attention(q, k, v, doc_start, window, scale, chunk=128):
     """Sliding-window attention, each query chunk against the window + chunk keys before it.
 
     q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], doc_start [B,T] -> [B,T,H,Dv] float32.
+    All chunks at once (no loop): the keys of chunk i are a stack of nw shifted views of the key
+    chunks, so the memory is O(T * (w + chunk)) and the backward is a sum of shifted slices.
     """
     b, t, h, dk = q.shape
     g, dv = k.shape[2], v.shape[3]
     chunk = max(8, min(chunk, window // 4))  # keys read beyond the window: at most a quarter more
-    qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
+    c = min(chunk, _round_up(t, 8))
+    n = -(-t // c)
     front = _round_up(max(window - 1, 0), c)
-    span = front + c
-    pad = ((0, 0), (front, n * c - t), (0, 0), (0, 0))
-    kp, vp = jnp.pad(k, pad).astype(jnp.float32), jnp.pad(v, pad).astype(jnp.float32)
+    nw, span = front // c + 1, front + c
+    pad_q = ((0, 0), (0, n * c - t))
+    qc = jnp.pad(q.reshape(b, t, g, h // g, dk), pad_q + ((0, 0),) * 3).reshape(b, n, c, g, h // g, dk)
+    ds = jnp.concatenate([doc_start, jnp.broadcast_to(jnp.arange(t, n * c, dtype=jnp.int32), (b, n * c - t))], 1)
 
     @jax.checkpoint
-    def body(args):
-        qi, dsi, i = args
-        kw = jax.lax.dynamic_slice_in_dim(kp, i * c, span, axis=1)  # [B,span,G,Dk]
-        vw = jax.lax.dynamic_slice_in_dim(vp, i * c, span, axis=1)
-        s = jnp.einsum("bcghd,bsgd->bcghs", qi.astype(jnp.float32), kw) * scale
-        tq = (i * c + jnp.arange(c))[None, :, None]
-        pos = (i * c - front + jnp.arange(span))[None, None, :]
-        mask = (pos <= tq) & (tq - pos < window) & (pos >= dsi[:, :, None])  # [B,C,span]
-        p = _softmax_rows(s, mask[:, :, None, None, :])
-        return jnp.einsum("bcghs,bsgd->bcghd", p, vw)
+    def attend(qc, k, v, ds):
+        pad = ((0, 0), (front, n * c - t), (0, 0), (0, 0))
+        kc = jnp.pad(k, pad).astype(jnp.float32).reshape(b, n + nw - 1, c, g, dk)
+        vc = jnp.pad(v, pad).astype(jnp.float32).reshape(b, n + nw - 1, c, g, dv)
+        kw = jnp.stack([kc[:, j:j + n] for j in range(nw)], axis=2).reshape(b, n, span, g, dk)
+        vw = jnp.stack([vc[:, j:j + n] for j in range(nw)], axis=2).reshape(b, n, span, g, dv)
+        s = jnp.einsum("bncghd,bnsgd->bncghs", qc.astype(jnp.float32), kw) * scale
+        tq = (jnp.arange(n)[:, None] * c + jnp.arange(c))[None, :, :, None]  # [1,n,c,1]
+        pos = (jnp.arange(n)[:, None] * c - front + jnp.arange(span))[None, :, None, :]  # [1,n,1,span]
+        mask = (pos <= tq) & (tq - pos < window) & (pos >= ds.reshape(b, n, c)[..., None])
+        p = _softmax_rows(s, mask[:, :, :, None, None, :])
+        return jnp.einsum("bncghs,bnsgd->bncghd", p, vw)
 
-    o = _map(body, (qc, dsc, jnp.arange(n)), unroll)
-    return _unchunk(o, t).reshape(b, t, h, dv)
+    o = attend(qc, k, v, ds)
+    return o.reshape(b, n * c, h, dv)[:, :t]
 
 
 def combine(gates, o_cmp, o_slc, o_win):
@@ -204,5 +210,5 @@ def nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg: NSAConfig, scale, chunk=
     ds = doc_starts(segment_ids)
     o_cmp, sel = compress_and_select(q, k_cmp, v_cmp, ds, cfg, scale, chunk, unroll)
     o_slc = selected_attention(q, k, v, sel, ds, cfg.select_block, scale, chunk, unroll)
-    o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk, unroll)
+    o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk)
     return combine(gates, o_cmp, o_slc, o_win)

@@ -1,0 +1,49 @@
+"""The README's main command, shortened: main.py with configs/quickstart.py runs every stage of
+the chain (pretrain -> longctx -> sft -> eval) end to end in a subprocess, with the real
+tokenizer, data pipelines, env transcripts and model, a few steps each."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_quickstart_chain_runs_end_to_end(tmp_path):
+    workdir = tmp_path / "qs"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    cmd = [
+        sys.executable, "main.py", "--config=configs/quickstart.py",
+        f"--config.workdir={workdir}",
+        "--config.train.steps=3", "--config.train.log_every=1",
+        "--config.longctx.steps=2", "--config.longctx.seq_len=512",
+        "--config.sft.steps=2", "--config.sft.seq_len=512", "--config.sft.toy_tasks=2",
+        "--config.eval.batches=2",
+    ]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+
+    for stage, steps in (("pretrain", 3), ("longctx", 2), ("sft", 2)):
+        records = [json.loads(x) for x in (workdir / stage / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), stage
+        assert all(math.isfinite(r["loss"]) for r in records)
+        assert (workdir / stage / "checkpoints" / str(steps)).is_dir()
+    # the long-context checkpoint carries the YaRN settings the later stages inherit
+    saved = json.loads((workdir / "longctx" / "checkpoints" / "2" / "config" / "metadata").read_text())
+    assert saved["model"]["rope_scaling"]["type"] == "yarn"
+    assert saved["model"]["rope_scaling"]["factor"] == 512 / 256
+    sft_saved = json.loads((workdir / "sft" / "checkpoints" / "2" / "config" / "metadata").read_text())
+    assert sft_saved["model"]["rope_scaling"] == saved["model"]["rope_scaling"]
+    (ev,) = [json.loads(x) for x in (workdir / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert ev["step"] == 2 and ev["tokens"] > 0
+    assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"]), rel=1e-6)
+    # the closing summary names every stage with its checkpoint
+    summary = p.stdout[p.stdout.rindex("stage      loss"):]
+    for stage in ("pretrain", "longctx", "sft", "eval"):
+        assert stage in summary
+    assert str(workdir / "sft" / "checkpoints") in summary
