@@ -203,6 +203,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     # GRPO learner (coder/rl/grpo.py, stage.py).
     c.grpo = ml_collections.ConfigDict()
+    c.grpo.steps = 20  # optimizer steps of the grpo stage (fewer if the tasks run out: single epoch)
+    c.grpo.lr = 3e-4  # peak learning rate of the grpo stage
     c.grpo.clip_low = 0.2  # ratio clipped below at 1 - clip_low
     c.grpo.clip_high = 0.28  # ratio clipped above at 1 + clip_high (asymmetric, DAPO)
     c.grpo.kl_coef = 0.001  # k1 KL penalty folded into the per-token advantage (0 = off)

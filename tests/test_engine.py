@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from coder.infer import sampling
 from coder.infer.engine import Engine, SamplingParams
 from coder.infer.reference import NoCacheDecoder
 from coder.model import Transformer
@@ -203,3 +204,114 @@ def test_set_weights_between_decode_steps(setup):
     assert engine.num_compilations == compiled
     with pytest.raises(ValueError, match="structure"):
         engine.set_weights(nnx.State({"embed": nnx.Param(jnp.zeros((3, 3)))}))
+
+
+# ---------------------------------------------------------------------- speculative decoding
+SPEC_LENS = (16, 32)
+
+
+def draftable(model, scale=0.01):
+    """Make the MTP modules a good but imperfect draft: the trunk's attention and FFN outputs are
+    scaled by `scale` (a near-bigram model), and each MTP module passes the next token's
+    normalised embedding straight to the shared head (its block's outputs zeroed, eh_proj =
+    [I; 0]), i.e. it predicts with the trunk's bigram part. Drafts are then accepted often but
+    not always (total variation ~0.1), so both branches of the acceptance rule run."""
+    def scale_by(var, f):
+        var.set_value(var.get_value() * f)
+
+    def ffn_out(mlp):
+        return [mlp.wd, mlp.shared.down_proj] if hasattr(mlp, "wd") else [mlp.down_proj]
+
+    for layer in model.layers:
+        for var in [layer.self_attn.o_proj] + ffn_out(layer.mlp):
+            scale_by(var, scale)
+    for mod in model.mtp:
+        for var in [mod.block.self_attn.o_proj] + ffn_out(mod.block.mlp):
+            scale_by(var, 0.0)
+        d = mod.eh_proj.get_value().shape[1]
+        mod.eh_proj.set_value(jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))]).astype(mod.eh_proj.get_value().dtype))
+    return model
+
+
+@pytest.fixture(scope="module")
+def spec_setup():
+    cfg = tiny_cfg()
+    cfg.vocab_size, cfg.num_mtp_layers = 32, 2  # a small vocabulary: exact marginals are cheap
+    model = draftable(Transformer(cfg, rngs=nnx.Rngs(2)))
+    kw = dict(max_len=32, batch_buckets=(4, 64), len_buckets=SPEC_LENS)
+    return cfg, model, Engine(model, cfg, **kw), Engine(model, cfg, speculative_k=2, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_speculative_greedy_identical_and_same_logprobs(spec_setup, k):
+    cfg, model, plain, spec2 = spec_setup
+    spec = spec2 if k == 2 else Engine(model, cfg, max_len=32, batch_buckets=(4, 64), len_buckets=SPEC_LENS,
+                                       speculative_k=1)
+    prompt = [3, 17, 22, 5, 9, 7, 8]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    ref = plain.generate(plain.start_group(prompt, 1), greedy, jax.random.key(0))[0]
+    spec.accepted = spec.drafted = 0
+    group = spec.start_group(prompt, 2)
+    gens = spec.generate(group, greedy, jax.random.key(0))
+    assert gens[0].tokens == gens[1].tokens == ref.tokens
+    np.testing.assert_allclose(gens[0].logprobs, ref.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(gens[0].expert_ids, ref.expert_ids)
+    assert 0 < spec.accepted < spec.drafted  # both acceptance branches ran
+    # multi-turn, sampled: recorded logprobs and routing match the training forward
+    spec.append(group, 1, [1, 2, 3])
+    params = SamplingParams(temperature=0.9, max_new_tokens=6)
+    more = spec.generate(group, params, jax.random.key(1), rows=[1])[0]
+    check_row_against_forward(model, group, 1, [(len(prompt), gens[1]), (len(prompt) + 23, more)], 0.9)
+
+
+def _chi2_bound(df):
+    """0.999 quantile of chi-squared (Wilson-Hilferty approximation, good to ~1% here)."""
+    z = 3.090
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2_ok(counts, probs):
+    """Chi-squared goodness of fit, bins with expected count < 5 pooled."""
+    expected = counts.sum() * probs
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, _chi2_bound(int(keep.sum()) - 1)
+
+
+def test_speculative_sampling_distribution_is_exact(spec_setup):
+    """Tokens 1-3 after a prompt, drawn 2048 times with and without 2-token drafting, against the
+    exact marginals sum_{a,b} p(a) p(b|a) p(c|a,b) of the main model (top-k filtered)."""
+    cfg, model, plain, spec = spec_setup
+    t, top_k = 0.9, 12
+    prompt = [4, 9, 1, 30, 12]
+    n_p = len(prompt)
+    v = cfg.vocab_size
+    # exact marginals from one batched forward over every continuation (a, b)
+    ab = np.array([[a, b] for a in range(v) for b in range(v)], np.int32)
+    seqs = np.concatenate([np.tile(prompt, (v * v, 1)), ab], axis=1)
+    tokens = np.zeros((v * v, MAX_LEN), np.int32)
+    tokens[:, :n_p + 2] = seqs
+    seg = jnp.asarray(np.broadcast_to(np.arange(MAX_LEN) < n_p + 2, tokens.shape), jnp.int32)
+    logits, _ = _forward(model, jnp.asarray(tokens), seg)
+    probs = lambda x: np.asarray(sampling.sampling_probs(x, t, top_k, 1.0), np.float64)
+    p1 = probs(logits[:1, n_p - 1])[0]
+    p2 = probs(logits[::v, n_p])  # [a, b]
+    p3 = probs(logits[:, n_p + 1]).reshape(v, v, v)  # [a, b, c]
+    exact = [p1, p1 @ p2, np.einsum("a,ab,abc->c", p1, p2, p3)]
+
+    params = SamplingParams(temperature=t, top_k=top_k, max_new_tokens=3)
+    for engine in (spec, plain):
+        engine.accepted = engine.drafted = 0
+        samples = []
+        for g in range(32):
+            gens = engine.generate(engine.start_group(prompt, 64), params, jax.random.fold_in(jax.random.key(9), g))
+            samples += [gen.tokens for gen in gens]
+        samples = np.array(samples)
+        assert samples.shape == (2048, 3)
+        for pos in range(3):
+            stat, bound = _chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
+            assert stat < bound, (engine.spec_k, pos, stat, bound)
+    assert 0.3 < spec.accepted / spec.drafted < 0.99

@@ -1,6 +1,5 @@
 """coder.model.hf_import against transformers' DeepseekV3ForCausalLM (float32, CPU torch)."""
 import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -115,7 +114,7 @@ def test_mtp_layers_round_trip(tmp_path):
     assert {s.data.shape[0] for s in wg.addressable_shards} == {1}  # 4 experts / 4 devices
     np.testing.assert_array_equal(np.asarray(wg), np.asarray(model.layers[1].mlp.wg[...]))
     tokens = _tokens(v=64, t=12)
-    (l1, x1), (l2, x2) = _ours(model, tokens), _ours(model2, tokens)
+    (_, x1), (_, x2) = _ours(model, tokens), _ours(model2, tokens)
     np.testing.assert_array_equal(np.asarray(x1["mtp_logits"]), np.asarray(x2["mtp_logits"]))
 
 

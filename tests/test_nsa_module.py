@@ -3,16 +3,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from test_nsa_reference import packed_segments
 
 from coder.pallas.nsa import decode, reference
 from coder.pallas.nsa.module import NSA
 from configs.base import get_config
-from test_nsa_reference import packed_segments
 
 
 def _module(dk=16, dv=12):
     mc = get_config().model
-    mc.nsa.update(dict(compress_block=4, compress_stride=2, select_block=8, select_topk=3, window=8))
+    mc.nsa.update({"compress_block": 4, "compress_stride": 2, "select_block": 8, "select_topk": 3, "window": 8})
     mc.param_dtype = "float32"
     return NSA(mc, nnx.Rngs(0), key_dim=dk, value_dim=dv), mc
 
@@ -80,7 +80,7 @@ def test_decode_step_matches_reference_last_position():
 
 def test_decode_bytes_read_grow_sublinearly():
     cfg = reference.NSAConfig()
-    kw = dict(key_bytes=576 * 2, value_bytes=0, cmp_bytes=(576 + 512) * 2, shared_kv=True)
+    kw = {"key_bytes": 576 * 2, "value_bytes": 0, "cmp_bytes": (576 + 512) * 2, "shared_kv": True}
     small, dense_small = decode.bytes_per_token(4095, cfg, **kw)
     big, dense_big = decode.bytes_per_token(65535, cfg, **kw)
     assert dense_big / big > dense_small / small > 1

@@ -25,11 +25,11 @@ def packed_segments(b, t, docs, pad, seed):
 def make_inputs(b, t, h, g, dk, dv, cfg, seed=0):
     ks = jax.random.split(jax.random.key(seed), 6)
     nc = reference.num_compressed(t, cfg)
-    return dict(
-        q=jax.random.normal(ks[0], (b, t, h, dk)), k=jax.random.normal(ks[1], (b, t, g, dk)),
-        v=jax.random.normal(ks[2], (b, t, g, dv)), k_cmp=jax.random.normal(ks[3], (b, nc, g, dk)),
-        v_cmp=jax.random.normal(ks[4], (b, nc, g, dv)),
-        gates=jax.nn.sigmoid(jax.random.normal(ks[5], (b, t, h, 3))))
+    return {
+        "q": jax.random.normal(ks[0], (b, t, h, dk)), "k": jax.random.normal(ks[1], (b, t, g, dk)),
+        "v": jax.random.normal(ks[2], (b, t, g, dv)), "k_cmp": jax.random.normal(ks[3], (b, nc, g, dk)),
+        "v_cmp": jax.random.normal(ks[4], (b, nc, g, dv)),
+        "gates": jax.nn.sigmoid(jax.random.normal(ks[5], (b, t, h, 3)))}
 
 
 SHAPES = [  # b, t, h, g, dk, dv, docs, pad

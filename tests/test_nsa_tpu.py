@@ -3,12 +3,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret  # race state
+from jax._src.pallas.mosaic.interpret import (
+    interpret_pallas_call as tpu_interpret,  # race state
+)
 from jax.experimental.pallas import tpu as pltpu
+from test_nsa_reference import make_inputs, packed_segments
 
 from coder.pallas.nsa import ops, reference, tpu, xla
 from coder.pallas.nsa.reference import NSAConfig
-from test_nsa_reference import make_inputs, packed_segments
 
 CFG = NSAConfig(compress_block=4, compress_stride=2, select_block=8, select_topk=3, window=11)
 KERNEL = ops.Kernel(backend="pallas_tpu", interpret=pltpu.InterpretParams(), token_tile=8, window_tile=8)

@@ -38,12 +38,12 @@ SUBMIT = protocol.ToolSpec(
     "submit", "Submit your answer.",
     {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
      "additionalProperties": False})
-ANSWERS = "123456"
+ANSWERS = "1234"
 NAMES = ["Ada", "Alan", "Grace", "Linus", "Guido", "Barbara", "Donald", "Edsger", "Ken", "Dennis",
          "Frances", "John", "Margaret", "Niklaus", "Tony", "Leslie", "Radia", "Sophie", "Bjarne", "Yukihiro"]
 OPENERS = ["Hi", "Hello", "Dear", "Hey"]
 CLOSERS = ["Thanks.", "Please.", "Quickly.", "Now."]
-WHICH = {"smallest": "1", "largest": "6"}
+WHICH = {"smallest": "1", "largest": "4"}
 
 
 def make_tasks(n, seed):
@@ -53,7 +53,7 @@ def make_tasks(n, seed):
     random.Random(seed).shuffle(combos)
     out = []
     for o, name, w, c in combos[:n]:
-        prompt = f"{o} {name}, submit the {w} number from 1 to 6. {c}"
+        prompt = f"{o} {name}, submit the {w} number from 1 to 4. {c}"
         out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), WHICH[w]))
     return out
 
@@ -206,3 +206,30 @@ def test_sandboxed_toy_tasks_smoke(tmp_path):
     assert os.path.isdir(ckpt)
     reports = os.listdir(tmp_path / "grpo" / "agent_eval")
     assert reports == ["step_00000001.json"]
+
+
+@pytest.mark.slow
+def test_resume_continues_the_single_epoch(tmp_path):
+    """A stopped stage resumes from its checkpoint with the next tasks, never repeating one."""
+    tok = tokenizer()
+    cfg = tiny_config(tok, 256)
+    cfg.rl.update(dict(group_size=2, tasks_per_step=1))
+    cfg.train.update(dict(ckpt_every=1))
+    tasks = make_tasks(3, seed=0)
+    answer = {t.id: k for t, k in tasks}
+    seen = []
+
+    def make_episode(task):
+        seen.append(task.id)
+        return SubmitEpisode(answer[task.id])
+
+    def model_fn():
+        return Transformer(cfg.model, rngs=nnx.Rngs(3))
+
+    for steps in (1, 2):
+        cfg.train.steps = steps
+        stage_lib.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
+                        make_episode=make_episode, model_fn=model_fn)
+    assert seen == [tasks[0][0].id] * 2 + [tasks[1][0].id] * 2
+    m = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    assert [r["step"] for r in m] == [1, 2]

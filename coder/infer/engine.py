@@ -216,7 +216,7 @@ class Engine:
             group = self._empty_group(prompt, n, slots, cap)
             self._prefill_pending(group, list(range(n)))
             return group
-        seed = self._empty_group(prompt, 1, 1, cap)
+        seed = self._empty_group(prompt, 1, _bucket(self.batch_buckets, 1), cap)
         self._prefill_pending(seed, [0])
         r0 = seed.rows[0]
         rows = [_Row(tokens=list(prompt), length=r0.length, expert_chunks=list(r0.expert_chunks),
@@ -558,5 +558,5 @@ def _grow(cache, capacity: int):
 
 
 def _broadcast(tree, n: int):
-    """Repeat the single row of every leaf `[1, ...]` to `[n, ...]`."""
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), tree)
+    """Repeat the first row of every leaf `[b, ...]` to `[n, ...]`."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x[:1], (n,) + x.shape[1:]), tree)

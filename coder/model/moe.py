@@ -241,10 +241,12 @@ def update_router_bias(model, router_load, rate: float, mtp_router_load=None) ->
     `[num_mtp_layers, E]` as in aux["mtp_router_load"]. Updates in place, outside the gradient.
     """
     layers = moe_layers(model)
-    n_trunk = sum(1 for l in model.layers if isinstance(l.mlp, MoE))
+    n_trunk = sum(1 for layer in model.layers if isinstance(layer.mlp, MoE))
+    if router_load.shape[0] != n_trunk:
+        raise ValueError(f"router_load has {router_load.shape[0]} rows, the model {n_trunk} MoE layers")
     loads = [router_load[i] for i in range(n_trunk)]
     if mtp_router_load is not None:
         loads += [mtp_router_load[i] for i in range(mtp_router_load.shape[0])]
-    for moe, load in zip(layers, loads):
+    for moe, load in zip(layers[: len(loads)], loads, strict=True):
         load = jnp.asarray(load, jnp.float32)
         moe.bias[...] = moe.bias[...] + rate * jnp.sign(load.mean() - load)

@@ -54,6 +54,13 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) with Auto axis types (see module docstring)."""
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(mesh_cfg, len(devices))
+    slices = int(mesh_cfg.get("num_slices", 1) or 1)
+    if slices > 1:
+        # multi-slice (DCN between slices): `data` is the outermost axis, so ordering the
+        # devices by slice puts only data-parallel traffic on the slow links.
+        if shape[0] % slices:
+            raise ValueError(f"mesh.data={shape[0]} must be a multiple of mesh.num_slices={slices}")
+        devices = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))
     dev = np.asarray(devices).reshape(shape)
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

@@ -23,6 +23,7 @@ learner_time_s, plus the trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 import math
@@ -162,7 +163,7 @@ def rollout_metrics(groups: list[list]) -> dict:
         broken_call_rate=mean(lambda r: r.broken_calls > 0), turns=mean(lambda r: r.turns),
         tool_calls=mean(lambda r: r.tool_calls), thinking_tokens=mean(lambda r: r.thinking_tokens),
         tool_io_tokens=mean(lambda r: r.tool_io_tokens), output_tokens=mean(lambda r: r.output_tokens),
-        summaries=mean(lambda r: r.summaries), policy_tokens=mean(lambda r: r.policy_tokens),
+        summaries=mean(lambda r: r.summaries), tokens_per_rollout=mean(lambda r: r.policy_tokens),
         generations=mean(lambda r: len(r.generations)), submitted=mean(lambda r: r.finish == "submit"),
         abs_advantage=mean(lambda r: abs(r.advantage)),
     )
@@ -297,10 +298,19 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
     return trainer.checkpoint_dir
 
 
+def grpo_config(config):
+    """The config of the grpo stage: grpo.steps / grpo.lr over train."""
+    c = copy.deepcopy(config)
+    c.train.steps = int(c.grpo.steps)
+    c.train.lr = float(c.grpo.lr)
+    return c
+
+
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `grpo`: tasks from `rl.tasks`, sandboxed episodes, eval on `rl.eval_tasks`."""
     from coder.data import tokenizer as tokenizer_lib
 
+    config = grpo_config(config)
     tok = tokenizer_lib.load_or_train(config)
     make_episode = episode_factory(config)
     return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),

@@ -6,7 +6,8 @@
 runs on any machine with the `tpu` extra (libtpu): libtpu describes the target slice's chips as
 compile-only devices (coder.train.hardware), the step is lowered over a mesh of those devices
 with abstract (never allocated) parameters, optimizer state and batch, XLA's TPU compiler
-compiles it, and the stage writes `{stage_dir}/report.json` and `report.md`:
+compiles it, and the stage writes report.json and report.md to `compile.report_dir` (default
+`{workdir}/compile`):
 
   memory      per-chip bytes of parameters, optimizer state, batch, activations/temporaries
               (XLA's memory_analysis) and the total against the chip's HBM -> fits or not;
@@ -25,6 +26,11 @@ both as they appear in the HLO (`count`) and as executed per step (`executed`, `
 
 A configuration that does not fit or does not compile is reported as such (the report says
 why and what to change) instead of raising, so a sweep over topologies finishes.
+
+The step compiled is the trainer's own (coder.train.trainer.Trainer._step, with the pretraining
+loss), with the optimizer moments sharded like their parameters. `compile.offload_optimizer`
+keeps them in pinned host memory between steps (moved in and out around the update). The
+inference engine's prefill/decode steps are not compiled here yet.
 """
 from __future__ import annotations
 
@@ -231,7 +237,7 @@ def _collective(module: HloModule, ins: Instr, num_devices: int, num_slices: int
         return kind, max(sizes, default=0.0), group_size(ins.attrs, num_devices)
     if ins.opcode == "fusion":  # TPU fuses some collectives, e.g. %all-reduce-scatter
         called = dict(callees(ins)).get("calls", "")
-        if called.startswith("all-reduce-scatter") or called.startswith("reduce-scatter"):
+        if called.startswith(("all-reduce-scatter", "reduce-scatter")):
             inner = [i for i in module.computations.get(called, []) if i.opcode in _OPCODE_KIND]
             n = group_size(inner[0].attrs, num_devices) if inner else num_devices
             return "reduce-scatter", nbytes(ins.shape), n
@@ -444,34 +450,6 @@ def memory_report(mem, hbm_bytes: int, *, params: float, optimizer: float,
     )
 
 
-def roofline(chip, num_chips: int, flops: float, bytes_accessed: float,
-             collectives: dict, model_flops: float) -> dict:
-    """Step-time bounds per chip from the published peaks (coder.train.hardware).
-
-    compute = FLOPs / peak; hbm = bytes / HBM bandwidth; ici = wire bytes of the in-slice
-    collectives / the chip's total ICI bandwidth (optimistic: every link busy); dcn = wire bytes
-    between slices / the chip's DCN share. `lower` assumes perfect overlap (max of the four),
-    `serial` none (their sum): the real step lies between. MFU = model FLOPs (6 x active params
-    x tokens + attention, not counting remat recompute) / (chips x peak x step time).
-    """
-    ici_wire = sum(v["wire_bytes"] for k, v in collectives.items() if k != "dcn")
-    dcn_wire = collectives.get("dcn", {}).get("wire_bytes", 0.0)
-    parts = dict(compute_s=flops / chip.peak_bf16_flops,
-                 hbm_s=bytes_accessed / chip.hbm_bandwidth,
-                 ici_s=ici_wire / chip.ici_bandwidth,
-                 dcn_s=dcn_wire / chip.dcn_bandwidth)
-    lower, serial = max(parts.values()), sum(parts.values())
-    peak_total = num_chips * chip.peak_bf16_flops
-    return dict(
-        **parts, step_time_lower_s=lower, step_time_serial_s=serial,
-        bound=max(parts, key=parts.get).removesuffix("_s"),
-        model_flops=model_flops,
-        mfu_upper=model_flops / (peak_total * lower) if lower else 0.0,
-        mfu_lower=model_flops / (peak_total * serial) if serial else 0.0,
-        hlo_to_model_flops=flops * num_chips / model_flops if model_flops else 0.0,
-    )
-
-
 def model_flops_per_step(model_cfg, active: int, batch: int, seq: int) -> float:
     """Training FLOPs of one step without recompute: 6 N_active per token + causal attention.
 
@@ -488,6 +466,8 @@ def model_flops_per_step(model_cfg, active: int, batch: int, seq: int) -> float:
 def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
             model_flops: float) -> dict:
     """Memory, cost, collectives and roofline of a compiled step for topology `topo`."""
+    from coder.train import hardware
+
     text = compiled.as_text()
     module = parse_hlo(text)
     runs, unknown = multiplicities(module)
@@ -505,18 +485,19 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
                   bytes_accessed=traffic, loops_with_unknown_trip_count=unknown,
                   hlo_instructions=sum(len(v) for v in module.computations.values())),
         collectives=colls,
-        roofline=roofline(topo.chip, topo.num_chips, flops, traffic, colls, model_flops),
+        roofline=hardware.roofline(topo.chip, topo.num_chips, flops, traffic, colls, model_flops),
     )
 
 
-def hardware_dict(topo) -> dict:
-    chip = dataclasses.asdict(topo.chip)
-    return dict(name=topo.name, libtpu_name=topo.libtpu_name, num_slices=topo.num_slices,
-                chips=topo.num_chips, chips_per_slice=topo.chips_per_slice, chip=chip)
-
-
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f}"
+    return f"{x / 2**30:.3g}"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def to_markdown(r: dict) -> str:
@@ -595,38 +576,6 @@ def write_report(report: dict, out_dir: str) -> str:
 
 # ============================================================================= the training step
 
-def topology_mesh(mesh_cfg, topo, devices):
-    """The config's mesh over `devices`, laid out on the physical torus; slices on `data`.
-
-    Within a slice mesh_utils orders devices so that each mesh axis follows torus links; with
-    several slices the DCN (slice) dimension is the outermost split of the `data` axis (or
-    `fsdp` when data does not divide): only data-parallel gradient reductions cross slices.
-    """
-    import numpy as np
-    from jax.experimental import mesh_utils
-
-    from coder.model import sharding
-
-    shape = sharding.mesh_shape(mesh_cfg, len(devices))
-    if topo.num_slices == 1:
-        arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    else:
-        dcn = [1] * len(shape)
-        for axis in ("data", "fsdp"):
-            i = sharding.AXES.index(axis)
-            if shape[i] % topo.num_slices == 0:
-                dcn[i] = topo.num_slices
-                break
-        else:
-            raise ValueError(f"mesh.num_slices={topo.num_slices} must divide mesh.data or "
-                             f"mesh.fsdp (mesh {dict(zip(sharding.AXES, shape))})")
-        ici = [s // d for s, d in zip(shape, dcn)]
-        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
-                                                   allow_split_physical_axes=True)
-    # make_mesh reshapes the flat list in C order, which gives back exactly this arrangement
-    return sharding.make_mesh(mesh_cfg, devices=list(np.asarray(arr).reshape(-1)))
-
-
 def _with_shardings(tree, shardings):
     import jax
 
@@ -691,7 +640,7 @@ def lower_train_step(config, mesh):
     # XLA, jit(tx.init) returns *replicated* zeros: sharding does not flow into constants.)
     opt = jax.eval_shape(tr.tx.init, params)
     replicated = NamedSharding(mesh, PartitionSpec())
-    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (masked-out leaves)
+    masked = lambda x: isinstance(x, optax.MaskedNode)
     o_sh = optax.tree_map_params(tr.tx, lambda x, s: x if masked(x) else s, opt, p_sh,
                                  transform_non_params=lambda _: replicated, is_leaf=masked)
     opt = _with_shardings(opt, o_sh)
@@ -803,7 +752,6 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     stage starts from the same `init_from` as this one.
     """
     import logging
-    import os
     import sys
     import time
     import traceback
@@ -819,10 +767,10 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     counts = count_params(config.model)
     b, t = int(config.data.batch_size), int(config.data.seq_len)
     report = dict(
-        config=f"{counts['total'] / 1e9:.1f}B-parameter model",
+        config=f"{_count(counts['total'])}-parameter model",
         command=" ".join(["python", "main.py", *sys.argv[1:]]) if sys.argv[0].endswith("main.py")
         else "see docs/scale/regenerate.sh",
-        hardware=hardware_dict(topo),
+        hardware=hardware.describe(topo),
         setup=dict(
             mesh=sizes, num_slices=topo.num_slices, batch=b, seq_len=t, tokens_per_step=b * t,
             grad_accum=int(config.train.grad_accum), remat=config.model.remat,
@@ -835,10 +783,10 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     t0 = time.perf_counter()
     try:
         sharding.validate(config.model, config.mesh, len(devices))
-        mesh = topology_mesh(config.mesh, topo, devices)
+        mesh = hardware.topology_mesh(config.mesh, topo, devices)
         lowered, part_sizes = lower_train_step(config, mesh)
         compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001  (an OOM or a bad mesh is this stage's finding)
+    except Exception as e:
         logging.error("compile for %s failed:\n%s", topo.name, traceback.format_exc())
         msg = " ".join(str(e).split())
         oom = hbm_overflow(msg)

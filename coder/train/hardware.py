@@ -165,3 +165,70 @@ def topology_devices(topo: Topology) -> list:
         raise RuntimeError(f"libtpu gave {len(devices)} devices for {topo.name}, expected "
                            f"{topo.num_chips}")
     return devices
+
+
+def topology_mesh(mesh_cfg, topo, devices):
+    """The config's mesh over `devices`, laid out on the physical torus; slices on `data`.
+
+    Within a slice mesh_utils orders devices so that each mesh axis follows torus links; with
+    several slices the DCN (slice) dimension is the outermost split of the `data` axis (or
+    `fsdp` when data does not divide): only data-parallel gradient reductions cross slices.
+    """
+    import numpy as np
+    from jax.experimental import mesh_utils
+
+    from coder.model import sharding
+
+    shape = sharding.mesh_shape(mesh_cfg, len(devices))
+    if topo.num_slices == 1:
+        arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    else:
+        dcn = [1] * len(shape)
+        for axis in ("data", "fsdp"):
+            i = sharding.AXES.index(axis)
+            if shape[i] % topo.num_slices == 0:
+                dcn[i] = topo.num_slices
+                break
+        else:
+            raise ValueError(f"mesh.num_slices={topo.num_slices} must divide mesh.data or "
+                             f"mesh.fsdp (mesh {dict(zip(sharding.AXES, shape))})")
+        ici = [s // d for s, d in zip(shape, dcn)]
+        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
+                                                   allow_split_physical_axes=True)
+    # make_mesh reshapes the flat list in C order, which gives back exactly this arrangement
+    return sharding.make_mesh(mesh_cfg, devices=list(np.asarray(arr).reshape(-1)))
+
+
+def describe(topo) -> dict:
+    """The topology and its chip's figures, as the report records them."""
+    chip = dataclasses.asdict(topo.chip)
+    return dict(name=topo.name, libtpu_name=topo.libtpu_name, num_slices=topo.num_slices,
+                chips=topo.num_chips, chips_per_slice=topo.chips_per_slice, chip=chip)
+
+
+def roofline(chip, num_chips: int, flops: float, bytes_accessed: float,
+             collectives: dict, model_flops: float) -> dict:
+    """Step-time bounds per chip from the published peaks (coder.train.hardware).
+
+    compute = FLOPs / peak; hbm = bytes / HBM bandwidth; ici = wire bytes of the in-slice
+    collectives / the chip's total ICI bandwidth (optimistic: every link busy); dcn = wire bytes
+    between slices / the chip's DCN share. `lower` assumes perfect overlap (max of the four),
+    `serial` none (their sum): the real step lies between. MFU = model FLOPs (6 x active params
+    x tokens + attention, not counting remat recompute) / (chips x peak x step time).
+    """
+    ici_wire = sum(v["wire_bytes"] for k, v in collectives.items() if k != "dcn")
+    dcn_wire = collectives.get("dcn", {}).get("wire_bytes", 0.0)
+    parts = dict(compute_s=flops / chip.peak_bf16_flops,
+                 hbm_s=bytes_accessed / chip.hbm_bandwidth,
+                 ici_s=ici_wire / chip.ici_bandwidth,
+                 dcn_s=dcn_wire / chip.dcn_bandwidth)
+    lower, serial = max(parts.values()), sum(parts.values())
+    peak_total = num_chips * chip.peak_bf16_flops
+    return dict(
+        **parts, step_time_lower_s=lower, step_time_serial_s=serial,
+        bound=max(parts, key=parts.get).removesuffix("_s"),
+        model_flops=model_flops,
+        mfu_upper=model_flops / (peak_total * lower) if lower else 0.0,
+        mfu_lower=model_flops / (peak_total * serial) if serial else 0.0,
+        hlo_to_model_flops=flops * num_chips / model_flops if model_flops else 0.0,
+    )

@@ -121,7 +121,8 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{self.stage}/{k}", v, step)
         parts = [f"[{self.stage}] step {step}" + (f"/{total_steps}" if total_steps else "")]
         for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"),
-                         ("tokens_per_s", ".0f"), ("mfu", ".2%"), ("load_imbalance", ".2f")):
+                         ("tokens_per_s", ".0f"), ("mfu", ".2%"), ("load_imbalance", ".2f"),
+                         ("perplexity", ".2f")):
             if key in record and isinstance(record[key], float):
                 parts.append(f"{key} {record[key]:{fmt}}")
         if eta_s is not None:

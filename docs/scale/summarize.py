@@ -45,7 +45,8 @@ def table(root: str) -> str:
 
 def main(root: str):
     path = os.path.join(root, "README.md")
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     with open(path, "w") as f:
         f.write(text[:start] + "\n" + table(root) + "\n" + text[end:])

@@ -13,7 +13,12 @@ holds one conversation, as the engine's cache does).
 import jax
 import jax.numpy as jnp
 
-from coder.pallas.nsa.reference import NEG_INF, NSAConfig, canonical_topk, overlap_matrix
+from coder.pallas.nsa.reference import (
+    NEG_INF,
+    NSAConfig,
+    canonical_topk,
+    overlap_matrix,
+)
 
 
 def _attend(q, k, v, mask, scale):

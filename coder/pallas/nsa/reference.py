@@ -174,7 +174,7 @@ def select_blocks(scores, segment_ids, cfg: NSAConfig):
 
 def selected_attention(q, k, v, sel, segment_ids, select_block, scale):
     """Attention over the tokens of the selected blocks -> [B,T,H,Dv]; sel [B,T,G,n] canonical."""
-    b, t, h, _ = q.shape
+    t, h = q.shape[1], q.shape[2]
     ns = -(-t // select_block)
     chosen = jax.nn.one_hot(sel, ns, dtype=jnp.int32).sum(axis=-2) > 0  # [B,T,G,Ns]
     tok_chosen = jnp.repeat(chosen, select_block, axis=-1)[..., :t]  # [B,T,G,S]

@@ -325,7 +325,7 @@ def window_fwd(q, k, v, rows_ds, *, window, scale, tile, interpret=None):
 
 def window_bwd(q, k, v, rows_ds, do, lse, delta, *, window, scale, tile, interpret=None):
     """-> (dq rows, dk, dv) from the two backward kernels."""
-    kw = dict(window=window, scale=scale, tile=tile, interpret=interpret)
+    kw = {"window": window, "scale": scale, "tile": tile, "interpret": interpret}
     dk, dv = window_dkv(q, k, v, rows_ds, do, lse, delta, **kw)
     return window_dq(q, k, v, rows_ds, do, lse, delta, **kw), dk, dv
 

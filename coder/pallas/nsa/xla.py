@@ -15,8 +15,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from coder.pallas.nsa.reference import (NEG_INF, NSAConfig, canonical_topk, num_select_blocks,
-                                        overlap_matrix)
+from coder.pallas.nsa.reference import (
+    NEG_INF,
+    NSAConfig,
+    canonical_topk,
+    num_select_blocks,
+    overlap_matrix,
+)
 
 
 def doc_starts(segment_ids):
