@@ -13,7 +13,8 @@ from coder.pallas.nsa import ops, reference, tpu, xla
 from coder.pallas.nsa.reference import NSAConfig
 
 CFG = NSAConfig(compress_block=4, compress_stride=2, select_block=8, select_topk=3, window=11)
-KERNEL = ops.Kernel(backend="pallas_tpu", interpret=pltpu.InterpretParams(), token_tile=8, window_tile=8)
+KERNEL = ops.Kernel(backend="pallas_tpu", interpret=pltpu.InterpretParams(), token_tile=8, window_tile=8,
+                    max_tokens=16)  # several kernel calls per row: exercises token_offset
 
 
 def _selection(x, seg, g):

@@ -1,17 +1,18 @@
 """GRPO learns: the whole stage (real engine, real trainer, rollout loop, reward, GRPO loss).
 
-The learning test uses a light in-process environment so it runs in about a minute on CPU: the
-task is "submit the number k" with one tool, `submit(answer)`, and the reward is 1 when the
-submitted answer is k. It goes through exactly the code a sandboxed run uses (Agent.run_group,
-protocol parsing, score_groups, Learner with coder.rl.grpo's loss, engine weight updates,
-metrics.jsonl); only the episode is in-process instead of a bwrap sandbox.
+The learning test uses a light in-process environment so it runs in a few minutes on CPU: the
+task is "submit the smallest (or largest) number from 1 to 4" with one tool, `submit(answer)`,
+and the reward is 1 for the right number. It goes through exactly the code a sandboxed run uses
+(Agent.run_group, protocol parsing, score_groups, Learner with coder.rl.grpo's loss, engine
+weight updates, metrics.jsonl); only the episode is in-process instead of a bwrap sandbox.
 
-Starting point: a tiny model briefly SFT-ed on the *format* (it calls submit with a uniformly
-random number from {1..6}, whatever the prompt says), so its reward starts near 1/6; GRPO must
-teach it to read k from the prompt. A wrong loss sign drives the pass rate down, and wrong
-target alignment or masking leaves it at chance: both fail the test.
+Starting point: a tiny model briefly SFT-ed on the call format with *wrong* answers (the other
+end of the range 70% of the time, each other number 10%), so its reward starts near 0.1 and
+GRPO must move each family to its right answer. A wrong loss sign makes the wrong answers more
+likely, and misaligned targets or masks train the wrong tokens: both fail the test.
 
-The smoke test runs the real sandboxed toy tasks of coder.env through the same loop.
+The smoke test runs the real sandboxed toy tasks of coder.env through the same loop, and the
+resume test checks that a restarted stage continues the single epoch where it stopped.
 """
 import inspect
 import json
@@ -109,8 +110,9 @@ def tiny_config(tok, stage_len):
     return c
 
 
-def sft_format(cfg, tok, steps=150, seed=0):
-    """Teaches the call format with a random answer (independent of the prompt)."""
+def sft_format(cfg, tok, steps=120, seed=0):
+    """Teaches the call format, and the *wrong* answer: the other end of the range 70% of the
+    time, each other number 10% (the right one included, so GRPO can find it)."""
     model = Transformer(cfg.model, rngs=nnx.Rngs(seed))
     opt = nnx.Optimizer(model, optax.adam(5e-3), wrt=nnx.Param)
     rng = random.Random(seed)
@@ -122,9 +124,12 @@ def sft_format(cfg, tok, steps=150, seed=0):
         toks, masks = np.zeros((16, T), np.int32), np.zeros((16, T), np.float32)
         seg = np.zeros((16, T), np.int32)
         for i in range(16):
-            task, _ = rng.choice(tasks)
+            task, right = rng.choice(tasks)
+            wrong = ANSWERS[-1] if right == ANSWERS[0] else ANSWERS[0]
+            others = [a for a in ANSWERS if a != wrong]
+            answer = wrong if rng.random() < 0.7 else rng.choice(others)
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt},
-                    {"role": "assistant", "content": protocol.render_tool_call("submit", {"answer": rng.choice(ANSWERS)})}]
+                    {"role": "assistant", "content": protocol.render_tool_call("submit", {"answer": answer})}]
             ids, mask = tok.render_conversation(msgs)
             toks[i, :len(ids)], masks[i, :len(ids)], seg[i, :len(ids)] = ids, mask, 1
         pos = np.broadcast_to(np.arange(T, dtype=np.int32), (16, T))

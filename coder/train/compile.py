@@ -783,7 +783,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     t0 = time.perf_counter()
     try:
         sharding.validate(config.model, config.mesh, len(devices))
-        mesh = hardware.topology_mesh(config.mesh, topo, devices)
+        mesh = hardware.topology_mesh(config.mesh, devices, topo.num_slices)
         lowered, part_sizes = lower_train_step(config, mesh)
         compiled = lowered.compile()
     except Exception as e:

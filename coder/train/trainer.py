@@ -152,7 +152,7 @@ class Trainer:
         self.tx = make_optimizer(tc)
         self._schedule = lr_schedule(tc)
         with sharding.activate(self.mesh, self.rules):
-            opt_state = jax.jit(self.tx.init)(params)
+            opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings(params))(params)
         self.params, self.rest, self.opt_state = params, rest, opt_state
         self.step = 0
         self.key = jax.random.key(int(config.seed))
@@ -185,6 +185,30 @@ class Trainer:
             self.stage, jax.process_index(), jax.process_count(), jax.device_count(),
             dict(self.mesh.shape), n_params, self.step,
         )
+
+    def _opt_shardings(self, params):
+        """Optimizer-state shardings: each moment shards like its parameter, the rest replicates.
+
+        jit's own propagation does not do this (zeros_like(p) does not depend on p's values and
+        comes out on one device), so every state leaf is matched to the parameter whose flat
+        name ends its key path ("0.mu.layers.0.wq.value" -> "layers.0.wq") with the same shape.
+        """
+        param_sh = {k: (v.shape, v.sharding) for k, v in ckpt_lib.state_to_flat(params).items()}
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        abstract = jax.eval_shape(self.tx.init, params)
+
+        def pick(path, leaf):
+            name = ckpt_lib.flat_name(path)
+            if name.endswith(".value"):
+                name = name[: -len(".value")]
+            best = None
+            for pname, (shape, sh) in param_sh.items():
+                if (name == pname or name.endswith("." + pname)) and tuple(shape) == tuple(leaf.shape):
+                    if best is None or len(pname) > len(best[0]):
+                        best = (pname, sh)
+            return best[1] if best else replicated
+
+        return jax.tree_util.tree_map_with_path(pick, abstract)
 
     # ------------------------------------------------------------------ state access
     @property

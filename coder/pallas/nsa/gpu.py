@@ -78,9 +78,11 @@ def _check(block_or_tile, dk, dv):
                          f"got block {block_or_tile}, dk {dk}, dv {dv}")
 
 
-def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, interpret=None):
+def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, token_offset=0, interpret=None):
     """-> (o [B,G,T,Hg,Dv] float32, lse [B,G,T,Hg,1] float32). sel [B,G,T,n] canonical."""
     del token_tile  # one token per CTA
+    if token_offset:
+        raise ValueError("the GPU selected kernel takes the whole row (token_offset 0)")
     b_, g_, t_, hg, dk = q.shape
     dv, n = v.shape[-1], sel.shape[-1]
     _check(block, dk, dv)
@@ -229,9 +231,10 @@ def _model_layout(q, k, v):
             k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
 
-def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile=None, interpret=None):
+def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile=None, token_offset=0,
+                 interpret=None):
     """-> (dq, dk, dv) in kernel layout, by differentiating xla.selected_attention."""
-    del lse, delta, token_tile, interpret
+    del lse, delta, token_tile, interpret, token_offset  # whole rows only (selected_fwd checks)
     b_, g_, t_, hg, dk = q.shape
     qm, km, vm = _model_layout(q, k, v)
     f = lambda a, b, c: xla.selected_attention(a, b, c, sel.transpose(0, 2, 1, 3), doc_start, block, scale)

@@ -33,6 +33,8 @@ class Kernel:
     interpret: Any = None  # passed to pl.pallas_call; None = compile for the hardware
     token_tile: int = 8  # selected branch, TPU: tokens per query tile (output block)
     window_tile: int = 128  # window branch: query/key tile length (GPU: must be 64)
+    max_tokens: int = 8192  # selected branch, TPU: query tokens per kernel call (bounds the SMEM
+    #                         holding the scalar-prefetched selections: 4 * G * n bytes per token)
 
     def module(self):
         if self.backend == "pallas_tpu":
@@ -46,22 +48,23 @@ class Kernel:
 
 # ---------------------------------------------------------------- selected branch
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _selected(q, k, v, sel, ds, block, scale, kernel):
-    return _selected_fwd(q, k, v, sel, ds, block, scale, kernel)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _selected(q, k, v, sel, ds, block, scale, kernel, offset):
+    return _selected_fwd(q, k, v, sel, ds, block, scale, kernel, offset)[0]
 
 
-def _selected_fwd(q, k, v, sel, ds, block, scale, kernel):
-    o, lse = kernel.module().selected_fwd(q, k, v, sel, ds, block=block, scale=scale,
-                                          token_tile=kernel.token_tile, interpret=kernel.interpret)
+def _selected_fwd(q, k, v, sel, ds, block, scale, kernel, offset):
+    o, lse = kernel.module().selected_fwd(q, k, v, sel, ds, block=block, scale=scale, token_tile=kernel.token_tile,
+                                          token_offset=offset, interpret=kernel.interpret)
     return o, (q, k, v, sel, ds, o, lse)
 
 
-def _selected_bwd(block, scale, kernel, res, do):
+def _selected_bwd(block, scale, kernel, offset, res, do):
     q, k, v, sel, ds, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dq, dk, dv = kernel.module().selected_bwd(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
-                                              token_tile=kernel.token_tile, interpret=kernel.interpret)
+                                              token_tile=kernel.token_tile, token_offset=offset,
+                                              interpret=kernel.interpret)
     return dq, dk, dv, None, None
 
 
@@ -125,8 +128,12 @@ def selected_attention(q, k, v, sel, doc_start, *, block, scale, kernel: Kernel)
     cur = jnp.arange(t, tp, dtype=jnp.int32) // block  # padded rows select only their own block
     sel_pad = jnp.broadcast_to(cur[None, :, None, None], (sel.shape[0], tp - t) + sel.shape[2:])
     selk = jnp.concatenate([sel.astype(jnp.int32), sel_pad], axis=1).transpose(0, 2, 1, 3)
-    o = _selected(qk, kk, vk, selk, ds, block, scale, kernel)
-    return _from_kernel_layout(o, t)
+    step = tp
+    if kernel.backend == "pallas_tpu":
+        step = max(kernel.token_tile, kernel.max_tokens // kernel.token_tile * kernel.token_tile)
+    outs = [_selected(qk[:, :, lo:lo + step], kk, vk, selk[:, :, lo:lo + step], ds[:, lo:lo + step],
+                      block, scale, kernel, lo) for lo in range(0, tp, step)]
+    return _from_kernel_layout(jnp.concatenate(outs, axis=2), t)
 
 
 def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):

@@ -44,8 +44,10 @@ def _vmem(shape):
 
 # ---------------------------------------------------------------- selected branch, forward
 
-def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, interpret=None):
-    """-> (o [B,G,T,Hg,Dv] q.dtype, lse [B,G,T,Hg,1] f32). sel [B,G,T,n] canonical."""
+def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_offset=0, interpret=None):
+    """-> (o [B,G,T,Hg,Dv] q.dtype, lse [B,G,T,Hg,1] f32). sel [B,G,T,n] canonical.
+
+    q, sel, doc_start hold T query tokens starting at absolute index token_offset; k, v the whole row."""
     b_, g_, t_, hg, dk = q.shape
     dv, n, tt_ = v.shape[-1], sel.shape[-1], token_tile
 
@@ -68,7 +70,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, interpret
         def _step():
             s = _dot(q_ref[tt], k_ref[...], _DOT_T) * scale  # [Hg, l']
             pos = blk * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (pos <= t) & (pos >= ds_ref[b * t_ + t])
+            mask = (pos <= token_offset + t) & (pos >= ds_ref[b * t_ + t])
             s = jnp.where(mask, s, NEG_INF)
             m_prev = m_sc[tt]
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -107,7 +109,8 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, interpret
 
 # ---------------------------------------------------------------- selected branch, backward
 
-def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile, interpret=None):
+def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile, token_offset=0,
+                interpret=None):
     """-> dq [B,G,T,Hg,Dk]: the forward's grid, recomputing probabilities from lse."""
     b_, g_, t_, hg, dk = q.shape
     dv, n, tt_ = v.shape[-1], sel.shape[-1], token_tile
@@ -130,7 +133,7 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
             kb = k_ref[...]
             s = _dot(q_ref[tt], kb, _DOT_T) * scale
             pos = blk * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (pos <= t) & (pos >= ds_ref[b * t_ + t])
+            mask = (pos <= token_offset + t) & (pos >= ds_ref[b * t_ + t])
             p = jnp.exp(jnp.where(mask, s, NEG_INF) - lse_ref[tt]) * mask
             dp = _dot(do_ref[tt], v_ref[...], _DOT_T)
             ds = p * (dp - dl_ref[tt])
@@ -162,11 +165,13 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
     )(sel.reshape(-1), doc_start.reshape(-1), q, k, v, do, lse, delta)
 
 
-def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile, interpret=None):
+def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile, token_offset=0,
+                 interpret=None):
     """-> (dq, dk, dv) from the two backward kernels."""
     dq = selected_dq(q, k, v, sel, doc_start, do, lse, delta, block=block, scale=scale,
-                     token_tile=token_tile, interpret=interpret)
-    dk, dv = selected_dkv(q, k, v, sel, doc_start, do, lse, delta, block=block, scale=scale, interpret=interpret)
+                     token_tile=token_tile, token_offset=token_offset, interpret=interpret)
+    dk, dv = selected_dkv(q, k, v, sel, doc_start, do, lse, delta, block=block, scale=scale,
+                          token_offset=token_offset, interpret=interpret)
     return dq, dk, dv
 
 
@@ -190,11 +195,11 @@ def selection_pairs(sel, num_blocks):
     return take(blk), take(tok), take(on)
 
 
-def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, interpret=None):
+def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_offset=0, interpret=None):
     """-> (dk [B,G,T,Dk], dv [B,G,T,Dv]) by walking (token, slot) pairs sorted by block."""
     b_, g_, t_, hg, dk = q.shape
     dv = v.shape[-1]
-    blk, tok, on = selection_pairs(sel, t_ // block)
+    blk, tok, on = selection_pairs(sel, k.shape[2] // block)
     p_ = blk.shape[-1]
 
     def kernel(blk_ref, tok_ref, on_ref, ds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref,
@@ -216,7 +221,7 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, inter
             qv, dov = q_ref[...], do_ref[...]  # [Hg, Dk], [Hg, Dv]
             s = _dot(qv, k_ref[...], _DOT_T) * scale  # [Hg, l']
             pos = cur * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (pos <= t) & (pos >= ds_ref[b * t_ + t])
+            mask = (pos <= token_offset + t) & (pos >= ds_ref[b * t_ + t])
             p_prob = jnp.exp(jnp.where(mask, s, NEG_INF) - lse_ref[...]) * mask
             dv_sc[...] += _dot(p_prob.astype(dov.dtype), dov, _DOT_TN)
             ds = p_prob * (_dot(dov, v_ref[...], _DOT_T) - dl_ref[...])
