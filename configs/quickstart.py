@@ -47,10 +47,10 @@ def get_config():
     # A toy-task transcript is ~1.8k tokens (tool outputs included): SFT packs whole
     # conversations, so the context is extended to 2048 first.
     c.longctx.seq_len = 2048
-    c.longctx.steps = 20
+    c.longctx.steps = 15
     c.longctx.lr = 1e-3
 
-    c.sft.steps = 30
+    c.sft.steps = 25
     c.sft.lr = 1e-3
     c.sft.seq_len = 2048
     c.sft.batch_size = 1

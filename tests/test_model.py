@@ -131,6 +131,7 @@ def _grads(cfg):
     return nnx.to_flat_state(nnx.jit(nnx.grad(loss))(model))
 
 
+@pytest.mark.slow
 def test_remat_policies_same_gradients():
     ref = dict(_grads(tiny()))
     for policy in ("full", "save_dots", "save_qkv_proj"):

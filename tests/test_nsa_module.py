@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from test_nsa_reference import packed_segments
 
@@ -23,6 +24,7 @@ def _inputs(b, t, h, g, dk, dv, d, seed=1):
             jax.random.normal(ks[2], (b, t, g, dv)), jax.random.normal(ks[3], (b, t, d)))
 
 
+@pytest.mark.slow
 def test_module_xla_matches_reference_and_trains_every_part():
     nsa, mc = _module()
     b, t = 2, 21

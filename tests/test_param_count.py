@@ -32,6 +32,7 @@ def closed_form(m) -> dict:
     return {"total": total, "active": active, "mtp": mtp}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,total,active,tol_total,tol_active", [
     ("deepseek_v3_671b", 671e9, 37e9, 0.01, 0.02),
     ("kimi_k2_1t", 1.04e12, 32e9, 0.015, 0.03),

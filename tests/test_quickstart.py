@@ -21,11 +21,12 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
         sys.executable, "main.py", "--config=configs/quickstart.py",
         f"--config.workdir={workdir}",
         "--config.train.steps=3", "--config.train.log_every=1",
-        "--config.longctx.steps=2", "--config.longctx.seq_len=512",
-        "--config.sft.steps=2", "--config.sft.seq_len=512", "--config.sft.toy_tasks=2",
+        "--config.longctx.steps=2", "--config.longctx.seq_len=2048",
+        # a toy transcript is ~1.8k tokens and SFT keeps conversations whole
+        "--config.sft.steps=2", "--config.sft.seq_len=2048", "--config.sft.toy_tasks=4",
         "--config.eval.batches=2",
     ]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
 
     for stage, steps in (("pretrain", 3), ("longctx", 2), ("sft", 2)):
@@ -36,7 +37,7 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
     # the long-context checkpoint carries the YaRN settings the later stages inherit
     saved = json.loads((workdir / "longctx" / "checkpoints" / "2" / "config" / "metadata").read_text())
     assert saved["model"]["rope_scaling"]["type"] == "yarn"
-    assert saved["model"]["rope_scaling"]["factor"] == 512 / 256
+    assert saved["model"]["rope_scaling"]["factor"] == 2048 / 256
     sft_saved = json.loads((workdir / "sft" / "checkpoints" / "2" / "config" / "metadata").read_text())
     assert sft_saved["model"]["rope_scaling"] == saved["model"]["rope_scaling"]
     (ev,) = [json.loads(x) for x in (workdir / "eval" / "metrics.jsonl").read_text().splitlines()]

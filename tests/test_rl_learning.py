@@ -1,15 +1,19 @@
 """GRPO learns: the whole stage (real engine, real trainer, rollout loop, reward, GRPO loss).
 
 The learning test uses a light in-process environment so it runs in a few minutes on CPU: the
-task is "submit the smallest (or largest) number from 1 to 4" with one tool, `submit(answer)`,
-and the reward is 1 for the right number. It goes through exactly the code a sandboxed run uses
-(Agent.run_group, protocol parsing, score_groups, Learner with coder.rl.grpo's loss, engine
-weight updates, metrics.jsonl); only the episode is in-process instead of a bwrap sandbox.
+task is "submit the lucky number from 1 to 4" (in many phrasings, each used once) with one tool,
+`submit(answer)`, and the reward is 1 when the answer is 3. It goes through exactly the code a
+sandboxed run uses (Agent.run_group, protocol parsing, score_groups, Learner with coder.rl.grpo's
+loss, engine weight updates, metrics.jsonl); only the episode is in-process instead of a bwrap
+sandbox. What it does not test is conditioning on the prompt: a 2-layer, 64-wide model did not
+learn that within a CPU test's budget (tried: copy a number from the prompt; smallest vs
+largest), so the answer is the same for every task.
 
-Starting point: a tiny model briefly SFT-ed on the call format with *wrong* answers (the other
-end of the range 70% of the time, each other number 10%), so its reward starts near 0.1 and
-GRPO must move each family to its right answer. A wrong loss sign makes the wrong answers more
-likely, and misaligned targets or masks train the wrong tokens: both fail the test.
+Starting point: a tiny model briefly SFT-ed on the call format with a uniformly random answer,
+so its reward starts near 0 (a quarter right, minus the length penalty; wrong answers score
+-max_penalty); GRPO must concentrate it on 3 (and on well-formed calls: broken ones are negative
+examples). A wrong loss sign, misaligned targets, masks that miss the sampled tokens, or weights
+that never reach the engine leave the reward at chance or lower: each fails the test.
 
 The smoke test runs the real sandboxed toy tasks of coder.env through the same loop, and the
 resume test checks that a restarted stage continues the single epoch where it stopped.
@@ -44,18 +48,17 @@ NAMES = ["Ada", "Alan", "Grace", "Linus", "Guido", "Barbara", "Donald", "Edsger"
          "Frances", "John", "Margaret", "Niklaus", "Tony", "Leslie", "Radia", "Sophie", "Bjarne", "Yukihiro"]
 OPENERS = ["Hi", "Hello", "Dear", "Hey"]
 CLOSERS = ["Thanks.", "Please.", "Quickly.", "Now."]
-WHICH = {"smallest": "1", "largest": "4"}
+LUCKY = "3"
 
 
 def make_tasks(n, seed):
-    """n distinct toy tasks (distinct prompts: single epoch) with their answers: "submit the
-    smallest number" -> 1, "submit the largest number" -> 6."""
-    combos = [(o, name, w, c) for o in OPENERS for name in NAMES for w in WHICH for c in CLOSERS]
+    """n distinct toy tasks (distinct prompts: single epoch); the right answer is always LUCKY."""
+    combos = [(o, name, c) for o in OPENERS for name in NAMES for c in CLOSERS]
     random.Random(seed).shuffle(combos)
     out = []
-    for o, name, w, c in combos[:n]:
-        prompt = f"{o} {name}, submit the {w} number from 1 to 4. {c}"
-        out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), WHICH[w]))
+    for o, name, c in combos[:n]:
+        prompt = f"{o} {name}, submit the lucky number from 1 to 4. {c}"
+        out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), LUCKY))
     return out
 
 
@@ -101,33 +104,30 @@ def tiny_config(tok, stage_len):
                         n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
                         first_k_dense_replace=1, num_mtp_layers=0, max_position_embeddings=stage_len,
                         dtype="float32"))
-    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=28,
+    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=0.7, max_turns=2, max_turn_tokens=28,
                      max_rollout_tokens=56, context_budget=stage_len, summary_reserve=32, max_summaries=0,
                      system_prompt=PREAMBLE))
     c.grpo.update(dict(kl_coef=0.0, clip_low=0.2, clip_high=0.28))
-    c.train.update(dict(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0,
+    c.train.update(dict(lr=1e-3, warmup_steps=3, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0,
                         log_every=1, ckpt_every=1000))
     return c
 
 
 def sft_format(cfg, tok, steps=120, seed=0):
-    """Teaches the call format, and the *wrong* answer: the other end of the range 70% of the
-    time, each other number 10% (the right one included, so GRPO can find it)."""
+    """Teaches the call format with a uniformly random answer from 1 to 4."""
     model = Transformer(cfg.model, rngs=nnx.Rngs(seed))
     opt = nnx.Optimizer(model, optax.adam(5e-3), wrt=nnx.Param)
     rng = random.Random(seed)
     system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
-    tasks = make_tasks(400, 99)  # prompts for the format only
+    tasks = make_tasks(300, 99)  # prompts for the format only
     T = cfg.model.max_position_embeddings
 
     def batch():
         toks, masks = np.zeros((16, T), np.int32), np.zeros((16, T), np.float32)
         seg = np.zeros((16, T), np.int32)
         for i in range(16):
-            task, right = rng.choice(tasks)
-            wrong = ANSWERS[-1] if right == ANSWERS[0] else ANSWERS[0]
-            others = [a for a in ANSWERS if a != wrong]
-            answer = wrong if rng.random() < 0.7 else rng.choice(others)
+            task, _ = rng.choice(tasks)
+            answer = rng.choice(ANSWERS)
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt},
                     {"role": "assistant", "content": protocol.render_tool_call("submit", {"answer": answer})}]
             ids, mask = tok.render_conversation(msgs)
@@ -192,7 +192,7 @@ def test_sandboxed_toy_tasks_smoke(tmp_path):
     """The real engine and real bwrap sandboxes on coder.env's toy tasks, one GRPO step."""
     cfg = base.get_config()
     tok = tokenizer_lib.load_or_train(cfg)
-    cfg.rl.update(dict(group_size=2, tasks_per_step=1, max_turn_tokens=16, max_turns=2,
+    cfg.rl.update(dict(group_size=2, tasks_per_step=1, max_turn_tokens=16, max_turns=2, eval_samples=2,
                        max_rollout_tokens=32, context_budget=768, summary_reserve=64))
     cfg.model.update(dict(vocab_size=tok.padded_vocab_size, hidden_size=32, intermediate_size=64,
                           moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,

@@ -637,7 +637,8 @@ def lower_train_step(config, mesh):
 
     tr = _step_trainer(config, graphdef, lm_loss_fn(config.train), nnx.Param)
     # Optimizer moments are sharded like their parameters; counters are replicated. (Left to
-    # XLA, jit(tx.init) returns *replicated* zeros: sharding does not flow into constants.)
+    # XLA, jit(tx.init) returns unsharded zeros: no sharding flows into constants, and the
+    # moments of a 671B model land whole on each chip.)
     opt = jax.eval_shape(tr.tx.init, params)
     replicated = NamedSharding(mesh, PartitionSpec())
     masked = lambda x: isinstance(x, optax.MaskedNode)

@@ -209,7 +209,7 @@ def describe(topo) -> dict:
 
 def roofline(chip, num_chips: int, flops: float, bytes_accessed: float,
              collectives: dict, model_flops: float) -> dict:
-    """Step-time bounds per chip from the published peaks (coder.train.hardware).
+    """Step-time bounds per chip from the chip's published peaks (CHIPS above).
 
     compute = FLOPs / peak; hbm = bytes / HBM bandwidth; ici = wire bytes of the in-slice
     collectives / the chip's total ICI bandwidth (optimistic: every link busy); dcn = wire bytes
