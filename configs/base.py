@@ -179,6 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
             weights=dict(thinking=1.0, tool_io=0.25, output=1.0, tool_call=8.0, turn=16.0),
         )
     )  # see coder/rl/reward.py for the curve
+    c.rl.broken_call_penalty = 0.1  # a rollout with a broken tool call scores this below a failure
     c.rl.aux_rewards = ml_collections.ConfigDict(
         dict(lint_introduced=0.0, unanswered_question=0.0)
     )  # auxiliary reward name -> weight (0 = off); registry in coder/rl/reward.py

@@ -118,3 +118,12 @@ def test_regression_flag():
     assert is_regression({"pass@1": 0.6}, {"pass@1": 0.5}, 0.05)
     assert not is_regression({"pass@1": 0.6}, {"pass@1": 0.56}, 0.05)
     assert not is_regression({"pass@1": float("nan")}, {"pass@1": 0.1}, 0.05)
+
+
+def test_broken_call_scores_below_a_plain_failure():
+    outcomes = np.zeros((1, 3))
+    correct = np.zeros((1, 3), bool)
+    usage = np.zeros((1, 3, 5))
+    r = R.group_rewards(outcomes, correct, np.ones((1, 3), bool), usage, np.zeros((1, 3)), CFG,
+                        broken=[[False, True, False]], broken_penalty=0.1)
+    np.testing.assert_allclose(r, [[-0.2, -0.3, -0.2]], atol=1e-6)

@@ -104,7 +104,7 @@ def tiny_config(tok, stage_len):
                         n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
                         first_k_dense_replace=1, num_mtp_layers=0, max_position_embeddings=stage_len,
                         dtype="float32"))
-    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=0.7, max_turns=2, max_turn_tokens=28,
+    c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=28,
                      max_rollout_tokens=56, context_budget=stage_len, summary_reserve=32, max_summaries=0,
                      system_prompt=PREAMBLE))
     c.grpo.update(dict(kl_coef=0.0, clip_low=0.2, clip_high=0.28))

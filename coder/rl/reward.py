@@ -4,7 +4,9 @@
 
 **Outcome.** The env's test result in [0, 1] (fraction of scoring tests passed); `correct` is
 "every test passed". A rollout with a *broken tool call* (malformed call text) is a negative
-example: outcome 0, not correct, whatever the tests say. It is never dropped from its group:
+example: outcome 0, not correct, whatever the tests say, and `rl.broken_call_penalty` below a
+plain failure (without that margin GRPO pushes down the well-formed tokens that follow a wrong
+choice as readily as the choice itself, and the call format decays). It is never dropped:
 dropping it would teach the policy to emit a broken call on a hard task to escape a negative
 reward (the instrumentation bug Composer 2 reports). Only infrastructure failures leave the
 group (`coder.rl.grpo.valid_mask`).
@@ -108,7 +110,7 @@ def aux_total(rollout, weights) -> float:
     return total
 
 
-def group_rewards(outcomes, correct, valid, usage, aux, cfg) -> np.ndarray:
+def group_rewards(outcomes, correct, valid, usage, aux, cfg, broken=None, broken_penalty=0.0) -> np.ndarray:
     """Final rewards of N groups of G rollouts.
 
     Args:
@@ -118,6 +120,8 @@ def group_rewards(outcomes, correct, valid, usage, aux, cfg) -> np.ndarray:
       usage: `[N, G, 5]` usage in USAGE_KEYS order.
       aux: `[N, G]` summed auxiliary rewards.
       cfg: `config.rl.length_penalty` (weights, max_penalty, scale_easy, scale_hard).
+      broken: optional `[N, G]` bool, rollouts with a broken tool call; they lose
+        `broken_penalty` more than a plain failure.
     Returns:
       `[N, G]` float32 rewards (0 where not valid).
     """
@@ -125,6 +129,8 @@ def group_rewards(outcomes, correct, valid, usage, aux, cfg) -> np.ndarray:
     pen = length_penalty(cost, correct, valid, max_penalty=cfg.max_penalty,
                          scale_easy=cfg.scale_easy, scale_hard=cfg.scale_hard)
     r = np.asarray(outcomes, np.float64) - pen + np.asarray(aux, np.float64)
+    if broken is not None:
+        r = r - broken_penalty * np.asarray(broken, bool)
     return np.where(np.asarray(valid, bool), r, 0.0).astype(np.float32)
 
 

@@ -17,9 +17,9 @@ and a weight-sync channel replace it without touching either side. Router replay
 the learner's forward as `routing=`.
 
 Metrics (`{stage_dir}/metrics.jsonl`, one line per step): loss, reward, pass_rate, outcome,
-kl, clip_fraction, entropy, broken_call_rate, infra_failures, turns, tool_calls,
-thinking/tool_io/output tokens, summaries, policy tokens per rollout, rollout_time_s,
-learner_time_s, plus the trainer's (grad_norm, lr, ...).
+test_reward, kl, clip_fraction, ratio_mean/max, entropy, broken_call_rate, infra_failures,
+turns, tool_calls, thinking/tool_io/output tokens, summaries, generations, tokens_per_rollout,
+submitted, abs_advantage, rollout_time_s, learner_time_s, plus the trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
 
@@ -138,7 +138,9 @@ def score_groups(groups: list[list], rl_cfg) -> dict:
     valid = grpo.valid_mask([[bool(r.infra_error) for r in g] for g in groups])
     usage = np.array([[r.usage() for r in g] for g in groups], np.float64)
     aux = np.array([[reward_lib.aux_total(r, rl_cfg.aux_rewards) for r in g] for g in groups])
-    rewards = reward_lib.group_rewards(outcomes, correct, valid, usage, aux, rl_cfg.length_penalty)
+    broken = np.array([[r.broken_calls > 0 for r in g] for g in groups], bool)
+    rewards = reward_lib.group_rewards(outcomes, correct, valid, usage, aux, rl_cfg.length_penalty,
+                                       broken, float(rl_cfg.broken_call_penalty))
     adv = np.asarray(grpo.advantages(rewards, correct, valid))
     for i, g in enumerate(groups):
         for j, r in enumerate(g):

@@ -503,7 +503,8 @@ def _count(n: float) -> str:
 def to_markdown(r: dict) -> str:
     """The report as a page for docs/scale/ (every number comes from the JSON beside it)."""
     hw = r["hardware"]
-    lines = [f"# {r['config']} training step on {hw['name']} ({hw['chips']} chips)", ""]
+    title = f"{_count(r['setup']['params_total'])}-parameter model"
+    lines = [f"# {title} training step on {hw['name']} ({hw['chips']} chips)", ""]
     lines.append(f"Status: **{r['status']}**" + (f" — {r['error']}" if r.get("error") else ""))
     lines.append("")
     lines.append(f"Regenerate: `{r['command']}`")

@@ -1,8 +1,10 @@
-"""Rebuild the table of docs/scale/README.md from the report.json files beside it.
+"""Rebuild the table of docs/scale/README.md and every report.md from the report.json files.
 
     python docs/scale/summarize.py docs/scale
 
-Rewrites the part of README.md between the TABLE markers; everything else is prose.
+Rewrites the part of README.md between the TABLE markers (everything else is prose), and each
+report.md from its report.json with coder.train.compile.to_markdown, so the pages follow the
+current report format without recompiling.
 """
 import glob
 import json
@@ -44,6 +46,14 @@ def table(root: str) -> str:
 
 
 def main(root: str):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(root))))
+    from coder.train.compile import to_markdown
+
+    for report in glob.glob(os.path.join(root, "*", "report.json")):
+        with open(report) as f:
+            page = to_markdown(json.load(f))
+        with open(os.path.join(os.path.dirname(report), "report.md"), "w") as f:
+            f.write(page)
     path = os.path.join(root, "README.md")
     with open(path) as f:
         text = f.read()
