@@ -8,8 +8,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from configs import base, quickstart
 from coder import stages
+from configs import base, quickstart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,11 +18,11 @@ LENS = (32, 64)
 
 def tiny_cfg():
     cfg = model_config()
-    cfg.update(dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=2, topk_group=1,
-                    num_experts_per_tok=2, first_k_dense_replace=1, num_mtp_layers=1,
-                    max_position_embeddings=MAX_LEN, dtype="float32"))
+    cfg.update({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                    "num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "n_group": 2, "topk_group": 1,
+                    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_mtp_layers": 1,
+                    "max_position_embeddings": MAX_LEN, "dtype": "float32"})
     # a larger init spreads the logits, so sampled sequences are far from argmax ties
     cfg.initializer_range = 0.2
     return cfg
@@ -186,7 +186,7 @@ def test_no_recompilation_per_request(setup):
 
 
 def test_set_weights_between_decode_steps(setup):
-    cfg, model, engine0 = setup
+    cfg, model, _engine0 = setup
     other = Transformer(cfg, rngs=nnx.Rngs(1))
     engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=BATCH, len_buckets=LENS)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
@@ -241,13 +241,14 @@ def spec_setup():
     cfg = tiny_cfg()
     cfg.vocab_size, cfg.num_mtp_layers = 32, 2  # a small vocabulary: exact marginals are cheap
     model = draftable(Transformer(cfg, rngs=nnx.Rngs(2)))
-    kw = dict(max_len=32, batch_buckets=(4, 64), len_buckets=SPEC_LENS)
+    kw = {"max_len": 32, "batch_buckets": (4, 64), "len_buckets": SPEC_LENS}
     return cfg, model, Engine(model, cfg, **kw), Engine(model, cfg, speculative_k=2, **kw)
 
 
+@pytest.mark.slow
 def test_speculative_greedy_identical_and_same_logprobs(spec_setup):
     """Two drafts per step (depths 1 and 2; k = 1 runs the same code with one depth)."""
-    cfg, model, plain, spec = spec_setup
+    _cfg, model, plain, spec = spec_setup
     prompt = [3, 17, 22, 5, 9, 7, 8]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
     ref = plain.generate(plain.start_group(prompt, 1), greedy, jax.random.key(0))[0]
@@ -282,6 +283,7 @@ def _chi2_ok(counts, probs):
     return stat, _chi2_bound(int(keep.sum()) - 1)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_distribution_is_exact(spec_setup):
     """Tokens 1-3 after a prompt, drawn 2048 times with and without 2-token drafting, against the
     exact marginals sum_{a,b} p(a) p(b|a) p(c|a,b) of the main model (top-k filtered)."""

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from coder.data import tokenizer as tokenizer_lib
-from coder.env import protocol, tools as env_tools
+from coder.env import protocol
+from coder.env import tools as env_tools
 from coder.rl import rollout as rollout_lib
 from coder.rl import stage as stage_lib
 from configs import base

@@ -36,8 +36,8 @@ temperature reproduces it.
 How it runs. The cache (`coder.model.init_cache`: per layer latent `[B, S, r]` and RoPE key
 `[B, S, dr]`, indexed by absolute position) of a group holds its n rows; a call runs on a
 sub-batch of the requested rows, gathered from the group cache into a batch bucket and
-scattered back afterwards (padding rows have segment id 0, which the model never writes into
-the cache). One decode step samples every active row's next token from the logits it holds
+scattered back afterwards, unless it covers every row in order (padding rows have segment id 0,
+which the model never writes into the cache). One decode step samples every active row's next token from the logits it holds
 and feeds that token through the model at its position, which writes it into the cache and
 yields the next logits; finished rows ride along with segment 0 until the whole batch is done.
 With speculative_k = k a step instead emits 1 .. k+1 tokens per row (speculative.py), and every
@@ -45,6 +45,9 @@ prefill also runs the MTP modules so that their caches follow the main one.
 Compiled shapes: batch bucket x prefill length bucket x cache capacity bucket (the cache grows
 by whole buckets, so short rows do not pay for `max_len` attention), so a run compiles a
 handful of programs and none per request. `compilations` counts the traces.
+
+Counters for benchmarks and metrics: `prefill_tokens`, `decode_steps`, and with speculative
+decoding `drafted` / `accepted` (acceptance rate = accepted / drafted).
 
 Thread model: one thread calls start_group / generate / append; set_weights may come from any.
 """
@@ -169,8 +172,8 @@ class Engine:
         self.cfg = model_cfg
         self.max_len = int(max_len)
         self.spec_k = int(speculative_k)
-        self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
-        self.len_buckets = tuple(sorted(set(int(b) for b in (len_buckets or default_len_buckets(max_len)))))
+        self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets}))
+        self.len_buckets = tuple(sorted({int(b) for b in (len_buckets or default_len_buckets(max_len))}))
         if self.batch_buckets[0] < 1 or self.len_buckets[0] < 1:
             raise ValueError("batch_buckets and len_buckets must be positive")
         self.cache_dtype = jnp.dtype(cache_dtype or model_cfg.dtype)
@@ -286,12 +289,12 @@ class Engine:
     def _empty_group(self, prompt, n: int, slots: int, capacity: int) -> Group:
         """n rows holding `prompt` as pending tokens, an all-zero store of `slots` rows."""
         d = self.cfg.hidden_size
-        store = dict(
-            cache=init_cache(self.cfg, slots, capacity, self.cache_dtype),
-            logits=jnp.zeros((slots, self.cfg.vocab_size), jnp.float32),
-            hidden=jnp.zeros((slots, d), self.cache_dtype),
-            mtp_hidden=jnp.zeros((slots, self.spec_k, d), self.cache_dtype),
-        )
+        store = {
+            "cache": init_cache(self.cfg, slots, capacity, self.cache_dtype),
+            "logits": jnp.zeros((slots, self.cfg.vocab_size), jnp.float32),
+            "hidden": jnp.zeros((slots, d), self.cache_dtype),
+            "mtp_hidden": jnp.zeros((slots, self.spec_k, d), self.cache_dtype),
+        }
         rows = [_Row(tokens=list(prompt), length=0, expert_chunks=[], logits_version=self.policy_version)
                 for _ in range(n)]
         return Group(rows, store, capacity)
@@ -327,12 +330,12 @@ class Engine:
             cache, mtp_hidden = speculative.advance(
                 model, cache, sub["hidden"], mtp_hidden, aux["hidden"], tokens, positions[:, 0],
                 last + 1, segment_ids[:, 0] > 0)
-        new = dict(
-            cache=cache,
-            logits=jnp.take_along_axis(logits, pick, axis=1)[:, 0],
-            hidden=jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0].astype(self.cache_dtype),
-            mtp_hidden=mtp_hidden,
-        )
+        new = {
+            "cache": cache,
+            "logits": jnp.take_along_axis(logits, pick, axis=1)[:, 0],
+            "hidden": jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0].astype(self.cache_dtype),
+            "mtp_hidden": mtp_hidden,
+        }
         return (new if identity else _put_rows(store, idx, new)), aux["expert_ids"]
 
     def _decode_impl(self, state, sub, carry, row_ids, positions, active, budget, stops, rng,
@@ -393,13 +396,13 @@ class Engine:
         cache, mtp_hidden = speculative.advance(model, aux["cache"], sub["hidden"], sub["mtp_hidden"],
                                                 aux["hidden"], toks, positions, count, active)
         keep = active[:, None]
-        new = dict(
-            cache=cache,
-            logits=jnp.where(keep, jnp.take_along_axis(logits, last, axis=1)[:, 0], held),
-            hidden=jnp.where(keep, jnp.take_along_axis(aux["hidden"], last, axis=1)[:, 0].astype(self.cache_dtype),
+        new = {
+            "cache": cache,
+            "logits": jnp.where(keep, jnp.take_along_axis(logits, last, axis=1)[:, 0], held),
+            "hidden": jnp.where(keep, jnp.take_along_axis(aux["hidden"], last, axis=1)[:, 0].astype(self.cache_dtype),
                              sub["hidden"]),
-            mtp_hidden=jnp.where(keep[:, :, None], mtp_hidden, sub["mtp_hidden"]),
-        )
+            "mtp_hidden": jnp.where(keep[:, :, None], mtp_hidden, sub["mtp_hidden"]),
+        }
         # the residual is owed only if the step ended at a rejection and the row goes on
         rejected = active & ~finished & (n_acc < k) & (count == n_acc + 1)
         q_next = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
@@ -463,7 +466,7 @@ class Engine:
         emitted = np.zeros((bb,), np.int32)
         row_ids = np.where(idx < group.n, idx, 0).astype(np.int32)  # sampling keys
         knobs = (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p))
-        stops = set(int(s) for s in params.stop_token_ids)
+        stops = {int(s) for s in params.stop_token_ids}
         stop_arr = np.full((-(-max(len(stops), 1) // 8) * 8,), -1, np.int32)  # padded: few shapes
         stop_arr[:len(stops)] = sorted(stops)
         step_fn = self._spec_fn if self.spec_k else self._decode_fn

@@ -43,7 +43,7 @@ class NoCacheDecoder:
 
     def generate(self, prompt_ids, params: SamplingParams, rng, row: int = 0) -> Generation:
         seq = [int(t) for t in prompt_ids]
-        stops = set(int(s) for s in params.stop_token_ids)
+        stops = {int(s) for s in params.stop_token_ids}
         toks, logps, reason = [], [], "length"
         args = (np.int32(row), rng, np.float32(params.temperature), np.int32(params.top_k),
                 np.float32(params.top_p))

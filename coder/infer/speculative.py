@@ -42,7 +42,7 @@ def advance(model, cache, h_last, mtp_last, main_hidden, tokens, start, n_valid,
     (the rest is padding); active `[B]` rows to update.
     Returns (cache, mtp_last `[B,M,D]` = h^d_{L+c-1-d}).
     """
-    b, t = tokens.shape
+    t = tokens.shape[1]
     j = jnp.arange(t)[None, :]
     last = jnp.clip(n_valid - 1, 0, t - 1)[:, None, None]
     prev_out, prev_last = main_hidden, h_last

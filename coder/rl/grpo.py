@@ -174,7 +174,7 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
         logits, _ = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing)
         logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
         mask = batch["loss_mask"] * valid
-        norm = batch["normalizer"] if "normalizer" in batch else normalizer
+        norm = batch.get("normalizer", normalizer)
         return policy_loss(
             logp, batch["behaviour_logp"], batch["ref_logp"], batch["advantages"], mask,
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, normalizer=norm, entropy=ent,

@@ -41,7 +41,7 @@ behavioural reward or penalty is one function, not a new branch.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -264,11 +264,8 @@ class Agent:
             if len(row.gen) >= c.context_budget:  # no room left even for the summary
                 return self._end(row, "context")
             return
-        if len(row.gen) > row.turn_start:  # a turn in progress (cut by a shared max_new)
-            if c.context_budget - c.summary_reserve - len(row.gen) > 0:
-                return
         if c.context_budget - c.summary_reserve - len(row.gen) > 0:
-            return
+            return  # room for a new turn, or for more of a turn in progress
         if r.summaries >= c.max_summaries:
             return self._end(row, "context")
         request = self.tok.turn_ids("user", SUMMARY_REQUEST) + self.tok.generation_prefix()

@@ -27,7 +27,6 @@ import copy
 import glob
 import logging
 import math
-import os
 import random
 import time
 

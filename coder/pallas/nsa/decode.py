@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from coder.pallas.nsa.reference import (
     NEG_INF,
     NSAConfig,
+    banded_scores,
     canonical_topk,
-    overlap_matrix,
+    overlap_bands,
 )
 
 
@@ -46,7 +47,7 @@ def decode_step(q, k_cache, v_cache, k_cmp_cache, v_cmp_cache, gates, pos, doc_s
     starts = jnp.arange(nc) * cfg.compress_stride
     vis = (starts[None] + cfg.compress_block - 1 <= pos[:, None]) & (starts[None] >= doc_start[:, None])
     o_cmp, p_cmp = _attend(qg, tr(k_cmp_cache[:, :nc]), tr(v_cmp_cache[:, :nc]), vis[:, None], softmax_scale)
-    imp = jnp.einsum("bgc,cs->bgs", p_cmp.sum(2), jnp.asarray(overlap_matrix(s_len, cfg)))  # [B,G,Ns]
+    imp = banded_scores(p_cmp.sum(2), *overlap_bands(s_len, cfg))  # [B,G,Ns]
 
     # selection (same rule as reference.select_blocks for the last query)
     ns = imp.shape[-1]

@@ -129,6 +129,27 @@ def overlap_matrix(t: int, cfg: NSAConfig) -> np.ndarray:
     return (np.maximum(hi - lo, 0) / cfg.compress_block).astype(np.float32)
 
 
+def overlap_bands(t: int, cfg: NSAConfig):
+    """overlap_matrix by columns, as (idx [Ns,K] int32, weight [Ns,K] float32): the K compressed
+    blocks overlapping each selection block (weight 0 pads). The blockwise paths use this:
+    a dense [Nc, Ns] product would cost T^3."""
+    m = overlap_matrix(t, cfg)
+    cols = [np.nonzero(m[:, j])[0] for j in range(m.shape[1])]
+    k = max(1, max(len(c) for c in cols))
+    idx = np.zeros((m.shape[1], k), np.int32)
+    wt = np.zeros((m.shape[1], k), np.float32)
+    for j, c in enumerate(cols):
+        idx[j, :len(c)], wt[j, :len(c)] = c, m[c, j]
+    return idx, wt
+
+
+def banded_scores(p, idx, wt):
+    """p [..., Nc] -> [..., Ns]: sum_k p[..., idx[s, k]] * wt[s, k] (columns >= Nc of idx weigh 0)."""
+    nc = p.shape[-1]
+    wt = jnp.where(jnp.asarray(idx) < nc, jnp.asarray(wt), 0.0)
+    return jnp.sum(p[..., jnp.minimum(jnp.asarray(idx), nc - 1)] * wt, axis=-1)
+
+
 def selection_scores(p_cmp, num_groups, cfg: NSAConfig):
     """p_cmp [B,T,H,Nc] -> importance [B,T,G,Ns]: summed over a group's heads, mapped by overlap."""
     b, t, h, nc = p_cmp.shape

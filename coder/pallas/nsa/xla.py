@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from coder.pallas.nsa.reference import (
     NEG_INF,
     NSAConfig,
+    banded_scores,
     canonical_topk,
     num_select_blocks,
-    overlap_matrix,
+    overlap_bands,
 )
 
 
@@ -86,14 +87,14 @@ def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk
     nc, g = k_cmp.shape[1], k_cmp.shape[2]
     ns = num_select_blocks(t, cfg)
     lsel = cfg.select_block
-    overlap_all = jnp.asarray(overlap_matrix(t, cfg))
+    band_idx, band_wt = overlap_bands(t, cfg)
     qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
     kf_all, vf_all = k_cmp.astype(jnp.float32), v_cmp.astype(jnp.float32)
 
     def make_body(nk):
         starts = jnp.arange(nk) * cfg.compress_stride
         ends = starts + cfg.compress_block - 1
-        kf, vf, overlap = kf_all[:, :nk], vf_all[:, :nk], overlap_all[:nk]
+        kf, vf = kf_all[:, :nk], vf_all[:, :nk]
 
         @jax.checkpoint
         def body(args):
@@ -103,7 +104,7 @@ def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk
             s = jnp.einsum("bcghd,bngd->bcghn", qi.astype(jnp.float32), kf) * scale
             p = _softmax_rows(s, vis[:, :, None, None, :])
             o = jnp.einsum("bcghn,bngd->bcghd", p, vf)
-            imp = jnp.einsum("bcgn,ns->bcgs", jax.lax.stop_gradient(p).sum(3), overlap)
+            imp = banded_scores(jax.lax.stop_gradient(p).sum(3), band_idx, band_wt)  # [B,C,G,Ns]
             j = jnp.arange(ns)[None, None, :]
             cur, first = (tq // lsel)[None, :, None], (dsi // lsel)[..., None]
             cand = (j * lsel <= tq[None, :, None]) & ((j + 1) * lsel - 1 >= dsi[..., None])
