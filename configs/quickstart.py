@@ -1,4 +1,5 @@
-"""The whole pipeline on a laptop CPU in minutes: pretrain -> longctx -> sft -> eval, tiny model.
+"""The whole pipeline on a laptop CPU in minutes: pretrain -> longctx -> mtp -> sft -> grpo -> eval,
+tiny model.
 
     python main.py --config=configs/quickstart.py
 
@@ -12,7 +13,7 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.workdir = "runs/quickstart"
-    c.stages = ("pretrain", "longctx", "sft", "eval")
+    c.stages = ("pretrain", "longctx", "mtp", "sft", "grpo", "eval")
 
     m = c.model
     m.vocab_size = 2048
@@ -56,5 +57,21 @@ def get_config():
     c.sft.batch_size = 1
     c.sft.toy_tasks = 24
 
+    # MTP self-distillation: the trunk is frozen, the MTP module learns the main head's
+    # distribution (its held-out acceptance rate is logged).
+    c.mtp.steps = 30
+    c.mtp.eval_batches = 2
+
+    # GRPO on the env's toy tasks in the bwrap sandbox: a few steps to show the loop runs; the
+    # three tools a toy task needs keep the system prompt short.
+    c.rl.tools = ("read_file", "edit_file", "submit")
+    c.rl.context_budget = 2048
+    c.rl.group_size = 2
+    c.rl.tasks_per_step = 1
+    c.grpo.steps = 3
+    c.rl.eval_num_tasks = 2
+    c.rl.eval_samples = 2
+
     c.eval.batches = 8
+    c.eval.agent_tasks = 2  # pass@k of the final model on held-out toy tasks
     return c

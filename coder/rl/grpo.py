@@ -171,7 +171,8 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
     def loss_fn(model, batch, rng):
         del rng  # the GRPO loss is deterministic given the batch
         routing = batch["expert_ids"] if router_replay else None
-        logits, _ = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing)
+        logits, _ = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing,
+                          mtp=False)  # GRPO trains the policy head only
         logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
         mask = batch["loss_mask"] * valid
         norm = batch.get("normalizer", normalizer)
