@@ -31,7 +31,7 @@ setup(
     extras_require={
         # transformers + CPU torch: reference implementation for the model-equivalence tests.
         "test": ["pytest>=8", "hypothesis>=6", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6"],
-        "tpu": ["libtpu>=0.0.20"],
+        "tpu": ["libtpu==0.0.42.*"],  # the libtpu jax 0.10.2 was built against (jax[tpu])
         "hf": ["safetensors>=0.4", "huggingface_hub>=0.24"],
     },
 )

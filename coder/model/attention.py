@@ -28,7 +28,7 @@ from coder.model.layers import RMSNorm, dtype_of, param
 from coder.model.rope import apply_rope, rope_frequencies, softmax_scale
 from coder.model.sharding import constrain
 
-BACKENDS = ("dense",)
+BACKENDS = ("dense", "nsa")
 NEG_INF = -1e30  # finite, so fully masked rows (never produced by valid inputs) give no NaN
 
 
@@ -58,7 +58,7 @@ class MLA(nnx.Module):
         if cfg.attention_backend not in BACKENDS:
             raise ValueError(
                 f"model.attention_backend={cfg.attention_backend!r} is not available; "
-                f"choose one of {BACKENDS} (the 'nsa' backend is wired in from coder/pallas/nsa)")
+                f"choose one of {BACKENDS}")
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.h, self.dn, self.dr, self.dv = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
@@ -78,6 +78,11 @@ class MLA(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static, not a parameter
         self.scale = softmax_scale(cfg)
         self.dtype = dtype_of(cfg.dtype)
+        self.nsa = nnx.data(None)
+        if cfg.attention_backend == "nsa":
+            from coder.pallas.nsa.module import NSA
+
+            self.nsa = nnx.data(NSA(cfg, rngs))  # MLA's absorbed widths: keys r + dr, values r
 
     def _project(self, x, positions):
         """x [B,T,D] -> q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,T,r], k_rope [B,T,dr]."""
@@ -102,7 +107,15 @@ class MLA(nnx.Module):
         dt = self.dtype
         q_nope, q_rope, latent, k_rope = self._project(x, positions)
         w_kvb = self.kv_b_proj[...].astype(dt)
-        if cache is None:
+        if self.nsa is not None:
+            if cache is not None:
+                raise ValueError(
+                    "model.attention_backend='nsa' runs in training and full forwards; cached "
+                    "decoding with NSA (coder.pallas.nsa.decode) is not wired into the KV cache yet: "
+                    "decode with attention_backend='dense'")
+            o = self._nsa(x, q_nope, q_rope, latent, k_rope, w_kvb, positions, segment_ids)
+            new_cache = None
+        elif cache is None:
             kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
             k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
             scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
@@ -129,3 +142,18 @@ class MLA(nnx.Module):
         o = constrain(o, ("batch", "seq", "heads", None))
         out = jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(dt))
         return out, new_cache
+
+    def _nsa(self, x, q_nope, q_rope, latent, k_rope, w_kvb, positions, segment_ids):
+        """Native Sparse Attention in MLA's absorbed (MQA) form -> o `[B,T,H,dv]`.
+
+        q = [q_nope W_uk, RoPE(q_r)] `[B,T,H,r+dr]`, one key group k = [c, k_r] `[B,T,1,r+dr]`
+        and v = c `[B,T,1,r]`: every head shares one block selection (DeepSeek's sparse
+        attention); W_uv is applied after attention, as in the cached dense path.
+        """
+        q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
+        q = jnp.concatenate([q_abs, q_rope.astype(q_abs.dtype)], axis=-1)
+        k = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)[:, :, None, :]
+        v = latent[:, :, None, :]
+        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+        o_lat = self.nsa(q, k, v, x, segment_ids, positions, softmax_scale=self.scale, impl=impl)
+        return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])

@@ -57,10 +57,6 @@ class Block(nnx.Module):
         return constrain(x + f.astype(x.dtype), HIDDEN), cache, stats
 
 
-def _run_block(block, x, positions, segment_ids, cache, expert_ids):
-    return block(x, positions, segment_ids, cache, expert_ids)
-
-
 class MTPModule(nnx.Module):
     def __init__(self, cfg, k: int, rngs: nnx.Rngs):
         d = cfg.hidden_size
@@ -99,7 +95,11 @@ class Transformer(nnx.Module):
     def _block(self, block, *args):
         if self.remat == "none":
             return block(*args)
-        return nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])(block, *args)
+        # jax.checkpoint over the block's state rather than nnx.remat: nnx.remat re-traces the
+        # block's variables (RouterBias included) and refuses them under the trainer's scan.
+        graphdef, state = nnx.split(block)
+        run = jax.checkpoint(lambda s, *a: nnx.merge(graphdef, s)(*a), policy=REMAT_POLICIES[self.remat])
+        return run(state, *args)
 
     # ------------------------------------------------------------------ API
     def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None):
