@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
-from flax import nnx
 
 
 def build_config(args):
@@ -54,22 +53,10 @@ def train(c):
 
 
 def load_model(c, ckpt_dir):
-    """The Transformer of c.model with the weights of `ckpt_dir` (as lm_stages.evaluate loads)."""
-    from coder.model import Transformer, sharding
-    from coder.train import checkpoint as ckpt_lib
+    """The Transformer of c.model with the weights of `ckpt_dir`."""
+    from coder.train.lm_stages import load_model as load
 
-    mesh = sharding.make_mesh(c.mesh)
-    rules = tuple(tuple(r) for r in c.mesh.rules)
-    model = sharding.create_sharded(lambda: Transformer(c.model, rngs=nnx.Rngs(int(c.seed))), mesh, rules)
-    graphdef, state = nnx.split(model)
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-        for k, v in ckpt_lib.state_to_flat(state).items()
-    }
-    found, missing, _ = ckpt_lib.load_params(ckpt_dir, abstract)
-    if missing:
-        raise ValueError(f"{ckpt_dir} lacks {len(missing)} model variables, e.g. {missing[:3]}")
-    return nnx.merge(graphdef, ckpt_lib.flat_to_state(state, found))
+    return load(c, ckpt_dir)
 
 
 def heldout_prompts(c, n: int, length: int) -> list:

@@ -174,22 +174,13 @@ def sft(config, stage_dir: str, init_from: str) -> str:
     return _train(c, stage_dir, init_from, make_iterator)
 
 
-def evaluate(config, stage_dir: str, init_from: str) -> str:
-    """Held-out next-token loss and perplexity of `init_from` (+ the agent eval). Returns init_from.
-
-    Writes one record to {stage_dir}/metrics.jsonl: step (the checkpoint's), loss (mean CE per
-    target token), perplexity = exp(loss), tokens (targets scored), and the agent eval's
-    numeric results.
-    """
-    from coder.data.pretrain import make_pretrain_iterator
+def load_model(config, path: str, mesh=None):
+    """The Transformer of config.model, sharded over `mesh` (default: config.mesh), with every
+    variable taken from the checkpoint at `path`; ValueError if the checkpoint lacks any."""
     from coder.model import Transformer, sharding
     from coder.train import checkpoint as ckpt_lib
-    from coder.train.metrics import MetricsWriter
 
-    if not init_from:
-        raise ValueError("stage eval needs a checkpoint: set init_from or run it after a training stage")
-    tok = _tokenizer(config)
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = sharding.make_mesh(config.mesh) if mesh is None else mesh
     rules = tuple(tuple(r) for r in config.mesh.rules)
     model = sharding.create_sharded(
         lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))), mesh, rules
@@ -199,10 +190,30 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
         for k, v in ckpt_lib.state_to_flat(state).items()
     }
-    found, missing, _ = ckpt_lib.load_params(init_from, abstract)
+    found, missing, _ = ckpt_lib.load_params(path, abstract)
     if missing:
-        raise ValueError(f"eval: {init_from} lacks {len(missing)} model variables, e.g. {missing[:3]}")
-    state = ckpt_lib.flat_to_state(state, found)
+        raise ValueError(f"{path} lacks {len(missing)} model variables, e.g. {missing[:3]}")
+    return nnx.merge(graphdef, ckpt_lib.flat_to_state(state, found))
+
+
+def evaluate(config, stage_dir: str, init_from: str) -> str:
+    """Held-out next-token loss and perplexity of `init_from` (+ the agent eval). Returns init_from.
+
+    Writes one record to {stage_dir}/metrics.jsonl: step (the checkpoint's), loss (mean CE per
+    target token), perplexity = exp(loss), tokens (targets scored), and the agent eval's
+    numeric results.
+    """
+    from coder.data.pretrain import make_pretrain_iterator
+    from coder.model import sharding
+    from coder.train import checkpoint as ckpt_lib
+    from coder.train.metrics import MetricsWriter
+
+    if not init_from:
+        raise ValueError("stage eval needs a checkpoint: set init_from or run it after a training stage")
+    tok = _tokenizer(config)
+    mesh = sharding.make_mesh(config.mesh)
+    rules = tuple(tuple(r) for r in config.mesh.rules)
+    graphdef, state = nnx.split(load_model(config, init_from, mesh))
 
     @jax.jit
     def score(state, batch):
