@@ -174,7 +174,7 @@ def test_grpo_loss_fn_only_sees_policy_tokens():
     logits_b = logits_a.at[0, 0, 4].add(3.0)  # position 0 predicts token 4 at index 1: a prompt token
 
     def model_with(logits):
-        return lambda tokens, positions, segment_ids, routing=None: (logits, {})
+        return lambda tokens, positions, segment_ids, routing=None, mtp=None: (logits, {})
 
     batch = dict(
         tokens=jnp.array([[3, 4, 5, 6, 0]]), positions=jnp.array([[0, 1, 2, 3, 0]]),

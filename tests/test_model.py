@@ -142,6 +142,6 @@ def test_remat_policies_same_gradients():
 
 def test_rejects_unknown_backend_and_remat():
     with pytest.raises(ValueError, match="attention_backend"):
-        Transformer(tiny(attention_backend="nsa"), rngs=nnx.Rngs(0))
+        Transformer(tiny(attention_backend="sparse"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="remat"):
         Transformer(tiny(remat="some"), rngs=nnx.Rngs(0))
