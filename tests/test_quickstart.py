@@ -1,5 +1,5 @@
 """The README's main command, shortened: main.py with configs/quickstart.py runs every stage of
-the chain (pretrain -> longctx -> sft -> eval) end to end in a subprocess, with the real
+the chain (pretrain -> longctx -> mtp -> sft -> grpo -> eval) end to end in a subprocess, with the real
 tokenizer, data pipelines, env transcripts and model, a few steps each."""
 import json
 import math
@@ -24,6 +24,8 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
         "--config.longctx.steps=2", "--config.longctx.seq_len=2048",
         # a toy transcript is ~1.8k tokens and SFT keeps conversations whole
         "--config.sft.steps=2", "--config.sft.seq_len=2048", "--config.sft.toy_tasks=4",
+        "--config.mtp.steps=2", "--config.mtp.eval_batches=1",
+        "--config.grpo.steps=1", "--config.eval.agent_tasks=1", "--config.rl.eval_samples=2",
         "--config.eval.batches=2",
     ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -40,11 +42,17 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
     assert saved["model"]["rope_scaling"]["factor"] == 2048 / 256
     sft_saved = json.loads((workdir / "sft" / "checkpoints" / "2" / "config" / "metadata").read_text())
     assert sft_saved["model"]["rope_scaling"] == saved["model"]["rope_scaling"]
+    mtp = [json.loads(x) for x in (workdir / "mtp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in mtp] == [1, 2, 2]  # two steps, then the held-out record
+    assert 0 < mtp[-1]["heldout/accept_1"] <= 1
+    grpo = [json.loads(x) for x in (workdir / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert grpo[-1]["step"] == 1 and math.isfinite(grpo[-1]["reward"])
     (ev,) = [json.loads(x) for x in (workdir / "eval" / "metrics.jsonl").read_text().splitlines()]
-    assert ev["step"] == 2 and ev["tokens"] > 0
+    assert ev["step"] == 1 and ev["tokens"] > 0  # the grpo checkpoint
+    assert "pass@1" in ev
     assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"]), rel=1e-6)
     # the closing summary names every stage with its checkpoint
     summary = p.stdout[p.stdout.rindex("stage      loss"):]
-    for stage in ("pretrain", "longctx", "sft", "eval"):
+    for stage in ("pretrain", "longctx", "mtp", "sft", "grpo", "eval"):
         assert stage in summary
     assert str(workdir / "sft" / "checkpoints") in summary
