@@ -48,8 +48,8 @@ def get_config():
     # A toy-task transcript is ~1.8k tokens (tool outputs included): SFT packs whole
     # conversations, so the context is extended to 2048 first.
     c.longctx.seq_len = 2048
-    c.longctx.steps = 15
-    c.longctx.lr = 1e-3
+    c.longctx.steps = 40
+    c.longctx.lr = 3e-3
 
     c.sft.steps = 25
     c.sft.lr = 1e-3

@@ -172,8 +172,9 @@ def test_fifo_in_workspace_does_not_block_host(sb):
 def test_fork_bomb_is_bounded(sb):
     t0 = time.monotonic()
     r = sb.run(":(){ :|:& };:", timeout_s=5)
-    assert time.monotonic() - t0 < 8
-    assert r.timed_out or "Resource temporarily unavailable" in r.stderr
+    assert time.monotonic() - t0 < 20  # killed at the 5 s limit (slack for a loaded CI machine)
+    # The shell may return before its children hit the limit (the bomb runs in the background);
+    # what matters is that nothing of it survives, and the counter below shows the limit binds.
     assert _wait_no_procs(sb.uid) == []
     counter = (
         "import os, time\n"
@@ -187,7 +188,8 @@ def test_fork_bomb_is_bounded(sb):
         "    print('forks', n, e.errno)\n"
     )
     sb.write("bomb.py", counter)
-    r = sb.run("python bomb.py", timeout_s=5)
+    r = sb.run("python bomb.py", timeout_s=30)
+    assert r.stdout.startswith("forks"), (r.stdout, r.stderr, r.timed_out)
     forks = int(r.stdout.split()[1])
     assert 0 < forks < TIGHT.nproc  # RLIMIT_NPROC binds: the sandbox uid is not root
     assert _wait_no_procs(sb.uid) == []
