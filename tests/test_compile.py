@@ -48,19 +48,21 @@ def test_topology_devices_are_tpu_chips_of_every_slice():
     assert jax.devices()[0].platform == "cpu"  # the default backend is untouched
 
 
-def test_topology_mesh_puts_slices_on_the_data_axis():
+def test_tpu_mesh_puts_slices_on_the_data_axis():
+    from coder.model import sharding
+
     from configs import base
 
     devices = hw.topology_devices(hw.parse_topology("v5e-4", 2))
     mesh_cfg = base.get_config().mesh
     mesh_cfg.update(dict(data=2, fsdp=4, num_slices=2))
-    mesh = hw.topology_mesh(mesh_cfg, devices, 2)
+    mesh = sharding.make_mesh(mesh_cfg, devices)
     assert dict(mesh.shape) == dict(data=2, fsdp=4, expert=1, tensor=1, sequence=1)
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     assert (slices[0] == 0).all() and (slices[1] == 1).all()  # only `data` crosses the DCN
     mesh_cfg.update(dict(data=1, fsdp=1, tensor=8))  # no data-parallel axis to span slices
     with pytest.raises(ValueError, match="num_slices=2 must divide"):
-        hw.topology_mesh(mesh_cfg, devices, 2)
+        sharding.make_mesh(mesh_cfg, devices)
 
 
 # ----------------------------------------------------------------------------- HLO analysis

@@ -28,8 +28,10 @@ def closed_form(m) -> dict:
     base = m.num_hidden_layers * (attn + norms) + m.first_k_dense_replace * dense + n_moe * moe_fixed + emb + d
     total = base + n_moe * m.n_routed_experts * expert
     active = base + n_moe * m.num_experts_per_tok * expert
-    mtp = m.num_mtp_layers * (3 * d + 2 * d * d + attn + norms + moe_fixed + m.n_routed_experts * expert)
-    return {"total": total, "active": active, "mtp": mtp}
+    mtp_base = m.num_mtp_layers * (3 * d + 2 * d * d + attn + norms + moe_fixed)
+    mtp = mtp_base + m.num_mtp_layers * m.n_routed_experts * expert
+    mtp_active = mtp_base + m.num_mtp_layers * m.num_experts_per_tok * expert
+    return {"total": total, "active": active, "mtp": mtp, "mtp_active": mtp_active}
 
 
 @pytest.mark.slow

@@ -51,18 +51,43 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-    """A Mesh over `devices` (default: all) with Auto axis types (see module docstring)."""
+    """A Mesh over `devices` (default: all) with Auto axis types (see module docstring).
+
+    On TPU (real chips or libtpu's compile-only ones) mesh_utils orders the devices so each mesh
+    axis follows torus links, and with mesh.num_slices > 1 the slice (DCN) dimension is the
+    outermost split of `data` (or `fsdp` when data does not divide): only data-parallel
+    gradient reductions cross slices. Elsewhere devices are taken in order (slice-major).
+    """
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(mesh_cfg, len(devices))
     slices = int(mesh_cfg.get("num_slices", 1) or 1)
-    if slices > 1:
-        # multi-slice (DCN between slices): `data` is the outermost axis, so ordering the
-        # devices by slice puts only data-parallel traffic on the slow links.
-        if shape[0] % slices:
-            raise ValueError(f"mesh.data={shape[0]} must be a multiple of mesh.num_slices={slices}")
-        devices = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))
-    dev = np.asarray(devices).reshape(shape)
+    if devices[0].platform == "tpu":
+        dev = _tpu_device_mesh(shape, devices, slices)
+    else:
+        if slices > 1:
+            if shape[0] % slices:
+                raise ValueError(f"mesh.data={shape[0]} must be a multiple of mesh.num_slices={slices}")
+            devices = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))
+        dev = np.asarray(devices).reshape(shape)
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def _tpu_device_mesh(shape, devices, num_slices: int) -> np.ndarray:
+    from jax.experimental import mesh_utils
+
+    if num_slices == 1:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    dcn = [1] * len(shape)
+    for axis in ("data", "fsdp"):
+        i = AXES.index(axis)
+        if shape[i] % num_slices == 0:
+            dcn[i] = num_slices
+            break
+    else:
+        raise ValueError(f"mesh.num_slices={num_slices} must divide mesh.data or "
+                         f"mesh.fsdp (mesh {dict(zip(AXES, shape))})")
+    ici = [s // d for s, d in zip(shape, dcn)]
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
 
 
 def rules_dict(rules) -> dict[str, Any]:

@@ -193,19 +193,22 @@ def count_params(model_cfg) -> dict:
     total: trunk parameters incl. embedding and output head, *excluding* MTP modules (as
     DeepSeek-V3's published 671B); active: per-token activated parameters of the trunk (routed
     experts count num_experts_per_tok / n_routed_experts of their weights, embedding and head
-    included); mtp: the MTP modules' own parameters (their embedding/head are shared).
+    included); mtp: the MTP modules' own parameters (their embedding/head are shared);
+    mtp_active: the part of those one token touches (routed experts at top-k / n_routed).
     """
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    total = mtp = routed = 0
+    total = mtp = routed = mtp_routed = 0
     for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         n = 1
         for s in v.get_value().shape:
             n *= s
+        is_routed = path[-1] in ("wg", "wu", "wd")
         if path[0] == "mtp":
             mtp += n
+            mtp_routed += n if is_routed else 0
             continue
         total += n
-        if path[-1] in ("wg", "wu", "wd"):
-            routed += n
-    inactive = routed * (1 - model_cfg.num_experts_per_tok / model_cfg.n_routed_experts)
-    return {"total": int(total), "active": int(round(total - inactive)), "mtp": int(mtp)}
+        routed += n if is_routed else 0
+    inactive = 1 - model_cfg.num_experts_per_tok / model_cfg.n_routed_experts
+    return {"total": int(total), "active": int(round(total - routed * inactive)), "mtp": int(mtp),
+            "mtp_active": int(round(mtp - mtp_routed * inactive))}

@@ -167,39 +167,6 @@ def topology_devices(topo: Topology) -> list:
     return devices
 
 
-def topology_mesh(mesh_cfg, devices, num_slices: int = 1):
-    """The config's mesh over `devices`, laid out on the physical torus; slices on `data`.
-
-    Within a slice mesh_utils orders devices so that each mesh axis follows torus links; with
-    several slices the DCN (slice) dimension is the outermost split of the `data` axis (or
-    `fsdp` when data does not divide): only data-parallel gradient reductions cross slices.
-    Works for compile-only devices and for a real pod's jax.devices() alike.
-    """
-    import numpy as np
-    from jax.experimental import mesh_utils
-
-    from coder.model import sharding
-
-    shape = sharding.mesh_shape(mesh_cfg, len(devices))
-    if num_slices == 1:
-        arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    else:
-        dcn = [1] * len(shape)
-        for axis in ("data", "fsdp"):
-            i = sharding.AXES.index(axis)
-            if shape[i] % num_slices == 0:
-                dcn[i] = num_slices
-                break
-        else:
-            raise ValueError(f"mesh.num_slices={num_slices} must divide mesh.data or "
-                             f"mesh.fsdp (mesh {dict(zip(sharding.AXES, shape))})")
-        ici = [s // d for s, d in zip(shape, dcn)]
-        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
-                                                   allow_split_physical_axes=True)
-    # make_mesh reshapes the flat list in C order, which gives back exactly this arrangement
-    return sharding.make_mesh(mesh_cfg, devices=list(np.asarray(arr).reshape(-1)))
-
-
 def describe(topo) -> dict:
     """The topology and its chip's figures, as the report records them."""
     chip = dataclasses.asdict(topo.chip)

@@ -26,7 +26,7 @@ either calls `fit(iterator)` (the LM stages: pretrain, longctx, sft, mtp) or dri
                     logs the expert load imbalance (max load / mean load).
     Every other metric is averaged over micro-batches with the same weights and logged.
 
-What the step does (`_step`, one function): micro-batch loop (lax.scan) of value_and_grad over
+What the step does (`make_train_step`, one pure function): micro-batch loop (lax.scan) of value_and_grad over
 the `trainable` parameters, weighted average, global-norm clipping and the optimizer update;
 when the loss or the gradient norm is NaN/Inf the update is skipped (params, optimizer state
 and router bias unchanged), counted, and `config.train.max_nonfinite_steps` skipped steps in a
@@ -41,6 +41,7 @@ from the initialiser.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -91,6 +92,96 @@ def _weighted_mean(ws, xs):
     """ws `[A]`, xs `[A, ...]` -> sum_i ws_i xs_i / sum ws (0 when every weight is 0)."""
     total = jnp.sum(ws)
     return jnp.tensordot(ws, xs.astype(jnp.float32), axes=1) / jnp.where(total > 0, total, 1.0)
+
+
+def _weighted_loss(loss_fn, graphdef, params, rest, batch, rng):
+    """loss_fn on the module rebuilt from (graphdef, params, rest) -> (loss, (metrics, weight))."""
+    model = nnx.merge(graphdef, params, rest)
+    loss, metrics = loss_fn(model, batch, rng)
+    metrics = dict(metrics)
+    weight = jnp.asarray(metrics.pop("weight", 1.0), jnp.float32)
+    return jnp.asarray(loss, jnp.float32), (metrics, weight)
+
+
+def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1, bias_rate: float = 0.0,
+                    trainable=nnx.Param, schedule: Callable | None = None) -> Callable:
+    """The optimizer step every stage runs, as a pure function (the trainer jits it; stage
+    `compile` lowers the same function for a TPU slice):
+
+        step(params, rest, opt_state, step, batch) -> (params, rest, opt_state, metrics)
+
+    params / rest: `nnx.split(model, trainable, ...)` of the model built from `graphdef`;
+    batch: dict of `[grad_accum * micro_batch, ...]` arrays (BATCH_AXIS for the exceptions);
+    key: the run's base key, folded with the step and the micro-batch index.
+    Micro-batch grads (lax.scan) are averaged with the loss_fn's `weight`s, clipped and applied
+    by `tx`; a non-finite loss or gradient norm keeps params, optimizer state and router bias
+    (metrics["skipped"] = 1); MoE router biases get the aux-loss-free update after the step.
+    """
+    grad_fn = jax.value_and_grad(functools.partial(_weighted_loss, loss_fn, graphdef), has_aux=True)
+
+    def train_step(params, rest, opt_state, step, batch):
+        step_key = jax.random.fold_in(key, step)
+        micro = split_microbatches(batch, grad_accum)
+
+        def body(grad_sum, xs):
+            mb, i = xs
+            (loss, (metrics, w)), g = grad_fn(params, rest, mb, jax.random.fold_in(step_key, i))
+            grad_sum = jax.tree.map(lambda s, x: s + w * x, grad_sum, g)
+            return grad_sum, (loss, metrics, w)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grad_sum, (losses, metrics, ws) = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
+        total_w = jnp.sum(ws)
+        grads = jax.tree.map(lambda g: g / jnp.where(total_w > 0, total_w, 1.0), grad_sum)
+        loss = _weighted_mean(ws, losses)
+        metrics = {k: _weighted_mean(ws, v) for k, v in metrics.items()}
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep_if_bad(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        new_params = keep_if_bad(new_params, params)
+        new_opt = keep_if_bad(new_opt, opt_state)
+        load = metrics.pop("router_load", None)
+        mtp_load = metrics.pop("mtp_router_load", None)
+        new_rest = rest
+        if load is not None and load.shape[0] > 0:
+            from coder.model.moe import update_router_bias
+
+            model = nnx.merge(graphdef, new_params, rest)
+            update_router_bias(model, load, bias_rate, mtp_load)
+            _, _, updated = nnx.split(model, trainable, ...)
+            new_rest = keep_if_bad(updated, rest)
+            # Expert load imbalance: max / mean load of the worst layer (1 = balanced).
+            metrics["load_imbalance"] = jnp.max(
+                jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-12)
+            )
+        out = {**metrics, "loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+        if schedule is not None:
+            out["lr"] = schedule(step)
+        return new_params, new_rest, new_opt, out
+
+    return train_step
+
+
+def opt_state_shardings(tx, params, mesh):
+    """Optimizer-state shardings for `tx.init(params)`: every moment shards like its parameter,
+    counters and other non-parameter leaves are replicated. `params` may be abstract
+    (ShapeDtypeStruct with shardings) or arrays.
+
+    jit's own propagation does not do this: zeros_like(p) does not depend on p's values, so
+    `jit(tx.init)` returns the moments unsharded (a 671B model's whole Adam state on each chip).
+    """
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = jax.eval_shape(tx.init, params)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    return optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract, param_sh,
+                                 transform_non_params=lambda _: replicated, is_leaf=masked)
 
 
 class Trainer:
@@ -152,7 +243,7 @@ class Trainer:
         self.tx = make_optimizer(tc)
         self._schedule = lr_schedule(tc)
         with sharding.activate(self.mesh, self.rules):
-            opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings(params))(params)
+            opt_state = jax.jit(self.tx.init, out_shardings=opt_state_shardings(self.tx, params, self.mesh))(params)
         self.params, self.rest, self.opt_state = params, rest, opt_state
         self.step = 0
         self.key = jax.random.key(int(config.seed))
@@ -170,6 +261,9 @@ class Trainer:
             self._init_from(init_from)
 
         shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)
+        self._step = make_train_step(self._graphdef, loss_fn, self.tx, key=self.key,
+                                     grad_accum=self.grad_accum, bias_rate=self.bias_rate,
+                                     trainable=trainable, schedule=self._schedule)
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(self.params), shard_of(self.rest), shard_of(self.opt_state), None),
@@ -185,30 +279,6 @@ class Trainer:
             self.stage, jax.process_index(), jax.process_count(), jax.device_count(),
             dict(self.mesh.shape), n_params, self.step,
         )
-
-    def _opt_shardings(self, params):
-        """Optimizer-state shardings: each moment shards like its parameter, the rest replicates.
-
-        jit's own propagation does not do this (zeros_like(p) does not depend on p's values and
-        comes out on one device), so every state leaf is matched to the parameter whose flat
-        name ends its key path ("0.mu.layers.0.wq.value" -> "layers.0.wq") with the same shape.
-        """
-        param_sh = {k: (v.shape, v.sharding) for k, v in ckpt_lib.state_to_flat(params).items()}
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        abstract = jax.eval_shape(self.tx.init, params)
-
-        def pick(path, leaf):
-            name = ckpt_lib.flat_name(path)
-            if name.endswith(".value"):
-                name = name[: -len(".value")]
-            best = None
-            for pname, (shape, sh) in param_sh.items():
-                if (name == pname or name.endswith("." + pname)) and tuple(shape) == tuple(leaf.shape):
-                    if best is None or len(pname) > len(best[0]):
-                        best = (pname, sh)
-            return best[1] if best else replicated
-
-        return jax.tree_util.tree_map_with_path(pick, abstract)
 
     # ------------------------------------------------------------------ state access
     @property
@@ -292,65 +362,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def _loss(self, params, rest, batch, rng):
-        model = nnx.merge(self._graphdef, params, rest)
-        loss, metrics = self.loss_fn(model, batch, rng)
-        metrics = dict(metrics)
-        weight = jnp.asarray(metrics.pop("weight", 1.0), jnp.float32)
-        return jnp.asarray(loss, jnp.float32), (metrics, weight)
-
-    def _step(self, params, rest, opt_state, step, batch):
-        """One optimizer step: micro-batch grads, weighted mean, clip + update, skip if non-finite."""
-        key = jax.random.fold_in(self.key, step)
-        micro = split_microbatches(batch, self.grad_accum)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-
-        def body(grad_sum, xs):
-            mb, i = xs
-            (loss, (metrics, w)), g = grad_fn(params, rest, mb, jax.random.fold_in(key, i))
-            grad_sum = jax.tree.map(lambda s, x: s + w * x, grad_sum, g)
-            return grad_sum, (loss, metrics, w)
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (losses, metrics, ws) = jax.lax.scan(
-            body, zeros, (micro, jnp.arange(self.grad_accum))
-        )
-        total_w = jnp.sum(ws)
-        grads = jax.tree.map(lambda g: g / jnp.where(total_w > 0, total_w, 1.0), grad_sum)
-        loss = _weighted_mean(ws, losses)
-        metrics = {k: _weighted_mean(ws, v) for k, v in metrics.items()}
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        updates, new_opt = self.tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-
-        def keep_if_bad(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-        new_params = keep_if_bad(new_params, params)
-        new_opt = keep_if_bad(new_opt, opt_state)
-        load = metrics.pop("router_load", None)
-        mtp_load = metrics.pop("mtp_router_load", None)
-        new_rest = rest
-        if load is not None and load.shape[0] > 0:
-            from coder.model.moe import update_router_bias
-
-            model = nnx.merge(self._graphdef, new_params, rest)
-            update_router_bias(model, load, self.bias_rate, mtp_load)
-            _, _, updated = nnx.split(model, self.trainable, ...)
-            new_rest = keep_if_bad(updated, rest)
-            # Expert load imbalance: max / mean load of the worst layer (1 = balanced).
-            metrics["load_imbalance"] = jnp.max(
-                jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-12)
-            )
-        out = {
-            **metrics,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": self._schedule(step),
-            "skipped": (~ok).astype(jnp.int32),
-        }
-        return new_params, new_rest, new_opt, out
+        return _weighted_loss(self.loss_fn, self._graphdef, params, rest, batch, rng)
 
     def _eval(self, params, rest, batch):
         loss, (metrics, weight) = self._loss(params, rest, batch, jax.random.key(0))
@@ -451,7 +463,7 @@ class Trainer:
             from coder.model import count_params
 
             counts = count_params(self.config.model)
-            active = counts["active"] + counts.get("mtp", 0)
+            active = counts["active"] + counts["mtp_active"]
         else:
             active = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
         return metrics_lib.flops_per_token(self.config.model, seq_len, active)
