@@ -157,6 +157,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.tasks = "toy"  # task source: "toy" (coder.env toy tasks) or a Task JSONL path/glob
     c.rl.eval_tasks = "toy"  # held-out tasks of the agent eval: "toy" or a Task JSONL path/glob
     c.rl.group_size = 4  # G: rollouts per task
+    c.rl.speculative_k = 0  # the engine drafts this many tokens per step with the MTP modules (<= model.num_mtp_layers)
     c.rl.tasks_per_step = 2  # B: tasks per optimizer step (each task used once: single epoch)
     c.rl.temperature = 1.0  # sampling temperature (the learner's logprobs use the same one)
     c.rl.top_p = 1.0  # nucleus sampling (1 = off)
@@ -226,4 +227,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.topology = "v5e-4"  # target slice: "v5e-4", "v5p-512", "v6e-256" or "v5p:4x8x8"
     c.compile.report_dir = ""  # where report.json / report.md go ("" = {workdir}/compile)
     c.compile.offload_optimizer = False  # optimizer state in pinned host memory between steps
+    # the RL engine's prefill and decode programs (coder/infer/engine.py), compiled beside the
+    # training step on the same mesh: rows decoded together (0 = rl.group_size), cache slots
+    # (0 = rl.context_budget), tokens per prefill chunk (0 = min(2048, cache slots))
+    c.compile.engine = True
+    c.compile.engine_batch = 0
+    c.compile.engine_max_len = 0
+    c.compile.engine_prefill_len = 0
     return c

@@ -216,3 +216,36 @@ def test_quickstart_train_step_compiles_for_v5e_2x2(quickstart_report):
     assert f["step_time_lower_s"] == max(f["compute_s"], f["hbm_s"], f["ici_s"], f["dcn_s"]) > 0
     assert 0 < f["mfu_lower"] <= f["mfu_upper"] < 1
     assert "v5e-4" in md and "fits" in md and "| all-reduce |" in md
+
+
+@pytest.mark.slow
+def test_quickstart_engine_programs_compile_for_v5e_2x2(quickstart_report):
+    """The RL engine's prefill and decode are compiled beside the training step."""
+    from coder.model import count_params
+
+    config, r, md = quickstart_report
+    e = r["engine"]
+    st = e["setup"]
+    assert (st["rows"], st["cache_slots"]) == (config.rl.group_size, config.rl.context_budget)
+    assert st["prefill_len"] == min(2048, config.rl.context_budget)
+    counts = count_params(config.model)
+    # weights are replicated over the 4 data-parallel chips (float32 parameters, all of them)
+    assert st["params_bytes_per_chip"] >= 4 * (counts["total"] + counts["mtp"])
+    # the latent cache: rows x slots x (kv_lora_rank + rope dim) per layer (+ MTP layer)
+    m = config.model
+    per_row = config.rl.context_budget * (m.kv_lora_rank + m.qk_rope_head_dim) * jnp.dtype(m.dtype).itemsize * (
+        m.num_hidden_layers + m.num_mtp_layers)
+    rows_per_chip = st["rows"] // 4 if st["rows_split_over"] else st["rows"]
+    assert st["cache_bytes_per_chip"] >= rows_per_chip * per_row
+    for name in ("prefill", "decode"):
+        p = e[name]
+        assert p["status"] == "fits", p.get("error")
+        assert p["cost"]["flops"] > 0 and p["tokens_per_s_upper"] > 0
+        assert p["memory"]["params_bytes"] == st["params_bytes_per_chip"]
+    # rows are replicated (2 rows, 4 chips): each chip does at least the programs' matmul work
+    assert not st["rows_split_over"]
+    for name in ("prefill", "decode"):
+        assert e[name]["cost"]["flops"] >= e[name]["roofline"]["model_flops"] > 0
+    assert e["prefill"]["cost"]["flops"] > 20 * e["decode"]["cost"]["flops"]
+    assert e["decode"]["roofline"]["bound"] == "hbm"  # decoding a few rows reads every weight
+    assert "## RL engine: prefill and decode programs" in md

@@ -34,7 +34,8 @@ Recorded logprob of a token: `log_softmax(logits / T)[token]` over the full voca
 temperature reproduces it.
 
 How it runs. The cache (`coder.model.init_cache`: per layer latent `[B, S, r]` and RoPE key
-`[B, S, dr]`, indexed by absolute position) of a group holds its n rows; a call runs on a
+`[B, S, dr]`, indexed by absolute position; with the nsa backend also the compressed keys and
+values `[B, ceil(S / d), 1, ...]`) of a group holds its n rows; a call runs on a
 sub-batch of the requested rows, gathered from the group cache into a batch bucket and
 scattered back afterwards, unless it covers every row in order (padding rows have segment id 0,
 which the model never writes into the cache). One decode step samples every active row's next token from the logits it holds
@@ -44,7 +45,11 @@ With speculative_k = k a step instead emits 1 .. k+1 tokens per row (speculative
 prefill also runs the MTP modules so that their caches follow the main one.
 Compiled shapes: batch bucket x prefill length bucket x cache capacity bucket (the cache grows
 by whole buckets, so short rows do not pay for `max_len` attention), so a run compiles a
-handful of programs and none per request. `compilations` counts the traces.
+handful of programs and none per request. The engine relies on one layout rule for every cache
+leaf (checked at construction): `[batch, slots, ...]` where `slots` grows with the capacity S
+(S itself, or ceil(S / d) for NSA's compressed entries), entries are indexed from slot 0, and
+the other axes do not depend on S; growing the cache is then zero-padding axis 1 of each leaf
+to its length at the new capacity. `compilations` counts the traces.
 
 Counters for benchmarks and metrics: `prefill_tokens`, `decode_steps`, and with speculative
 decoding `drafted` / `accepted` (acceptance rate = accepted / drafted).
@@ -195,7 +200,7 @@ class Engine:
         self._spec_fn = jax.jit(self._counted("speculative", self._spec_impl))
         self._take_fn = jax.jit(self._counted("take", _take_rows))
         self._put_fn = jax.jit(self._counted("put", _put_rows))
-        self._grow_fn = jax.jit(self._counted("grow", _grow), static_argnums=1)
+        self._grow_fn = jax.jit(self._counted("grow", self._grow_impl), static_argnums=1)
         self._broadcast_fn = jax.jit(self._counted("broadcast", _broadcast), static_argnums=1)
 
     # ------------------------------------------------------------------ public API
@@ -279,6 +284,45 @@ class Engine:
     def num_compilations(self) -> int:
         return sum(self.compilations.values())
 
+    def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,
+              store_sharding=None) -> dict:
+        """Lower (never run) the prefill and decode programs of one shape bucket.
+
+        batch rows, cache `capacity` slots, prefill chunks of `prefill_len` tokens; the decode
+        program is the speculative step when speculative_k > 0. Returns {"prefill": Lowered,
+        "decode": Lowered, "state": abstract state, "store": abstract store}. The engine may
+        be built from an abstract model (`nnx.eval_shape`): nothing is allocated, which is how
+        stage `compile` compiles a full-size engine for a TPU slice.
+        state_shardings: a tree like the model state; store_sharding: `leaf -> sharding` for
+        every `[batch, ...]` store leaf (cache, logits, hidden).
+        """
+        def put(tree, shardings):
+            if shardings is None:
+                return tree
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                tree, shardings)
+
+        state = put(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._state),
+                    state_shardings)
+        store = jax.eval_shape(lambda: self._empty_store(batch, capacity))
+        if store_sharding is not None:
+            store = put(store, jax.tree.map(store_sharding, store))
+        row_sh = None if store_sharding is None else store_sharding(jax.ShapeDtypeStruct((batch,), jnp.int32))
+        vec = lambda dt, *shape: jax.ShapeDtypeStruct((batch, *shape), dt, sharding=row_sh)
+        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
+        tokens = jax.ShapeDtypeStruct((batch, prefill_len), jnp.int32)
+        if store_sharding is not None:
+            tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=store_sharding(tokens))
+        prefill = self._prefill_fn.lower(state, store, True, vec(jnp.int32), tokens, tokens, tokens,
+                                         vec(jnp.int32))
+        carry = (vec(jnp.float32, self.cfg.vocab_size), vec(jnp.bool_))
+        step_fn = self._spec_fn if self.spec_k else self._decode_fn
+        decode = step_fn.lower(state, store, carry, vec(jnp.int32), vec(jnp.int32), vec(jnp.bool_),
+                               vec(jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32),
+                               jax.eval_shape(lambda: jax.random.key(0)),
+                               scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
+        return {"prefill": prefill, "decode": decode, "state": state, "store": store}
+
     # ------------------------------------------------------------------ internals
     def _counted(self, name, fn):
         def traced(*args):
@@ -286,26 +330,39 @@ class Engine:
             return fn(*args)
         return traced
 
-    def _empty_group(self, prompt, n: int, slots: int, capacity: int) -> Group:
-        """n rows holding `prompt` as pending tokens, an all-zero store of `slots` rows."""
+    def _empty_store(self, slots: int, capacity: int) -> dict:
+        """The all-zero store of a group of `slots` rows (see Group)."""
         d = self.cfg.hidden_size
-        store = {
+        return {
             "cache": init_cache(self.cfg, slots, capacity, self.cache_dtype),
             "logits": jnp.zeros((slots, self.cfg.vocab_size), jnp.float32),
             "hidden": jnp.zeros((slots, d), self.cache_dtype),
             "mtp_hidden": jnp.zeros((slots, self.spec_k, d), self.cache_dtype),
         }
+
+    def _empty_group(self, prompt, n: int, slots: int, capacity: int) -> Group:
+        """n rows holding `prompt` as pending tokens, an all-zero store of `slots` rows."""
+        store = self._empty_store(slots, capacity)
         rows = [_Row(tokens=list(prompt), length=0, expert_chunks=[], logits_version=self.policy_version)
                 for _ in range(n)]
         return Group(rows, store, capacity)
 
+    def _cache_shapes(self, batch: int, capacity: int):
+        return jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, self.cache_dtype))
+
     def _check_cache_layout(self):
-        """Every cache leaf must be `[batch, slots, ...]` (the contract); fail early otherwise."""
-        a = jax.eval_shape(lambda: init_cache(self.cfg, 2, 8, self.cache_dtype))
-        b = jax.eval_shape(lambda: init_cache(self.cfg, 3, 5, self.cache_dtype))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            if x.shape[:2] != (2, 8) or y.shape[:2] != (3, 5):
-                raise ValueError(f"init_cache leaf {x.shape} is not [batch, max_len, ...]")
+        """Every cache leaf must be `[batch, slots, ...]` with `slots` growing with the capacity and
+        the other axes independent of it (module docstring); fail early otherwise."""
+        a, b, c = self._cache_shapes(2, 64), self._cache_shapes(3, 64), self._cache_shapes(2, 1024)
+        for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+            if (x.ndim < 2 or (x.shape[0], y.shape[0]) != (2, 3) or x.shape[1:] != y.shape[1:]
+                    or x.shape[2:] != z.shape[2:] or not 0 < x.shape[1] < z.shape[1]):
+                raise ValueError(f"init_cache leaf {x.shape} (batch 2, capacity 64) is not "
+                                 "[batch, slots growing with the capacity, fixed axes...]")
+
+    def _grow_impl(self, cache, capacity: int):
+        """Zero-pad every cache leaf's slot axis to its length at `capacity`."""
+        return _grow(cache, self._cache_shapes(1, capacity))
 
     def _sync_weights(self):
         with self._lock:
@@ -551,13 +608,14 @@ def _put_rows(tree, idx, sub):
     return jax.tree.map(lambda x, s: x.at[idx].set(s.astype(x.dtype), mode="drop"), tree, sub)
 
 
-def _grow(cache, capacity: int):
-    """Zero-pad every cache leaf `[B, S, ...]` to `[B, capacity, ...]`."""
-    def pad(x):
+def _grow(cache, target):
+    """Zero-pad axis 1 of every cache leaf `[B, s, ...]` to the length of the matching leaf of
+    `target` (shapes of the cache at a larger capacity)."""
+    def pad(x, t):
         widths = [(0, 0)] * x.ndim
-        widths[1] = (0, capacity - x.shape[1])
+        widths[1] = (0, t.shape[1] - x.shape[1])
         return jnp.pad(x, widths)
-    return jax.tree.map(pad, cache)
+    return jax.tree.map(pad, cache, target)
 
 
 def _broadcast(tree, n: int):

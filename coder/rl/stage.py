@@ -97,7 +97,8 @@ def make_engine(model, config):
     from coder.infer.engine import Engine
 
     m = nnx.merge(nnx.graphdef(model), detached_state(model))
-    return Engine(m, config.model, max_len=int(config.rl.context_budget))
+    return Engine(m, config.model, max_len=int(config.rl.context_budget),
+                  speculative_k=int(config.rl.speculative_k))
 
 
 def validate(config) -> None:

@@ -185,6 +185,8 @@ def to_markdown(r: dict) -> str:
                   f"| MFU (perfect overlap) | {100 * f['mfu_upper']:.1f}% |",
                   f"| MFU (no overlap) | {100 * f['mfu_lower']:.1f}% |",
                   f"| compiled FLOPs / model FLOPs | {f['hlo_to_model_flops']:.2f} |"]
+    if r.get("engine"):
+        lines += engine_markdown(r["engine"])
     if r.get("advice"):
         lines += ["", "## What would make it fit / run faster", ""]
         lines += [f"- {a}" for a in r["advice"]]
@@ -196,6 +198,45 @@ def to_markdown(r: dict) -> str:
               + (f" (assumed: {', '.join(chip['assumed'])})" if chip["assumed"] else "")
               + "; sources in coder/train/hardware.py.", ""]
     return "\n".join(lines)
+
+
+def engine_markdown(e: dict) -> list[str]:
+    """The engine section of report.md: one column per program."""
+    lines = ["", "## RL engine: prefill and decode programs", ""]
+    if "setup" not in e:
+        return lines + [f"Status: **{e['status']}** — {e.get('error', '')}"]
+    st = e["setup"]
+    lines.append(f"{st['rows']} rows, {st['cache_slots']} cache slots, prefill chunks of {st['prefill_len']} "
+                 f"tokens, speculative_k={st['speculative_k']}; rows split over mesh axes "
+                 f"{st['rows_split_over'] or 'none (replicated)'}.")
+    progs = [p for p in ("prefill", "decode") if p in e]
+    lines += ["", "| | " + " | ".join(progs) + " |", "|---|" + "---|" * len(progs)]
+
+    def row(label, fn):
+        vals = []
+        for p in progs:
+            try:
+                vals.append(fn(e[p]))
+            except (KeyError, TypeError):
+                vals.append("-")
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+
+    row("status", lambda x: f"**{x['status']}**")
+    row("weights GiB per chip", lambda x: _gib(x["memory"]["params_bytes"]))
+    row("cache + logits GiB per chip", lambda x: _gib(x["memory"]["batch_bytes"]))
+    row("temporaries GiB per chip", lambda x: _gib(x["memory"]["activations_temp_bytes"]))
+    row("total GiB per chip (HBM)", lambda x: f"{_gib(x['memory']['total_bytes'])} ({_gib(x['memory']['hbm_bytes'])})")
+    row("needs GiB (XLA stopped)", lambda x: _gib(x["memory_overflow"]["used_bytes"]))
+    row("FLOPs per chip", lambda x: f"{x['cost']['flops']:.4g}")
+    row("bytes accessed per chip", lambda x: f"{x['cost']['bytes_accessed']:.4g}")
+    row("collectives (executed)", lambda x: ", ".join(
+        f"{k} {v['executed']:.0f}" for k, v in x["collectives"].items() if v["executed"]) or "none")
+    row("step s (overlap-serial)", lambda x: f"{x['roofline']['step_time_lower_s']:.3g}-"
+        f"{x['roofline']['step_time_serial_s']:.3g}")
+    row("bound", lambda x: x["roofline"]["bound"])
+    row("tokens/s, slice (upper)", lambda x: f"{x['tokens_per_s_upper']:.4g}")
+    row("compile s", lambda x: f"{x['compile_seconds']:.0f}")
+    return lines
 
 
 def write_report(report: dict, out_dir: str) -> str:
@@ -282,6 +323,94 @@ def lower_train_step(config, mesh):
                  optimizer=0.0 if config.compile.offload_optimizer else bytes_per_chip(opt),
                  batch=bytes_per_chip(batch))
     return lowered, sizes
+
+
+def lower_engine(config, mesh) -> tuple[dict, dict]:
+    """Lower the RL engine's prefill and decode programs over `mesh` with abstract weights.
+
+    Returns ({"prefill": Lowered, "decode": Lowered}, setup). Weights shard by the same rules
+    as training; every store leaf (cache `[rows, slots, ...]`, logits, hidden) splits its rows
+    over the batch mesh axes when they divide the rows, else is replicated.
+    """
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from coder.infer.engine import Engine
+    from coder.model import Transformer, sharding
+
+    rules = tuple(tuple(r) for r in config.mesh.rules)
+    cc, rl = config.compile, config.rl
+    rows = int(cc.engine_batch or rl.group_size)
+    slots = int(cc.engine_max_len or rl.context_budget)
+    prefill = int(cc.engine_prefill_len or min(2048, slots))
+    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
+    engine = Engine(abstract, config.model, max_len=slots, speculative_k=int(rl.speculative_k))
+    state_sh = sharding.state_shardings(nnx.state(abstract), mesh, rules)
+    axes = sharding.mesh_axes_of("batch", rules)
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    n = math.prod(mesh.shape[a] for a in axes)
+    split = axes if axes and rows % n == 0 else None
+
+    def store_sharding(leaf):
+        return NamedSharding(mesh, PartitionSpec(split, *([None] * (leaf.ndim - 1))))
+
+    with sharding.activate(mesh, rules):
+        out = engine.lower(rows, slots, prefill, state_shardings=state_sh, store_sharding=store_sharding)
+    per_chip = dict(params=bytes_per_chip(out["state"]), cache=bytes_per_chip(out["store"]))
+    setup = dict(rows=rows, cache_slots=slots, prefill_len=prefill, speculative_k=int(rl.speculative_k),
+                 rows_split_over=list(split or ()), **{f"{k}_bytes_per_chip": v for k, v in per_chip.items()})
+    return {"prefill": out["prefill"], "decode": out["decode"]}, setup
+
+
+def compile_engine(config, mesh, topo) -> dict:
+    """Compile and analyse the engine's programs; a failure is recorded per program.
+
+    Model FLOPs of a program: 2 x the trunk's active matmul parameters x the tokens it feeds
+    (prefill: rows x prefill_len; decode: rows x (speculative_k + 1)); attention over the cache
+    is not counted (small next to the weights at these lengths for MLA's 576-wide latent).
+    """
+    import logging
+    import time
+    import traceback
+
+    from coder.model import count_params
+
+    m = config.model
+    embed = m.vocab_size * m.hidden_size * (0 if m.tie_word_embeddings else 1)
+    active_trunk = count_params(m)["active"] - embed
+
+    t0 = time.perf_counter()
+    try:
+        lowered, setup = lower_engine(config, mesh)
+    except Exception as e:  # noqa: BLE001 (a report, not a crash, is the point of this stage)
+        logging.error("lowering the engine failed:\n%s", traceback.format_exc())
+        return dict(status="compile_error", error=" ".join(str(e).split())[:2000])
+    out = dict(setup=setup)
+    k = setup["speculative_k"]
+    tokens = dict(prefill=setup["rows"] * setup["prefill_len"], decode=setup["rows"] * (k + 1))
+    for name, low in lowered.items():
+        t1 = time.perf_counter()
+        try:
+            compiled = low.compile()
+        except Exception as e:  # noqa: BLE001
+            logging.error("compiling the engine's %s failed:\n%s", name, traceback.format_exc())
+            msg = " ".join(str(e).split())
+            oom = hbm_overflow(msg)
+            entry = dict(status="does_not_fit" if oom else "compile_error", error=msg[:2000])
+            if oom:
+                entry["memory_overflow"] = dict(used_bytes=oom[0], hbm_bytes=oom[1],
+                                                fraction_of_hbm=oom[0] / oom[1])
+        else:
+            entry = analyse(compiled, topo, params=setup["params_bytes_per_chip"], optimizer=0.0,
+                            batch=setup["cache_bytes_per_chip"],
+                            model_flops=2.0 * active_trunk * tokens[name])
+            entry["status"] = "fits" if entry["memory"]["fits"] else "does_not_fit"
+            lower_s = entry["roofline"]["step_time_lower_s"]
+            entry["tokens_per_s_upper"] = tokens[name] / lower_s if lower_s else 0.0
+        entry["compile_seconds"] = time.perf_counter() - t1
+        out[name] = entry
+    out["compile_seconds"] = time.perf_counter() - t0
+    return out
 
 
 def active_params(model_cfg) -> int:
@@ -408,6 +537,8 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
                               model_flops=model_flops_per_step(config.model, active, b, t)))
         report["status"] = "fits" if report["memory"]["fits"] else "does_not_fit"
     report["advice"] = advice(report, config)
+    if config.compile.engine and report["status"] != "compile_error":
+        report["engine"] = compile_engine(config, mesh, topo)
     path = write_report(report, out_dir)
     logging.info("compile report (%s): %s", report["status"], path)
     if report.get("memory"):
