@@ -9,8 +9,10 @@ w=512) via the full module (compression MLPs and gates included) on the blockwis
 so FLOPs come from the same layer compiled with its loops unrolled (16 chunks of T/16 queries,
 which does the same arithmetic: see nsa_fwd), and CPU time from the rolled program. Dense baseline: causal flash-style attention in XLA, query chunks of 2048 that
 each see only the keys up to their end (no work above the diagonal), so both sides are
-blockwise and linear in memory. FLOPs come from XLA's cost analysis of the compiled program;
-CPU time is one execution after compilation (2 shared cores: compare ratios, not absolutes).
+blockwise. FLOPs come from XLA's cost analysis of the whole compiled program; its CPU time is
+the sum over chunks each run as its own program (dense_chunks_timed: one chunk's scores in
+memory at a time), NSA's one execution of the compiled layer (2 shared cores: compare ratios,
+not absolutes).
 
 Decode: cache bytes read per generated token for DeepSeek-V3's MLA cache (bf16 latent 512 +
 RoPE key 64 per slot, K and V share the latent; compressed K 576 + V 512 per entry), from
@@ -54,6 +56,36 @@ def dense_causal(q, k, v, scale):
 
         outs.append(chunk(q[:, lo:hi], k[:, :hi], v[:, :hi]))
     return jnp.concatenate(outs, axis=1)
+
+
+def dense_chunks_timed(q, k, v, w, scale, backward: bool) -> float:
+    """CPU seconds of dense_causal (with its gradient if `backward`) run one query chunk at a time.
+
+    The same arithmetic as the whole program, but each chunk is its own executable run after
+    the previous one finished, so memory holds one chunk's [H, C, T] scores (at 64k the whole
+    program lets XLA keep several chunks live at once, more than this machine's RAM). Gradients:
+    dq of a chunk is its own; dk/dv add up over chunks (the adds are not timed: O(T D))."""
+    t = q.shape[1]
+    c = min(DENSE_CHUNK, t)
+    total = 0.0
+    for i in range(-(-t // c)):
+        lo, hi = i * c, min((i + 1) * c, t)
+
+        def chunk(qi, ki, vi, wi, lo=lo, hi=hi):
+            def f(qi, ki, vi):
+                s = jnp.einsum("bthd,bsd->bhts", qi, ki[:, :, 0]) * scale
+                mask = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
+                p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+                return jnp.einsum("bhts,bsd->bthd", p, vi[:, :, 0])
+            if not backward:
+                return f(qi, ki, vi)
+            return jax.grad(lambda *a: jnp.sum(f(*a) * wi), argnums=(0, 1, 2))(qi, ki, vi)
+
+        args = (q[:, lo:hi], k[:, :hi], v[:, :hi], w[:, lo:hi])
+        compiled = jax.jit(chunk).lower(*args).compile()
+        jax.block_until_ready(args)
+        total += _run(compiled, *args)
+    return total
 
 
 def _compile(f, *args):
@@ -103,15 +135,15 @@ def bench_length(t, heads, dim, timed):
         return jax.grad(lambda *a: jnp.sum(dense_fwd(*a) * w), argnums=(0, 1, 2))(q, k, v)
 
     row = {"T": t}
-    for name, f, args in (("nsa_fwd", nsa_fwd, (params, q, k, v)), ("nsa_fb", nsa_fwd_bwd, (params, q, k, v)),
-                          ("dense_fwd", dense_fwd, (q, k, v)), ("dense_fb", dense_fwd_bwd, (q, k, v))):
-        if name.startswith("nsa"):  # FLOPs from the unrolled program (compiled, never run)
-            row[name + "_flops"] = _compile(functools.partial(f, unroll=True), *args)[1]
-            compiled = _compile(f, *args)[0]
-        else:
-            compiled, row[name + "_flops"], _ = _compile(f, *args)
+    for name, f, args in (("nsa_fwd", nsa_fwd, (params, q, k, v)), ("nsa_fb", nsa_fwd_bwd, (params, q, k, v))):
+        # FLOPs from the unrolled program (compiled, never run); time from the rolled one
+        row[name + "_flops"] = _compile(functools.partial(f, unroll=True), *args)[1]
+        compiled = _compile(f, *args)[0]
         row[name + "_s"] = _run(compiled, *args) if timed else float("nan")
         del compiled
+    for name, f, backward in (("dense_fwd", dense_fwd, False), ("dense_fb", dense_fwd_bwd, True)):
+        row[name + "_flops"] = _compile(f, q, k, v)[1]  # the whole program: compiled, not run
+        row[name + "_s"] = dense_chunks_timed(q, k, v, w, scale, backward) if timed else float("nan")
     return row
 
 

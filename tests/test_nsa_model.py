@@ -1,12 +1,12 @@
 """The model's `nsa` attention backend: MLA in absorbed form through coder.pallas.nsa.
 
 Causality and document masking hold end to end (a later token or another document never changes
-a logit), every NSA parameter gets a gradient, and a few optimizer steps lower the loss."""
+a logit), every NSA parameter gets a gradient, and a few optimizer steps lower the loss. Cached
+calls (decode, chunked prefill, the engine): tests/test_nsa_engine.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 from coder.model import Transformer
@@ -77,11 +77,3 @@ def test_nsa_backend_trains():
         loss, _ = step(model, opt)
     assert float(loss) < float(loss0) - 0.1
 
-
-def test_nsa_backend_refuses_cached_decoding():
-    model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
-    from coder.model import init_cache
-
-    tok, pos, seg = inputs()
-    with pytest.raises(ValueError, match="nsa"):
-        model(tok, pos, seg, cache=init_cache(nsa_cfg(), 2, T, jnp.float32))

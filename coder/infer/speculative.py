@@ -24,7 +24,8 @@ One step (`draft` + one main forward + `accept`), for k <= num_mtp_layers drafts
          p and q are one-hot, so this is "accept while the draft equals the argmax".
 The cache slots of rejected drafts are rolled back by moving the row's length: they are past
 the end, never attended, and overwritten before any query can reach them (the model attends to
-slots <= the query's position and writes a call's tokens before attending).
+slots <= the query's position and writes a call's tokens before attending; with the nsa backend
+a compressed block holding a rejected slot is recomputed when its last slot is written again).
 """
 from __future__ import annotations
 

@@ -16,6 +16,18 @@ Cached calls (decode, chunked prefill) use the *absorbed* form (DeepSeek-V2 sect
 W_kvb's key half is folded into the query and its value half applied after the softmax, so
 attention runs against the cached latent `c` [B,S,r] and `k_r` [B,S,dr] directly (an MQA over
 r + dr features), never expanding per-head keys/values for the whole cache.
+
+Backend "nsa" (coder/pallas/nsa) replaces the softmax attention by Native Sparse Attention in
+the same absorbed form: keys [c; k_r], values c, one key group shared by all heads. The full
+forward compresses, selects and attends over the whole sequence (`MLA._nsa`). A cached call
+writes c / k_r as above, then recomputes NSA's compressed keys/values for every compression
+block whose last slot it wrote (kept per layer in the cache as `k_cmp` [B,Sc,1,r+dr] and
+`v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query through
+`decode.decode_step` at its position: the same output as the full forward for a row holding one
+document, while reading only the compressed entries, the selected blocks and the window. NSA's
+cache assumes a call's writes continue or rewrite the tail of each row (as decoding, chunked
+prefill and speculative rollback do): slots past a call's last written one are stale until
+written again.
 """
 from __future__ import annotations
 
@@ -30,18 +42,28 @@ from coder.model.sharding import constrain
 
 BACKENDS = ("dense", "nsa")
 NEG_INF = -1e30  # finite, so fully masked rows (never produced by valid inputs) give no NaN
+NSA_QUERY_CHUNK = 16  # nsa backend, cached calls: queries per vmapped decode step
 
 
 def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
-    """One layer's cache: latent `[B, max_len, r]` and RoPE key `[B, max_len, dr]`, zeros."""
-    return dict(
-        latent=jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
-        rope=jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype),
-    )
+    """One layer's cache, zeros: latent `[B, max_len, r]` and RoPE key `[B, max_len, dr]`; with the
+    nsa backend also NSA's compressed keys `k_cmp` `[B, Sc, 1, r + dr]` and values `v_cmp`
+    `[B, Sc, 1, r]`, Sc = ceil(max_len / nsa.compress_stride) (entry i summarises slots
+    [i*d, i*d + l); axis 2 is NSA's single key group)."""
+    cache = {
+        "latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
+        "rope": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype),
+    }
+    if cfg.attention_backend == "nsa":
+        sc = -(-max_len // int(cfg.nsa.compress_stride))
+        cache["k_cmp"] = jnp.zeros((batch, sc, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)
+        cache["v_cmp"] = jnp.zeros((batch, sc, 1, cfg.kv_lora_rank), dtype)
+    return cache
 
 
 def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids) -> dict:
-    """Write new tokens at their absolute `positions`; padding tokens (segment 0) write nothing."""
+    """Write new tokens at their absolute `positions`; padding tokens (segment 0) write nothing.
+    Other entries (NSA's compressed caches) are passed through unchanged."""
     b, t = positions.shape
     max_len = layer_cache["latent"].shape[1]
     slot = jnp.where(segment_ids > 0, positions, max_len)  # out of range -> dropped
@@ -50,7 +72,7 @@ def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids) -> di
         latent.astype(layer_cache["latent"].dtype), mode="drop")
     new_rope = layer_cache["rope"].at[rows, slot].set(
         k_rope.astype(layer_cache["rope"].dtype), mode="drop")
-    return dict(latent=new_latent, rope=new_rope)
+    return dict(layer_cache, latent=new_latent, rope=new_rope)
 
 
 class MLA(nnx.Module):
@@ -107,12 +129,7 @@ class MLA(nnx.Module):
         dt = self.dtype
         q_nope, q_rope, latent, k_rope = self._project(x, positions)
         w_kvb = self.kv_b_proj[...].astype(dt)
-        if self.nsa is not None:
-            if cache is not None:
-                raise ValueError(
-                    "model.attention_backend='nsa' runs in training and full forwards; cached "
-                    "decoding with NSA (coder.pallas.nsa.decode) is not wired into the KV cache yet: "
-                    "decode with attention_backend='dense'")
+        if cache is None and self.nsa is not None:
             o = self._nsa(x, q_nope, q_rope, latent, k_rope, w_kvb, positions, segment_ids)
             new_cache = None
         elif cache is None:
@@ -127,6 +144,9 @@ class MLA(nnx.Module):
             probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
             o = jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
             new_cache = None
+        elif self.nsa is not None:
+            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)
+            o, new_cache = self._nsa_cached(x, q_nope, q_rope, w_kvb, positions, segment_ids, new_cache)
         else:
             new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)
             c_all = new_cache["latent"].astype(dt)  # [B,S,r]
@@ -157,3 +177,35 @@ class MLA(nnx.Module):
         impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
         o_lat = self.nsa(q, k, v, x, segment_ids, positions, softmax_scale=self.scale, impl=impl)
         return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])
+
+    def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache):
+        """NSA for a cached call (decode, chunked prefill, verification), after the call's tokens
+        were written -> (o `[B,T,H,dv]`, cache with current compressed entries).
+
+        The raw keys/values are the cache itself, read in place: k = [latent, rope], v = latent.
+        First every compression block whose last slot this call wrote is recomputed from the
+        cache (NSA.compress_update), then each query runs coder.pallas.nsa.decode.decode_step at
+        its own position, which reads the compressed entries, the query's n selected blocks and
+        its window (slots <= the position only), with the gates of its layer input `x`: the
+        full forward's NSA for a row holding one document.
+        """
+        from coder.pallas.nsa.decode import decode_step
+
+        dt = self.dtype
+        lat, rope = cache["latent"][:, :, None], cache["rope"][:, :, None]  # [B,S,1,r], [B,S,1,dr]
+        k_cmp, v_cmp = self.nsa.compress_update((lat, rope), lat, cache["k_cmp"], cache["v_cmp"],
+                                                positions, segment_ids > 0, dtype=dt)
+        q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
+        q = jnp.concatenate([q_abs, q_rope.astype(q_abs.dtype)], axis=-1)  # [B,T,H,r+dr]
+        gates = self.nsa.gates(x)  # [B,T,H,3]
+
+        def one(args):  # the batch's t-th queries
+            q_t, g_t, p_t = args
+            return decode_step(q_t, (lat, rope), lat, k_cmp, v_cmp, g_t, p_t, cfg=self.nsa.cfg,
+                               softmax_scale=self.scale)
+
+        # queries in vmapped groups of NSA_QUERY_CHUNK (bounds the gathered blocks' memory)
+        tmajor = lambda a: jnp.swapaxes(a, 0, 1)
+        o_lat = jax.lax.map(one, (tmajor(q), tmajor(gates), tmajor(positions)), batch_size=NSA_QUERY_CHUNK)
+        o = jnp.einsum("bthr,rhd->bthd", tmajor(o_lat).astype(dt), w_kvb[..., self.dn:])
+        return o, dict(cache, k_cmp=k_cmp, v_cmp=v_cmp)

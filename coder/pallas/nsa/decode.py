@@ -9,6 +9,10 @@ k_cmp_cache [B,Sc,G,Dk], v_cmp_cache [B,Sc,G,Dv] with Sc >= ceil(S/d) (entry i s
 [i*d, i*d + l), kept current by NSA.compress_update); gates [B,H,3]; pos [B] int32, the query's
 slot (already written); doc_start [B] int32, first slot of the query's document (0 when a row
 holds one conversation, as the engine's cache does).
+
+A raw cache may also be a tuple of feature parts [B,S,G,D_i] that concatenate to the keys
+(values): MLA passes k = (latent, rope) and v = latent straight from its cache, so only the
+gathered slots are concatenated, never the whole cache.
 """
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,17 @@ from coder.pallas.nsa.reference import (
     canonical_topk,
     overlap_bands,
 )
+
+
+def parts(cache) -> tuple:
+    """A raw cache [B,S,G,D] or a tuple of feature parts -> tuple of parts."""
+    return tuple(cache) if isinstance(cache, (tuple, list)) else (cache,)
+
+
+def gather_slots(cache, slots):
+    """Slots `slots` [B,M] of every group -> [B,M,G,D] (parts read separately, then joined)."""
+    take = jax.vmap(lambda x, i: x[i])  # over B: [S,G,D_i][M] -> [M,G,D_i]
+    return jnp.concatenate([take(x, slots) for x in parts(cache)], axis=-1)
 
 
 def _attend(q, k, v, mask, scale):
@@ -36,7 +51,7 @@ def decode_step(q, k_cache, v_cache, k_cmp_cache, v_cmp_cache, gates, pos, doc_s
                 cfg: NSAConfig, softmax_scale: float):
     """-> out [B,H,Dv] float32 for the query at slot `pos` (see module docstring)."""
     b, h, dk = q.shape
-    s_len, g = k_cache.shape[1], k_cache.shape[2]
+    s_len, g = parts(k_cache)[0].shape[1], parts(k_cache)[0].shape[2]
     hg, lsel, n = h // g, cfg.select_block, cfg.select_topk
     doc_start = jnp.zeros_like(pos) if doc_start is None else doc_start
     qg = q.reshape(b, g, hg, dk)
@@ -65,15 +80,18 @@ def decode_step(q, k_cache, v_cache, k_cmp_cache, v_cmp_cache, gates, pos, doc_s
     ok = (jnp.repeat(active, lsel, axis=-1) & (tok <= pos[:, None, None]) & (tok >= doc_start[:, None, None])
           & (tok < s_len))
     tok_c = jnp.minimum(tok, s_len - 1)
-    take = jax.vmap(jax.vmap(lambda x, i: x[i]))  # [S,D][m] per (b, g)
-    k_sel, v_sel = take(tr(k_cache), tok_c), take(tr(v_cache), tok_c)
+    take = jax.vmap(lambda x, i: x[i, jnp.arange(g)[:, None]])  # per row: [S,G,D][G,m] -> [G,m,D]
+    gather = lambda c: jnp.concatenate([take(x, tok_c) for x in parts(c)], axis=-1)
+    k_sel, v_sel = gather(k_cache), gather(v_cache)  # [B,G,n*l',D]
     o_slc, _ = _attend(qg, k_sel, v_sel, ok, softmax_scale)
 
     # window: the last w slots up to pos
     w = min(cfg.window, s_len)
     start = jnp.clip(pos - w + 1, 0, s_len - w)
-    win_k = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))(k_cache, start)
-    win_v = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))(v_cache, start)
+    last_w = lambda c: jnp.concatenate(
+        [jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))(x, start) for x in parts(c)],
+        axis=-1)  # [B,w,G,D]
+    win_k, win_v = last_w(k_cache), last_w(v_cache)
     slot = start[:, None] + jnp.arange(w)
     wmask = (slot <= pos[:, None]) & (pos[:, None] - slot < cfg.window) & (slot >= doc_start[:, None])
     o_win, _ = _attend(qg, tr(win_k), tr(win_v), wmask[:, None], softmax_scale)

@@ -25,14 +25,19 @@ Learnable parts (paper section 3.3):
   rest; weights are shared by the groups.
 - gates (eq. 5): g = sigmoid(x W_g + b_g) -> [B,T,H,3] for (compressed, selected, window).
 
-Decode: `compress_update` keeps the compressed cache current one token at a time, and
-`coder.pallas.nsa.decode.decode_step` reads only compressed blocks, selected blocks and the window.
+Decode (MLA's cached calls, coder/model/attention.py): after a call writes its tokens into the
+raw K/V cache, `compress_update` recomputes from that cache every compression block whose last
+slot the call wrote (a chunk may complete several; a rewritten slot's block is recomputed when
+its end is written again), so the compressed cache [B, ceil(S/d), G, D] is never stale where a
+query can see it; then `coder.pallas.nsa.decode.decode_step` runs each query at its position,
+reading only the compressed entries, its n selected blocks and its window.
 """
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from coder.pallas.nsa import ops
+from coder.pallas.nsa.decode import gather_slots, parts
 from coder.pallas.nsa.reference import NSAConfig, num_compressed
 
 
@@ -93,21 +98,42 @@ class NSA(nnx.Module):
         vb = jnp.moveaxis(blocks(v, self.cfg), 3, 2)
         return self.compress_k(kb), self.compress_v(vb)
 
-    def compress_update(self, k_cache, v_cache, k_cmp_cache, v_cmp_cache, pos):
-        """After writing token `pos` [B] into k/v caches [B,S,G,D]: if it completes compression block
-        i = (pos + 1 - l) / d, write phi of that block into the compressed caches [B,Sc,G,D]."""
+    def compress_update(self, k_cache, v_cache, k_cmp_cache, v_cmp_cache, pos, written=None, *, dtype=None):
+        """Recompute the compression blocks completed by the slots one cached call just wrote.
+
+        k_cache [B,S,G,Dk], v_cache [B,S,G,Dv] (or tuples of feature parts, see decode.parts),
+        already holding the call's tokens; k_cmp_cache [B,Sc,G,Dk], v_cmp_cache [B,Sc,G,Dv];
+        pos [B] or [B,T] int32, the slots written (consecutive within a row); written [B,T] bool,
+        False where nothing was written (padding); dtype: phi's compute dtype (default the cache's).
+        -> (k_cmp_cache, v_cmp_cache).
+
+        Block i = slots [i*d, i*d + l) is recomputed from the cache whenever its last slot
+        i*d + l - 1 is written, whatever its entry held before. Writes continue (or rewrite the
+        tail of) a row, so that slot's write makes every slot of the block current, and a block
+        holding a rewritten slot (speculative rollback) is either recomputed by the same call or
+        ends past the call's last slot, where no query looks until a later call writes its end.
+        A chunk of T slots completes at most (T - 1) // d + 1 blocks: only those are computed.
+        """
         l, d = self.cfg.compress_block, self.cfg.compress_stride
+        pos = pos[:, None] if pos.ndim == 1 else pos
+        written = jnp.ones(pos.shape, bool) if written is None else written
+        b, t = pos.shape
+        s_len = parts(k_cache)[0].shape[1]
         start = pos + 1 - l
-        done = (start >= 0) & (start % d == 0)
-        i = jnp.where(done, start // d, k_cmp_cache.shape[1])  # out of range -> dropped
+        ends = written & (start >= 0) & (start % d == 0)  # [B,T]: this slot completes a block
+        nb = (t - 1) // d + 1
+        rank = jnp.where(ends, jnp.cumsum(ends, axis=1) - 1, nb)  # k-th completed block of the row
+        rows = jnp.arange(b)[:, None]
+        blk = jnp.full((b, nb), -1, jnp.int32).at[rows, rank].set(start.astype(jnp.int32), mode="drop")
+        slots = jnp.clip(blk[..., None] + jnp.arange(l), 0, s_len - 1).reshape(b, nb * l)
 
-        def one(kc, vc, s):
-            kb = jax.lax.dynamic_slice_in_dim(kc, jnp.maximum(s, 0), l, axis=0)  # [l,G,D]
-            vb = jax.lax.dynamic_slice_in_dim(vc, jnp.maximum(s, 0), l, axis=0)
-            return self.compress_k(jnp.moveaxis(kb, 0, 1)), self.compress_v(jnp.moveaxis(vb, 0, 1))
+        def phi(cache, compressor):
+            x = gather_slots(cache, slots)  # [B,nb*l,G,D]
+            x = x.reshape(b, nb, l, x.shape[2], x.shape[3]).astype(dtype or x.dtype)
+            return compressor(jnp.moveaxis(x, 2, 3))  # [B,nb,G,l,D] -> [B,nb,G,D]
 
-        new_k, new_v = jax.vmap(one)(k_cache, v_cache, start)  # [B,G,D]
-        rows = jnp.arange(pos.shape[0])
+        new_k, new_v = phi(k_cache, self.compress_k), phi(v_cache, self.compress_v)
+        i = jnp.where(blk >= 0, blk // d, k_cmp_cache.shape[1])  # out of range -> dropped
         k_cmp_cache = k_cmp_cache.at[rows, i].set(new_k.astype(k_cmp_cache.dtype), mode="drop")
         v_cmp_cache = v_cmp_cache.at[rows, i].set(new_v.astype(v_cmp_cache.dtype), mode="drop")
         return k_cmp_cache, v_cmp_cache
