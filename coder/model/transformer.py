@@ -180,7 +180,8 @@ class Transformer(nnx.Module):
 
 def init_cache(model_cfg, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
     """{"layers": [per trunk layer], "mtp": [per MTP module]}, each {latent `[B,S,r]`,
-    rope `[B,S,dr]`} of zeros, indexed by absolute position."""
+    rope `[B,S,dr]`} of zeros, indexed by absolute position (+ NSA's compressed k_cmp / v_cmp
+    with attention_backend="nsa", see attention.init_layer_cache)."""
     return dict(
         layers=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(model_cfg.num_hidden_layers)],
         mtp=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(model_cfg.num_mtp_layers)],
