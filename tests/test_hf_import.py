@@ -149,3 +149,19 @@ def test_fp8_block_dequant(tmp_path):
     _, model = hf_import.load_hf(str(tmp_path))
     got = np.asarray(model.layers[1].self_attn.kv_b_proj[...]).reshape(16, -1).T
     np.testing.assert_allclose(got, tensors[name].float().numpy() * sc[0, 0], rtol=1e-6)
+
+
+def test_scanned_model_imports_and_exports_per_layer_names(tmp_path):
+    """model.scan_layers stacks the MoE layers ([layers, ...]); HF files stay per layer."""
+    hf = _hf_model("qlora_yarn")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, model = hf_import.load_hf(str(tmp_path / "hf"), scan_layers=True)
+    assert model.moe_stack is not None and len(model.layers) == 1  # 1 dense layer, 2 stacked
+    assert model.moe_stack.mlp.wg[...].shape[:2] == (2, 8)  # [layers, experts, ...]
+    tokens = _tokens()
+    ref = _theirs(hf, tokens)
+    np.testing.assert_allclose(_ours(model, tokens)[0], ref, atol=1e-4, rtol=0)
+    hf_import.save_hf(cfg, model, str(tmp_path / "ours"))
+    hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        str(tmp_path / "ours"), attn_implementation="eager").eval()
+    np.testing.assert_allclose(_theirs(hf2, tokens), ref, atol=1e-4, rtol=0)

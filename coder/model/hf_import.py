@@ -191,12 +191,13 @@ def _read(handle, name: str, scale_lookup) -> np.ndarray:
     return t.float().numpy()
 
 
-def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None):
+def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bool = False):
     """Read an HF DeepSeek-V3 / Kimi-K2 checkpoint directory -> (model_cfg, Transformer).
 
     `dtype` is the parameter dtype (model_cfg.param_dtype); streaming, shard by shard. With a
     `mesh` (and `rules`, default the config's), each parameter is placed in its final sharding
-    as soon as it is complete, so no device holds the whole model.
+    as soon as it is complete, so no device holds the whole model. scan_layers: build the
+    model with model.scan_layers (MoE layers stacked into moe_stack.*, see configs/base.py).
     """
     from safetensors import safe_open
 
@@ -208,6 +209,7 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None):
         from configs.base import get_config
 
         rules = get_config().mesh.rules
+    cfg.scan_layers = bool(scan_layers)  # HF files are per layer; stacked here when asked
     cfg.param_dtype = jnp.dtype(dtype).name
     cfg.dtype = jnp.dtype(dtype).name if jnp.dtype(dtype) == jnp.float32 else cfg.dtype
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -232,7 +234,9 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None):
         return None
 
     n_layers = cfg.num_hidden_layers
-    pending: dict = {}  # path -> (numpy stack, set of filled experts)
+    # with model.scan_layers the MoE layers live stacked in moe_stack.* ([layers, ...])
+    n_unstacked = len(abstract.layers) if abstract.moe_stack is not None else n_layers
+    pending: dict = {}  # path -> (numpy stack, set of filled (layer, expert) slots)
     done: set = set()
 
     def finish(p, arr):
@@ -254,25 +258,32 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None):
                 if tgt is None:
                     continue
                 p, conv, expert = tgt
+                layer = ()  # index into a stacked (scanned) layer axis
+                if p[0] == "layers" and p[1] >= n_unstacked:
+                    p, layer = ("moe_stack",) + p[2:], (p[1] - n_unstacked,)
                 if conv == "gate_up":
                     w = _read(h, name, scale_lookup)  # [E, 2F, D]
                     f_ = w.shape[1] // 2
-                    finish(p + ("wg",), w[:, :f_].transpose(0, 2, 1))
-                    finish(p + ("wu",), w[:, f_:].transpose(0, 2, 1))
-                    continue
-                if p not in flat:
-                    raise ValueError(f"checkpoint tensor {name} maps to {p}, absent in the model config")
-                shape = flat[p].get_value().shape
-                w = _read(h, name, scale_lookup)
-                if expert is None:
-                    finish(p, _convert(w, conv, shape))
-                    continue
-                stack, filled = pending.setdefault(p, (np.zeros(shape, np.float32), set()))
-                stack[expert] = w.T
-                filled.add(expert)
-                if len(filled) == shape[0]:
-                    finish(p, stack)
-                    del pending[p]
+                    parts = {"wg": w[:, :f_].transpose(0, 2, 1), "wu": w[:, f_:].transpose(0, 2, 1)}
+                else:
+                    if p not in flat:
+                        raise ValueError(f"checkpoint tensor {name} maps to {p}, absent in the model config")
+                    shape = flat[p].get_value().shape[len(layer):]
+                    w = _read(h, name, scale_lookup)
+                    parts = {None: w.T if expert is not None else _convert(w, conv, shape)}
+                for leaf, value in parts.items():
+                    q = p + ((leaf,) if leaf else ())
+                    slot = layer + ((expert,) if expert is not None else ())
+                    if not slot:
+                        finish(q, value)
+                        continue
+                    full = flat[q].get_value().shape
+                    stack, filled = pending.setdefault(q, (np.zeros(full, np.float32), set()))
+                    stack[slot] = value
+                    filled.add(slot)
+                    if len(filled) == int(np.prod(full[:len(slot)])):
+                        finish(q, stack)
+                        del pending[q]
     missing = [p for p in flat if p not in done and not (p[-1] == "lm_head" and cfg.tie_word_embeddings)]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:5]}")
@@ -286,8 +297,16 @@ def _export_tensors(model_cfg, state_flat):
     rev_attn = {v[0]: (k, v[1]) for k, v in _ATTN.items()}
     rev_mtp = {v[0]: (k, v[1]) for k, v in _MTP.items()}
     n_layers = model_cfg.num_hidden_layers
+    n_unstacked = min(model_cfg.first_k_dense_replace, n_layers)
+    unstacked = []  # moe_stack.* [layers, ...] -> layers.{i}.* (HF has no stacked layout)
     for p, var in state_flat:
-        w = np.asarray(jax.device_get(var.get_value()), np.float32)
+        if p[0] == "moe_stack":
+            w = np.asarray(jax.device_get(var.get_value()))
+            unstacked += [(("layers", n_unstacked + j) + p[1:], w[j]) for j in range(w.shape[0])]
+        else:
+            unstacked.append((p, var.get_value()))
+    for p, value in unstacked:
+        w = np.asarray(jax.device_get(value), np.float32)
         if p == ("embed",):
             yield "model.embed_tokens.weight", w
             for k in range(model_cfg.num_mtp_layers):

@@ -225,13 +225,21 @@ class MoE(nnx.Module):
 
 
 def moe_layers(model) -> list[MoE]:
-    """The MoE modules of a model in forward order (trunk, then MTP modules)."""
+    """The MoE modules of a model in forward order (trunk, then MTP modules). With
+    model.scan_layers the stacked layers are one MoE whose variables are `[layers, ...]`."""
     out = []
-    for layer in list(model.layers) + list(getattr(model, "mtp", [])):
+    stack = getattr(model, "moe_stack", None)
+    blocks = list(model.layers) + ([stack] if stack is not None else []) + list(getattr(model, "mtp", []))
+    for layer in blocks:
         mlp = layer.block.mlp if hasattr(layer, "block") else layer.mlp
         if isinstance(mlp, MoE):
             out.append(mlp)
     return out
+
+
+def _rows(moe: MoE) -> int:
+    """Layers one MoE module holds: 1, or the stack's length."""
+    return moe.bias.shape[0] if moe.bias.ndim == 2 else 1
 
 
 def update_router_bias(model, router_load, rate: float, mtp_router_load=None) -> None:
@@ -241,12 +249,19 @@ def update_router_bias(model, router_load, rate: float, mtp_router_load=None) ->
     `[num_mtp_layers, E]` as in aux["mtp_router_load"]. Updates in place, outside the gradient.
     """
     layers = moe_layers(model)
-    n_trunk = sum(1 for layer in model.layers if isinstance(layer.mlp, MoE))
+    n_mtp = sum(1 for m in getattr(model, "mtp", []) if isinstance(m.block.mlp, MoE))
+    trunk = layers[: len(layers) - n_mtp]
+    n_trunk = sum(_rows(m) for m in trunk)
     if router_load.shape[0] != n_trunk:
         raise ValueError(f"router_load has {router_load.shape[0]} rows, the model {n_trunk} MoE layers")
-    loads = [router_load[i] for i in range(n_trunk)]
+    modules, loads, row = list(trunk), [], 0
+    for moe in trunk:
+        n = _rows(moe)
+        loads.append(router_load[row] if moe.bias.ndim == 1 else router_load[row:row + n])
+        row += n
     if mtp_router_load is not None:
+        modules += layers[len(trunk):len(trunk) + mtp_router_load.shape[0]]
         loads += [mtp_router_load[i] for i in range(mtp_router_load.shape[0])]
-    for moe, load in zip(layers[: len(loads)], loads, strict=True):
+    for moe, load in zip(modules, loads, strict=True):
         load = jnp.asarray(load, jnp.float32)
-        moe.bias[...] = moe.bias[...] + rate * jnp.sign(load.mean() - load)
+        moe.bias[...] = moe.bias[...] + rate * jnp.sign(load.mean(-1, keepdims=True) - load)

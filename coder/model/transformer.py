@@ -72,7 +72,12 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         v, d = cfg.vocab_size, cfg.hidden_size
         self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg)
-        self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_hidden_layers)])
+        blocks = [Block(cfg, i, rngs) for i in range(cfg.num_hidden_layers)]
+        n_dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+        self.moe_stack = nnx.data(None)
+        if cfg.get("scan_layers", False) and cfg.num_hidden_layers - n_dense > 0:
+            blocks, self.moe_stack = blocks[:n_dense], nnx.data(stack_blocks(blocks[n_dense:]))
+        self.layers = nnx.List(blocks)
         self.norm = RMSNorm(d, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg)
         self.mtp = nnx.List([MTPModule(cfg, k, rngs) for k in range(cfg.num_mtp_layers)])
@@ -101,6 +106,19 @@ class Transformer(nnx.Module):
         run = jax.checkpoint(lambda s, *a: nnx.merge(graphdef, s)(*a), policy=REMAT_POLICIES[self.remat])
         return run(state, *args)
 
+    def _scan(self, x, positions, segment_ids, routing):
+        """The stacked MoE layers as one lax.scan (remat per layer) -> (x, stats `[layers, ...]`)."""
+        graphdef, state = nnx.split(self.moe_stack)
+
+        def layer(x, xs):
+            s, replay = xs
+            x, _, stats = nnx.merge(graphdef, s)(x, positions, segment_ids, None, replay)
+            return x, stats
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
+        return jax.lax.scan(layer, x, (state, routing))
+
     # ------------------------------------------------------------------ API
     def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None):
         """tokens/positions/segment_ids int32 `[B,T]` -> (logits `[B,T,V]` float32, aux).
@@ -112,9 +130,19 @@ class Transformer(nnx.Module):
         """
         run_mtp = (cache is None) if mtp is None else mtp
         x = self._embed(tokens)
-        loads, ids, zs, new_layers = [], [], [], []
+        loads, ids, zs, new_layers = [], [], [], []  # MoE stats: arrays [layers, ...]
+
+        def record(stats, stacked=False):
+            expand = (lambda a: a) if stacked else (lambda a: a[None])
+            loads.append(expand(stats["load"]))
+            ids.append(expand(stats["expert_ids"]))
+            zs.append(expand(stats["z"]))
+
+        layers = list(self.layers)
+        if self.moe_stack is not None and cache is not None:
+            layers += stack_slices(self.moe_stack)  # decoding: one layer at a time, per-layer caches
         m = 0
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(layers):
             layer_cache = None if cache is None else cache["layers"][i]
             replay = None
             if routing is not None and block.is_moe:
@@ -122,17 +150,19 @@ class Transformer(nnx.Module):
             x, layer_cache, stats = self._block(block, x, positions, segment_ids, layer_cache, replay)
             new_layers.append(layer_cache)
             if stats is not None:
-                loads.append(stats["load"])
-                ids.append(stats["expert_ids"])
-                zs.append(stats["z"])
+                record(stats)
                 m += 1
+        if self.moe_stack is not None and cache is None:
+            replay = None if routing is None else routing[m:]
+            x, stats = self._scan(x, positions, segment_ids, replay)
+            record(stats, stacked=True)
         b, t = tokens.shape
         cfg = self.cfg
         aux = dict(
             hidden=x,
-            router_load=jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
-            expert_ids=jnp.stack(ids) if ids else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32),
-            router_z_loss=jnp.mean(jnp.stack(zs)) if zs else jnp.zeros(()),
+            router_load=jnp.concatenate(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
+            expert_ids=jnp.concatenate(ids) if ids else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32),
+            router_z_loss=jnp.mean(jnp.concatenate(zs)) if zs else jnp.zeros(()),
         )
         logits = self._head(self.norm(x))
         new_cache = None if cache is None else dict(cache, layers=new_layers)
@@ -176,6 +206,27 @@ class Transformer(nnx.Module):
         """
         h, logits, cache, _ = self._mtp(k, hidden, next_tokens, positions, segment_ids, cache)
         return h, logits, cache
+
+
+def stack_blocks(blocks: list) -> Block:
+    """Blocks of one structure -> one Block whose every variable has a leading layer axis
+    (logical axis "layers"). Built from the same per-layer initialisation as the unrolled
+    model, so a scanned and an unrolled model from one seed hold the same numbers."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    for _, var in nnx.to_flat_state(stacked):
+        axes = var.get_metadata().get("logical_axes")
+        if axes is not None:
+            var.set_metadata(logical_axes=("layers", *axes))
+    return nnx.merge(graphdef, stacked)
+
+
+def stack_slices(stack: Block) -> list:
+    """The layers of a stacked Block as separate Blocks (views of slice i of every variable)."""
+    graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(state)[0].shape[0]
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(n)]
 
 
 def init_cache(model_cfg, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
