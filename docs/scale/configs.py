@@ -4,8 +4,8 @@
 
 `get_config("MODEL,TOPOLOGY")` takes configs/MODEL.py unchanged (the architecture) and sets what
 a 32k-token training step on that slice needs; docs/scale/regenerate.sh runs every pair and
-writes docs/scale/MODEL_TOPOLOGY/report.{json,md}. Only the parallelism table, the batch shape
-and remat change here, never the model.
+writes docs/scale/MODEL_TOPOLOGY/report.{json,md}. Only the parallelism table, the batch shape,
+remat and the engine's shapes change here, never the model.
 
 Layout for the full-size MoE models (why, in numbers, in docs/scale/README.md):
   * every parameter and its optimizer state is sharded over all chips: experts over `expert`
@@ -38,11 +38,13 @@ MOE_RULES = (
     ("layers", None),
 )
 
-# remat: "full" is what a 32k step of these models needs (only block inputs kept for the
-# backward pass). Today every remat policy fails to trace inside the trainer's step (flax
-# TraceContextError from nnx.remat under the micro-batch scan; docs/scale/README.md), so the
-# reports are compiled with "none" and say what that costs; switch to "full" when it is fixed.
-REMAT = "none"
+# remat "full": only each block's input is kept for the backward pass (what a 32k step of these
+# models needs; the remat=none compiles of the first session needed several times the HBM).
+REMAT = "full"
+
+# The RL engine's programs compiled beside the step (coder.train.compile.lower_engine): rows
+# decoded together, cache slots (a 32k context), tokens per prefill chunk.
+ENGINE = dict(engine_batch=8, engine_max_len=SEQ_LEN, engine_prefill_len=1024)
 
 # Heads x query tokens are split over all 256 chips (expert x sequence), which bounds the dense
 # attention's per-chip scores to 1/256 of the T x T x heads total.
@@ -73,5 +75,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.data.batch_size = s["batch_size"]
     c.train.grad_accum = s["grad_accum"]
     c.model.remat = REMAT
+    c.model.scan_layers = True  # one compiled MoE layer (an unrolled 61-layer step: ~45 min here)
     c.compile.offload_optimizer = s["offload_optimizer"]
+    c.compile.update(ENGINE)
     return c
