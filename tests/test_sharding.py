@@ -144,3 +144,21 @@ def test_validate_names_the_keys():
     with pytest.raises(ValueError, match="model.topk_group"):
         sharding.validate(tiny(topk_group=3), mesh_cfg(data=-1), 8)
     assert sharding.validate(cfg, mesh_cfg(data=-1, expert=2), 8)["data"] == 4
+
+
+def test_single_token_rows_run_expert_parallel_with_sequence_axis(reference):
+    """A decode step feeds one token per row: the sequence axis cannot split it, so the expert
+    shard_map holds the token replicated over `sequence` (and still returns the same logits)."""
+    cfg, state, _ = reference
+    mcfg = mesh_cfg(TOKENS_OVER_EXPERT, expert=4, sequence=2)
+    mesh = sharding.make_mesh(mcfg)
+    tok, pos, seg = (x[:, :1] for x in batch(b=4))
+    ref = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(ref, jax.tree.map(jnp.copy, state))
+    want, _ = ref(tok, pos, seg)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(jnp.copy, state))
+    sharding.shard_model(model, mesh, mcfg.rules)
+    with sharding.activate(mesh, mcfg.rules):
+        got, _ = nnx.jit(lambda m, *a: m(*a))(model, tok, pos, seg)
+    np.testing.assert_allclose(got, want, atol=2e-5)

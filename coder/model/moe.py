@@ -140,8 +140,12 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules):
 
     x `[B, T, D]`, ids/weights `[B, T, k]`; returns `[B, T, D]`.
     """
-    tok_axes = sharding.mesh_axes_of("batch", rules)
-    seq_axes = tuple(a for a in sharding.mesh_axes_of("seq", rules) if a not in tok_axes)
+    b, t = x.shape[:2]
+    tok_axes = _dividing(mesh, sharding.mesh_axes_of("batch", rules), b)
+    # a decode step's single token (or a batch smaller than the data axes) cannot be split:
+    # those axes then hold a replica of the tokens and compute the same expert sums
+    seq_axes = _dividing(mesh, tuple(a for a in sharding.mesh_axes_of("seq", rules)
+                                     if a not in tok_axes), t)
     exp_axes = sharding.mesh_axes_of("exp", rules)
     mlp_axes = tuple(a for a in sharding.mesh_axes_of("exp_mlp", rules) if a not in exp_axes)
     token_sharded = set(tok_axes) | set(seq_axes)
@@ -171,6 +175,12 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules):
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
                        out_specs=tok_spec, check_vma=False)
     return fn(x, ids, weights, wg, wu, wd)
+
+
+def _dividing(mesh, axes, n: int) -> tuple:
+    """`axes` (a tuple of mesh axis names) if their total size divides n, else ()."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return axes if n % _size(mesh, axes) == 0 else ()
 
 
 def _size(mesh, axes):
