@@ -413,6 +413,17 @@ def compile_engine(config, mesh, topo) -> dict:
     return out
 
 
+def _save_hlo(compiled, directory: str, name: str) -> str:
+    """The compiled HLO as text beside the run (tens of MB at full size: not in the report)."""
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.hlo.txt")
+    with open(path, "w") as f:
+        f.write(compiled.as_text())
+    return path
+
+
 def active_params(model_cfg) -> int:
     """Matmul parameters one token touches in a training step: trunk + MTP modules, routed
     experts at top-k / n_routed, without the input embedding (a lookup, not a matmul)."""
@@ -532,6 +543,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
                                              fraction_of_hbm=oom[0] / oom[1])
     else:
         report["compile_seconds"] = time.perf_counter() - t0
+        report["hlo_file"] = _save_hlo(compiled, stage_dir, "train_step")
         report.update(analyse(compiled, topo, params=part_sizes["params"],
                               optimizer=part_sizes["optimizer"], batch=part_sizes["batch"],
                               model_flops=model_flops_per_step(config.model, active, b, t)))
