@@ -34,6 +34,11 @@ def model_config() -> ml_collections.ConfigDict:
     m.norm_topk_prob = True  # renormalise the top-k sigmoid weights to sum to 1
     m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
     m.bias_update_rate = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
+    # 0 = dropless (DeepSeek-V3). c > 0: each expert takes at most ceil(c * pairs / experts)
+    # (token, expert) pairs of the tokens a device sees, in token order, and drops the rest
+    # (GShard); a fixed [experts, capacity] buffer whose matmuls cost c x the routed work, where
+    # XLA:TPU's dropless ragged_dot gradient costs every local expert x every pair (docs/scale)
+    m.moe_capacity_factor = 0.0
     m.rms_norm_eps = 1e-6  # RMSNorm epsilon
     m.rope_theta = 10000.0  # RoPE base
     m.max_position_embeddings = 1024  # longest sequence the RoPE tables are built for

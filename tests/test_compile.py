@@ -109,6 +109,24 @@ def test_loop_trip_counts_restore_the_flops_xla_counts_once(v5e_mesh):
     assert traffic > scanned.cost_analysis()["bytes accessed"]
 
 
+def test_batched_matmul_weight_gradient_counts_one_tap_per_output(v5e_mesh):
+    # XLA:TPU writes the weight gradient of a batched matmul as a convolution whose window spans
+    # the batch over an lhs-dilated input: only one tap per output meets real data
+    g, b, k, n = 16, 128, 256, 512
+    one = NamedSharding(v5e_mesh, P())
+    x = jax.ShapeDtypeStruct((g, b, k), jnp.bfloat16, sharding=one)
+    w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16, sharding=one)
+    loss = lambda x, w: jnp.einsum("gbk,gkn->gbn", x, w).astype(jnp.float32).sum()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile()
+    module = C.parse_hlo(compiled.as_text())
+    from coder.train.hlo_stats import per_computation_costs
+
+    convs = [i for c in module.computations.values() for i in c if i.opcode == "convolution"]
+    assert convs, "XLA:TPU no longer writes this gradient as a convolution: the test is moot"
+    counted = sum(f for f, _ in per_computation_costs(module).values())
+    assert counted == pytest.approx(2 * 2 * g * b * k * n, rel=0.01)  # dX and dW
+
+
 def test_collectives_are_counted_per_execution(v5e_mesh):
     layers = 5
     compiled = _stand_in(v5e_mesh, layers, scan=True)

@@ -1,7 +1,11 @@
-"""coder.model.moe: dropless routing vs a per-token loop, balancing bias, router replay."""
+"""coder.model.moe: dropless routing vs a per-token loop, balancing bias, router replay,
+capacity-bounded experts."""
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from coder.model import Transformer
@@ -125,3 +129,47 @@ def test_block_grouped_matmul_equals_ragged_dot():
         g = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1))(x, w)
         for a, b in zip(g, g_ref):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def _np_capacity_reference(moe: MoE, x: np.ndarray, ids: np.ndarray, w: np.ndarray, cap: int):
+    """Routed experts only, each expert keeping its first `cap` pairs in token order."""
+    wg, wu, wd = (np.asarray(v[...]) for v in (moe.wg, moe.wu, moe.wd))
+    silu = lambda v: v / (1 + np.exp(-v))
+    out, taken, dropped = np.zeros_like(x), collections.Counter(), np.zeros(x.shape[0])
+    for n in range(x.shape[0]):
+        for j, ex in zip(w[n], ids[n]):
+            if taken[ex] >= cap:
+                dropped[n] += 1
+                continue
+            taken[ex] += 1
+            out[n] += j * ((silu(x[n] @ wg[ex]) * (x[n] @ wu[ex])) @ wd[ex])
+    return out, dropped
+
+
+def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
+    from coder.model.moe import capacity_ffn, expert_capacity, route
+
+    cfg = tiny(n_shared_experts=0, moe_capacity_factor=0.5)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe.bias[...] = jnp.zeros(8).at[5].set(10.0)  # every token wants expert 5: it overflows
+    x = jax.random.normal(jax.random.key(2), (2, 16, 16))
+    valid = jnp.ones((2, 16), bool).at[1, 12:].set(False)
+    y, stats = nnx.jit(lambda m, x, v: m(x, v))(moe, x, valid)
+    xf = np.asarray(x).reshape(32, 16)
+    logits = xf @ np.asarray(moe.router[...])
+    weights, ids = route(jnp.asarray(logits), moe.bias[...], cfg)
+    cap = expert_capacity(32 * 3, 8, 0.5)
+    assert cap == 8  # ceil(0.5 * 96 / 8) = 6, rounded up to 8
+    want, n_dropped = _np_capacity_reference(moe, xf, np.asarray(ids), np.asarray(weights), cap)
+    np.testing.assert_allclose(np.asarray(y).reshape(32, 16), want, atol=2e-5)
+    assert n_dropped.sum() >= 32 - cap  # at least expert 5's pairs past the 8th
+    valid_tokens = np.asarray(valid).reshape(-1)
+    assert float(stats["dropped"]) == pytest.approx(n_dropped[valid_tokens].sum() / (28 * 3))
+    # a capacity that holds every pair is the dropless layer
+    out, dropped = capacity_ffn(jnp.asarray(xf), ids, weights, moe.wg[...], moe.wu[...],
+                                moe.wd[...], capacity=96)
+    dropless = MoE(tiny(n_shared_experts=0), rngs=nnx.Rngs(0))
+    nnx.update(dropless, nnx.state(moe))
+    y0, stats0 = dropless(x, valid)
+    np.testing.assert_allclose(out, np.asarray(y0).reshape(32, 16), atol=2e-5)
+    assert not np.asarray(dropped).any() and "dropped" not in stats0

@@ -162,3 +162,35 @@ def test_single_token_rows_run_expert_parallel_with_sequence_axis(reference):
     with sharding.activate(mesh, mcfg.rules):
         got, _ = nnx.jit(lambda m, *a: m(*a))(model, tok, pos, seg)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["expert8", "expert4_fsdp2_tokens"])
+def test_expert_capacity_under_expert_parallelism(layout):
+    """With model.moe_capacity_factor each device's experts take their share of the pairs that
+    device sees: replicated tokens (expert8) see the whole batch, tokens split over fsdp x
+    expert gather each fsdp half; the logits and the dropped fraction equal the single-device
+    layer run on what each device saw."""
+    from coder.model.moe import moe_layers
+
+    cfg = tiny(moe_capacity_factor=0.6)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    for moe in moe_layers(model):  # skewed routing: experts 4/5 overflow their capacity
+        moe.bias[...] = jnp.zeros(8).at[5].set(10.0).at[4].set(5.0)
+    state = nnx.state(model)
+    tok, pos, seg = batch()
+    halves = [slice(0, 8)] if layout == "expert8" else [slice(0, 4), slice(4, 8)]
+    fwd = nnx.jit(lambda m, *a: m(*a))
+    outs = [fwd(model, tok[h], pos[h], seg[h]) for h in halves]
+    want = np.concatenate([np.asarray(o[0]) for o in outs])
+    want_dropped = np.mean([float(o[1]["router_dropped"]) for o in outs])
+    assert want_dropped > 0.05
+
+    mcfg = mesh_cfg(expert=8) if layout == "expert8" else LAYOUTS[layout]
+    mesh = sharding.make_mesh(mcfg)
+    sharded = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(sharded, jax.tree.map(jnp.copy, state))
+    sharding.shard_model(sharded, mesh, mcfg.rules)
+    with sharding.activate(mesh, mcfg.rules):
+        got, aux = fwd(sharded, tok, pos, seg)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    assert float(aux["router_dropped"]) == pytest.approx(want_dropped, rel=1e-5)

@@ -174,8 +174,11 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_abs, q_rope.astype(q_abs.dtype)], axis=-1)
         k = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)[:, :, None, :]
         v = latent[:, :, None, :]
-        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
-        o_lat = self.nsa(q, k, v, x, segment_ids, positions, softmax_scale=self.scale, impl=impl)
+        # the Pallas TPU kernels where the program is lowered for TPU (also from a CPU host, as
+        # stage `compile` does), the blockwise XLA path elsewhere
+        call = lambda impl: lambda *a: self.nsa(*a, softmax_scale=self.scale, impl=impl)
+        o_lat = jax.lax.platform_dependent(q, k, v, x, segment_ids, positions,
+                                           tpu=call("pallas_tpu"), default=call("xla"))
         return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])
 
     def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache):

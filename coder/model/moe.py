@@ -103,10 +103,13 @@ def block_grouped_matmul(x, w, group_sizes, block: int = GMM_BLOCK):
 
 def grouped_matmul(x, w, group_sizes):
     """`jax.lax.ragged_dot` on TPU/GPU (native grouped matmul); the block-padded form on CPU,
-    where XLA lowers ragged_dot to a dense product with every group."""
-    if jax.default_backend() == "cpu":
-        return block_grouped_matmul(x, w, group_sizes)
-    return jax.lax.ragged_dot(x, w, group_sizes)
+    where XLA lowers ragged_dot to a dense product with every group.
+
+    The choice is made when the program is lowered for its platform (`platform_dependent`),
+    not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
+    """
+    return jax.lax.platform_dependent(x, w, group_sizes, cpu=block_grouped_matmul,
+                                      default=jax.lax.ragged_dot)
 
 
 def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
@@ -135,10 +138,59 @@ def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(dt)
 
 
-def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules):
-    """grouped_ffn over the mesh: experts split on the `exp` axes, F on the `exp_mlp` axes.
+def expert_capacity(pairs: int, n_experts: int, factor: float) -> int:
+    """Pairs each expert takes of `pairs` (token, expert) pairs: ceil(factor * pairs / experts),
+    rounded up to a multiple of 8 (sublane tiles), at most `pairs`."""
+    c = -(-int(factor * pairs) // n_experts)
+    return max(8, min(pairs, -(-c // 8) * 8))
 
-    x `[B, T, D]`, ids/weights `[B, T, k]`; returns `[B, T, D]`.
+
+def capacity_ffn(x, ids, weights, wg, wu, wd, capacity: int, first_expert=0):
+    """SwiGLU experts with a fixed buffer of `capacity` pairs per local expert (GShard).
+
+    x `[N, D]`, ids/weights `[N, k]`, wg/wu `[El, D, F]`, wd `[El, F, D]` hold experts
+    first_expert .. first_expert+El-1. Each local expert takes its first `capacity` pairs in
+    token order; later pairs are dropped (no contribution). Returns (`sum_j weights_j *
+    FFN_{ids_j}(x)` over the kept local pairs `[N, D]` in x.dtype, dropped local pairs per
+    token `[N]` float32). The matmuls are dense `[El, capacity, D] x [El, D, F]`.
+    """
+    n, k = ids.shape
+    n_local = wg.shape[0]
+    local = ids.reshape(-1) - first_expert  # [N*k] in token order
+    is_local = (local >= 0) & (local < n_local)
+    e = jnp.where(is_local, local, 0)
+    onehot = jax.nn.one_hot(e, n_local, dtype=jnp.int32) * is_local[:, None].astype(jnp.int32)
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), e[:, None], axis=1)[:, 0] - 1
+    kept = is_local & (rank < capacity)
+    slot = jnp.where(kept, e * capacity + rank, n_local * capacity)  # past the end: dropped
+    token = jnp.arange(n * k) // k
+    dt = x.dtype
+    buf = jnp.zeros((n_local * capacity, x.shape[1]), dt).at[slot].set(x[token], mode="drop")
+    buf = buf.reshape(n_local, capacity, -1)
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, wg.astype(dt))) * jnp.einsum(
+        "ecd,edf->ecf", buf, wu.astype(dt))
+    y = jnp.einsum("ecf,efd->ecd", h, wd.astype(dt)).reshape(n_local * capacity, -1)
+    w = jnp.where(kept, weights.reshape(-1), 0.0)
+    y_pairs = y[jnp.minimum(slot, n_local * capacity - 1)].astype(jnp.float32) * w[:, None]
+    out = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y_pairs).astype(dt)
+    dropped = (is_local & ~kept).astype(jnp.float32).reshape(n, k).sum(-1)
+    return out, dropped
+
+
+def local_experts_ffn(x, ids, weights, wg, wu, wd, first_expert, capacity_factor: float, n_experts: int):
+    """Dropless (`grouped_ffn`) or capacity-bounded (`capacity_ffn`) experts -> (y, dropped)."""
+    if capacity_factor > 0:
+        cap = expert_capacity(ids.size, n_experts, capacity_factor)
+        return capacity_ffn(x, ids, weights, wg, wu, wd, cap, first_expert)
+    y = grouped_ffn(x, ids, weights, wg, wu, wd, first_expert)
+    return y, jnp.zeros(x.shape[:1], jnp.float32)
+
+
+def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_factor=0.0):
+    """local_experts_ffn over the mesh: experts split on the `exp` axes, F on the `exp_mlp` axes.
+
+    x `[B, T, D]`, ids/weights `[B, T, k]`; returns (`[B, T, D]`, dropped pairs per token
+    `[B, T]`). With a capacity, each device's experts take their share of the pairs it sees.
     """
     b, t = x.shape[:2]
     tok_axes = _dividing(mesh, sharding.mesh_axes_of("batch", rules), b)
@@ -165,15 +217,21 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules):
             i = jax.lax.all_gather(i, gather, axis=0, tiled=True)
             w = jax.lax.all_gather(w, gather, axis=0, tiled=True)
         first = jax.lax.axis_index(exp_axes) * n_local if exp_axes else 0
-        y = grouped_ffn(xs, i, w, wg, wu, wd, first).astype(jnp.float32)
+        n_experts = wg.shape[0] * max(1, _size(mesh, exp_axes))
+        y, dropped = local_experts_ffn(xs, i, w, wg, wu, wd, first, capacity_factor, n_experts)
+        y = y.astype(jnp.float32)
         if reduce:
             y = jax.lax.psum(y, reduce)
+        # each pair lives on one expert shard; F-split (exp_mlp) shards drop the same pairs
+        if exp_axes and (set(exp_axes) - token_sharded):
+            dropped = jax.lax.psum(dropped, tuple(a for a in exp_axes if a not in token_sharded))
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
-        return y.reshape(b, t, d).astype(x.dtype)
+            dropped = jax.lax.psum_scatter(dropped, gather, scatter_dimension=0, tiled=True)
+        return y.reshape(b, t, d).astype(x.dtype), dropped.reshape(b, t)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
-                       out_specs=tok_spec, check_vma=False)
+                       out_specs=(tok_spec, P(*tok_spec[:2])), check_vma=False)
     return fn(x, ids, weights, wg, wu, wd)
 
 
@@ -208,7 +266,8 @@ class MoE(nnx.Module):
     def __call__(self, x, valid, expert_ids=None):
         """x `[B,T,D]`, valid `[B,T]` bool (non-padding), expert_ids `[B,T,k]` to replay.
 
-        stats: load `[E]`, expert_ids `[B,T,k]` int32, z (mean logsumexp(router logits)^2).
+        stats: load `[E]`, expert_ids `[B,T,k]` int32, z (mean logsumexp(router logits)^2),
+        and with model.moe_capacity_factor > 0 `dropped` (fraction of pairs over capacity).
         """
         b, t, d = x.shape
         cfg = self.cfg
@@ -223,12 +282,18 @@ class MoE(nnx.Module):
         distributed = ctx is not None and (
             _size(ctx[0], sharding.mesh_axes_of("exp", ctx[1])) > 1
             or _size(ctx[0], sharding.mesh_axes_of("exp_mlp", ctx[1])) > 1)
+        cf = float(getattr(cfg, "moe_capacity_factor", 0.0))
         if distributed:
-            y = _expert_parallel_ffn(x, ids.reshape(b, t, -1), weights.reshape(b, t, -1),
-                                     self.wg[...], self.wu[...], self.wd[...], *ctx)
+            y, dropped = _expert_parallel_ffn(x, ids.reshape(b, t, -1), weights.reshape(b, t, -1),
+                                              self.wg[...], self.wu[...], self.wd[...], *ctx,
+                                              capacity_factor=cf)
         else:
-            y = grouped_ffn(x.reshape(b * t, d), ids, weights, self.wg[...], self.wu[...],
-                            self.wd[...]).reshape(b, t, d)
+            y, dropped = local_experts_ffn(x.reshape(b * t, d), ids, weights, self.wg[...],
+                                           self.wu[...], self.wd[...], 0, cf, cfg.n_routed_experts)
+            y = y.reshape(b, t, d)
+        if cf > 0:  # fraction of the valid tokens' (token, expert) pairs over capacity
+            stats["dropped"] = (dropped.reshape(-1) * validf).sum() / jnp.maximum(
+                validf.sum() * ids.shape[-1], 1.0)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, stats

@@ -130,13 +130,15 @@ class Transformer(nnx.Module):
         """
         run_mtp = (cache is None) if mtp is None else mtp
         x = self._embed(tokens)
-        loads, ids, zs, new_layers = [], [], [], []  # MoE stats: arrays [layers, ...]
+        loads, ids, zs, drops, new_layers = [], [], [], [], []  # MoE stats: arrays [layers, ...]
 
         def record(stats, stacked=False):
             expand = (lambda a: a) if stacked else (lambda a: a[None])
             loads.append(expand(stats["load"]))
             ids.append(expand(stats["expert_ids"]))
             zs.append(expand(stats["z"]))
+            if "dropped" in stats:
+                drops.append(expand(stats["dropped"]))
 
         layers = list(self.layers)
         if self.moe_stack is not None and cache is not None:
@@ -164,6 +166,8 @@ class Transformer(nnx.Module):
             expert_ids=jnp.concatenate(ids) if ids else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32),
             router_z_loss=jnp.mean(jnp.concatenate(zs)) if zs else jnp.zeros(()),
         )
+        if drops:  # model.moe_capacity_factor > 0: mean fraction of pairs over capacity
+            aux["router_dropped"] = jnp.mean(jnp.concatenate(drops))
         logits = self._head(self.norm(x))
         new_cache = None if cache is None else dict(cache, layers=new_layers)
         if run_mtp and len(self.mtp):

@@ -523,6 +523,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
             dtype=config.model.dtype, param_dtype=config.model.param_dtype,
             params_total=counts["total"], params_mtp=counts.get("mtp", 0),
             params_active_matmul=active, attention_backend=config.model.attention_backend,
+            moe_capacity_factor=float(config.model.moe_capacity_factor),
         ),
     )
     t0 = time.perf_counter()

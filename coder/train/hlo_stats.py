@@ -278,10 +278,36 @@ def dot_flops(module: HloModule, ins: Instr, shapes: dict[str, str]) -> float:
         if not rhs or not m:
             return 0.0
         labels, dims = m.group(1), rhs[0][1]
-        # kernel: 'i' input features, 'o' output features, digits spatial window dims
-        k = math.prod(d for lab, d in zip(labels, dims) if lab != "o")
+        # kernel: 'i' input features, 'o' output features, digits spatial window dims. A window
+        # over an lhs-dilated input meets a real input element every `lhs_dilate` taps only:
+        # XLA:TPU writes a batched matmul's weight gradient as a convolution whose window spans
+        # the batch with lhs_dilate = window size, i.e. one tap per output.
+        window = _window_fields(ins.attrs)
+        k, spatial = 1.0, 0
+        for lab, d in zip(labels, dims):
+            if lab == "i":
+                k *= d
+            elif lab.isdigit():
+                dil = window.get("lhs_dilate", [])
+                step = dil[spatial] if spatial < len(dil) else 1
+                k *= -(-d // step)
+                spatial += 1
         return 2.0 * n_out * k
     return 0.0
+
+
+def _window_fields(attrs: str) -> dict[str, list[int]]:
+    """A convolution's window attribute, e.g. "window={size=264 stride=263 lhs_dilate=264}"
+    -> {"size": [264], "stride": [263], "lhs_dilate": [264]} (one entry per spatial dim)."""
+    m = re.search(r"window=\{([^}]*)\}", attrs)
+    if not m:
+        return {}
+    out = {}
+    for field in m.group(1).split():
+        key, _, val = field.partition("=")
+        if re.fullmatch(r"[\dx]+", val):
+            out[key] = [int(v) for v in val.split("x")]
+    return out
 
 
 _NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",

@@ -2,21 +2,22 @@
 # Regenerate every report in docs/scale/ (and docs/scale/README.md's table) from the code:
 #
 #   bash docs/scale/regenerate.sh            # all pairs, one at a time
-#   bash docs/scale/regenerate.sh quickstart,v5e-4 kimi_k2_1t,v6e-256   # only these
+#   bash docs/scale/regenerate.sh quickstart,v5e-4 kimi_k2_1t,v6e-256x2   # only these
 #
-# Each pair MODEL,TOPOLOGY runs  python main.py --config=docs/scale/configs.py:MODEL,TOPOLOGY
+# Each pair MODEL,SETTING (SETTING: a topology, "xN" for N slices; docs/scale/configs.py) runs
+#   python main.py --config=docs/scale/configs.py:MODEL,SETTING
 # (stage=compile: libtpu compiles the training step for the TPU slice on this machine's CPU) and
-# writes docs/scale/MODEL_TOPOLOGY/report.{json,md}; docs/scale/summarize.py then rebuilds the
-# README table. Needs the tpu extra (pip install -e '.[tpu]'). A full-size pair takes minutes
-# to an hour of CPU and up to ~20 GB of host memory; runs are sequential for that reason.
+# writes docs/scale/MODEL_SETTING/report.{json,md}; docs/scale/summarize.py then rebuilds the
+# README table. Needs the tpu extra (pip install -e '.[tpu]'). A full-size pair takes 5-15 minutes
+# of CPU and up to ~20 GB of host memory; runs are sequential for that reason.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 PAIRS=("$@")
 if [[ ${#PAIRS[@]} -eq 0 ]]; then
   PAIRS=(quickstart,v5e-4
-         deepseek_v3_671b,v5p-512 deepseek_v3_671b,v6e-256
-         kimi_k2_1t,v5p-512 kimi_k2_1t,v6e-256)
+         deepseek_v3_671b,v5p-512 deepseek_v3_671b,v6e-256x2
+         kimi_k2_1t,v5p-512x2 kimi_k2_1t,v6e-256x2)
 fi
 export JAX_PLATFORMS=cpu  # the local backend; the TPU devices are libtpu's compile-only ones
 for pair in "${PAIRS[@]}"; do

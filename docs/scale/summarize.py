@@ -21,7 +21,8 @@ def row(path: str) -> str:
     hw, s = r["hardware"], r["setup"]
     mesh = "x".join(f"{k}{v}" for k, v in s["mesh"].items() if v > 1) or "1"
     cells = [f"[{name}]({name}/report.md)", f"{hw['name']} ({hw['chips']})", f"{s['seq_len']}",
-             mesh, s["remat"], "yes" if s["offload_optimizer"] else "no", f"**{r['status']}**"]
+             mesh, s["remat"], f"{s['moe_capacity_factor']:g}" if s.get("moe_capacity_factor") else "dropless",
+             "yes" if s["offload_optimizer"] else "no", f"**{r['status']}**"]
     gib = 2**30
     if "memory" in r:
         m, f = r["memory"], r["roofline"]
@@ -38,9 +39,9 @@ def row(path: str) -> str:
 
 
 def table(root: str) -> str:
-    head = ("| report | slice (chips) | seq | mesh | remat | opt. offload | status | GiB per chip "
-            "(used / HBM) | step s (overlap-serial) | MFU | bound | compile s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| report | slice (chips) | seq | mesh | remat | expert capacity | opt. offload | status "
+            "| GiB per chip (used / HBM) | step s (overlap-serial) | MFU | bound | compile s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [row(p) for p in sorted(glob.glob(os.path.join(root, "*", "report.json")))]
     return "\n".join([head, *rows])
 
