@@ -17,12 +17,12 @@ T = 40
 
 def nsa_cfg():
     cfg = model_config()
-    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                    num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
-                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1,
-                    num_experts_per_tok=2, num_mtp_layers=0, dtype="float32", attention_backend="nsa",
-                    initializer_range=0.1))
-    cfg.nsa.update(dict(compress_block=8, compress_stride=4, select_block=8, select_topk=3, window=8))
+    cfg.update({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "n_group": 1, "topk_group": 1,
+                    "num_experts_per_tok": 2, "num_mtp_layers": 0, "dtype": "float32", "attention_backend": "nsa",
+                    "initializer_range": 0.1})
+    cfg.nsa.update({"compress_block": 8, "compress_stride": 4, "select_block": 8, "select_topk": 3, "window": 8})
     return cfg
 
 

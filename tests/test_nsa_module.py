@@ -80,11 +80,48 @@ def test_decode_step_matches_reference_last_position():
     np.testing.assert_allclose(out, ref[:, -1], atol=2e-5)
 
 
-def test_decode_bytes_read_grow_sublinearly():
+def _bytes_read(jaxpr, var):
+    """Bytes of array `var` that `jaxpr` reads: a gather or slice of it reads its output's size, a
+    call into a sub-jaxpr is followed, any other use reads the whole array. Reads of one primitive
+    and output shape count once: decode_step gathers the same slots of MLA's latent for the keys
+    and for the values (identical gathers, which XLA merges)."""
+    seen, total = set(), 0
+    for eqn in jaxpr.eqns:
+        for i, x in enumerate(eqn.invars):
+            if x is not var:
+                continue
+            sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            if sub is not None:
+                sub = getattr(sub, "jaxpr", sub)
+                total += _bytes_read(sub, sub.invars[i])
+                continue
+            out = eqn.outvars[0].aval
+            sliced = eqn.primitive.name in ("gather", "dynamic_slice", "slice") and i == 0
+            key = (eqn.primitive.name, out.shape if sliced else None)
+            if key not in seen:
+                seen.add(key)
+                total += out.size * out.dtype.itemsize if sliced else var.aval.size * var.aval.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("s_len", [200, 4096, 65536])
+def test_decode_reads_what_bytes_per_token_counts(s_len):
+    """bytes_per_token (bench/nsa.py's decode column) equals what decode_step's program reads from the
+    caches, for DeepSeek-V3's MLA cache (bf16 latent 512 + RoPE key 64 per slot, V = the latent;
+    compressed K 576 + V 512 per entry), and at 64k it reads a small fraction of the raw cache."""
     cfg = reference.NSAConfig()
-    kw = {"key_bytes": 576 * 2, "value_bytes": 0, "cmp_bytes": (576 + 512) * 2, "shared_kv": True}
-    small, dense_small = decode.bytes_per_token(4095, cfg, **kw)
-    big, dense_big = decode.bytes_per_token(65535, cfg, **kw)
-    assert dense_big / big > dense_small / small > 1
-    # at 64k: 4095 compressed entries + 16 blocks of 64 slots (the window lies in them... or not)
-    assert big <= 4095 * (576 + 512) * 2 + (16 * 64 + 512) * 576 * 2
+    sc = -(-s_len // cfg.compress_stride)
+    bf16 = jnp.bfloat16
+    shapes = [((1, s_len, 1, 512), bf16), ((1, s_len, 1, 64), bf16), ((1, sc, 1, 576), bf16),
+              ((1, sc, 1, 512), bf16), ((1, 16, 576), jnp.float32), ((1, 16, 3), jnp.float32), ((1,), jnp.int32)]
+    step = lambda lat, rope, k_cmp, v_cmp, q, g, pos: decode.decode_step(
+        q, (lat, rope), lat, k_cmp, v_cmp, g, pos, cfg=cfg, softmax_scale=0.1)
+    closed = jax.make_jaxpr(step)(*[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+    reads = [_bytes_read(closed.jaxpr, v) for v in closed.jaxpr.invars[:4]]
+    nsa_bytes, dense_bytes = decode.bytes_per_token(s_len - 1, cfg, key_bytes=576 * 2, value_bytes=0,
+                                                    cmp_bytes=(576 + 512) * 2, shared_kv=True)
+    assert sum(reads) == nsa_bytes
+    assert dense_bytes == s_len * 576 * 2
+    if s_len == 65536:  # n l' + w = 1536 of 65536 slots of the raw cache
+        assert reads[0] == 1536 * 512 * 2 and reads[1] == 1536 * 64 * 2
+        assert 6 < dense_bytes / nsa_bytes < 8  # the compressed entries (S/d, 2176 bytes each) dominate

@@ -22,14 +22,19 @@ def packed_segments(b, t, docs, pad, seed):
     return jnp.asarray(out)
 
 
+def normal(shape, seed):
+    """Standard-normal float32 array from numpy's generator (eager jax.random compiles once per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
 def make_inputs(b, t, h, g, dk, dv, cfg, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 6)
+    """Standard-normal q, k, v, compressed k/v and gates in (0, 1), float32."""
+    rng = np.random.default_rng(seed)
     nc = reference.num_compressed(t, cfg)
-    return {
-        "q": jax.random.normal(ks[0], (b, t, h, dk)), "k": jax.random.normal(ks[1], (b, t, g, dk)),
-        "v": jax.random.normal(ks[2], (b, t, g, dv)), "k_cmp": jax.random.normal(ks[3], (b, nc, g, dk)),
-        "v_cmp": jax.random.normal(ks[4], (b, nc, g, dv)),
-        "gates": jax.nn.sigmoid(jax.random.normal(ks[5], (b, t, h, 3)))}
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+    x = {"q": draw(b, t, h, dk), "k": draw(b, t, g, dk), "v": draw(b, t, g, dv),
+         "k_cmp": draw(b, nc, g, dk), "v_cmp": draw(b, nc, g, dv)}
+    return x | {"gates": jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((b, t, h, 3), np.float32))))}
 
 
 SHAPES = [  # b, t, h, g, dk, dv, docs, pad
@@ -92,7 +97,7 @@ def test_compressed_visibility_respects_documents():
 def test_xla_matches_reference(b, t, h, g, dk, dv, docs, pad):
     x = make_inputs(b, t, h, g, dk, dv, SMALL, seed=t)
     seg = packed_segments(b, t, docs, pad, seed=t)
-    w = jax.random.normal(jax.random.key(7), (b, t, h, dv))
+    w = normal((b, t, h, dv), 7)
     names = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
 
     def loss(impl):
@@ -102,8 +107,9 @@ def test_xla_matches_reference(b, t, h, g, dk, dv, docs, pad):
         return f
 
     args = [x[n] for n in names]
-    (_, ref), g_ref = jax.value_and_grad(loss("reference"), argnums=range(6), has_aux=True)(*args)
-    (_, out), g_xla = jax.value_and_grad(loss("xla"), argnums=range(6), has_aux=True)(*args)
+    run = lambda impl: jax.jit(jax.value_and_grad(loss(impl), argnums=range(6), has_aux=True))(*args)
+    (_, ref), g_ref = run("reference")
+    (_, out), g_xla = run("xla")
     np.testing.assert_allclose(out, ref, atol=2e-5)
     for n, a, c in zip(names, g_ref, g_xla):
         np.testing.assert_allclose(c, a, atol=5e-5, err_msg=n)

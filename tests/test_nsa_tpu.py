@@ -7,7 +7,7 @@ from jax._src.pallas.mosaic.interpret import (
     interpret_pallas_call as tpu_interpret,  # race state
 )
 from jax.experimental.pallas import tpu as pltpu
-from test_nsa_reference import make_inputs, packed_segments
+from test_nsa_reference import make_inputs, normal, packed_segments
 
 from coder.pallas.nsa import ops, reference, tpu, xla
 from coder.pallas.nsa.reference import NSAConfig
@@ -28,7 +28,7 @@ def _check(f_ref, f_kernel, args, w):
         def loss(*a):
             out = f(*a)
             return jnp.sum(out * w), out
-        return jax.value_and_grad(loss, argnums=range(len(args)), has_aux=True)(*args)
+        return jax.jit(jax.value_and_grad(loss, argnums=range(len(args)), has_aux=True))(*args)
 
     (_, o_ref), g_ref = run(f_ref)
     (_, o_ker), g_ker = run(f_kernel)
@@ -39,13 +39,15 @@ def _check(f_ref, f_kernel, args, w):
 
 @pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", [
     pytest.param(1, 19, 4, 2, 16, 16, 2, 2, id="gqa-ragged-2docs-pad"),
-    pytest.param(1, 12, 4, 1, 24, 16, 2, 0, id="mqa-mla-layout"),
+    pytest.param(2, 12, 4, 1, 24, 16, 2, 0, id="mqa-mla-layout-batch2"),
+    pytest.param(2, 7, 2, 1, 16, 8, 2, 0, id="batch2-shorter-than-a-block"),
 ])
 def test_selected_branch(b, t, h, g, dk, dv, docs, pad):
     x = make_inputs(b, t, h, g, dk, dv, CFG, seed=t)
     seg = packed_segments(b, t, docs, pad, seed=t)
+    assert b == 1 or not np.array_equal(seg[0], seg[1]), "rows must differ for batch indexing to show"
     sel, ds = _selection(x, seg, g), xla.doc_starts(seg)
-    w = jax.random.normal(jax.random.key(3), (b, t, h, dv))
+    w = normal((b, t, h, dv), 3)
     f_ref = lambda q, k, v: reference.selected_attention(q, k, v, sel, seg, CFG.select_block, 0.3)
     f_ker = lambda q, k, v: ops.selected_attention(q, k, v, sel, ds, block=CFG.select_block, scale=0.3,
                                                    kernel=KERNEL)
@@ -55,12 +57,14 @@ def test_selected_branch(b, t, h, g, dk, dv, docs, pad):
 @pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", [
     pytest.param(1, 21, 4, 2, 16, 16, 3, 3, id="gqa-ragged-3docs-pad"),
     pytest.param(1, 13, 2, 1, 24, 16, 1, 0, id="mqa-short"),
+    pytest.param(2, 7, 2, 1, 16, 8, 2, 0, id="batch2-shorter-than-a-tile"),
 ])
 def test_window_branch(b, t, h, g, dk, dv, docs, pad):
     x = make_inputs(b, t, h, g, dk, dv, CFG, seed=t)
     seg = packed_segments(b, t, docs, pad, seed=t)
+    assert b == 1 or not np.array_equal(seg[0], seg[1]), "rows must differ for batch indexing to show"
     ds = xla.doc_starts(seg)
-    w = jax.random.normal(jax.random.key(4), (b, t, h, dv))
+    w = normal((b, t, h, dv), 4)
     f_ref = lambda q, k, v: reference.window_attention(q, k, v, seg, CFG.window, 0.3)
     f_ker = lambda q, k, v: ops.window_attention(q, k, v, ds, window=CFG.window, scale=0.3, kernel=KERNEL)
     _check(f_ref, f_ker, (x["q"], x["k"], x["v"]), w)
@@ -73,13 +77,43 @@ def test_full_layer_with_race_detection():
     b, t, h, g, d = 1, 13, 2, 1, 16
     x = make_inputs(b, t, h, g, d, d, CFG, seed=5)
     seg = packed_segments(b, t, 2, 1, seed=5)
-    w = jax.random.normal(jax.random.key(5), (b, t, h, d))
+    w = normal((b, t, h, d), 5)
     kernel = ops.Kernel(interpret=pltpu.InterpretParams(detect_races=True), token_tile=8, window_tile=8)
     names = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
     run = lambda impl, kern=None: lambda *a: ops.nsa_attention(*a, seg, cfg=CFG, softmax_scale=0.3, impl=impl,
                                                                 kernel=kern)
     _check(run("reference"), run("pallas_tpu", kernel), [x[n] for n in names], w)
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
+
+
+@pytest.mark.parametrize("h,g,dk,dv,dtype", [
+    pytest.param(16, 1, 576, 512, jnp.bfloat16, id="mla-absorbed"),
+    pytest.param(8, 2, 128, 128, jnp.float32, id="gqa"),
+])
+def test_kernels_lower_to_mosaic_tpu(h, g, dk, dv, dtype):
+    """jax.grad of nsa_attention(impl=pallas_tpu) at the paper's sizes lowers for TPU (from this CPU, via an
+    abstract TPU device) to six Mosaic kernels (selected and window: forward, dQ, dK/dV). Lowering applies
+    Mosaic's block-shape rules, which interpret mode does not (a window tile of 100 fails here)."""
+    cfg = NSAConfig()
+    t = 1000  # ragged: not a multiple of l' = 64 or of the 128-token window tile
+    nc = reference.num_compressed(t, cfg)
+    shapes = [(1, t, h, dk), (1, t, g, dk), (1, t, g, dv), (1, nc, g, dk), (1, nc, g, dv), (1, t, h, 3)]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    seg = jnp.ones((1, t), jnp.int32)
+    tpu_mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="TPU v5p", num_cores=1, platform="tpu"))
+
+    def grads(kernel):
+        f = lambda *a: ops.nsa_attention(*a, seg, cfg=cfg, softmax_scale=0.1, impl="pallas_tpu", kernel=kernel)
+        return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=range(6))
+
+    def lowered(kernel):
+        with jax.sharding.use_abstract_mesh(tpu_mesh):
+            return jax.jit(grads(kernel)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+    assert lowered(ops.Kernel()).count("stablehlo.custom_call @tpu_custom_call") == 6
+    with pytest.raises(ValueError, match="divisible by 8"):
+        lowered(ops.Kernel(window_tile=100))
 
 
 def test_selection_pairs_invert_the_selection():

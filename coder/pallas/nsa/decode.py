@@ -2,7 +2,8 @@
 
 Reads only what NSA needs for the token at `pos`: the compressed keys/values (S/d of them), the n
 selected blocks of l' tokens, and the last w tokens; never the whole cache. Matches
-reference.nsa at the last position (tests/test_nsa_decode.py).
+reference.nsa at the last position (tests/test_nsa_module.py; the model's cached calls and the
+engine: tests/test_nsa_engine.py).
 
 Shapes: q [B,H,Dk]; k_cache [B,S,G,Dk], v_cache [B,S,G,Dv] (token at slot p = position p);
 k_cmp_cache [B,Sc,G,Dk], v_cmp_cache [B,Sc,G,Dv] with Sc >= ceil(S/d) (entry i summarises slots
@@ -102,22 +103,20 @@ def decode_step(q, k_cache, v_cache, k_cmp_cache, v_cmp_cache, gates, pos, doc_s
 
 
 def bytes_per_token(pos: int, cfg: NSAConfig, *, key_bytes: int, value_bytes: int, cmp_bytes: int,
-                    shared_kv: bool = False):
-    """Cache bytes decode_step reads for a query at `pos` vs a dense read of slots [0, pos].
+                    shared_kv: bool = False, cache_len: int | None = None):
+    """Cache bytes decode_step reads for a query at `pos`, and a dense step's read of slots [0, pos].
 
-    key_bytes/value_bytes: bytes of one slot's K / V (all groups); cmp_bytes: one compressed
-    K + V entry. shared_kv: V is a slice of K (MLA latent), so a token's slot is read once.
-    Selected blocks and the window overlap (the local blocks lie in the window); the union is
-    counted once. -> (nsa_bytes, dense_bytes).
+    key_bytes/value_bytes: one slot's K / V (all groups); cmp_bytes: one compressed K + V entry;
+    shared_kv: V is a slice of K (MLA's latent), so the value reads are the key reads of the same
+    slots (one read once XLA merges the identical gathers); cache_len: the raw cache's slots S
+    (default pos + 1). decode_step reads, whatever `pos`: all ceil(S/d) compressed entries (those
+    not yet visible are masked, not skipped), n * l' slots for the selected blocks (inactive
+    repeats too) and min(w, S) window slots. The local blocks lie in the window too, so a kernel
+    reading each slot once would read up to 2 l' slots fewer.
+    tests/test_nsa_module.py checks this count against decode_step's program. -> (nsa_bytes, dense_bytes)
     """
-    n_tok = pos + 1
+    s_len = pos + 1 if cache_len is None else cache_len
     slot_bytes = key_bytes if shared_kv else key_bytes + value_bytes
-    n_cmp = max(0, (pos + 1 - cfg.compress_block) // cfg.compress_stride + 1)
-    win_lo = max(0, pos - cfg.window + 1)
-    cur = pos // cfg.select_block
-    # upper bound on distinct slots: n selected blocks (clipped at pos) plus the window part
-    # that lies before the local blocks
-    sel_tok = min(cfg.select_topk * cfg.select_block, n_tok)
-    local_lo = max(0, (cur - 1) * cfg.select_block)
-    extra_win = max(0, local_lo - win_lo)
-    return n_cmp * cmp_bytes + (sel_tok + extra_win) * slot_bytes, n_tok * slot_bytes
+    n_cmp = -(-s_len // cfg.compress_stride)
+    n_slots = cfg.select_topk * cfg.select_block + min(cfg.window, s_len)
+    return n_cmp * cmp_bytes + n_slots * slot_bytes, (pos + 1) * slot_bytes
