@@ -11,7 +11,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import (
     InterpretGPUParams,  # not yet exported by plgpu
 )
-from test_nsa_reference import make_inputs, packed_segments
+from test_nsa_reference import make_inputs, normal, packed_segments
 
 from coder.pallas.nsa import gpu, ops, reference, xla
 from coder.pallas.nsa.reference import NSAConfig
@@ -20,8 +20,8 @@ CFG = NSAConfig(compress_block=32, compress_stride=16, select_block=64, select_t
 SCALE = 0.125
 
 
-def _inputs(t, h, g, docs, pad, seed=0):
-    x = make_inputs(1, t, h, g, 64, 64, CFG, seed=seed)
+def _inputs(t, h, g, docs, pad, seed=0, dk=64, dv=64):
+    x = make_inputs(1, t, h, g, dk, dv, CFG, seed=seed)
     bf = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # kernel operands are bf16
     x = {n: bf(a) if n in ("q", "k", "v") else a for n, a in x.items()}
     seg = packed_segments(1, t, docs, pad, seed=seed)
@@ -60,14 +60,15 @@ def _references(sel, seg):
 
 
 def _grads(f, args, w):
-    return jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(*args)
+    return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(*args)
 
 
 def _output_and_grads(f, args, w):
+    """(f(*args), gradients of sum(f * w) w.r.t. every argument), as one jitted program."""
     def loss(*a):
         out = f(*a)
         return jnp.sum(out * w), out
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
     return out, grads
 
 
@@ -82,18 +83,49 @@ def _lowered(f, args):
 
 def test_kernels_lower_to_mosaic_gpu():
     x, seg, ds = _inputs(100, 2, 1, 2, 2)
-    for f in _branches(ops.Kernel(backend="pallas_gpu", window_tile=64), _nsa_selection(x, seg, 1), ds).values():
+    for f in _branches(ops.Kernel(backend="pallas_gpu"), _nsa_selection(x, seg, 1), ds).values():
         assert "mosaic_gpu" in _lowered(f, (x["q"], x["k"], x["v"]))
 
 
 def test_backward_kernels_lower_to_mosaic_gpu():
     """jax.grad of each branch is three Mosaic GPU kernels (forward, dQ, dK/dV) and no XLA fallback."""
     x, seg, ds = _inputs(100, 4, 2, 2, 2)
-    w = jax.random.normal(jax.random.key(1), x["q"].shape)
-    branches = _branches(ops.Kernel(backend="pallas_gpu", window_tile=64), _nsa_selection(x, seg, 2), ds)
+    w = normal(x["q"].shape, 1)
+    branches = _branches(ops.Kernel(backend="pallas_gpu"), _nsa_selection(x, seg, 2), ds)
     for name, f in branches.items():
         text = _lowered(lambda *a, f=f: _grads(f, a, w), (x["q"], x["k"], x["v"]))
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 3, name
+
+
+def test_layer_lowers_at_the_papers_sizes_with_the_default_kernel():
+    """What a model would call: jax.grad of nsa_attention(impl=pallas_gpu), no Kernel given, at the
+    paper's sizes (l=32, d=16, l'=64, n=16, w=512), one key group, T = 1000 not a multiple of any
+    block: six Mosaic GPU kernels, for head width 128 and for MLA's absorbed widths (Dk = 576,
+    Dv = 512) with 16 and with 128 heads sharing the group. Unsplit, the MLA widths need ~350 KiB of
+    shared memory and Mosaic refuses them at lowering; the kernels split them (gpu.py, "Widths")."""
+    cfg, t = NSAConfig(), 1000
+    nc = reference.num_compressed(t, cfg)
+    seg = jnp.ones((1, t), jnp.int32)
+    layer = lambda *a: ops.nsa_attention(*a, seg, cfg=cfg, softmax_scale=SCALE, impl="pallas_gpu")
+    grads = jax.grad(lambda *a: jnp.sum(layer(*a).astype(jnp.float32)), argnums=tuple(range(6)))
+
+    def lowered(h, dk, dv):
+        shapes = [(1, t, h, dk), (1, t, 1, dk), (1, t, 1, dv), (1, nc, 1, dk), (1, nc, 1, dv), (1, t, h, 3)]
+        return _lowered(grads, [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes])
+
+    for h, dk, dv in [(16, 128, 128), (16, 576, 512), (128, 576, 512)]:
+        assert lowered(h, dk, dv).count("stablehlo.custom_call @mosaic_gpu") == 6, (h, dk, dv)
+
+
+def test_head_dims_split_only_when_wide():
+    """(output slice, contraction chunk) per head dim: 128 stays whole (the kernels as before the
+    split); at 64 rows (<= 64 heads, and the dK/dV kernels' key rows) Dk = 576 -> 3 x 192 and
+    Dv = 512 -> 2 x 256, streamed in 64-wide chunks; 128 heads halve the slices (register budget)."""
+    split = lambda width, rows: gpu._split(width, rows, gpu.HEAD_TILE)
+    assert split(128, 64) == (128, 128) and split(64, 64) == (64, 64) and split(128, 128) == (128, 128)
+    assert split(576, 64) == (192, 64) and split(512, 64) == (256, 64)
+    assert split(576, 128) == (64, 64) and split(512, 128) == (128, 64)
+    assert gpu._split(192, 64, 64) == (64, 64) and gpu._split(128, 64, 64) == (64, 64)  # the interpret test's
 
 
 def test_selection_csr_inverts_the_selection():
@@ -114,10 +146,10 @@ def test_branch_matches_reference_in_gpu_interpret_mode(branch, t):
     h, g = 4, 2
     x, seg, ds = _inputs(t, h, g, docs=3, pad=2, seed=3)
     sel = _random_selection(ds, g, n=2, seed=3)
-    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams(), window_tile=64)
+    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams())
     f_ker, f_ref = _branches(kernel, sel, ds)[branch], _references(sel, seg)[branch]
     args = (x["q"], x["k"], x["v"])
-    w = jax.random.normal(jax.random.key(1), x["q"].shape)
+    w = normal(x["q"].shape, 1)
     (o_ker, g_ker), (o_ref, g_ref) = _output_and_grads(f_ker, args, w), _output_and_grads(f_ref, args, w)
     _assert_close(o_ker, o_ref, err_msg="output")
     for name, a, b in zip("qkv", g_ker, g_ref):
@@ -135,10 +167,10 @@ def test_selected_dkv_sums_every_token_of_a_shared_block():
     x, seg, ds = _inputs(t, h, g, docs=1, pad=0, seed=4)
     cur = jnp.arange(t, dtype=jnp.int32) // 64
     sel = jnp.stack([jnp.zeros_like(cur), cur], -1)[None, :, None, :]  # [1,T,1,2]: [0,0] or [0,1]
-    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams(), window_tile=64)
+    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams())
     f_ker, f_ref = _branches(kernel, sel, ds)["selected"], _references(sel, seg)["selected"]
     args = (x["q"], x["k"], x["v"])
-    w = jax.random.normal(jax.random.key(2), x["q"].shape)
+    w = normal(x["q"].shape, 2)
     g_ker, g_ref = _grads(f_ker, args, w), _grads(f_ref, args, w)
     late = _grads(f_ref, args, w.at[:, :64].set(0.0))  # the share of the tokens of block 1
     for name, a, b, c in zip("qkv", g_ker, g_ref, late):
@@ -147,3 +179,54 @@ def test_selected_dkv_sums_every_token_of_a_shared_block():
             tol = 1e-2 * float(jnp.max(jnp.abs(b)))
             for share in (c[:, :64], b[:, :64] - c[:, :64]):
                 assert float(jnp.max(jnp.abs(share))) > 10 * tol, "the test could not see a wrong share"
+
+
+@pytest.mark.slow
+def test_full_layer_batch2_short_mla_layout_matches_reference():
+    """nsa_attention(impl=pallas_gpu) == reference, forward and gradients w.r.t. q, k, v, the compressed
+    keys/values and the gates: 2 rows, each with its own 2 documents and a padding token (the kernels
+    index rows by batch), T = 40 shorter than one selection block and one window tile (both padded),
+    MLA's absorbed layout (one key group for 2 heads, padded to 64 wgmma rows; Dk = 128 != Dv = 64)."""
+    b, t, h, g, dk, dv = 2, 40, 2, 1, 128, 64
+    x = make_inputs(b, t, h, g, dk, dv, CFG, seed=6)
+    bf = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+    x = {n: bf(a) if n in ("q", "k", "v") else a for n, a in x.items()}
+    seg = packed_segments(b, t, 2, 1, seed=6)
+    assert not np.array_equal(xla.doc_starts(seg)[0], xla.doc_starts(seg)[1]), "rows must differ in layout"
+    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams())
+    run = lambda impl, kern=None: lambda *a: ops.nsa_attention(*a, seg, cfg=CFG, softmax_scale=SCALE, impl=impl,
+                                                                kernel=kern)
+    names = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
+    args, w = [x[n] for n in names], normal((b, t, h, dv), 6)
+    (o_ker, g_ker), (o_ref, g_ref) = (_output_and_grads(run("pallas_gpu", kernel), args, w),
+                                      _output_and_grads(run("reference"), args, w))
+    _assert_close(o_ker, o_ref, err_msg="output")
+    for name, a, c in zip(names, g_ker, g_ref):
+        _assert_close(a, c, err_msg=f"d{name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("branch,t,dk,dv,head_tile", [("selected", 60, 192, 128, 64), ("window", 130, 192, 128, 64),
+                                                      ("window", 100, 576, 512, None)])
+def test_wide_heads_match_reference_in_gpu_interpret_mode(branch, t, dk, dv, head_tile):
+    """The head-width split (gpu.py, "Widths") in interpret mode, forward and gradients w.r.t. q, k, v,
+    in MLA's layout (one key group for 2 heads, Dk != Dv), ragged T, 2 documents and a padding token.
+    - MLA's widths (Dk = 576, Dv = 512) as the model gets them (default head_tile): Dk in 9 chunks
+      and 3 dQ / dK slices, Dv in 8 chunks and 2 output / dV slices; window branch only (the
+      selected branch costs a CTA per token and slice: ~200 s in interpret mode at these widths).
+    - Widths scaled down with head_tile = 64 forcing the same kind of split: Dk = 192 in 3 chunks
+      and 3 dQ / dK slices, Dv = 128 in 2 chunks and 2 output / dV slices, so the forward has 2
+      CTAs per query tile, dQ 3, and dK/dV 5 per key tile (3 dK + 2 dV programs). The selected
+      branch gets one block, selected once (n = 1); the window branch three key tiles, up to 2 in
+      each window."""
+    h, g = 2, 1
+    x, seg, ds = _inputs(t, h, g, docs=2, pad=1, seed=7, dk=dk, dv=dv)
+    sel = _random_selection(ds, g, n=1, seed=7)
+    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams(), head_tile=head_tile)
+    f_ker, f_ref = _branches(kernel, sel, ds)[branch], _references(sel, seg)[branch]
+    args = (x["q"], x["k"], x["v"])
+    w = normal((1, t, h, dv), 7)
+    (o_ker, g_ker), (o_ref, g_ref) = _output_and_grads(f_ker, args, w), _output_and_grads(f_ref, args, w)
+    _assert_close(o_ker, o_ref, err_msg="output")
+    for name, a, b in zip("qkv", g_ker, g_ref):
+        _assert_close(a, b, err_msg=f"d{name}")

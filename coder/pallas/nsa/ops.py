@@ -32,9 +32,12 @@ class Kernel:
     backend: str = "pallas_tpu"  # "pallas_tpu" | "pallas_gpu"
     interpret: Any = None  # passed to pl.pallas_call; None = compile for the hardware
     token_tile: int = 8  # selected branch, TPU: tokens per query tile (output block)
-    window_tile: int = 128  # window branch: query/key tile length (GPU: must be 64)
+    window_tile: int | None = None  # window branch: query/key tile length; None: 128 on TPU, and on
+    #                                 GPU 64, the only tile its wgmma kernels take
     max_tokens: int = 8192  # selected branch, TPU: query tokens per kernel call (bounds the SMEM
     #                         holding the scalar-prefetched selections: 4 * G * n bytes per token)
+    head_tile: int | None = None  # GPU: widest slice of a head dim one CTA computes (gpu.py, "Widths");
+    #                               None: gpu.HEAD_TILE
 
     def module(self):
         if self.backend == "pallas_tpu":
@@ -44,6 +47,10 @@ class Kernel:
             from coder.pallas.nsa import gpu
             return gpu
         raise ValueError(f"unknown NSA kernel backend {self.backend!r}; use pallas_tpu or pallas_gpu")
+
+    def widths(self):
+        """Keyword arguments that only the GPU kernels take."""
+        return {"head_tile": self.head_tile} if self.backend == "pallas_gpu" and self.head_tile else {}
 
 
 # ---------------------------------------------------------------- selected branch
@@ -55,7 +62,8 @@ def _selected(q, k, v, sel, ds, block, scale, kernel, offset):
 
 def _selected_fwd(q, k, v, sel, ds, block, scale, kernel, offset):
     o, lse = kernel.module().selected_fwd(q, k, v, sel, ds, block=block, scale=scale, token_tile=kernel.token_tile,
-                                          token_offset=offset, interpret=kernel.interpret)
+                                          token_offset=offset, interpret=kernel.interpret,
+                                          **kernel.widths())
     return o, (q, k, v, sel, ds, o, lse)
 
 
@@ -64,7 +72,7 @@ def _selected_bwd(block, scale, kernel, offset, res, do):
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dq, dk, dv = kernel.module().selected_bwd(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
                                               token_tile=kernel.token_tile, token_offset=offset,
-                                              interpret=kernel.interpret)
+                                              interpret=kernel.interpret, **kernel.widths())
     return dq, dk, dv, None, None
 
 
@@ -80,7 +88,7 @@ def _window(q, k, v, rows_ds, window, scale, kernel):
 
 def _window_fwd(q, k, v, rows_ds, window, scale, kernel):
     o, lse = kernel.module().window_fwd(q, k, v, rows_ds, window=window, scale=scale,
-                                        tile=kernel.window_tile, interpret=kernel.interpret)
+                                        tile=kernel.window_tile, interpret=kernel.interpret, **kernel.widths())
     return o, (q, k, v, rows_ds, o, lse)
 
 
@@ -88,7 +96,8 @@ def _window_bwd(window, scale, kernel, res, do):
     q, k, v, rows_ds, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dq, dk, dv = kernel.module().window_bwd(q, k, v, rows_ds, do, lse, delta, window=window, scale=scale,
-                                            tile=kernel.window_tile, interpret=kernel.interpret)
+                                            tile=kernel.window_tile, interpret=kernel.interpret,
+                                            **kernel.widths())
     return dq, dk, dv, None
 
 
@@ -141,7 +150,9 @@ def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):
     b, t, h, dk = q.shape
     g = k.shape[2]
     if kernel.backend == "pallas_tpu":  # the GPU kernel's tile is fixed by wgmma
-        kernel = dataclasses.replace(kernel, window_tile=min(kernel.window_tile, _pad_len(t, 8)))
+        kernel = dataclasses.replace(kernel, window_tile=min(kernel.window_tile or 128, _pad_len(t, 8)))
+    elif kernel.window_tile is None:
+        kernel = dataclasses.replace(kernel, window_tile=64)
     tile = kernel.window_tile
     tp = _pad_len(t, tile)
     qk, kk, vk, ds = _to_kernel_layout(q, k, v, doc_start, tp)
