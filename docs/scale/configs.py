@@ -54,19 +54,22 @@ MOE_CAPACITY_FACTOR = 2.0
 # decoded together, cache slots (a 32k context), tokens per prefill chunk.
 ENGINE = dict(engine_batch=8, engine_max_len=SEQ_LEN, engine_prefill_len=1024)
 
-# Heads x query tokens are split over 256 chips of a slice (expert x sequence), which bounds
-# the dense attention's per-chip scores to 1/256 of the T x T x heads total; further slices
+# Heads x query tokens are split over the chips of a slice (expert x sequence), which bounds
+# the dense attention's per-chip scores to 1/chips of the T x T x heads total; further slices
 # (DCN) are data-parallel, one row each per micro-batch.
-def _mesh(slices: int) -> dict:
-    return dict(data=slices, fsdp=1, expert=32, tensor=1, sequence=8, num_slices=slices)
+def _mesh(slices: int, expert: int = 32) -> dict:
+    return dict(data=slices, fsdp=1, expert=expert, tensor=1, sequence=8, num_slices=slices)
 
 
 # topology -> slices, batch (rows of SEQ_LEN tokens per step), micro-batches, optimizer offload
 SETTINGS = {
     "v5p-512": dict(slices=1, batch_size=16, grad_accum=16, offload_optimizer=False),
-    # two slices: Kimi K2's parameters, gradients and Adam moments (20 bytes per parameter with
-    # the gradient accumulator) are 75 GiB per chip over 256 chips, too close to 95 GiB
+    # Kimi K2's parameters, gradients and Adam moments (20 bytes per parameter with the gradient
+    # accumulator) are 75 GiB per chip over 256 chips. A second slice does not divide them (the
+    # slices are data-parallel replicas: 118 GiB per chip); one 512-chip slice with experts and
+    # heads over 64 chips does
     "v5p-512x2": dict(slices=2, batch_size=16, grad_accum=8, offload_optimizer=False),
+    "v5p-1024": dict(slices=1, batch_size=16, grad_accum=16, offload_optimizer=False, expert=64),
     # 32 GB chips: the f32 parameters, gradient and accumulator alone are 12 bytes per parameter
     # (31 GiB per chip for DeepSeek-V3 over 256 chips), so two slices (512 chips) and the Adam
     # moments in host memory between steps
@@ -85,7 +88,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.model.dtype = "bfloat16"
         return c
     s = SETTINGS[setting]
-    c.mesh.update(_mesh(s["slices"]))
+    c.mesh.update(_mesh(s["slices"], s.get("expert", 32)))
     c.mesh.rules = MOE_RULES
     c.data.seq_len = SEQ_LEN
     c.data.batch_size = s["batch_size"]

@@ -17,7 +17,7 @@ PAIRS=("$@")
 if [[ ${#PAIRS[@]} -eq 0 ]]; then
   PAIRS=(quickstart,v5e-4
          deepseek_v3_671b,v5p-512 deepseek_v3_671b,v6e-256x2
-         kimi_k2_1t,v5p-512x2 kimi_k2_1t,v6e-256x2)
+         kimi_k2_1t,v5p-512x2 kimi_k2_1t,v5p-1024 kimi_k2_1t,v6e-256x2)
 fi
 export JAX_PLATFORMS=cpu  # the local backend; the TPU devices are libtpu's compile-only ones
 for pair in "${PAIRS[@]}"; do
