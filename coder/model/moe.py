@@ -9,9 +9,14 @@ Routing for token x (DeepSeek-V3 section 2.1.2), N tokens, E experts, k = num_ex
     y      = sum_j g_j FFN_{ids_j}(x) + sum_shared FFN_shared(x)
 Balancing (aux-loss-free): after each optimizer step, b += rate * sign(mean load - load).
 
-Dropless dispatch: the N*k (token, expert) pairs are sorted by expert and run through a grouped
-matmul over contiguous groups (`jax.lax.ragged_dot` on TPU/GPU; on CPU a block-padded einsum,
-see `grouped_matmul`), then scattered back and summed; no capacity factor, no token dropped.
+Dropless dispatch (default): the N*k (token, expert) pairs are sorted by expert and run through a
+grouped matmul over contiguous groups (`jax.lax.ragged_dot` on TPU/GPU; on CPU a block-padded
+einsum, see `grouped_matmul`), then scattered back and summed; no token dropped.
+Capacity dispatch (model.moe_capacity_factor = c > 0, `capacity_ffn`): each expert takes its first
+ceil(c * N*k / E) pairs in token order into a fixed `[experts, capacity, D]` buffer (GShard);
+later pairs are dropped and counted (stats["dropped"]). XLA:TPU differentiates ragged_dot w.r.t.
+the expert weights as a dense masked product over every pair (docs/scale/README.md); the
+capacity buffer's gradient is an ordinary batched matmul.
 
 Expert parallelism: inside `coder.model.sharding.activate` with experts split over mesh axes,
 the expert FFN runs in a `shard_map`. Each device holds E/ep experts; it gathers the tokens of

@@ -316,6 +316,24 @@ def _store(pairs):
     plgpu.wait_smem_to_gmem(0)
 
 
+def _dkv_zeros(e_k, e_v, rows, tk, tv, interp):
+    """Accumulators of a dK/dV program: dK `[rows, tk]` if it writes Dk slice e_k, dV likewise."""
+    return (None if e_k is None else _zeros((rows, tk), interp),
+            None if e_v is None else _zeros((rows, tv), interp))
+
+
+def _store_dkv(dk, dv, scale, e_k, e_v, r, dk_ref, dv_ref, rows, tk, tv):
+    """Writes a dK/dV program's results to dk_ref / dv_ref `[B,G,T,D]` at `rows` (batch, group,
+    key slice): dK (times the softmax scale) slice e_k and/or dV slice e_v (None: not this
+    program's)."""
+    outs = []
+    if e_k is not None:
+        outs.append((dk * scale, r["dk_s"], dk_ref.at[(*rows, pl.ds(e_k * tk, tk))]))
+    if e_v is not None:
+        outs.append((dv, r["dv_s"], dv_ref.at[(*rows, pl.ds(e_v * tv, tv))]))
+    _store(outs)
+
+
 def _dkv_plan(dk, dv, rows, head_tile):
     """Slices of a dK/dV kernel whose output tiles have `rows` (key) rows -> (tk, ck, ek, tv, cv, ev,
     programs): Dk slices tk (ek of them) and chunks ck, the same for Dv, and the programs per key tile
@@ -468,15 +486,9 @@ def _selected_dkv(offsets, tokens, ds, kb, vb, qtp, qp, dotp, dop, lse, dl, *, b
                 return _dkv_step(carry, r, st, mask, _load_vec(r["lse_s"], 0, interp),
                                  _load_vec(r["dl_s"], 0, interp), dpt, bar.at[2], bar.at[3])
 
-            init = (None if e_k is None else _zeros((block, tk), interp),
-                    None if e_v is None else _zeros((block, tv), interp))
+            init = _dkv_zeros(e_k, e_v, block, tk, tv, interp)
             dk_acc, dv_acc = lax.fori_loop(off_ref[b, g, j], off_ref[b, g, j + 1], step, init)
-            outs = []
-            if e_k is not None:
-                outs.append((dk_acc * scale, r["dk_s"], dk_ref.at[b, g, keys, pl.ds(e_k * tk, tk)]))
-            if e_v is not None:
-                outs.append((dv_acc, r["dv_s"], dv_ref.at[b, g, keys, pl.ds(e_v * tv, tv)]))
-            _store(outs)
+            _store_dkv(dk_acc, dv_acc, scale, e_k, e_v, r, dk_ref, dv_ref, (b, g, keys), tk, tv)
 
         def run(e_k, e_v):
             types = _dkv_scratch(e_k is not None, e_v is not None, block, rows, tk, ck, tv, cv)
@@ -619,15 +631,9 @@ def _window_dkv(ds, kb, vb, qht, qh, doht, doh, lse, dl, *, window, scale, tile,
                                      _load_vec(r["dl_s"], 0, interp), dpt, bar.at[2], bar.at[3])
                 return lax.fori_loop(kt, jnp.minimum(kt + nw, nq), step, carry)
 
-            init = (None if e_k is None else _zeros((tile, tk), interp),
-                    None if e_v is None else _zeros((tile, tv), interp))
+            init = _dkv_zeros(e_k, e_v, tile, tk, tv, interp)
             dk_acc, dv_acc = lax.fori_loop(0, hg, head, init)
-            outs = []
-            if e_k is not None:
-                outs.append((dk_acc * scale, r["dk_s"], dk_ref.at[b, g, keys, pl.ds(e_k * tk, tk)]))
-            if e_v is not None:
-                outs.append((dv_acc, r["dv_s"], dv_ref.at[b, g, keys, pl.ds(e_v * tv, tv)]))
-            _store(outs)
+            _store_dkv(dk_acc, dv_acc, scale, e_k, e_v, r, dk_ref, dv_ref, (b, g, keys), tk, tv)
 
         def run(e_k, e_v):
             types = _dkv_scratch(e_k is not None, e_v is not None, tile, tile, tk, ck, tv, cv)
