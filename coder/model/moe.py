@@ -227,12 +227,16 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
         y = y.astype(jnp.float32)
         if reduce:
             y = jax.lax.psum(y, reduce)
-        # each pair lives on one expert shard; F-split (exp_mlp) shards drop the same pairs
-        if exp_axes and (set(exp_axes) - token_sharded):
-            dropped = jax.lax.psum(dropped, tuple(a for a in exp_axes if a not in token_sharded))
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
-            dropped = jax.lax.psum_scatter(dropped, gather, scatter_dimension=0, tiled=True)
+        if capacity_factor > 0:
+            # each pair lives on one expert shard; F-split (exp_mlp) shards drop the same pairs
+            if exp_axes and (set(exp_axes) - token_sharded):
+                dropped = jax.lax.psum(dropped, tuple(a for a in exp_axes if a not in token_sharded))
+            if gather:
+                dropped = jax.lax.psum_scatter(dropped, gather, scatter_dimension=0, tiled=True)
+        else:  # dropless: no collectives for a count that is zero
+            dropped = jnp.zeros((b * t,), jnp.float32)
         return y.reshape(b, t, d).astype(x.dtype), dropped.reshape(b, t)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),

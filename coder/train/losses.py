@@ -75,8 +75,8 @@ def lm_loss(logits, aux, batch, *, mtp_loss_weight: float, z_loss_weight: float)
     logits `[B, T, V]`; aux as docs/contracts.md (`mtp_logits` `[D, B, T, V]` when the model has
     MTP modules, `router_load`, `router_z_loss` when it has MoE layers).
     metrics: `ce` (next-token, mean over targets), `mtp_ce` and `mtp_ce_{d}` (when MTP runs),
-    `z_loss` (MoE), `moe_dropped` (with an expert capacity), `weight` (the target count), `router_load` / `mtp_router_load` (passed
-    through for the trainer's bias update).
+    `z_loss` (MoE), `moe_dropped` (with an expert capacity), `weight` (the target count),
+    `router_load` / `mtp_router_load` (passed through for the trainer's bias update).
     """
     ce, count = next_token_loss(logits, batch)
     loss = ce
