@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="Continued pretraining, MTP, SFT and asynchronous GRPO of DeepSeek-V3/Kimi-K2 "
     "style coding agents in JAX.",
-    packages=find_packages(include=["coder", "coder.*"]),
+    packages=find_packages(include=["coder", "coder.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.8,<0.11",

@@ -1,7 +1,7 @@
 """Speculative decoding with the self-distilled MTP modules, measured side by side in one run.
 
 Trains the quickstart model with 2 MTP layers (pretrain on the bundled stdlib corpus, then the
-`mtp` self-distillation stage, coder/train/mtp.py), or reuses the checkpoints of `--workdir`
+`mtp` self-distillation stage, coder/stages/mtp.py), or reuses the checkpoints of `--workdir`
 (the trainers resume, so a finished stage does not train again). Then, on the same weights:
 
 1. decode tokens/s and tokens emitted per main-model step of coder's Engine with
@@ -46,23 +46,16 @@ def build_config(args):
 
 def train(c):
     """Pretrain, then mtp; returns the mtp checkpoint directory."""
-    from coder.train import lm_stages, mtp
+    from coder import stages
 
-    pre = lm_stages.pretrain(c, os.path.join(c.workdir, "pretrain"), "")
-    return mtp.run(c, os.path.join(c.workdir, "mtp"), pre)
-
-
-def load_model(c, ckpt_dir):
-    """The Transformer of c.model with the weights of `ckpt_dir`."""
-    from coder.train.lm_stages import load_model as load
-
-    return load(c, ckpt_dir)
+    pre = stages.run_one("pretrain", c, os.path.join(c.workdir, "pretrain"))
+    return stages.run_one("mtp", c, os.path.join(c.workdir, "mtp"), pre)
 
 
 def heldout_prompts(c, n: int, length: int) -> list:
     """n prompts of `length` tokens from held-out stdlib documents (the first tokens of a document)."""
     from coder.data.pretrain import make_pretrain_iterator
-    from coder.train.lm_stages import _tokenizer
+    from coder.stages.lm import _tokenizer
 
     tok = _tokenizer(c)
     it = make_pretrain_iterator(c, tok, "heldout", num_epochs=None)
@@ -163,6 +156,8 @@ def main():
     t0 = time.perf_counter()
     ckpt = train(c)
     print(f"trained/loaded in {time.perf_counter() - t0:.0f}s: {ckpt}")
+    from coder.train.state import load_model
+
     model = load_model(c, ckpt)
     prompts = heldout_prompts(c, args.prompts, args.prompt_len)
     print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "

@@ -10,75 +10,12 @@ Sections are owned by the part of the code that reads them:
 """
 import ml_collections
 
-
-def model_config() -> ml_collections.ConfigDict:
-    """DeepSeek-V3 / Kimi-K2 architecture. Names follow Hugging Face's DeepseekV3Config."""
-    m = ml_collections.ConfigDict()
-    m.vocab_size = 4096  # tokenizer vocabulary (padded up to a multiple of 128 by the tokenizer)
-    m.hidden_size = 256  # residual stream width
-    m.intermediate_size = 768  # SwiGLU width of the dense (first_k_dense_replace) layers
-    m.moe_intermediate_size = 128  # SwiGLU width of each routed / shared expert
-    m.num_hidden_layers = 4  # transformer blocks in the trunk
-    m.num_attention_heads = 4  # MLA query heads
-    m.q_lora_rank = 0  # 0 = no query compression (DeepSeek-V3: 1536)
-    m.kv_lora_rank = 64  # compressed KV latent width (what the KV cache stores)
-    m.qk_nope_head_dim = 32  # per-head query/key width without RoPE
-    m.qk_rope_head_dim = 16  # decoupled RoPE width (one RoPE key shared by all heads)
-    m.v_head_dim = 32  # per-head value width
-    m.n_routed_experts = 8  # routed experts per MoE layer
-    m.n_shared_experts = 1  # always-on shared experts per MoE layer
-    m.num_experts_per_tok = 2  # top-k routed experts per token
-    m.n_group = 2  # expert groups for group-limited routing (1 = off)
-    m.topk_group = 1  # groups each token may route into
-    m.routed_scaling_factor = 1.0  # multiplier on the routed experts' combined output
-    m.norm_topk_prob = True  # renormalise the top-k sigmoid weights to sum to 1
-    m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
-    m.bias_update_rate = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
-    # 0 = dropless (DeepSeek-V3). c > 0: each expert takes at most ceil(c * pairs / experts)
-    # (token, expert) pairs of the tokens a device sees, in token order, and drops the rest
-    # (GShard); a fixed [experts, capacity] buffer whose matmuls cost c x the routed work, where
-    # XLA:TPU's dropless ragged_dot gradient costs every local expert x every pair (docs/scale)
-    m.moe_capacity_factor = 0.0
-    m.rms_norm_eps = 1e-6  # RMSNorm epsilon
-    m.rope_theta = 10000.0  # RoPE base
-    m.max_position_embeddings = 1024  # longest sequence the RoPE tables are built for
-    m.rope_scaling = ml_collections.ConfigDict(
-        dict(
-            type="none",  # "none" | "yarn"
-            factor=1.0,  # YaRN context extension factor
-            original_max_position_embeddings=1024,  # context length before extension
-            beta_fast=32.0,  # YaRN high-frequency boundary (rotations)
-            beta_slow=1.0,  # YaRN low-frequency boundary (rotations)
-            mscale=1.0,  # YaRN attention temperature coefficient (DeepSeek-V3: 1.0)
-            mscale_all_dim=1.0,  # YaRN mscale applied to all dims (softmax scale correction)
-        )
-    )
-    m.num_mtp_layers = 1  # DeepSeek-V3 multi-token-prediction modules (0 = none)
-    m.tie_word_embeddings = False  # share the embedding and the output head
-    m.attention_backend = "dense"  # "dense" | "nsa"
-    m.nsa = ml_collections.ConfigDict(
-        dict(
-            compress_block=32,  # l: compression block length
-            compress_stride=16,  # d: stride between compression blocks
-            select_block=64,  # l': selection block length
-            select_topk=16,  # n: selected blocks per query (incl. initial and local blocks)
-            window=512,  # w: sliding-window width
-        )
-    )
-    m.dtype = "bfloat16"  # compute dtype of activations and matmuls
-    m.param_dtype = "float32"  # master weights
-    m.remat = "none"  # activation rematerialisation: "none" | "full" | "save_dots" | "save_qkv_proj"
-    # run the MoE layers as one lax.scan over stacked weights ([layers, ...] leaves named
-    # moe_stack.*): XLA compiles one layer instead of ~60 (minutes, not an hour, for a full-size
-    # config); same numbers as the unrolled loop, a different checkpoint layout
-    m.scan_layers = False
-    m.initializer_range = 0.02  # std of the normal initialiser
-    return m
+from coder.model.config import default_rules, model_config  # noqa: F401  (re-exported)
 
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.stage = "pretrain"  # one stage of coder/stages.py
+    c.stage = ""  # one stage of coder/stages/__init__.py (set this or `stages`, not both)
     c.stages = ()  # several stages run in order, each starting from the previous checkpoint
     c.workdir = "runs/default"  # run directory: {workdir}/{stage}/ holds checkpoints + metrics
     c.seed = 0  # every random key derives from this and the step
@@ -90,21 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(
         dict(data=-1, fsdp=1, expert=1, tensor=1, sequence=1, num_slices=1)
     )
-    # Logical axis name -> mesh axes. Changing parallelism is a change of this table.
-    c.mesh.rules = (
-        ("batch", ("data", "fsdp")),
-        ("seq", "sequence"),
-        ("embed", "fsdp"),
-        ("heads", "tensor"),
-        ("kv_lora", None),
-        ("q_lora", None),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("exp", "expert"),
-        ("exp_mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("layers", None),
-    )
+    # Logical axis name -> mesh axes (coder/model/config.py). Changing parallelism is a
+    # change of this table.
+    c.mesh.rules = default_rules()
 
     # Input data (coder/data).
     c.data = ml_collections.ConfigDict()
@@ -139,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3  # checkpoints kept on disk
     c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU (0 = TPU table, else a measured matmul)
 
-    # Long-context extension (coder/train/lm_stages.py): continue pretraining at a longer
+    # Long-context extension (coder/stages/lm.py): continue pretraining at a longer
     # seq_len with YaRN; factor = seq_len / the checkpoint's context, derived, not set.
     c.longctx = ml_collections.ConfigDict()
     c.longctx.seq_len = 1024  # packed row length of this stage
@@ -147,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.longctx.lr = 1e-3  # peak learning rate of this stage
     c.longctx.batch_size = 0  # rows per step (0 = same tokens per step as data.batch_size x seq_len)
 
-    # Supervised fine-tuning on conversations (coder/train/lm_stages.py).
+    # Supervised fine-tuning on conversations (coder/stages/lm.py).
     c.sft = ml_collections.ConfigDict()
     c.sft.data = ""  # conversations JSONL (path/glob/URL); "" = transcripts of the env's toy tasks
     c.sft.toy_tasks = 24  # toy tasks transcribed (real tool runs) when sft.data is ""
@@ -156,7 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.seq_len = 0  # packed row length (0 = data.seq_len)
     c.sft.batch_size = 0  # rows per step (0 = data.batch_size)
 
-    # Evaluation stage (coder/train/lm_stages.py): held-out loss / perplexity, agent pass@k.
+    # Evaluation stage (coder/stages/lm.py): held-out loss / perplexity, agent pass@k.
     c.eval = ml_collections.ConfigDict()
     c.eval.batches = 16  # held-out batches of data.batch_size rows (0 = the whole held-out split)
     c.eval.agent_tasks = 0  # > 0: also run coder.rl.eval.run_agent_eval on this many tasks
@@ -212,7 +137,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.reward_mode = "fraction"  # "fraction" of hidden tests passed | "all" (all-or-nothing)
     c.env.test_timeout_s = 300.0  # wall time of the scoring test run
 
-    # GRPO learner (coder/rl/grpo.py, stage.py).
+    # GRPO learner (coder/rl/grpo.py, coder/stages/grpo.py).
     c.grpo = ml_collections.ConfigDict()
     c.grpo.steps = 20  # optimizer steps of the grpo stage (fewer if the tasks run out: single epoch)
     c.grpo.lr = 3e-4  # peak learning rate of the grpo stage
@@ -223,7 +148,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
 
-    # MTP self-distillation (coder/train/mtp.py, stage "mtp"): trunk frozen, MTP modules trained.
+    # MTP self-distillation (coder/stages/mtp.py, stage "mtp"): trunk frozen, MTP modules trained.
     c.mtp = ml_collections.ConfigDict()
     c.mtp.steps = 100  # optimizer steps of the mtp stage
     c.mtp.lr = 3e-3  # peak learning rate of the MTP modules
@@ -231,7 +156,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mtp.fresh = True  # re-initialise the MTP modules instead of continuing init_from's
     c.mtp.eval_batches = 8  # held-out batches for KL / agreement / acceptance at the end
 
-    # Ahead-of-time compilation for a TPU topology (coder/train/compile.py, stage "compile").
+    # Ahead-of-time compilation for a TPU topology (coder/stages/compile.py, stage "compile").
     c.compile = ml_collections.ConfigDict()
     c.compile.topology = "v5e-4"  # target slice: "v5e-4", "v5p-512", "v6e-256" or "v5p:4x8x8"
     c.compile.report_dir = ""  # where report.json / report.md go ("" = {workdir}/compile)

@@ -8,6 +8,7 @@ from configs.base import get_config as base_config
 
 def get_config():
     c = base_config()
+    c.stage = "pretrain"  # --config.stage=compile plans the run on a TPU slice first
     m = c.model
     m.vocab_size = 129280
     m.hidden_size = 7168

@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from coder.train import compile as C
-from coder.train import hardware as hw
+from coder.stages import compile as C
+from coder.train.aot import hardware as hw
 
 libtpu = pytest.importorskip("libtpu", reason="the tpu extra (libtpu) is needed for TPU topologies")
 
@@ -119,7 +119,7 @@ def test_batched_matmul_weight_gradient_counts_one_tap_per_output(v5e_mesh):
     loss = lambda x, w: jnp.einsum("gbk,gkn->gbn", x, w).astype(jnp.float32).sum()
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile()
     module = C.parse_hlo(compiled.as_text())
-    from coder.train.hlo_stats import per_computation_costs
+    from coder.train.aot.hlo_stats import per_computation_costs
 
     convs = [i for c in module.computations.values() for i in c if i.opcode == "convolution"]
     assert convs, "XLA:TPU no longer writes this gradient as a convolution: the test is moot"

@@ -52,13 +52,14 @@ def test_unknown_stage_names_the_key_and_the_choices():
     c.stage = "pretrian"
     with pytest.raises(ValueError, match=r"config\.stage: unknown stage 'pretrian'.*pretrain"):
         stages.validate(c, n_devices=8)
-    c.stages = ("pretrain", "grpo", "fly")
+    c.stage, c.stages = "", ("pretrain", "grpo", "fly")
     with pytest.raises(ValueError, match=r"config\.stages: unknown stage 'fly'"):
         stages.validate(c, n_devices=8)
 
 
 def test_batch_must_split_over_accum_and_mesh():
     c = base.get_config()
+    c.stage = "pretrain"
     c.data.batch_size, c.train.grad_accum = 8, 3
     with pytest.raises(ValueError, match="train.grad_accum"):
         stages.validate(c, n_devices=8)
@@ -71,6 +72,7 @@ def test_batch_must_split_over_accum_and_mesh():
 
 def test_model_that_does_not_fit_the_mesh_is_refused():
     c = base.get_config()
+    c.stage = "pretrain"
     c.mesh.data, c.mesh.tensor = 2, 4
     c.model.num_attention_heads = 6
     with pytest.raises(ValueError, match="num_attention_heads"):
@@ -78,7 +80,7 @@ def test_model_that_does_not_fit_the_mesh_is_refused():
 
 
 def test_missing_stage_module_fails_with_its_name(monkeypatch):
-    monkeypatch.setitem(stages.STAGES, "ghost", "coder.no_such_module:run")
+    monkeypatch.setitem(stages.STAGES, "ghost", stages.Stage("coder.no_such_module:run"))
     with pytest.raises(ImportError, match="stage 'ghost' needs coder.no_such_module"):
         stages.resolve("ghost")
 
@@ -92,7 +94,7 @@ def test_every_stage_resolves_to_a_function():
 
 
 def test_longctx_config_derives_yarn():
-    from coder.train.lm_stages import longctx_config
+    from coder.stages.lm import longctx_config
 
     c = quickstart.get_config()
     lc = longctx_config(c)
@@ -113,3 +115,41 @@ def test_main_rejects_unknown_key_before_building_anything():
     )
     assert p.returncode != 0
     assert "bogus_knob" in p.stderr
+
+
+def test_stage_and_stages_both_set_is_an_error():
+    c = _parse("--config.stage=eval")  # quickstart sets stages
+    with pytest.raises(ValueError, match=r"config\.stage='eval' and config\.stages=.*both set"):
+        stages.validate(c, n_devices=8)
+    c = base.get_config()
+    with pytest.raises(ValueError, match=r"set config\.stage"):
+        stages.validate(c, n_devices=8)
+
+
+def test_every_chosen_stage_is_validated_at_start_up():
+    """A bad key of the last stage of a chain stops the run before the first one starts."""
+    c = quickstart.get_config()
+    c.stages = ("pretrain", "sft")
+    c.sft.batch_size = 3  # sft's own batch does not split over 2 devices; pretrain's does
+    with pytest.raises(ValueError, match=r"stage sft: data.batch_size=3"):
+        stages.validate(c, n_devices=2, check_tools=False)
+    c = quickstart.get_config()
+    c.stages = ("pretrain", "longctx", "grpo")  # longctx grows the context grpo needs
+    c.rl.group_size = 1
+    with pytest.raises(ValueError, match=r"rl.group_size=1"):
+        stages.validate(c, n_devices=1, check_tools=False)
+    c = quickstart.get_config()
+    c.stages = ("mtp", "sft")
+    with pytest.raises(ValueError, match=r"stage mtp starts from a trained model: set init_from"):
+        stages.validate(c, n_devices=2, check_tools=False)
+
+
+def test_stage_overrides_are_data():
+    c = quickstart.get_config()
+    c.sft.lr, c.sft.seq_len, c.sft.batch_size = 5e-4, 0, 4
+    s = stages.stage_config("sft", c)
+    assert (s.train.lr, s.train.steps) == (5e-4, c.sft.steps)
+    assert s.data.seq_len == c.data.seq_len  # 0 keeps the shared value
+    assert s.data.batch_size == 4
+    assert stages.stage_config("grpo", c).train.steps == c.grpo.steps
+    assert stages.stage_config("pretrain", c).train.lr == c.train.lr

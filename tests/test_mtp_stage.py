@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coder.train import mtp
+from coder.train import distill as mtp
 from configs import base
 
 
@@ -114,11 +114,11 @@ def _tiny_config(tmp_path):
 @pytest.mark.slow
 def test_mtp_stage_freezes_the_trunk_and_learns(tmp_path):
     from coder.train import checkpoint as ckpt_lib
-    from coder.train import lm_stages
+    from coder import stages
 
     c = _tiny_config(tmp_path)
-    pre = lm_stages.pretrain(c, os.path.join(c.workdir, "pretrain"), "")
-    out = mtp.run(c, os.path.join(c.workdir, "mtp"), pre)
+    pre = stages.run_one("pretrain", c, os.path.join(c.workdir, "pretrain"))
+    out = stages.run_one("mtp", c, os.path.join(c.workdir, "mtp"), pre)
 
     from coder.model import Transformer
 

@@ -32,7 +32,8 @@ from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
 from coder.env import tasks as tasks_lib
 from coder.model import Transformer
-from coder.rl import stage as stage_lib
+from coder.rl import actor as actor_lib
+from coder.stages import grpo as grpo_stage
 from coder.train import losses
 from configs import base
 
@@ -169,7 +170,7 @@ def test_grpo_raises_reward_on_toy_tasks(tmp_path):
         nnx.update(m, state)
         return m
 
-    stage_lib.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
+    grpo_stage.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
                     make_episode=lambda task: SubmitEpisode(answer[task.id]), model_fn=model_fn)
     m = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert [r["step"] for r in m] == list(range(1, steps + 1))
@@ -197,9 +198,9 @@ def test_sandboxed_toy_tasks_smoke(tmp_path):
                           max_position_embeddings=768, dtype="float32"))
     cfg.rl.tools = ("read_file", "edit_file", "submit")
     cfg.train.update(dict(steps=1, warmup_steps=0, log_every=1))
-    tasks = stage_lib.train_tasks(cfg)[:1]
-    ckpt = stage_lib.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=tasks,
-                           make_episode=stage_lib.episode_factory(cfg), held_out=stage_lib.eval_tasks(cfg)[:1])
+    tasks = actor_lib.train_tasks(cfg)[:1]
+    ckpt = grpo_stage.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=tasks,
+                           make_episode=actor_lib.episode_factory(cfg), held_out=actor_lib.eval_tasks(cfg)[:1])
     (rec,) = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert rec["step"] == 1 and rec["rollouts"] == 2 and np.isfinite(rec["loss"])
     assert rec["infra_failures"] == 0  # the sandboxes ran and scored (a random model fails them)
@@ -229,7 +230,7 @@ def test_resume_continues_the_single_epoch(tmp_path):
 
     for steps in (1, 2):
         cfg.train.steps = steps
-        stage_lib.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
+        grpo_stage.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
                         make_episode=make_episode, model_fn=model_fn)
     assert seen == [tasks[0][0].id] * 2 + [tasks[1][0].id] * 2
     m = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")

@@ -15,7 +15,8 @@ from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
 from coder.env import tools as env_tools
 from coder.rl import rollout as rollout_lib
-from coder.rl import stage as stage_lib
+from coder.rl import actor as actor_lib
+from coder.stages import grpo as grpo_stage
 from configs import base
 
 
@@ -127,7 +128,7 @@ def rl_cfg(**kw):
 
 
 def sampling(rl):
-    return stage_lib.sampling_params(rl)
+    return actor_lib.sampling_params(rl)
 
 
 def call_ids(tok, name, args, pre=""):
@@ -238,7 +239,7 @@ def test_self_summarization_chain(tok):
         assert [t for t, p in zip(g1.tokens, g1.policy) if p][-len(summary) - 1:] == summary + [tok.end_id]
         assert all(len(g) <= budget for g in r.generations)
     # Reward on every policy token of the chain: both generations carry the rollout's advantage.
-    stage_lib.score_groups([[r1, r2]], rl)
+    actor_lib.score_groups([[r1, r2]], rl)
     assert r1.correct and not r2.correct and r1.advantage > 0 > r2.advantage
     b = rollout_lib.to_batch([r1, r2], seq_len=budget)
     np.testing.assert_allclose(b["advantages"], [r1.advantage] * 2 + [r2.advantage] * 2)
@@ -274,12 +275,12 @@ def test_infra_failure_is_masked_out_of_its_group_and_counted(tok):
     eps = [FakeEpisode(score=1.0), FakeEpisode(fail_on_step=True), FakeEpisode(score=0.0)]
     rs = agent.run_group("t", "task", eps, jax.random.key(0))
     assert rs[1].infra_error and rs[1].finish == "infra" and all(e.closed for e in eps)
-    out = stage_lib.score_groups([rs], rl_cfg())
+    out = actor_lib.score_groups([rs], rl_cfg())
     assert out["valid"].tolist() == [[True, False, True]]
     assert rs[1].advantage == 0.0
     # Only the two valid rollouts form the group: +-1 after std normalisation.
     assert rs[0].advantage == pytest.approx(1.0, abs=1e-4) and rs[2].advantage == pytest.approx(-1.0, abs=1e-4)
-    assert stage_lib.rollout_metrics([rs])["infra_failures"] == 1
+    assert actor_lib.rollout_metrics([rs])["infra_failures"] == 1
     b = rollout_lib.to_batch(rs, seq_len=2048)
     assert b["tokens"].shape[0] == 2  # the failed rollout contributes no row
 
@@ -298,9 +299,9 @@ def test_broken_tool_call_is_a_negative_example_not_dropped(tok):
     assert not rs[0].correct and rs[0].outcome == 0.0 and not rs[0].infra_error
     gen = rs[0].generations[0]
     assert "error: broken tool call" in tok.decode(gen.tokens)
-    stage_lib.score_groups([rs], rl_cfg())
+    actor_lib.score_groups([rs], rl_cfg())
     assert rs[0].advantage < 0 < rs[1].advantage
-    assert stage_lib.rollout_metrics([rs])["broken_call_rate"] == 0.5
+    assert actor_lib.rollout_metrics([rs])["broken_call_rate"] == 0.5
 
 
 def test_turn_and_token_limits(tok):
@@ -324,7 +325,7 @@ def test_prompt_too_long_for_the_budget_is_refused(tok):
 def test_config_sections_exist():
     c = base.get_config()
     assert isinstance(c.rl, ml_collections.ConfigDict) and c.grpo.clip_low == 0.2
-    stage_lib.validate(c)
+    grpo_stage.validate(c)
 
 
 def test_agent_eval_reports_pass_at_k_and_flags_regression(tok, tmp_path):

@@ -16,7 +16,7 @@ docs/contracts.md; `coder.env.transcripts` builds SFT data by driving this same 
 In the text interface an episode ends on `submit`, on a reply with no tool call, after
 `max_turns` replies, or when the tool outputs reach `max_tool_output_tokens`; it is then scored
 (`coder.env.reward`) and its sandbox closed. Any broken tool call makes the rollout a failure
-(reward 0) even if the tests pass: broken calls are negative examples (DESIGN.md).
+(reward 0) even if the tests pass: broken calls are negative examples (docs/contracts.md, "Tool calls"; docs/rl.md).
 
 `info`: turns, tool_calls, broken_calls, tool_output_chars, tool_output_tokens, done_reason,
 and once scored: reward, passed, total, score_error, infra_error. `infra_error` is set when the

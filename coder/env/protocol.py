@@ -10,7 +10,7 @@ rollout loop all go through these functions so their text is byte-identical.
 
 A call that cannot be run is a `BrokenToolCall(reason)`: bad JSON, not an object, unknown tool,
 arguments that violate the tool's JSON schema, an unclosed `<tool_call>` or a stray
-`</tool_call>`. Broken calls are reported back to the model and count as failures (DESIGN.md).
+`</tool_call>`. Broken calls are reported back to the model and count as failures (docs/contracts.md, "Tool calls"; docs/rl.md, "Reward").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tasks and solutions: the JSONL formats of DESIGN.md, and the toy task source.
+"""Tasks and solutions: the JSONL formats of docs/contracts.md ("Task"), and the toy task source.
 
 Task line: {"id", "prompt", "files": {path: text}, "tests": {path: text}, "test_command",
 "language", "source"}. `files` is the repository the agent starts from (it may hold visible

@@ -123,6 +123,29 @@ def _one(item):
     return task.id, conv, info
 
 
+def _transcribe(item):
+    """(task, solution, seed) -> conversation or None (runs in an EpisodePool worker)."""
+    task, solution, seed = item
+    conv, _ = transcript(task, solution, seed)
+    return conv
+
+
+def toy_transcripts(n: int, seed: int, workers: int = 2) -> list[dict]:
+    """Conversations solving `n` of the env's toy tasks, with real tool outputs.
+
+    Only transcripts whose episode scored reward 1 come back from the env; fewer than half of
+    them is an environment problem worth stopping for.
+    """
+    from coder.env.tasks import toy_tasks
+
+    items = [(task, solution, seed) for task, solution in toy_tasks(n, seed)]
+    with EpisodePool(max(1, min(workers, n)), token_count=len) as pool:
+        convs = [c for c in pool.map(_transcribe, items) if c is not None]
+    if len(convs) < max(1, n // 2):
+        raise RuntimeError(f"only {len(convs)} of {n} toy-task transcripts succeeded: check the sandbox (bwrap)")
+    return convs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m coder.env.transcripts")
     p.add_argument("--tasks", required=True)

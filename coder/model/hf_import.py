@@ -64,8 +64,8 @@ _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 # ----------------------------------------------------------------------------- config
 def config_from_hf(hf: dict):
-    """A coder model config (configs.base.model_config schema) from an HF config.json dict."""
-    from configs.base import model_config
+    """A coder model config (coder.model.config schema) from an HF config.json dict."""
+    from coder.model.config import model_config
 
     m = model_config()
     for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -197,7 +197,7 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bo
     `dtype` is the parameter dtype (model_cfg.param_dtype); streaming, shard by shard. With a
     `mesh` (and `rules`, default the config's), each parameter is placed in its final sharding
     as soon as it is complete, so no device holds the whole model. scan_layers: build the
-    model with model.scan_layers (MoE layers stacked into moe_stack.*, see configs/base.py).
+    model with model.scan_layers (MoE layers stacked into moe_stack.*, see coder/model/config.py).
     """
     from safetensors import safe_open
 
@@ -206,9 +206,9 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bo
     with open(os.path.join(path, "config.json")) as f:
         cfg = config_from_hf(json.load(f))
     if mesh is not None and rules is None:
-        from configs.base import get_config
+        from coder.model.config import default_rules
 
-        rules = get_config().mesh.rules
+        rules = default_rules()
     cfg.scan_layers = bool(scan_layers)  # HF files are per layer; stacked here when asked
     cfg.param_dtype = jnp.dtype(dtype).name
     cfg.dtype = jnp.dtype(dtype).name if jnp.dtype(dtype) == jnp.float32 else cfg.dtype

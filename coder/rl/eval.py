@@ -75,14 +75,14 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
       tokenizer: coder.data.tokenizer.Tokenizer.
       stage_dir: reports go to `{stage_dir}/agent_eval/`.
       step: the checkpoint's step (names the report).
-      tasks: held-out `Task`s (default: `coder.rl.stage.eval_tasks(config)`).
+      tasks: held-out `Task`s (default: `coder.rl.actor.eval_tasks(config)`).
       make_episode: `task -> episode` (default: a sandboxed `SandboxEpisode`).
       engine: an existing Engine holding `model`'s weights (default: a new one).
     Returns:
       {"pass@k" for k in rl.eval_k, "num_tasks", "infra_failures", "regressed", "report"}.
     """
     from coder.rl import rollout as rollout_lib
-    from coder.rl import stage as stage_lib
+    from coder.rl import actor as stage_lib
 
     rl = config.rl
     ks = tuple(sorted({1, *(int(k) for k in rl.eval_k)}))  # pass@1 always: the regression check

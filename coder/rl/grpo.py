@@ -1,4 +1,4 @@
-"""GRPO as coder defines it (../shared/DESIGN.md, "GRPO as this project defines it").
+"""GRPO as coder defines it (docs/rl.md, "GRPO as coder defines it").
 
 For one task, G rollouts with rewards r_i (outcome reward minus length penalty, see
 `coder.rl.reward`) and correctness scores c_i:

@@ -73,7 +73,10 @@ def _fmt_duration(seconds: float) -> str:
 class MetricsWriter:
     """metrics.jsonl + TensorBoard + console line, on process 0 only."""
 
-    def __init__(self, stage_dir: str, stage: str, *, tensorboard: bool = True):
+    def __init__(self, stage_dir: str, stage: str, *, tensorboard: bool = True,
+                 resume_step: int | None = None):
+        """resume_step: the step a stage resumed from; records past it (logged after that
+        checkpoint by the interrupted run, and about to be logged again) are dropped."""
         self.stage = stage
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(stage_dir, "metrics.jsonl")
@@ -84,13 +87,16 @@ class MetricsWriter:
         self._tb = None
         if not self.enabled:
             return
-        if self._remote:
-            p = epath.Path(self.path)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if p.exists():
-                self._lines = p.read_text().splitlines(keepends=True)
-        else:
-            os.makedirs(stage_dir, exist_ok=True)
+        p = epath.Path(self.path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists():
+            self._lines = p.read_text().splitlines(keepends=True)
+            if resume_step is not None:
+                kept = [ln for ln in self._lines if json.loads(ln).get("step", 0) <= resume_step]
+                if len(kept) < len(self._lines):
+                    self._lines = kept
+                    p.write_text("".join(kept))
+        if not self._remote:
             self._file = open(self.path, "a")  # noqa: SIM115 (kept open for the stage)
         if tensorboard:
             try:

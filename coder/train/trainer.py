@@ -59,6 +59,7 @@ from flax import nnx
 from coder.model import sharding
 from coder.train import checkpoint as ckpt_lib
 from coder.train import metrics as metrics_lib
+from coder.train import state as state_lib
 from coder.train.optim import lr_schedule, make_optimizer
 
 # Arrays whose batch axis is not the first one (router replay ids are [layers, B, T, top_k]).
@@ -168,22 +169,6 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
     return train_step
 
 
-def opt_state_shardings(tx, params, mesh):
-    """Optimizer-state shardings for `tx.init(params)`: every moment shards like its parameter,
-    counters and other non-parameter leaves are replicated. `params` may be abstract
-    (ShapeDtypeStruct with shardings) or arrays.
-
-    jit's own propagation does not do this: zeros_like(p) does not depend on p's values, so
-    `jit(tx.init)` returns the moments unsharded (a 671B model's whole Adam state on each chip).
-    """
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    abstract = jax.eval_shape(tx.init, params)
-    param_sh = jax.tree.map(lambda x: x.sharding, params)
-    masked = lambda x: isinstance(x, optax.MaskedNode)
-    return optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract, param_sh,
-                                 transform_non_params=lambda _: replicated, is_leaf=masked)
-
-
 class Trainer:
     """Model, optimizer, checkpoints and the jit-compiled step of one stage (module docstring).
 
@@ -193,7 +178,7 @@ class Trainer:
         `{stage_dir}/metrics.jsonl` and `{stage_dir}/tb/`.
       loss_fn: `loss_fn(model, batch, rng) -> (loss, metrics)` (module docstring).
       trainable: nnx filter of the parameters that get gradients and optimizer state (default
-        every nnx.Param; e.g. `nnx.All(nnx.Param, nnx.PathContains("mtp"))` for MTP heads only).
+        every nnx.Param; e.g. coder.train.distill.MTP_PARAMS for the MTP heads only).
       init_from: checkpoint directory to take the model's variables from when stage_dir has no
         checkpoint yet (fresh optimizer; missing / unexpected names are logged).
       data_iterator: an iterator with `get_state()` / `set_state(state)`; its position is saved
@@ -228,144 +213,102 @@ class Trainer:
         self.bias_rate = float(config.model.bias_update_rate)
 
         self.mesh = sharding.make_mesh(config.mesh)
-        self.rules = tuple(tuple(r) for r in config.mesh.rules)
+        self.rules = state_lib.rules_of(config)
         self._default_model = model_fn is None
-        if model_fn is None:
-            from coder.model import Transformer
-
-            def model_fn():
-                return Transformer(config.model, rngs=nnx.Rngs(int(config.seed)))
-
-        model = sharding.create_sharded(model_fn, self.mesh, self.rules)
-        self._graphdef, params, rest = nnx.split(model, trainable, ...)
-        if not jax.tree.leaves(params):
-            raise ValueError(f"stage {self.stage}: the trainable filter {trainable} selects no parameters")
-        self.tx = make_optimizer(tc)
-        self._schedule = lr_schedule(tc)
-        with sharding.activate(self.mesh, self.rules):
-            opt_state = jax.jit(self.tx.init, out_shardings=opt_state_shardings(self.tx, params, self.mesh))(params)
-        self.params, self.rest, self.opt_state = params, rest, opt_state
-        self.step = 0
-        self.key = jax.random.key(int(config.seed))
-        self.nonfinite_total = 0  # skipped (NaN/Inf) steps over the whole stage
-        self.nonfinite_run = 0  # skipped steps in a row
-        self._saved_step = None
-
+        model = state_lib.build_model(config, self.mesh, model_fn=model_fn)
         self.ckpt = ckpt_lib.Checkpointer(
             os.path.join(self.stage_dir, "checkpoints"), keep=int(tc.keep_checkpoints)
         )
         latest = self.ckpt.latest_step()
+        self.init_report = None
+        if latest is None and init_from:
+            self.init_report = state_lib.load_into(model, init_from)
+        self.tx = make_optimizer(tc)
+        self._schedule = lr_schedule(tc)
+        try:
+            self.state = state_lib.init_state(model, self.tx, trainable, self.mesh, seed=int(config.seed))
+        except ValueError as e:
+            raise ValueError(f"stage {self.stage}: {e}") from None
+        self._saved_step = None
         if latest is not None:
             self._restore(latest)
-        elif init_from:
-            self._init_from(init_from)
 
         shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)
-        self._step = make_train_step(self._graphdef, loss_fn, self.tx, key=self.key,
+        st = self.state
+        self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key,
                                      grad_accum=self.grad_accum, bias_rate=self.bias_rate,
                                      trainable=trainable, schedule=self._schedule)
         self._jit_step = jax.jit(
             self._step,
-            out_shardings=(shard_of(self.params), shard_of(self.rest), shard_of(self.opt_state), None),
+            out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),
             donate_argnums=(0, 1, 2),
         )
         self._jit_eval = jax.jit(self._eval)
-        self.writer = metrics_lib.MetricsWriter(self.stage_dir, self.stage)
+        self.writer = metrics_lib.MetricsWriter(self.stage_dir, self.stage,
+                                                resume_step=st.step if latest is not None else None)
         self._preempt = False
         self._peak_flops = None
-        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(st.params))
         logging.info(
             "[%s] process %d/%d, %d devices, mesh %s, %d trainable params, step %d",
             self.stage, jax.process_index(), jax.process_count(), jax.device_count(),
-            dict(self.mesh.shape), n_params, self.step,
+            dict(self.mesh.shape), n_params, st.step,
         )
 
     # ------------------------------------------------------------------ state access
+    params = property(lambda self: self.state.params,
+                      lambda self, v: setattr(self.state, "params", v))
+    rest = property(lambda self: self.state.rest, lambda self, v: setattr(self.state, "rest", v))
+    opt_state = property(lambda self: self.state.opt_state,
+                         lambda self, v: setattr(self.state, "opt_state", v))
+    step = property(lambda self: self.state.step)
+    nonfinite_total = property(lambda self: self.state.nonfinite_total)
+    nonfinite_run = property(lambda self: self.state.nonfinite_run)
+
     @property
     def model(self) -> nnx.Module:
         """The current model (a fresh module view of the trainer's arrays; do not mutate)."""
-        return nnx.merge(self._graphdef, self.params, self.rest)
+        return self.state.model
 
     @property
     def checkpoint_dir(self) -> str:
         return self.ckpt.directory
 
-    def _flat_model(self) -> dict:
-        return {**ckpt_lib.state_to_flat(self.params), **ckpt_lib.state_to_flat(self.rest)}
-
-    def _abstract_model(self) -> dict:
-        return {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-            for k, v in self._flat_model().items()
-        }
-
-    def _set_model(self, flat: dict):
-        self.params = ckpt_lib.flat_to_state(self.params, flat)
-        self.rest = ckpt_lib.flat_to_state(self.rest, flat)
-
     # ------------------------------------------------------------------ checkpoints
     def save(self, force: bool = False):
         """Checkpoint the current step (async). No-op when this step is already saved."""
-        if self._saved_step == self.step:
+        st = self.state
+        if self._saved_step == st.step:
             return
-        opt_flat = ckpt_lib.tree_to_flat(self.opt_state)
-        meta = {
-            "step": self.step,
-            "stage": self.stage,
-            "rng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
-            "nonfinite_total": self.nonfinite_total,
-            "nonfinite_run": self.nonfinite_run,
-        }
         data_state = None
         if self.data_iterator is not None and hasattr(self.data_iterator, "get_state"):
             data_state = self.data_iterator.get_state()
         self.ckpt.save(
-            self.step,
-            arrays={"model": self._flat_model(), "opt_state": opt_flat},
-            meta=meta,
+            st.step,
+            arrays={"model": st.flat_model(), "opt_state": ckpt_lib.tree_to_flat(st.opt_state)},
+            meta={**st.meta(), "stage": self.stage},
             data_state=data_state,
             config=json.loads(self.config.to_json_best_effort()),
             force=force,
         )
-        self._saved_step = self.step
+        self._saved_step = st.step
 
     def _restore(self, step: int):
-        abstract_opt = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-            for k, v in ckpt_lib.tree_to_flat(self.opt_state).items()
-        }
+        st = self.state
         arrays, meta, data_state = self.ckpt.restore(
-            step, {"model": self._abstract_model(), "opt_state": abstract_opt}
+            step, {"model": {**state_lib.abstract_flat(st.params), **state_lib.abstract_flat(st.rest)},
+                   "opt_state": state_lib.abstract_flat(st.opt_state)}
         )
-        self._set_model(arrays["model"])
-        self.opt_state = ckpt_lib.flat_to_tree(self.opt_state, arrays["opt_state"])
-        self.step = int(meta["step"])
-        self.key = jax.random.wrap_key_data(jnp.asarray(meta["rng_key"], jnp.uint32))
-        self.nonfinite_total = int(meta.get("nonfinite_total", 0))
-        self.nonfinite_run = int(meta.get("nonfinite_run", 0))
-        self._saved_step = self.step
+        self.state = state_lib.restore_state(st, arrays, meta)
+        self._saved_step = self.state.step
         if data_state is not None and self.data_iterator is not None:
             self.data_iterator.set_state(data_state)
         logging.info("[%s] resumed from %s/%d", self.stage, self.ckpt.directory, step)
 
-    def _init_from(self, path: str):
-        found, missing, unexpected = ckpt_lib.load_params(path, self._abstract_model())
-        flat = self._flat_model()
-        flat.update(found)
-        self._set_model(flat)
-        logging.info("[%s] init_from %s: %d variables loaded", self.stage, path, len(found))
-        if missing:
-            logging.warning("[%s] not in %s (kept their initialisation): %s", self.stage, path, missing)
-        if unexpected:
-            logging.warning("[%s] in %s but not in the model (ignored): %s", self.stage, path, unexpected)
-        self.init_report = {"loaded": sorted(found), "missing": missing, "unexpected": unexpected}
-
     # ------------------------------------------------------------------ the step
-    def _loss(self, params, rest, batch, rng):
-        return _weighted_loss(self.loss_fn, self._graphdef, params, rest, batch, rng)
-
     def _eval(self, params, rest, batch):
-        loss, (metrics, weight) = self._loss(params, rest, batch, jax.random.key(0))
+        loss, (metrics, weight) = _weighted_loss(self.loss_fn, self.state.graphdef, params, rest,
+                                                 batch, jax.random.key(0))
         metrics.pop("router_load", None)
         metrics.pop("mtp_router_load", None)
         return {**metrics, "loss": loss, "weight": weight}
@@ -402,35 +345,36 @@ class Trainer:
                 "micro-batches: make data.batch_size a multiple of train.grad_accum"
             )
         batch = self.device_batch(batch)
+        st = self.state
         with sharding.activate(self.mesh, self.rules):
-            self.params, self.rest, self.opt_state, metrics = self._jit_step(
-                self.params, self.rest, self.opt_state, jnp.asarray(self.step, jnp.int32), batch
+            st.params, st.rest, st.opt_state, metrics = self._jit_step(
+                st.params, st.rest, st.opt_state, jnp.asarray(st.step, jnp.int32), batch
             )
-        self.step += 1
+        st.step += 1
         if int(metrics["skipped"]):
-            self.nonfinite_total += 1
-            self.nonfinite_run += 1
+            st.nonfinite_total += 1
+            st.nonfinite_run += 1
             logging.warning(
                 "[%s] step %d: non-finite loss or gradient, update skipped (%d in a row)",
-                self.stage, self.step, self.nonfinite_run,
+                self.stage, st.step, st.nonfinite_run,
             )
-            if self.nonfinite_run >= self.max_nonfinite:
+            if st.nonfinite_run >= self.max_nonfinite:
                 self.save(force=True)
                 self.ckpt.wait()
                 raise RuntimeError(
-                    f"[{self.stage}] {self.nonfinite_run} non-finite steps in a row at step "
-                    f"{self.step} (train.max_nonfinite_steps={self.max_nonfinite}): lower "
+                    f"[{self.stage}] {st.nonfinite_run} non-finite steps in a row at step "
+                    f"{st.step} (train.max_nonfinite_steps={self.max_nonfinite}): lower "
                     "train.lr, check the data, or raise train.max_nonfinite_steps"
                 )
         else:
-            self.nonfinite_run = 0
+            st.nonfinite_run = 0
         return metrics
 
     def eval_step(self, batch: dict) -> dict:
         """loss_fn on `batch` without an update; returns its metrics plus loss and weight."""
         batch = self.device_batch(batch)
         with sharding.activate(self.mesh, self.rules):
-            return self._jit_eval(self.params, self.rest, batch)
+            return self._jit_eval(self.state.params, self.state.rest, batch)
 
     def log(self, metrics: dict, *, total_steps: int | None = None, eta_s=None) -> dict:
         """Write `metrics` (scalars) for the current step to metrics.jsonl / TensorBoard / console."""
@@ -439,7 +383,7 @@ class Trainer:
             v = np.asarray(v)
             if v.ndim == 0:
                 scalars[k] = v.item()
-        scalars.setdefault("skipped_steps", self.nonfinite_total)
+        scalars.setdefault("skipped_steps", self.state.nonfinite_total)
         return self.writer.write(self.step, scalars, total_steps=total_steps, eta_s=eta_s)
 
     def peak_flops(self) -> float:
@@ -447,7 +391,7 @@ class Trainer:
         if self._peak_flops is None:
             per_device = float(self.config.train.peak_flops)
             if per_device <= 0:
-                from coder.train.hardware import CHIPS
+                from coder.train.aot.hardware import CHIPS
 
                 kind = jax.devices()[0].device_kind
                 per_device = next((c.peak_bf16_flops for c in CHIPS.values() if c.device_kind == kind), 0.0)
@@ -465,15 +409,21 @@ class Trainer:
             counts = count_params(self.config.model)
             active = counts["active"] + counts["mtp_active"]
         else:
-            active = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+            active = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
         return metrics_lib.flops_per_token(self.config.model, seq_len, active)
 
-    def fit(self, iterator=None, steps: int | None = None) -> int:
+    def fit(self, iterator=None, steps: int | None = None, *, after_step: Callable | None = None) -> int:
         """Train until `steps` (default config.train.steps); returns the final step.
 
-        Logs every train.log_every steps (`loss` = mean over the non-skipped steps since the last
-        line, `loss_step` = this step's), checkpoints every train.ckpt_every steps and at the end.
+        The loop every training stage shares (LM stages and GRPO's learner): logs every
+        train.log_every steps (`loss` = mean over the non-skipped steps since the last line,
+        `loss_step` = this step's), checkpoints every train.ckpt_every steps and at the end;
         SIGTERM: finish the current step, save, raise Preempted (exit code 0).
+
+        `iterator` yields batches (any iterator: a data pipeline, or a generator that collects
+        rollouts). `after_step(trainer, metrics) -> dict | None` runs after every step (e.g. GRPO
+        hands the new weights to its engine, runs the agent eval); the scalars it returns join
+        that step's log record.
         """
         it = self.data_iterator if iterator is None else iterator
         steps = int(self.config.train.steps if steps is None else steps)
@@ -493,6 +443,7 @@ class Trainer:
                     logging.warning("[%s] data exhausted at step %d", self.stage, self.step)
                     break
                 metrics = self.train_step(batch)
+                extra = (after_step(self, metrics) or {}) if after_step is not None else {}
                 if not int(metrics["skipped"]):
                     loss_sum, loss_n = loss_sum + metrics["loss"], loss_n + 1
                 if t_last is None:  # the first step includes compilation: time from its end
@@ -517,6 +468,7 @@ class Trainer:
                         record["mfu"] = tps * fpt / self.peak_flops()
                         eta = (steps - self.step) * (now - t_first) / max(self.step - first_step, 1)
                     record.update(_data_metrics(it))
+                    record.update(extra)
                     self.log(record, total_steps=steps, eta_s=eta)
                     t_last, tokens, timed_steps = now, 0, 0
                 if self._preempt:

@@ -50,7 +50,7 @@ REMAT = "full"
 # v5p-512 (docs/scale/README.md); the capacity buffer costs 2x the routed work instead.
 MOE_CAPACITY_FACTOR = 2.0
 
-# The RL engine's programs compiled beside the step (coder.train.compile.lower_engine): rows
+# The RL engine's programs compiled beside the step (coder.stages.compile.lower_engine): rows
 # decoded together, cache slots (a 32k context), tokens per prefill chunk.
 ENGINE = dict(engine_batch=8, engine_max_len=SEQ_LEN, engine_prefill_len=1024)
 

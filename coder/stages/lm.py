@@ -1,4 +1,4 @@
-"""The language-model stages: pretrain, longctx, sft, eval (see coder/stages.py for the table).
+"""The language-model stages: pretrain, longctx, sft, eval (see coder/stages/__init__.py for the table).
 
 Each is `(config, stage_dir, init_from) -> checkpoint_dir`. The three training stages share one
 body (`_train`): tokenizer, this host's data iterator, a Trainer with the LM loss, `fit`.
@@ -28,6 +28,7 @@ from etils import epath
 from flax import nnx
 
 from coder.train.losses import lm_loss, lm_loss_fn
+from coder.train.state import load_model
 from coder.train.trainer import Trainer
 
 
@@ -88,8 +89,6 @@ def longctx_config(config):
     tokens_per_step = int(c.data.batch_size) * int(c.data.seq_len)
     c.data.batch_size = int(c.longctx.batch_size) or max(1, tokens_per_step // seq_len)
     c.data.seq_len = seq_len
-    c.train.steps = int(c.longctx.steps)
-    c.train.lr = float(c.longctx.lr)
     return c
 
 
@@ -97,7 +96,7 @@ def longctx(config, stage_dir: str, init_from: str) -> str:
     """Continue pretraining at longctx.seq_len with YaRN (see longctx_config)."""
     if not init_from:
         raise ValueError("stage longctx continues a pretrained model: set init_from or run it after pretrain in stages")
-    c = longctx_config(config)
+    c = config
     logging.info(
         "longctx: seq_len %d, batch %d, YaRN factor %.2f over %d positions",
         c.data.seq_len, c.data.batch_size, c.model.rope_scaling.factor,
@@ -106,50 +105,16 @@ def longctx(config, stage_dir: str, init_from: str) -> str:
     return _train(c, stage_dir, init_from, _pretrain_iterator)
 
 
-def sft_config(config):
-    """The config of the SFT stage: sft.steps / lr / seq_len / batch_size over train / data."""
-    c = copy.deepcopy(config)
-    c.train.steps = int(c.sft.steps)
-    c.train.lr = float(c.sft.lr)
-    c.data.seq_len = int(c.sft.seq_len) or int(c.data.seq_len)
-    c.data.batch_size = int(c.sft.batch_size) or int(c.data.batch_size)
-    return c
-
-
-def _transcribe(item):
-    """(task, solution, seed) -> conversation or None (runs in an EpisodePool worker)."""
-    from coder.env import transcripts
-
-    task, solution, seed = item
-    conv, _ = transcripts.transcript(task, solution, seed)
-    return conv
-
-
-def toy_transcripts(n: int, seed: int, workers: int = 2) -> list[dict]:
-    """Conversations solving `n` of the env's toy tasks, with real tool outputs (coder.env.transcripts).
-
-    Only transcripts whose episode scored reward 1 come back from the env; fewer than half of
-    them is an environment problem worth stopping for.
-    """
-    from coder.env.pool import EpisodePool
-    from coder.env.tasks import toy_tasks
-
-    items = [(task, solution, seed) for task, solution in toy_tasks(n, seed)]
-    with EpisodePool(max(1, min(workers, n)), token_count=len) as pool:
-        convs = [c for c in pool.map(_transcribe, items) if c is not None]
-    if len(convs) < max(1, n // 2):
-        raise RuntimeError(f"only {len(convs)} of {n} toy-task transcripts succeeded: check the sandbox (bwrap)")
-    return convs
-
-
 def _sft_data(config, stage_dir: str) -> str:
     """sft.data, or toy-task transcripts written once to {stage_dir}/transcripts.jsonl."""
     if config.sft.data:
         return config.sft.data
     path = epath.Path(stage_dir) / "transcripts.jsonl"
     if jax.process_index() == 0 and not path.exists():
+        from coder.env import transcripts
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        convs = toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1))
+        convs = transcripts.toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1))
         tmp = path.parent / (path.name + ".tmp")
         tmp.write_text("".join(json.dumps(conv) + "\n" for conv in convs))
         tmp.rename(path)  # a preempted run never leaves half a file behind
@@ -163,7 +128,7 @@ def _sft_data(config, stage_dir: str) -> str:
 
 def sft(config, stage_dir: str, init_from: str) -> str:
     """Fine-tune on conversations; only assistant tokens carry loss (coder.data.sft)."""
-    c = sft_config(config)
+    c = config
     data = _sft_data(c, stage_dir)
 
     def make_iterator(cfg, tokenizer):
@@ -174,26 +139,16 @@ def sft(config, stage_dir: str, init_from: str) -> str:
     return _train(c, stage_dir, init_from, make_iterator)
 
 
-def load_model(config, path: str, mesh=None):
-    """The Transformer of config.model, sharded over `mesh` (default: config.mesh), with every
-    variable taken from the checkpoint at `path`; ValueError if the checkpoint lacks any."""
-    from coder.model import Transformer, sharding
-    from coder.train import checkpoint as ckpt_lib
-
-    mesh = sharding.make_mesh(config.mesh) if mesh is None else mesh
-    rules = tuple(tuple(r) for r in config.mesh.rules)
-    model = sharding.create_sharded(
-        lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))), mesh, rules
-    )
-    graphdef, state = nnx.split(model)
-    abstract = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-        for k, v in ckpt_lib.state_to_flat(state).items()
-    }
-    found, missing, _ = ckpt_lib.load_params(path, abstract)
-    if missing:
-        raise ValueError(f"{path} lacks {len(missing)} model variables, e.g. {missing[:3]}")
-    return nnx.merge(graphdef, ckpt_lib.flat_to_state(state, found))
+def check_eval(config) -> None:
+    """The eval section's keys, at start-up."""
+    if int(config.eval.batches) < 0:
+        raise ValueError(f"eval.batches={config.eval.batches} must be >= 0 (0 = the whole held-out split)")
+    if jax.process_count() > 1 and int(config.eval.batches) <= 0:
+        raise ValueError("eval.batches must be > 0 on several hosts (held-out passes differ in length)")
+    if int(config.eval.agent_tasks) > 0:
+        ks = [int(k) for k in config.rl.eval_k]
+        if max(ks, default=1) > int(config.rl.eval_samples):
+            raise ValueError(f"rl.eval_k={tuple(ks)} needs rl.eval_samples >= {max(ks)}")
 
 
 def evaluate(config, stage_dir: str, init_from: str) -> str:
@@ -222,8 +177,6 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
         return metrics["ce"] * metrics["weight"], metrics["weight"]
 
     multi = jax.process_count() > 1
-    if multi and int(config.eval.batches) <= 0:
-        raise ValueError("eval.batches must be > 0 on several hosts (held-out passes differ in length)")
     it = make_pretrain_iterator(
         config, tok, "heldout", jax.process_index(), jax.process_count(), num_epochs=None if multi else 1
     )

@@ -4,7 +4,7 @@
         --config.compile.topology=v5p-512 --config.mesh.num_slices=1
 
 runs on any machine with the `tpu` extra (libtpu): libtpu describes the target slice's chips as
-compile-only devices (coder.train.hardware), the step is lowered over a mesh of those devices
+compile-only devices (coder.train.aot.hardware), the step is lowered over a mesh of those devices
 with abstract (never allocated) parameters, optimizer state and batch, XLA's TPU compiler
 compiles it, and the stage writes report.json and report.md to `compile.report_dir` (default
 `{workdir}/compile`):
@@ -16,16 +16,16 @@ compiles it, and the stage writes report.json and report.md to `compile.report_d
   collectives count and bytes by kind (all-reduce, all-gather, reduce-scatter, all-to-all,
               collective-permute, and DCN transfers between slices) in the compiled HLO;
   roofline    step time bounds from the chip's published peak FLOP/s, HBM and ICI/DCN
-              bandwidths (coder.train.hardware) and the MFU they imply.
+              bandwidths (coder.train.aot.hardware) and the MFU they imply.
 
-Loops: XLA's cost analysis counts a while loop's body once; coder.train.hlo_stats walks the
+Loops: XLA's cost analysis counts a while loop's body once; coder.train.aot.hlo_stats walks the
 compiled HLO and adds (trips - 1) x each loop body's matmul FLOPs and bytes (see there).
 
 A configuration that does not fit or does not compile is reported as such (the report says
 why and what to change) instead of raising, so a sweep over topologies finishes.
 
 The step compiled is the trainer's own (coder.train.trainer.make_train_step, with the pretraining
-loss), with the optimizer moments sharded like their parameters (trainer.opt_state_shardings). `compile.offload_optimizer`
+loss), with the optimizer moments sharded like their parameters (coder.train.state.opt_state_shardings). `compile.offload_optimizer`
 keeps them in pinned host memory between steps (moved in and out around the update). The
 inference engine's prefill/decode steps are not compiled here yet.
 """
@@ -35,7 +35,7 @@ import json
 import math
 import re
 
-from coder.train.hlo_stats import (  # noqa: F401  (re-exported: the report's building blocks)
+from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report's building blocks)
     collective_stats,
     group_size,
     loop_corrected_cost,
@@ -102,7 +102,7 @@ def model_flops_per_step(model_cfg, active: int, batch: int, seq: int) -> float:
 def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
             model_flops: float) -> dict:
     """Memory, cost, collectives and roofline of a compiled step for topology `topo`."""
-    from coder.train import hardware
+    from coder.train.aot import hardware
 
     text = compiled.as_text()
     module = parse_hlo(text)
@@ -196,7 +196,7 @@ def to_markdown(r: dict) -> str:
               f"{_gib(chip['hbm_bytes'])} GiB HBM at {chip['hbm_bandwidth']:.3g} B/s, ICI "
               f"{chip['ici_bandwidth']:.3g} B/s, DCN {chip['dcn_bandwidth']:.3g} B/s per chip"
               + (f" (assumed: {', '.join(chip['assumed'])})" if chip["assumed"] else "")
-              + "; sources in coder/train/hardware.py.", ""]
+              + "; sources in coder/train/aot/hardware.py.", ""]
     return "\n".join(lines)
 
 
@@ -280,7 +280,8 @@ def lower_train_step(config, mesh):
     from coder.model import Transformer, sharding
     from coder.train.losses import lm_loss_fn
     from coder.train.optim import lr_schedule, make_optimizer
-    from coder.train.trainer import make_train_step, opt_state_shardings
+    from coder.train.state import opt_state_shardings
+    from coder.train.trainer import make_train_step
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
@@ -502,7 +503,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     import traceback
 
     from coder.model import count_params, sharding
-    from coder.train import hardware
+    from coder.train.aot import hardware
 
     topo = hardware.parse_topology(config.compile.topology, int(config.mesh.num_slices))
     out_dir = config.compile.report_dir or stage_dir

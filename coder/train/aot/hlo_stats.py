@@ -1,7 +1,7 @@
 """Reading a compiled XLA module: its HLO text parsed into computations, loop trip counts,
 matmul FLOPs and bytes per computation, and the collectives it runs (count and bytes by kind).
 
-Used by stage `compile` (coder/train/compile.py) to report what a training step does on a TPU
+Used by stage `compile` (coder/stages/compile.py) to report what a training step does on a TPU
 slice; pure Python over the HLO text (no JAX needed).
 
 Loops: XLA's cost analysis counts a while loop's body once, whatever its trip count. The

@@ -1,0 +1,91 @@
+"""The model schema: every key of `config.model`, with its default and what it does.
+
+The names follow Hugging Face's DeepseekV3Config, so a checkpoint's config.json maps onto them
+(coder.model.hf_import). `configs/base.py` puts this section into the run config; the model code
+reads only this section, never the run config. `default_rules` is the logical-axis -> mesh-axis
+table that `config.mesh.rules` starts from (coder.model.sharding).
+"""
+import ml_collections
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """DeepSeek-V3 / Kimi-K2 architecture. Names follow Hugging Face's DeepseekV3Config."""
+    m = ml_collections.ConfigDict()
+    m.vocab_size = 4096  # tokenizer vocabulary (padded up to a multiple of 128 by the tokenizer)
+    m.hidden_size = 256  # residual stream width
+    m.intermediate_size = 768  # SwiGLU width of the dense (first_k_dense_replace) layers
+    m.moe_intermediate_size = 128  # SwiGLU width of each routed / shared expert
+    m.num_hidden_layers = 4  # transformer blocks in the trunk
+    m.num_attention_heads = 4  # MLA query heads
+    m.q_lora_rank = 0  # 0 = no query compression (DeepSeek-V3: 1536)
+    m.kv_lora_rank = 64  # compressed KV latent width (what the KV cache stores)
+    m.qk_nope_head_dim = 32  # per-head query/key width without RoPE
+    m.qk_rope_head_dim = 16  # decoupled RoPE width (one RoPE key shared by all heads)
+    m.v_head_dim = 32  # per-head value width
+    m.n_routed_experts = 8  # routed experts per MoE layer
+    m.n_shared_experts = 1  # always-on shared experts per MoE layer
+    m.num_experts_per_tok = 2  # top-k routed experts per token
+    m.n_group = 2  # expert groups for group-limited routing (1 = off)
+    m.topk_group = 1  # groups each token may route into
+    m.routed_scaling_factor = 1.0  # multiplier on the routed experts' combined output
+    m.norm_topk_prob = True  # renormalise the top-k sigmoid weights to sum to 1
+    m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
+    m.bias_update_rate = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
+    # 0 = dropless (DeepSeek-V3). c > 0: each expert takes at most ceil(c * pairs / experts)
+    # (token, expert) pairs of the tokens a device sees, in token order, and drops the rest
+    # (GShard); a fixed [experts, capacity] buffer whose matmuls cost c x the routed work, where
+    # XLA:TPU's dropless ragged_dot gradient costs every local expert x every pair (docs/scale)
+    m.moe_capacity_factor = 0.0
+    m.rms_norm_eps = 1e-6  # RMSNorm epsilon
+    m.rope_theta = 10000.0  # RoPE base
+    m.max_position_embeddings = 1024  # longest sequence the RoPE tables are built for
+    m.rope_scaling = ml_collections.ConfigDict(
+        dict(
+            type="none",  # "none" | "yarn"
+            factor=1.0,  # YaRN context extension factor
+            original_max_position_embeddings=1024,  # context length before extension
+            beta_fast=32.0,  # YaRN high-frequency boundary (rotations)
+            beta_slow=1.0,  # YaRN low-frequency boundary (rotations)
+            mscale=1.0,  # YaRN attention temperature coefficient (DeepSeek-V3: 1.0)
+            mscale_all_dim=1.0,  # YaRN mscale applied to all dims (softmax scale correction)
+        )
+    )
+    m.num_mtp_layers = 1  # DeepSeek-V3 multi-token-prediction modules (0 = none)
+    m.tie_word_embeddings = False  # share the embedding and the output head
+    m.attention_backend = "dense"  # "dense" | "nsa"
+    m.nsa = ml_collections.ConfigDict(
+        dict(
+            compress_block=32,  # l: compression block length
+            compress_stride=16,  # d: stride between compression blocks
+            select_block=64,  # l': selection block length
+            select_topk=16,  # n: selected blocks per query (incl. initial and local blocks)
+            window=512,  # w: sliding-window width
+        )
+    )
+    m.dtype = "bfloat16"  # compute dtype of activations and matmuls
+    m.param_dtype = "float32"  # master weights
+    m.remat = "none"  # activation rematerialisation: "none" | "full" | "save_dots" | "save_qkv_proj"
+    # run the MoE layers as one lax.scan over stacked weights ([layers, ...] leaves named
+    # moe_stack.*): XLA compiles one layer instead of ~60 (minutes, not an hour, for a full-size
+    # config); same numbers as the unrolled loop, a different checkpoint layout
+    m.scan_layers = False
+    m.initializer_range = 0.02  # std of the normal initialiser
+    return m
+
+
+def default_rules() -> tuple:
+    """Logical axis name -> mesh axes. Changing parallelism is a change of this table."""
+    return (
+        ("batch", ("data", "fsdp")),
+        ("seq", "sequence"),
+        ("embed", "fsdp"),
+        ("heads", "tensor"),
+        ("kv_lora", None),
+        ("q_lora", None),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("exp", "expert"),
+        ("exp_mlp", "tensor"),
+        ("vocab", "tensor"),
+        ("layers", None),
+    )

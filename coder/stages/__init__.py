@@ -1,0 +1,281 @@
+"""The stage table: what `config.stage` / `config.stages` name, and running them in order.
+
+A stage is a function `(config, stage_dir, init_from) -> checkpoint_dir`: it trains (or
+evaluates) in `stage_dir = {workdir}/{stage}`, starting from the checkpoint directory
+`init_from` ("" = from scratch), and returns the directory the next stage starts from. Each
+stage restores its own latest checkpoint when it has one, so re-running a multi-stage command
+after a preemption skips finished stages (they find themselves at their last step) and resumes
+the interrupted one exactly.
+
+Every entry point lives in this package (coder/stages/*.py); the libraries below it (model,
+data, train, infer, env, rl) never import it. A stage's row in `STAGES` says, as data:
+  target     "module:function" of its entry point (imported when it runs);
+  overrides  (stage key, run key) pairs: the stage's own section over the shared `train` /
+             `data` keys (`sft.lr` -> `train.lr`); a zero or empty stage value keeps the shared one;
+  derive     "module:function" `config -> config` for what overrides cannot say (longctx's
+             YaRN factor, mtp's loss mix);
+  check      "module:function" `config -> None` validating the stage's own keys;
+  tools      `config -> executables` the stage needs on PATH (the sandbox's bwrap).
+`validate` runs, before anything is built, every chosen stage's derive + check + the mesh and
+batch checks on the config that stage will run with, and checks the tools.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from typing import Callable
+
+import jax
+from etils import epath
+
+# The sandbox (coder/env/sandbox.py) runs commands with these; scripts/setup.sh installs them.
+SANDBOX_TOOLS = {"bwrap": "bubblewrap", "setpriv": "util-linux", "prlimit": "util-linux"}
+
+
+def _no_tools(config) -> tuple:
+    del config
+    return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    target: str
+    overrides: tuple = ()
+    derive: str = ""
+    check: str = ""
+    tools: Callable = _no_tools
+
+
+def _steps_lr(section: str) -> tuple:
+    return ((f"{section}.steps", "train.steps"), (f"{section}.lr", "train.lr"))
+
+
+STAGES = {
+    "pretrain": Stage("coder.stages.lm:pretrain"),
+    "longctx": Stage("coder.stages.lm:longctx", _steps_lr("longctx"), derive="coder.stages.lm:longctx_config"),
+    "mtp": Stage("coder.stages.mtp:run", _steps_lr("mtp"), derive="coder.stages.mtp:mtp_config"),
+    "sft": Stage("coder.stages.lm:sft",
+                 _steps_lr("sft") + (("sft.seq_len", "data.seq_len"), ("sft.batch_size", "data.batch_size")),
+                 tools=lambda c: () if c.sft.data else tuple(SANDBOX_TOOLS)),
+    "grpo": Stage("coder.stages.grpo:run", _steps_lr("grpo"), check="coder.stages.grpo:validate",
+                  tools=lambda c: tuple(SANDBOX_TOOLS)),
+    "eval": Stage("coder.stages.lm:evaluate", check="coder.stages.lm:check_eval",
+                  tools=lambda c: tuple(SANDBOX_TOOLS) if int(c.eval.agent_tasks) > 0 else ()),
+    "compile": Stage("coder.stages.compile:run"),
+}
+
+# Stages that continue a trained model: the first stage of a run may be one only with init_from.
+NEEDS_CHECKPOINT = ("longctx", "mtp", "eval")
+
+# Model keys a later stage takes from the checkpoint it starts from rather than from its own
+# config: the long-context stage changes them, and every later stage must run the model the
+# way it was trained.
+INHERITED_MODEL_KEYS = ("max_position_embeddings", "rope_scaling")
+
+
+def stage_names(config) -> list[str]:
+    """`config.stages` or `[config.stage]` (exactly one of them set); ValueError naming the key."""
+    if config.stages and config.stage:
+        raise ValueError(
+            f"config.stage={config.stage!r} and config.stages={tuple(config.stages)} are both set: "
+            "run one stage with --config.stage=NAME --config.stages=() or several with "
+            "--config.stages=... alone"
+        )
+    if not config.stages and not config.stage:
+        raise ValueError(f"set config.stage (one of {', '.join(STAGES)}) or config.stages")
+    names = list(config.stages) if config.stages else [config.stage]
+    key = "stages" if config.stages else "stage"
+    for name in names:
+        if name not in STAGES:
+            raise ValueError(
+                f"config.{key}: unknown stage {name!r}; the stages are {', '.join(STAGES)}"
+            )
+    return names
+
+
+def _import(target: str, what: str):
+    module_name, fn_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ImportError(f"{what} needs {module_name}, which could not be imported ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise ImportError(f"{what}: {module_name} has no function {fn_name!r}")
+    return fn
+
+
+def resolve(name: str):
+    """The function of stage `name` (imported now)."""
+    return _import(STAGES[name].target, f"stage {name!r}")
+
+
+def stage_config(name: str, config):
+    """The config stage `name` runs with: its overrides over `train` / `data`, then its derive."""
+    stage = STAGES[name]
+    c = copy.deepcopy(config)
+    for src, dst in stage.overrides:
+        section, key = src.split(".")
+        value = c[section][key]
+        if value:  # 0 / "" = keep the shared value
+            dsec, dkey = dst.split(".")
+            c[dsec][dkey] = type(c[dsec][dkey])(value)
+    if stage.derive:
+        c = _import(stage.derive, f"stage {name!r}")(c)
+    return c
+
+
+def missing_tools(config, names=None) -> dict:
+    """{executable: system package} the chosen stages need and PATH lacks."""
+    names = stage_names(config) if names is None else names
+    needed = {t for n in names for t in STAGES[n].tools(config)}
+    return {t: SANDBOX_TOOLS.get(t, t) for t in sorted(needed) if shutil.which(t) is None}
+
+
+def _check_batch(config, n_devices: int, name: str):
+    from coder.model import sharding
+
+    sizes = sharding.validate(config.model, config.mesh, n_devices)
+    batch_shards = math.prod(sizes[a] for a in sharding.mesh_axes_of("batch", config.mesh.rules))
+    accum = int(config.train.grad_accum)
+    where = f"stage {name}: "
+    if accum < 1:
+        raise ValueError(f"{where}train.grad_accum={accum} must be >= 1")
+    if config.data.batch_size % accum:
+        raise ValueError(
+            f"{where}data.batch_size={config.data.batch_size} is not a multiple of "
+            f"train.grad_accum={accum}; change one of them"
+        )
+    if (config.data.batch_size // accum) % batch_shards:
+        raise ValueError(
+            f"{where}data.batch_size={config.data.batch_size} / train.grad_accum={accum} rows per "
+            f"micro-batch do not divide over the {batch_shards} devices of the batch mesh axes "
+            f"{sharding.mesh_axes_of('batch', config.mesh.rules)}; change data.batch_size "
+            "(or the stage's own batch_size), train.grad_accum or mesh.data/mesh.fsdp"
+        )
+
+
+def validate(config, n_devices: int | None = None, *, check_tools: bool = True) -> list[str]:
+    """Check the config before anything runs; ValueError naming the keys to change.
+
+    Returns the stage names. For every chosen stage, on the config it will run with: its derive
+    and check, the mesh against the model (coder.model.sharding.validate), the batch against the
+    mesh's batch axes and grad_accum; then the executables the stages need (RuntimeError naming
+    the package and the command that installs it).
+    """
+    names = stage_names(config)
+    if names[0] in NEEDS_CHECKPOINT and not config.init_from:
+        raise ValueError(f"stage {names[0]} starts from a trained model: set init_from=CHECKPOINT_DIR "
+                         "or run it after a training stage in config.stages")
+    n_devices = jax.device_count() if n_devices is None else n_devices
+    chained = inherit_model_config(config, config.init_from)
+    for name in names:
+        c = stage_config(name, chained)
+        if STAGES[name].check:
+            _import(STAGES[name].check, f"stage {name!r}")(c)
+        if name != "compile":  # compile targets a TPU topology, not the local devices
+            _check_batch(c, n_devices, name)
+        for key in INHERITED_MODEL_KEYS:  # what the next stage takes from this one's checkpoint
+            chained.model[key] = copy.deepcopy(c.model[key])
+    if check_tools:
+        missing = missing_tools(config, names)
+        if missing:
+            packages = " ".join(sorted(set(missing.values())))
+            raise RuntimeError(
+                f"stages {', '.join(names)} need {', '.join(missing)} (the env sandbox), which are not "
+                f"installed: run `bash scripts/setup.sh` (installs the system packages: {packages}), "
+                f"or `sudo apt-get install {packages}`"
+            )
+    return names
+
+
+def inherit_model_config(config, init_from: str):
+    """Copy of `config` whose INHERITED_MODEL_KEYS come from the checkpoint `init_from`."""
+    from coder.train.checkpoint import read_config
+
+    config = copy.deepcopy(config)
+    if not init_from:
+        return config
+    try:
+        saved = read_config(init_from)
+    except FileNotFoundError:
+        return config  # not a coder checkpoint (e.g. an HF import); the stage reports it
+    model = saved.get("model", {})
+    for key in INHERITED_MODEL_KEYS:
+        if key not in model:
+            continue
+        value = model[key]
+        current = config.model[key]
+        if hasattr(current, "to_dict"):
+            if current.to_dict() != value:
+                logging.info("model.%s from %s: %s", key, init_from, value)
+                current.update(value)
+        elif current != value:
+            logging.info("model.%s from %s: %s", key, init_from, value)
+            config.model[key] = type(current)(value)
+    return config
+
+
+def summarize(stage: str, stage_dir: str, seconds: float, checkpoint: str) -> dict:
+    """Loss at the start and the end of a stage, from its metrics.jsonl."""
+    path = epath.Path(stage_dir) / "metrics.jsonl"
+    first = last = None
+    if jax.process_index() == 0 and path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "loss" in record:
+                first = record if first is None else first
+                last = record
+    return {
+        "stage": stage,
+        "loss_start": None if first is None else first["loss"],
+        "loss_end": None if last is None else last["loss"],
+        "steps": None if last is None else last["step"],
+        "seconds": seconds,
+        "checkpoint": checkpoint,
+    }
+
+
+def _print_summary(rows: list[dict]):
+    if jax.process_index() != 0:
+        return
+    print("\nstage      loss start -> end        steps   wall time  checkpoint", flush=True)
+    for r in rows:
+        loss = "-"
+        if r["loss_start"] is not None:
+            loss = f"{r['loss_start']:.4f} -> {r['loss_end']:.4f}"
+        steps = "-" if r["steps"] is None else str(r["steps"])
+        print(f"{r['stage']:<10} {loss:<24} {steps:>5}  {r['seconds']:>8.1f}s  {r['checkpoint']}",
+              flush=True)
+
+
+def run_one(name: str, config, stage_dir: str, init_from: str = "") -> str:
+    """Stage `name` alone on `config` (its overrides and derive applied); returns its checkpoint."""
+    return resolve(name)(stage_config(name, config), stage_dir, init_from)
+
+
+def run(config) -> str:
+    """Run the configured stage(s) in order; returns the last checkpoint directory."""
+    names = validate(config)
+    init_from = config.init_from
+    rows = []
+    for name in names:
+        fn = resolve(name)
+        stage_dir = os.path.join(config.workdir, name)
+        c = stage_config(name, inherit_model_config(config, init_from))
+        logging.info("stage %s in %s (init_from=%r)", name, stage_dir, init_from)
+        t0 = time.perf_counter()
+        checkpoint = fn(c, stage_dir, init_from)
+        rows.append(summarize(name, stage_dir, time.perf_counter() - t0, checkpoint or ""))
+        _print_summary(rows[-1:])
+        init_from = checkpoint or init_from
+    if len(rows) > 1:
+        _print_summary(rows)
+    return init_from

@@ -1,0 +1,115 @@
+"""Stage `grpo`: synchronous GRPO of the agent in its own harness (docs/rl.md; after Composer 2).
+
+One step:
+    tasks  = the next B tasks (single epoch: each task is used once, in a fixed seeded order)
+    actor  : G rollouts per task (coder.rl.rollout.Agent over the engine and env episodes)
+    reward : outcome - length penalty + auxiliary rewards (coder.rl.reward), per group
+    adv    : coder.rl.grpo.advantages (infra failures masked out of their group)
+    learner: batch (one generation per row), reference logprobs of the frozen initial policy,
+             the trainer's step with coder.rl.grpo's loss, then the new weights to the engine.
+
+Seams for the asynchronous version: `Actor.collect` only needs an engine (weights arrive by
+`engine.set_weights(state, version)` and every sampled token records its policy version);
+`Learner.update` only needs finished rollouts (their tokens, behaviour logprobs, routing); the
+step loop in `train` is the only place that connects them, so an actor thread / process pool
+and a weight-sync channel replace it without touching either side. Router replay:
+`grpo.router_replay` feeds the engine's expert ids (prompt and observation tokens included) to
+the learner's forward as `routing=`.
+
+Metrics (`{stage_dir}/metrics.jsonl`, one line per step): loss, reward, pass_rate, outcome,
+test_reward, kl, clip_fraction, ratio_mean/max, entropy, broken_call_rate, infra_failures,
+turns, tool_calls, thinking/tool_io/output tokens, summaries, generations, tokens_per_rollout,
+submitted, abs_advantage, rollout_time_s, learner_time_s, plus the trainer's (grad_norm, lr, ...).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+
+from coder.rl import reward as reward_lib
+from coder.rl.actor import Actor, detached_state, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
+from coder.rl.learner import Learner
+
+
+def validate(config) -> None:
+    """Stops at start-up on budgets that cannot work, naming the keys."""
+    rl = config.rl
+    if rl.context_budget > config.model.max_position_embeddings:
+        raise ValueError(f"rl.context_budget={rl.context_budget} > model.max_position_embeddings="
+                         f"{config.model.max_position_embeddings}")
+    if not 0 < rl.summary_reserve < rl.context_budget:
+        raise ValueError(f"rl.summary_reserve={rl.summary_reserve} must be in (0, rl.context_budget)")
+    if rl.group_size < 2:
+        raise ValueError(f"rl.group_size={rl.group_size}: GRPO needs at least 2 rollouts per task")
+    unknown = set(rl.aux_rewards.keys()) - set(reward_lib.AUX_REWARDS)
+    if unknown:
+        raise ValueError(f"rl.aux_rewards: unknown {sorted(unknown)}; known {sorted(reward_lib.AUX_REWARDS)}")
+
+
+
+# --- the stage ---------------------------------------------------------------------------------
+def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
+          held_out=None, model_fn=None) -> str:
+    """The GRPO loop over `tasks` (single epoch). Returns the checkpoint directory.
+
+    `make_episode(task)` builds the env episode of one rollout; `held_out` tasks (optional) are
+    evaluated with coder.rl.eval at the end (and every grpo.eval_every steps).
+    """
+    from coder.rl import eval as eval_lib
+
+    validate(config)
+    rl = config.rl
+    b = int(rl.tasks_per_step)
+    steps = min(int(config.train.steps), len(tasks) // b)
+    if steps < int(config.train.steps):
+        logging.warning("[grpo] %d tasks make %d single-epoch steps of %d tasks, fewer than "
+                        "train.steps=%d", len(tasks), steps, b, config.train.steps)
+    learner = Learner(config, stage_dir, init_from, model_fn)
+    trainer = learner.trainer
+    engine = make_engine(trainer.model, config)
+    engine.set_weights(detached_state(trainer.model), version=trainer.step)
+    actor = Actor(engine, tokenizer, config, make_episode)
+    log_every, ckpt_every = max(1, int(config.train.log_every)), max(1, int(config.train.ckpt_every))
+    eval_every = int(config.grpo.eval_every)
+    key = jax.random.key(int(config.seed))
+    try:
+        while trainer.step < steps:
+            s = trainer.step
+            t0 = time.perf_counter()
+            groups = actor.collect(tasks[s * b:(s + 1) * b], jax.random.fold_in(key, s))
+            t1 = time.perf_counter()
+            score_groups(groups, rl)
+            metrics = learner.update(groups)
+            engine.set_weights(detached_state(trainer.model), version=trainer.step)
+            jax.block_until_ready(metrics)
+            t2 = time.perf_counter()
+            record = {**{k: v for k, v in metrics.items()}, **rollout_metrics(groups),
+                      "rollout_time_s": t1 - t0, "learner_time_s": t2 - t1}
+            if trainer.step % log_every == 0 or trainer.step == steps:
+                trainer.log(record, total_steps=steps)
+            if trainer.step % ckpt_every == 0 and trainer.step < steps:
+                trainer.save()
+            if held_out and eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
+                eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
+                                        tasks=held_out, make_episode=make_episode, engine=engine)
+        trainer.save(force=True)
+        trainer.ckpt.wait()
+        if held_out:
+            res = eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
+                                          tasks=held_out, make_episode=make_episode, engine=engine)
+            logging.info("[grpo] agent eval at step %d: %s", trainer.step, res)
+    finally:
+        trainer.close()
+    return trainer.checkpoint_dir
+
+
+def run(config, stage_dir: str, init_from: str) -> str:
+    """Stage `grpo`: tasks from `rl.tasks`, sandboxed episodes, eval on `rl.eval_tasks`."""
+    from coder.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load_or_train(config)
+    make_episode = episode_factory(config)
+    return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),
+                 make_episode=make_episode, held_out=eval_tasks(config))

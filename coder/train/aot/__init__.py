@@ -1,0 +1,1 @@
+"""Ahead-of-time analysis of compiled programs: XLA's HLO statistics and the TPU chip table."""

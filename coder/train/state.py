@@ -1,0 +1,171 @@
+"""The one way every stage builds, restores and holds a model and its training state.
+
+    model = build_model(config, mesh)              # the config's Transformer, created sharded
+    report = load_into(model, path)                # its variables from a checkpoint, by name
+    model = load_model(config, path, mesh)         # both, every variable required (eval, RL)
+    state = init_state(model, tx, trainable, mesh) # TrainState at step 0
+    state = restore_state(state, arrays, meta)     # a checkpoint's arrays and meta into it
+
+Variables are matched by flat name ("layers.0.attn.wq", coder.train.checkpoint.flat_name), so a
+checkpoint written by a model without some module (fresh MTP heads) still loads: `load_into`
+reports what it lacked. A name present on both sides with another shape is an error that names
+the key to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coder.model import sharding
+from coder.train import checkpoint as ckpt_lib
+
+
+def rules_of(config) -> tuple:
+    """The logical-axis rules of config.mesh as a tuple of pairs."""
+    return tuple(tuple(r) for r in config.mesh.rules)
+
+
+def build_model(config, mesh=None, *, seed: int | None = None, model_fn=None) -> nnx.Module:
+    """`Transformer(config.model)` (or `model_fn()`), created directly in its sharding on `mesh`
+    (default: a mesh of config.mesh over all devices), initialised from `seed` (default config.seed)."""
+    from coder.model import Transformer
+
+    mesh = sharding.make_mesh(config.mesh) if mesh is None else mesh
+    seed = int(config.seed) if seed is None else int(seed)
+    if model_fn is None:
+        def model_fn():
+            return Transformer(config.model, rngs=nnx.Rngs(seed))
+    return sharding.create_sharded(model_fn, mesh, rules_of(config))
+
+
+def abstract_flat(state) -> dict:
+    """{flat name: ShapeDtypeStruct with the array's sharding} of an nnx.State or any pytree of
+    arrays: the target a checkpoint is restored onto."""
+    flat = ckpt_lib.state_to_flat(state) if isinstance(state, nnx.State) else ckpt_lib.tree_to_flat(state)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in flat.items()}
+
+
+def load_into(model: nnx.Module, path: str, *, require_all: bool = False) -> dict:
+    """Every variable of `model` (params, router bias, ...) that the checkpoint at `path` holds,
+    restored in place onto the model's shardings.
+
+    Returns {"loaded", "missing" (kept their current value), "unexpected" (in the checkpoint,
+    not in the model)}; with `require_all` a missing variable is a ValueError naming them.
+    """
+    state = nnx.state(model)
+    found, missing, unexpected = ckpt_lib.load_params(path, abstract_flat(state))
+    if missing and require_all:
+        raise ValueError(
+            f"{path} lacks {len(missing)} of the model's variables, e.g. {missing[:3]}: the model "
+            "config must match the checkpoint's"
+        )
+    flat = ckpt_lib.state_to_flat(state)
+    flat.update(found)
+    nnx.update(model, ckpt_lib.flat_to_state(state, flat))
+    logging.info("loaded %d variables from %s", len(found), path)
+    if missing:
+        logging.info("not in %s (kept their initialisation): %d variables, e.g. %s", path,
+                     len(missing), missing[:4])
+    if unexpected:
+        logging.warning("in %s but not in the model (ignored): %s", path, unexpected[:8])
+    return {"loaded": sorted(found), "missing": missing, "unexpected": unexpected}
+
+
+def load_model(config, path: str, mesh=None) -> nnx.Module:
+    """The Transformer of config.model on `mesh` with every variable from the checkpoint `path`."""
+    model = build_model(config, mesh)
+    load_into(model, path, require_all=True)
+    return model
+
+
+def copy_model(model: nnx.Module) -> nnx.Module:
+    """A module with its own copies of `model`'s arrays, in the same shardings: a frozen reference
+    or an engine's weights (the trainer donates its arrays to each step, so sharing them would
+    hand the holder deleted buffers)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a training step reads and writes, plus the host-side counters a checkpoint keeps.
+
+    params: the trainable nnx.Param variables (the `trainable` filter); rest: every other model
+    variable (router bias, frozen parameters); opt_state: the optimizer's state over `params`;
+    key: the run's base RNG key (folded with the step inside the step); nonfinite_total /
+    nonfinite_run: skipped (NaN/Inf) steps over the stage / in a row.
+    """
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    rest: nnx.State
+    opt_state: object
+    step: int
+    key: jax.Array
+    nonfinite_total: int = 0
+    nonfinite_run: int = 0
+
+    @property
+    def model(self) -> nnx.Module:
+        """A module view of the current arrays (do not mutate: the next step donates them)."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    def flat_model(self) -> dict:
+        """{flat name: array} of every model variable."""
+        return {**ckpt_lib.state_to_flat(self.params), **ckpt_lib.state_to_flat(self.rest)}
+
+    def meta(self) -> dict:
+        """The JSON part of a checkpoint: step, RNG key data, counters."""
+        return {
+            "step": self.step,
+            "rng_key": jax.device_get(jax.random.key_data(self.key)).tolist(),
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_run": self.nonfinite_run,
+        }
+
+
+def init_state(model: nnx.Module, tx, trainable, mesh, *, seed: int) -> TrainState:
+    """Step-0 TrainState of `model`: its `trainable` params, the rest, and `tx`'s state sharded
+    like the params (opt_state_shardings)."""
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    if not jax.tree.leaves(params):
+        raise ValueError(f"the trainable filter {trainable} selects no parameters")
+    opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))(params)
+    return TrainState(graphdef, params, rest, opt_state, 0, jax.random.key(int(seed)))
+
+
+def restore_state(state: TrainState, arrays: dict, meta: dict) -> TrainState:
+    """`state` with a checkpoint's arrays ({"model": flat, "opt_state": flat}) and meta."""
+    flat = arrays["model"]
+    return dataclasses.replace(
+        state,
+        params=ckpt_lib.flat_to_state(state.params, flat),
+        rest=ckpt_lib.flat_to_state(state.rest, flat),
+        opt_state=ckpt_lib.flat_to_tree(state.opt_state, arrays["opt_state"]),
+        step=int(meta["step"]),
+        key=jax.random.wrap_key_data(jnp.asarray(meta["rng_key"], jnp.uint32)),
+        nonfinite_total=int(meta.get("nonfinite_total", 0)),
+        nonfinite_run=int(meta.get("nonfinite_run", 0)),
+    )
+
+
+def opt_state_shardings(tx, params, mesh):
+    """Optimizer-state shardings for `tx.init(params)`: every moment shards like its parameter,
+    counters and other non-parameter leaves are replicated. `params` may be abstract
+    (ShapeDtypeStruct with shardings) or arrays.
+
+    jit's own propagation does not do this: zeros_like(p) does not depend on p's values, so
+    `jit(tx.init)` returns the moments unsharded (a 671B model's whole Adam state on each chip).
+    """
+    import optax
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = jax.eval_shape(tx.init, params)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    return optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract, param_sh,
+                                 transform_non_params=lambda _: replicated, is_leaf=masked)
