@@ -1,8 +1,11 @@
 """Every configuration key of coder, with its default and what it does.
 
 Named configs (quickstart.py, deepseek_v3_671b.py, ...) start from `get_config()` here and
-override what they need. Command-line overrides: `--config.train.lr=1e-4`. A key that is not
-defined here cannot be set anywhere (ml_collections refuses it), so this file is the schema.
+override what they need. Command-line overrides: `--config.train.lr=1e-4`. The config returned
+is locked: a key that is not defined here cannot be set anywhere, in a named config or on the
+command line (ml_collections raises naming the key and the keys that exist), so this file is the
+schema. Only `rl.aux_rewards` stays open: its names are checked against the registry of
+coder/rl/reward.py when the grpo stage is validated.
 
 Sections are owned by the part of the code that reads them:
   model -> coder/model, mesh -> coder/model/sharding.py, data -> coder/data,
@@ -168,4 +171,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.engine_batch = 0
     c.compile.engine_max_len = 0
     c.compile.engine_prefill_len = 0
+
+    c.lock()  # setting an unknown key (a typo) raises instead of adding a key nothing reads
+    c.rl.aux_rewards.unlock()  # a registered auxiliary reward may be added (checked by grpo)
     return c

@@ -153,3 +153,68 @@ def test_stage_overrides_are_data():
     assert s.data.batch_size == 4
     assert stages.stage_config("grpo", c).train.steps == c.grpo.steps
     assert stages.stage_config("pretrain", c).train.lr == c.train.lr
+
+
+# ---------------------------------------------------------------------------- locked configs
+
+
+def _parse_file(path, *overrides):
+    """Parse `--config=path` + overrides as main.py's flag does (see _parse)."""
+    argv = ["main.py", f"--config={path}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=fv)
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        fv(argv)
+    finally:
+        sys.argv = saved
+    return fv.config
+
+
+TYPO_CONFIG = """
+from configs.quickstart import get_config as quickstart
+
+
+def get_config():
+    c = quickstart()
+    c.train.lrr = 1e-4  # typo of lr
+    return c
+"""
+
+
+def test_config_file_cannot_add_a_key(tmp_path):
+    """configs/base.py returns a locked config: a typo in a named config fails naming the key."""
+    path = tmp_path / "typo.py"
+    path.write_text(TYPO_CONFIG)
+    with pytest.raises(Exception, match=r"lrr.*(locked|Did you mean)") as e:
+        _parse_file(str(path))
+    assert 'Did you mean "lr"' in str(e.value)
+    for name in ("base", "quickstart", "deepseek_v3_671b", "kimi_k2_1t"):
+        c = __import__(f"configs.{name}", fromlist=["get_config"]).get_config()
+        assert c.is_locked and c.model.is_locked and c.rl.length_penalty.weights.is_locked, name
+        with pytest.raises(AttributeError, match="nsa_windw"):
+            c.model.nsa_windw = 3
+
+
+def test_named_configs_and_overrides_still_set_existing_keys(tmp_path):
+    """Every named config (and docs/scale's) loads; nested and dict-valued keys are overridable."""
+    for spec in ("deepseek_v3_671b,v5p-512", "kimi_k2_1t,v6e-256x2", "quickstart,v5e-4"):
+        c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":" + spec)
+        assert c.stage == "compile" and c.is_locked
+    c = _parse(
+        "--config.model.rope_scaling.factor=4.0", "--config.model.nsa.window=128",
+        "--config.rl.length_penalty.weights.turn=2.0", "--config.rl.aux_rewards.lint_introduced=0.5",
+        "--config.data.sources=({'path': '/data/*.jsonl', 'weight': 1.0},)",
+        "--config.mesh.rules=(('batch', 'data'),)",
+    )
+    assert c.model.rope_scaling.factor == 4.0 and c.model.nsa.window == 128
+    assert c.rl.length_penalty.weights.turn == 2.0 and c.rl.aux_rewards.lint_introduced == 0.5
+    assert c.data.sources[0]["path"] == "/data/*.jsonl" and c.mesh.rules == (("batch", "data"),)
+    with pytest.raises(Exception, match="turns"):
+        _parse("--config.rl.length_penalty.weights.turns=2.0")
+    # a registered auxiliary reward may be added (grpo's validate checks names against the registry)
+    c = base.get_config()
+    c.rl.aux_rewards.some_new_reward = 0.1
+    with pytest.raises(ValueError, match="some_new_reward"):
+        __import__("coder.stages.grpo", fromlist=["validate"]).validate(c)
