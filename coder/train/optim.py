@@ -121,7 +121,9 @@ def _muon_rule(path, shape) -> MuonDims | None:
 
 def decay_mask(params):
     """Decoupled weight decay on matrices only (per-layer ndim >= 2: a stacked layer's norm
-    `[L, D]` is a vector); norms and biases are not decayed."""
+    `[L, D]` is a vector); norms and biases are not decayed. This mask governs AdamW and Muon's
+    matrices; optax.contrib.muon's own AdamW branch (embeddings, head, vectors) takes no mask and
+    decays all it holds at train.weight_decay, as Moonlight's reference implementation does."""
 
     def decayed(path, p):
         names = _names(path)
