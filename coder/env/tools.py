@@ -241,10 +241,6 @@ FUNCTIONS = {
 }
 
 
-def default_tools() -> dict[str, ToolSpec]:
-    return {s.name: s for s in SPECS}
-
-
 def call(ctx: ToolContext, name: str, args: dict) -> str:
     """Run one validated tool call; the output is capped."""
     return cap(FUNCTIONS[name](ctx, args), ctx.max_output_chars)

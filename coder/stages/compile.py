@@ -25,9 +25,10 @@ A configuration that does not fit or does not compile is reported as such (the r
 why and what to change) instead of raising, so a sweep over topologies finishes.
 
 The step compiled is the trainer's own (coder.train.trainer.make_train_step, with the pretraining
-loss), with the optimizer moments sharded like their parameters (coder.train.state.opt_state_shardings). `compile.offload_optimizer`
-keeps them in pinned host memory between steps (moved in and out around the update). The
-inference engine's prefill/decode steps are not compiled here yet.
+loss), with the optimizer moments sharded like their parameters
+(coder.train.state.opt_state_shardings). `compile.offload_optimizer` keeps them in pinned host
+memory between steps (moved in and out around the update). With `compile.engine` the RL engine's
+prefill and decode programs are compiled beside it on the same mesh (`lower_engine`).
 """
 from __future__ import annotations
 

@@ -10,9 +10,10 @@ One step:
 
 Seams for the asynchronous version: `Actor.collect` only needs an engine (weights arrive by
 `engine.set_weights(state, version)` and every sampled token records its policy version);
-`Learner.update` only needs finished rollouts (their tokens, behaviour logprobs, routing); the
-step loop in `train` is the only place that connects them, so an actor thread / process pool
-and a weight-sync channel replace it without touching either side. Router replay:
+`Learner.batch` only needs finished rollouts (their tokens, behaviour logprobs, routing); `train`
+connects them through the trainer's `fit` (a batch generator that collects rollouts, an
+`after_step` hook that hands the new weights to the engine), which also gives GRPO the shared
+log / checkpoint cadence and SIGTERM handling. Router replay:
 `grpo.router_replay` feeds the engine's expert ids (prompt and observation tokens included) to
 the learner's forward as `routing=`.
 
@@ -48,7 +49,6 @@ def validate(config) -> None:
         raise ValueError(f"rl.aux_rewards: unknown {sorted(unknown)}; known {sorted(reward_lib.AUX_REWARDS)}")
 
 
-
 # --- the stage ---------------------------------------------------------------------------------
 def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
           held_out=None, model_fn=None) -> str:
@@ -66,36 +66,39 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
     if steps < int(config.train.steps):
         logging.warning("[grpo] %d tasks make %d single-epoch steps of %d tasks, fewer than "
                         "train.steps=%d", len(tasks), steps, b, config.train.steps)
-    learner = Learner(config, stage_dir, init_from, model_fn)
+    learner = Learner(config, stage_dir, init_from, model_fn, tokenizer=tokenizer)
     trainer = learner.trainer
     engine = make_engine(trainer.model, config)
     engine.set_weights(detached_state(trainer.model), version=trainer.step)
     actor = Actor(engine, tokenizer, config, make_episode)
-    log_every, ckpt_every = max(1, int(config.train.log_every)), max(1, int(config.train.ckpt_every))
     eval_every = int(config.grpo.eval_every)
     key = jax.random.key(int(config.seed))
-    try:
-        while trainer.step < steps:
+    rollout_record = {}  # the current step's rollout metrics, logged with its learner metrics
+
+    def batches():
+        """The learner's batches: each step's tasks rolled out by the actor and scored."""
+        while True:
             s = trainer.step
             t0 = time.perf_counter()
             groups = actor.collect(tasks[s * b:(s + 1) * b], jax.random.fold_in(key, s))
             t1 = time.perf_counter()
             score_groups(groups, rl)
-            metrics = learner.update(groups)
-            engine.set_weights(detached_state(trainer.model), version=trainer.step)
-            jax.block_until_ready(metrics)
-            t2 = time.perf_counter()
-            record = {**{k: v for k, v in metrics.items()}, **rollout_metrics(groups),
-                      "rollout_time_s": t1 - t0, "learner_time_s": t2 - t1}
-            if trainer.step % log_every == 0 or trainer.step == steps:
-                trainer.log(record, total_steps=steps)
-            if trainer.step % ckpt_every == 0 and trainer.step < steps:
-                trainer.save()
-            if held_out and eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
-                eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
-                                        tasks=held_out, make_episode=make_episode, engine=engine)
-        trainer.save(force=True)
-        trainer.ckpt.wait()
+            rollout_record.clear()
+            rollout_record.update(rollout_metrics(groups), rollout_time_s=t1 - t0, learner_start=t1)
+            yield learner.batch(groups)
+
+    def after_step(trainer, metrics) -> dict:
+        engine.set_weights(detached_state(trainer.model), version=trainer.step)
+        jax.block_until_ready(metrics)
+        record = dict(rollout_record)
+        record["learner_time_s"] = time.perf_counter() - record.pop("learner_start")
+        if held_out and eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
+            eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
+                                    tasks=held_out, make_episode=make_episode, engine=engine)
+        return record
+
+    try:
+        trainer.fit(batches(), steps, after_step=after_step)  # logging, checkpoints, SIGTERM
         if held_out:
             res = eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
                                           tasks=held_out, make_episode=make_episode, engine=engine)
@@ -107,9 +110,9 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `grpo`: tasks from `rl.tasks`, sandboxed episodes, eval on `rl.eval_tasks`."""
-    from coder.data import tokenizer as tokenizer_lib
+    from coder.data.tokenizer import stage_tokenizer
 
-    tok = tokenizer_lib.load_or_train(config)
+    tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
     make_episode = episode_factory(config)
     return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),
                  make_episode=make_episode, held_out=eval_tasks(config))
