@@ -4,8 +4,8 @@ from setuptools import find_packages, setup
 setup(
     name="coder",
     version="0.1.0",
-    description="Continued pretraining, MTP, SFT and asynchronous GRPO of DeepSeek-V3/Kimi-K2 "
-    "style coding agents in JAX.",
+    description="Pretraining, long-context extension, MTP, SFT and synchronous GRPO (in a bwrap "
+    "sandboxed coding environment) of DeepSeek-V3/Kimi-K2 style coding agents in JAX.",
     packages=find_packages(include=["coder", "coder.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
@@ -29,8 +29,9 @@ setup(
         "pytest>=8",  # the sandbox's tasks are scored with pytest
     ],
     extras_require={
-        # transformers + CPU torch: reference implementation for the model-equivalence tests.
-        "test": ["pytest>=8", "hypothesis>=6", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6"],
+        # transformers + CPU torch: reference implementation for the model-equivalence tests;
+        # pytest-xdist: the README's test command runs the tests in 2 worker processes (-n 2).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6"],
         "tpu": ["libtpu==0.0.42.*"],  # the libtpu jax 0.10.2 was built against (jax[tpu])
         "hf": ["safetensors>=0.4", "huggingface_hub>=0.24"],
     },
