@@ -45,8 +45,12 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
     mtp = [json.loads(x) for x in (workdir / "mtp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in mtp] == [1, 2, 2]  # two steps, then the held-out record
     assert 0 < mtp[-1]["heldout/accept_1"] <= 1
+    # GRPO on the env's toy tasks in real bwrap sandboxes: every rollout ran and was scored
     grpo = [json.loads(x) for x in (workdir / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert grpo[-1]["step"] == 1 and math.isfinite(grpo[-1]["reward"])
+    assert grpo[-1]["step"] == 1 and math.isfinite(grpo[-1]["reward"]) and math.isfinite(grpo[-1]["loss"])
+    assert grpo[-1]["rollouts"] > 0 and grpo[-1]["infra_failures"] == 0
+    assert 0.0 <= grpo[-1]["pass_rate"] <= 1.0 and grpo[-1]["rollout_time_s"] > 0
+    assert os.listdir(workdir / "grpo" / "agent_eval") == ["step_00000001.json"]
     (ev,) = [json.loads(x) for x in (workdir / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert ev["step"] == 1 and ev["tokens"] > 0  # the grpo checkpoint
     assert "pass@1" in ev
