@@ -52,12 +52,13 @@ def train(c):
     return stages.run_one("mtp", c, os.path.join(c.workdir, "mtp"), pre)
 
 
-def heldout_prompts(c, n: int, length: int) -> list:
-    """n prompts of `length` tokens from held-out stdlib documents (the first tokens of a document)."""
+def heldout_prompts(c, ckpt: str, n: int, length: int) -> list:
+    """n prompts of `length` tokens from held-out stdlib documents (the first tokens of a document),
+    encoded with the tokenizer of the checkpoint `ckpt`."""
     from coder.data.pretrain import make_pretrain_iterator
-    from coder.stages.lm import _tokenizer
+    from coder.train.checkpoint import stage_tokenizer
 
-    tok = _tokenizer(c)
+    tok = stage_tokenizer(c, ckpt)
     it = make_pretrain_iterator(c, tok, "heldout", num_epochs=None)
     prompts = []
     try:
@@ -159,7 +160,7 @@ def main():
     from coder.train.state import load_model
 
     model = load_model(c, ckpt)
-    prompts = heldout_prompts(c, args.prompts, args.prompt_len)
+    prompts = heldout_prompts(c, ckpt, args.prompts, args.prompt_len)
     print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
           f"batch 1, {jax.device_count()} device(s), backend {jax.default_backend()}")
 

@@ -1,5 +1,7 @@
 """Preemption: SIGKILL after a checkpoint then resume gives the uninterrupted run's losses
-bit-for-bit; SIGTERM writes a checkpoint and exits 0.
+bit-for-bit; SIGTERM writes a checkpoint and exits 0. In process: saving, resuming and starting
+from another stage's checkpoint log no orbax warnings; resuming a checkpoint of another model
+config is an error naming the variables and the directory.
 
 The training runs in a subprocess (this file run as a script): a toy nnx LM through the real
 Trainer.fit (8 fake CPU devices, async orbax checkpoints, data-iterator state in the
@@ -45,24 +47,29 @@ class SyntheticData:
         self.index = int(state["index"])
 
 
-def _run(stage_dir: str, sleep_s: float):
+def _toy(width: int = 32):
+    """A toy nnx LM (embedding, one tanh layer, head) of hidden size `width`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from coder.train.losses import lm_loss_fn
-    from coder.train.trainer import Trainer
-    from configs import base
-
     class Toy(nnx.Module):
         def __init__(self, rngs):
-            self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, 32)) * 0.5)
-            self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 32)) * 0.2)
-            self.lm_head = nnx.Param(jax.random.normal(rngs.params(), (32, 64)) * 0.2)
+            self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, width)) * 0.5)
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (width, width)) * 0.2)
+            self.lm_head = nnx.Param(jax.random.normal(rngs.params(), (width, 64)) * 0.2)
 
         def __call__(self, tokens, positions, segment_ids):
             h = jnp.tanh(self.embed[...][tokens] @ self.w[...])
             return h @ self.lm_head[...], {}
+
+    return Toy(nnx.Rngs(3))
+
+
+def _run(stage_dir: str, sleep_s: float):
+    from coder.train.losses import lm_loss_fn
+    from coder.train.trainer import Trainer
+    from configs import base
 
     c = base.get_config()
     c.train.steps = STEPS
@@ -72,7 +79,7 @@ def _run(stage_dir: str, sleep_s: float):
     c.train.keep_checkpoints = 2
     c.train.grad_accum = 2
     data = SyntheticData(seed=7, sleep_s=sleep_s)
-    trainer = Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=lambda: Toy(nnx.Rngs(3)),
+    trainer = Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=_toy,
                       data_iterator=data, stage="pretrain")
     try:
         trainer.fit(data)
@@ -148,8 +155,63 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     last = max(_losses(run_dir))
     assert last < STEPS
     assert _committed_steps(run_dir)[-1] == last  # the step it stopped at is checkpointed
-    meta = json.load(open(os.path.join(run_dir, "checkpoints", str(last), "data", "metadata")))
-    assert meta == {"index": last}  # the data position is saved with it
+    data = os.path.join(run_dir, "checkpoints", str(last), "data", "process_0-of-1.json")
+    assert json.load(open(data)) == {"index": last}  # the data position is saved with it
+
+
+def _config(steps: int):
+    from configs import base
+
+    c = base.get_config()
+    c.train.update(dict(steps=steps, warmup_steps=0, log_every=1))
+    return c
+
+
+def test_checkpoints_log_no_orbax_warnings(tmp_path, caplog):
+    """Save, resume (data position included), init_from into another stage and read its config:
+    orbax warns about nothing (every item has its handler; nothing is opened read-only)."""
+    import logging
+
+    from coder.train import checkpoint as ckpt_lib
+    from coder.train.losses import lm_loss_fn
+    from coder.train.trainer import Trainer
+
+    caplog.set_level(logging.WARNING)
+    c = _config(2)
+    first = str(tmp_path / "pretrain")
+    data = SyntheticData(seed=1, sleep_s=0.0)
+    t = Trainer(c, first, lm_loss_fn(c.train), model_fn=_toy, data_iterator=data)
+    t.fit(data)
+    t.close()
+    data = SyntheticData(seed=1, sleep_s=0.0)
+    t = Trainer(c, first, lm_loss_fn(c.train), model_fn=_toy, data_iterator=data)  # resumes
+    assert t.step == 2 and data.index == 2
+    t.close()
+    t = Trainer(c, str(tmp_path / "next"), lm_loss_fn(c.train), model_fn=_toy, init_from=t.checkpoint_dir)
+    assert t.step == 0 and len(t.init_report["loaded"]) == 3
+    t.close()
+    assert ckpt_lib.read_config(first + "/checkpoints")["train"]["steps"] == 2
+    assert ckpt_lib.checkpoint_step(first + "/checkpoints") == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, warnings
+
+
+def test_resume_with_another_model_config_names_the_variables(tmp_path):
+    from coder.train.losses import lm_loss_fn
+    from coder.train.trainer import Trainer
+
+    c = _config(1)
+    stage_dir = str(tmp_path / "pretrain")
+    t = Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=_toy)
+    t.fit(SyntheticData(seed=1, sleep_s=0.0))
+    t.close()
+    with pytest.raises(ValueError) as e:
+        Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=lambda: _toy(16))
+    msg = str(e.value)
+    assert "strict" not in msg  # not orbax's own advice
+    for part in ("stage pretrain", "different model config", "embed", "(64, 32)", "(64, 16)",
+                 f"Delete {os.path.join(stage_dir, 'checkpoints')}", "restore the model config"):
+        assert part in msg, (part, msg)
 
 
 if __name__ == "__main__":

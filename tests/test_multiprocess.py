@@ -2,6 +2,11 @@
 
 They run the same training steps of a tiny config as one process with 8 devices, each process
 feeding only its own rows of every batch, and must produce the same losses.
+
+Resume (`resume_worker`): two processes (2 CPU devices each) with different data shards train a
+few steps, stop, and a new trainer in each resumes: each process gets back its own data
+position (coder.train.checkpoint writes one data state per process), and the tokenizer of a run
+from scratch is trained once, on process 0, and received by the other.
 """
 import json
 import os
@@ -63,11 +68,83 @@ def worker(process_id: int, num_processes: int, port: int, workdir: str):
         print("LOSSES " + json.dumps(losses), flush=True)
 
 
-def _spawn(process_id, num_processes, devices, port, workdir):
+class _Shard:
+    """This process's data: batch i is rows drawn from seed i; the state is the next index.
+    Process p starts at 100 * p, so the two shards and their positions differ."""
+
+    def __init__(self, start: int, rows: int):
+        self.index, self.rows, self.seen = start, rows, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        rng = np.random.default_rng(self.index)
+        self.seen.append(self.index)
+        self.index += 1
+        tokens = rng.integers(1, 64, (self.rows, 16)).astype(np.int32)
+        ones = np.ones((self.rows, 16), np.int32)
+        return dict(tokens=tokens, positions=np.cumsum(ones, 1, dtype=np.int32) - 1, segment_ids=ones,
+                    loss_mask=ones.astype(np.float32))
+
+    def get_state(self):
+        return {"index": self.index}
+
+    def set_state(self, state):
+        self.index = int(state["index"])
+
+
+def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
+    """Tokenizer for a run from scratch, 3 steps, stop, resume in a new trainer, 5 steps; prints
+    this process's tokenizer hash and where its cache went, the data position restored and the
+    batches it consumed."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                               num_processes=num_processes, process_id=process_id)
+    from coder.data import tokenizer as tk
+    from coder.train.checkpoint import stage_tokenizer
+    from coder.train.losses import lm_loss_fn
+    from coder.train.trainer import Trainer
+    from configs import base
+
+    class Toy(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, 16)) * 0.5)
+            self.lm_head = nnx.Param(jax.random.normal(rngs.params(), (16, 64)) * 0.2)
+
+        def __call__(self, tokens, positions, segment_ids):
+            return jnp.tanh(self.embed[...][tokens]) @ self.lm_head[...], {}
+
+    c = base.get_config()
+    c.data.sources = ({"path": os.path.join(workdir, "corpus.jsonl")},)
+    c.data.tokenizer_vocab_size = 300
+    c.model.vocab_size = 384
+    c.train.update(dict(warmup_steps=0, log_every=1))
+    stage_dir = os.path.join(workdir, "pretrain")
+    cache = os.path.join(workdir, f"cache_{process_id}")  # not shared: process 1 must not train
+    tok = stage_tokenizer(c, "", stage_dir, cache_dir=cache)
+    rows = 8 // jax.process_count()
+    out = {"process": jax.process_index(), "tokenizer": tk.fingerprint(tok),
+           "cache": os.path.isdir(cache)}
+    for steps in (3, 5):
+        data = _Shard(100 * jax.process_index(), rows)
+        trainer = Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=lambda: Toy(nnx.Rngs(0)),
+                          data_iterator=data, tokenizer=tok, stage="pretrain")
+        out[f"restored_{steps}"] = data.index
+        trainer.fit(data, steps)
+        trainer.close()
+        out[f"seen_{steps}"] = data.seen
+    print("RESUME " + json.dumps(out), flush=True)
+
+
+def _spawn(process_id, num_processes, devices, port, workdir, mode="train"):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.Popen(
-        [sys.executable, __file__, str(process_id), str(num_processes), str(port), workdir],
+        [sys.executable, __file__, str(process_id), str(num_processes), str(port), workdir, mode],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -92,5 +169,34 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     assert reference[-1] < reference[0]  # it trains
 
 
+@pytest.mark.slow  # ~40 s on 2 busy cores (two interpreters, two trainers each)
+def test_two_processes_resume_their_own_data_positions(tmp_path):
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y", "0", "1"]
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"text": "\n".join(" ".join(rng.choice(words, 8)) for _ in range(6))}) + "\n")
+    port = _free_port()
+    pair = [_spawn(i, 2, 2, port, str(tmp_path), "resume") for i in range(2)]
+    outs = []
+    for proc in pair:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        outs.append(json.loads(next(x for x in out.splitlines() if x.startswith("RESUME "))[7:]))
+    p0, p1 = outs
+    # one tokenizer, trained on process 0 only (process 1's cache directory was never made)
+    assert p0["tokenizer"] == p1["tokenizer"] and p0["cache"] and not p1["cache"]
+    # each process resumes its own shard's position, not process 0's
+    assert (p0["restored_3"], p1["restored_3"]) == (0, 100)
+    assert (p0["restored_5"], p1["restored_5"]) == (3, 103)
+    assert p0["seen_3"] + p0["seen_5"] == [0, 1, 2, 3, 4]
+    assert p1["seen_3"] + p1["seen_5"] == [100, 101, 102, 103, 104]
+    step_dir = tmp_path / "pretrain" / "checkpoints" / "5"
+    for i, index in ((0, 5), (1, 105)):
+        assert json.loads((step_dir / "data" / f"process_{i}-of-2.json").read_text()) == {"index": index}
+    assert (step_dir / "tokenizer" / "metadata").exists()
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main = resume_worker if sys.argv[5:] == ["resume"] else worker
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

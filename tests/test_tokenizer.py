@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and bundled corpus (coder/data/tokenizer.py, corpus.py)."""
+"""Tokenizer, chat template, bundled corpus (coder/data/tokenizer.py, corpus.py), and which
+tokenizer a stage uses (coder.train.checkpoint.stage_tokenizer: the checkpoint's)."""
 import json
 import os
 import pickle
@@ -8,6 +9,7 @@ import pytest
 
 from coder.data import corpus
 from coder.data import tokenizer as tk
+from coder.train import checkpoint as ckpt_lib
 from configs import base
 
 CODE = (
@@ -195,9 +197,116 @@ def test_corpus_split_is_deterministic_disjoint_and_complete():
     every = corpus.stdlib_files("all")
     assert not set(train) & set(held)
     assert sorted(train + held) == sorted(every)
-    assert 0.02 < len(held) / len(every) < 0.09
+    tasks = {os.path.join(corpus.stdlib_root(), p) for p in corpus.heldout_task_files()}
+    assert tasks <= set(held) and 0 < len(tasks) < 0.06 * len(every)
+    assert 0.02 < len(set(held) - tasks) / len(every) < 0.08
     assert corpus.stdlib_files("heldout", 0.05) == held
     assert all(p.endswith(".py") and "site-packages" not in p for p in every)
     doc = next(corpus.documents("heldout"))
     assert set(doc) == {"text", "path"} and not os.path.isabs(doc["path"])
     assert corpus.is_heldout(doc["path"], 0.05)
+
+
+def test_heldout_tasks_are_not_in_the_pretraining_corpus():
+    """No held-out stdlib bug-fix task (coder.env.mutate) has its module or its hidden tests in
+    the corpus's train split (what pretraining and the tokenizer read), whatever the fraction."""
+    from coder.env import mutate
+
+    held = [m for m in mutate.candidate_modules() if mutate.split_of(m) == "heldout"]
+    assert len(held) >= 10
+    train_texts = {d["text"] for d in corpus.documents("train", 0.05)}
+    for module in held:
+        module_src, test_src = mutate.module_files(module)
+        assert module_src not in train_texts, module
+        assert test_src not in train_texts, module
+    untouched = set(corpus.stdlib_files("train", 0.0))
+    for module in held:
+        for rel in (f"{module}.py", os.path.join("test", f"test_{module}.py")):
+            assert os.path.join(corpus.stdlib_root(), rel) not in untouched
+    # the training tasks' modules stay in the corpus (only held-out ones are removed)
+    train_mods = [m for m in mutate.candidate_modules() if mutate.split_of(m) == "train"]
+    assert all(os.path.join(corpus.stdlib_root(), f"{m}.py") in untouched for m in train_mods)
+
+
+# --- the tokenizer of a stage ----------------------------------------------------------------
+WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y", "0", "1"]
+
+
+def _word_texts(seed: int, n: int = 300) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return ["\n".join(" ".join(rng.choice(WORDS, 8)) for _ in range(6)) for _ in range(n)]
+
+
+def _checkpoint_with(directory, tokenizer) -> str:
+    """A coder checkpoint directory (one tiny step) whose tokenizer item is `tokenizer`."""
+    import jax.numpy as jnp
+
+    ck = ckpt_lib.Checkpointer(str(directory), keep=1, async_save=False)
+    ck.save(1, arrays={"model": {"w": jnp.zeros(2)}, "opt_state": {"count": jnp.zeros(())}},
+            meta={"step": 1}, data_state=None, config={}, tokenizer=tk.to_record(tokenizer))
+    ck.close()
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def three():
+    """Three different tokenizers, quick to train."""
+    return [tk.train_tokenizer(_word_texts(seed), 300 + 4 * seed) for seed in range(3)]
+
+
+def test_record_round_trip_and_corruption(three):
+    a = three[0]
+    record = tk.to_record(a)
+    assert record["kind"] == "sentencepiece" and set(record["files"]) == {"tokenizer.model"}
+    assert json.loads(json.dumps(record)) == record
+    back = tk.from_record(record)
+    assert back.model_proto == a.model_proto and tk.fingerprint(back) == record["sha256"]
+    assert tk.fingerprint(three[1]) != record["sha256"]
+    with pytest.raises(ValueError, match="corrupt"):
+        tk.from_record({**record, "sha256": tk.fingerprint(three[1])})
+    with pytest.raises(ValueError, match="unknown tokenizer kind"):
+        tk.from_record({**record, "kind": "nope"})
+
+
+def test_stage_tokenizer_comes_from_the_checkpoint(three, tmp_path):
+    a, b, c = three
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _word_texts(7)))
+    cfg = base.get_config()
+    cfg.data.sources = ({"path": str(data)},)
+    cfg.data.tokenizer_vocab_size = 300
+    cache = str(tmp_path / "cache")
+    scratch = ckpt_lib.stage_tokenizer(cfg, "", str(tmp_path / "pretrain"), cache_dir=cache)  # trains
+    assert tk.load_or_train(cfg, cache).model_proto == scratch.model_proto  # what the cache gives
+    assert len({tk.fingerprint(t) for t in (a, b, c, scratch)}) == 4
+
+    init = _checkpoint_with(tmp_path / "pretrain" / "checkpoints", a)
+    # a later stage: init_from's tokenizer, not the cache's
+    assert ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "mtp"), cache_dir=cache).model_proto == a.model_proto
+    # a step directory works too
+    assert ckpt_lib.stage_tokenizer(cfg, init + "/1", "", cache_dir=cache).model_proto == a.model_proto
+    # a resume: the stage's own checkpoint wins over init_from
+    _checkpoint_with(tmp_path / "mtp" / "checkpoints", c)
+    assert ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "mtp"), cache_dir=cache).model_proto == c.model_proto
+    # data.tokenizer equal to the checkpoint's is fine
+    a.save(str(tmp_path / "a.model"))
+    cfg.data.tokenizer = str(tmp_path / "a.model")
+    assert ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "sft")).model_proto == a.model_proto
+    # the model must hold the ids
+    cfg.model.vocab_size = 128
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "sft"))
+
+
+def test_explicit_tokenizer_differing_from_the_checkpoints_is_an_error(three, tmp_path):
+    a, b, _ = three
+    init = _checkpoint_with(tmp_path / "pretrain" / "checkpoints", a)
+    b_path = str(tmp_path / "b.model")
+    b.save(b_path)
+    cfg = base.get_config()
+    cfg.data.tokenizer = b_path
+    with pytest.raises(ValueError) as e:
+        ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "sft"))
+    msg = str(e.value)
+    for part in (b_path, tk.fingerprint(b)[:16], tk.fingerprint(a)[:16], init + "/1"):
+        assert part in msg, (part, msg)

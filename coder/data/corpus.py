@@ -7,7 +7,15 @@ document's identity (and its split) is the same on every machine with the same P
 
 The train / held-out split is a hash of the relative path, not a random draw: it needs no seed,
 no stored list, and adding or removing files never moves another file across the split.
+
+No contamination of the agent's held-out tasks: the stdlib bug-fix task generator
+(coder.env.mutate) builds a task from a top-level module `M.py` and its CPython tests
+`test/test_M.py`, and splits modules by `task_module_split(M)` (a hash of the module name, 20%
+held out). Both files of every held-out task module (`heldout_task_files`, ~60 files of ~1,800
+on CPython 3.11) are in this corpus's held-out split too, whatever `heldout_fraction`, so
+pretraining (and the tokenizer) never sees a held-out task's code or its hidden tests.
 """
+import functools
 import hashlib
 import os
 import sysconfig
@@ -21,8 +29,38 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+# Percent of the stdlib modules whose bug-fix tasks are held out (coder.env.mutate.split_of).
+TASK_HELDOUT_PERCENT = 20
+
+
+def task_module_split(module: str, heldout_percent: int = TASK_HELDOUT_PERCENT) -> str:
+    """'train' or 'heldout': the split of the bug-fix tasks of stdlib module `module`, fixed per
+    module (a hash of its name, independent of any seed)."""
+    h = int(hashlib.sha256(module.encode()).hexdigest()[:8], 16)
+    return "heldout" if h % 100 < heldout_percent else "train"
+
+
+@functools.lru_cache(maxsize=4)
+def heldout_task_files(root: str | None = None) -> frozenset:
+    """Paths (relative to the stdlib root, "/"-separated) of the files the held-out bug-fix tasks
+    may use: `M.py` and `test/test_M.py` of every module M that has both and whose tasks are
+    held out (`task_module_split`)."""
+    root = root or stdlib_root()
+    out = set()
+    for name in os.listdir(root):
+        test = f"test/test_{name[:-3]}.py"
+        if (name.endswith(".py") and os.path.isfile(os.path.join(root, name))
+                and os.path.isfile(os.path.join(root, test))
+                and task_module_split(name[:-3]) == "heldout"):
+            out |= {name, test}
+    return frozenset(out)
+
+
 def is_heldout(rel_path: str, heldout_fraction: float) -> bool:
-    """Deterministic split: the first 8 bytes of sha256(path) as a uniform number in [0, 1)."""
+    """Deterministic split: a file of a held-out task module (module docstring), or the first 8
+    bytes of sha256(path) as a uniform number in [0, 1) below `heldout_fraction`."""
+    if rel_path.replace(os.sep, "/") in heldout_task_files():
+        return True
     digest = hashlib.sha256(rel_path.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64 < heldout_fraction
 

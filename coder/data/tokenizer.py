@@ -17,14 +17,26 @@ Chat template: a turn is `<|role|>` + encode(text) + `<|end|>`; a conversation i
 concatenation of its turns (no bos). Loss falls on an assistant turn's text tokens and its
 `<|end|>` (the model must learn to stop), never on the role token (the template supplies it:
 `generation_prefix()`), nor on any other role's turn.
+
+The tokenizer travels with the checkpoint: the trainer stores it in every checkpoint as a JSON
+record (`to_record` / `from_record`): its kind ("sentencepiece" today; `KINDS` maps a kind to
+its loader, so other tokenizer libraries can be added behind the same interface: `kind`,
+`files()`, `source` and the encoding methods), its files ({name: bytes}, base64) and their
+sha256 (`fingerprint`). Which tokenizer a stage uses is decided by
+coder.train.checkpoint.stage_tokenizer: the checkpoint's it resumes or starts from, so the ids
+mean what they meant when the weights were trained whatever Python or corpus this host has; a
+run from scratch loads `data.tokenizer` or trains one once (`load_or_train_shared`: on process
+0, its files broadcast to the other processes).
 """
+import base64
 import hashlib
 import io
+import json
 import os
 import random
 import re
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -55,10 +67,17 @@ _CHUNK_CHARS = 2048
 
 
 class Tokenizer:
-    """A loaded SentencePiece model with the template's special tokens."""
+    """A loaded SentencePiece model with the template's special tokens.
 
-    def __init__(self, model_proto: bytes):
+    `source` says where it came from (a path, a cache file, a checkpoint); informational only.
+    """
+
+    kind = "sentencepiece"
+    MODEL_FILE = "tokenizer.model"
+
+    def __init__(self, model_proto: bytes, source: str = ""):
         self.model_proto = model_proto
+        self.source = source
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self._special = {tok: self._sp.piece_to_id(tok) for tok in SPECIAL_TOKENS}
         expected = {tok: 4 + i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -72,10 +91,10 @@ class Tokenizer:
 
     def __getstate__(self):
         # The SentencePiece processor is not picklable; grain workers rebuild it from the proto.
-        return {"model_proto": self.model_proto}
+        return {"model_proto": self.model_proto, "source": self.source}
 
     def __setstate__(self, state):
-        self.__init__(state["model_proto"])
+        self.__init__(state["model_proto"], state.get("source", ""))
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
@@ -83,7 +102,16 @@ class Tokenizer:
         import fsspec
 
         with fsspec.open(path, "rb") as f:
-            return cls(f.read())
+            return cls(f.read(), source=path)
+
+    def files(self) -> dict[str, bytes]:
+        """The files that define this tokenizer ({name: bytes}), as checkpoints store them."""
+        return {self.MODEL_FILE: self.model_proto}
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], source: str = "") -> "Tokenizer":
+        """Inverse of `files`."""
+        return cls(files[cls.MODEL_FILE], source=source)
 
     def save(self, path: str) -> None:
         """Writes the model atomically (temp file + rename), safe against concurrent writers."""
@@ -120,9 +148,6 @@ class Tokenizer:
                 # Encoded in two halves, neither of which is a whole special token.
                 ids += self._sp.encode(part[:2]) + self._sp.encode(part[2:])
         return ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts))
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
@@ -257,18 +282,88 @@ def load_or_train(config, cache_dir: str | None = None, max_chars: int = 3_000_0
 
     The cache key is a hash of the training sample, the vocabulary size and the trainer version,
     so a changed corpus or vocabulary trains a new model. Two processes racing both train and
-    both write the same bytes through an atomic rename; neither reads a partial file.
+    both write the same bytes through an atomic rename; neither reads a partial file. Stages do
+    not call this directly: coder.train.checkpoint.stage_tokenizer takes a checkpoint's
+    tokenizer when there is one, and `load_or_train_shared` (process 0 only) otherwise.
     """
     if config.data.tokenizer:
-        return Tokenizer.load(config.data.tokenizer)
+        return load(config.data.tokenizer)
     texts = _corpus_sample(config, max_chars)
     key = hashlib.sha256()
     key.update(f"v{_TRAINER_VERSION}:{config.data.tokenizer_vocab_size}:".encode())
     for text in texts:
         key.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
     path = os.path.join(cache_dir or default_cache_dir(), f"tokenizer-{key.hexdigest()[:16]}.model")
+    what = "data.sources" if config.data.sources else f"corpus {config.data.corpus}"
+    source = f"trained on {what}, vocab {config.data.tokenizer_vocab_size} (cached at {path})"
     if os.path.exists(path):
-        return Tokenizer.load(path)
-    tokenizer = train_tokenizer(texts, config.data.tokenizer_vocab_size)
-    tokenizer.save(path)
+        tokenizer = Tokenizer.load(path)
+    else:
+        tokenizer = train_tokenizer(texts, config.data.tokenizer_vocab_size)
+        tokenizer.save(path)
+    tokenizer.source = source
     return tokenizer
+
+
+# --- tokenizers in checkpoints, and shared between processes ----------------------------------------------
+# kind -> loader of a tokenizer from its files ({name: bytes}) and a source description.
+KINDS: dict[str, Callable[..., Tokenizer]] = {"sentencepiece": Tokenizer.from_files}
+
+
+def load(path: str) -> Tokenizer:
+    """The tokenizer at `path` (`data.tokenizer`): a sentencepiece .model file, local or fsspec."""
+    return Tokenizer.load(path)
+
+
+def _files_sha256(kind: str, files: dict[str, bytes]) -> str:
+    h = hashlib.sha256(kind.encode() + b"\0")
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + len(files[name]).to_bytes(8, "big") + files[name])
+    return h.hexdigest()
+
+
+def fingerprint(tokenizer) -> str:
+    """sha256 of a tokenizer's kind and files: equal fingerprints, equal ids for every text."""
+    return _files_sha256(tokenizer.kind, tokenizer.files())
+
+
+def to_record(tokenizer) -> dict:
+    """The JSON record a checkpoint stores: {"kind", "files": {name: base64}, "sha256", "source"}."""
+    files = tokenizer.files()
+    return {
+        "kind": tokenizer.kind,
+        "files": {name: base64.b64encode(data).decode("ascii") for name, data in files.items()},
+        "sha256": _files_sha256(tokenizer.kind, files),
+        "source": getattr(tokenizer, "source", ""),
+    }
+
+
+def from_record(record: dict, where: str = "") -> Tokenizer:
+    """The tokenizer of a `to_record` record (`where`: the checkpoint it came from, for errors)."""
+    kind = record.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"{where or 'tokenizer record'}: unknown tokenizer kind {kind!r}; known: {sorted(KINDS)}")
+    files = {name: base64.b64decode(data) for name, data in record["files"].items()}
+    digest = _files_sha256(kind, files)
+    if record.get("sha256") not in (None, digest):
+        raise ValueError(f"{where or 'tokenizer record'}: the tokenizer files do not match their "
+                         f"sha256 {record['sha256'][:16]} (got {digest[:16]}): the item is corrupt")
+    return KINDS[kind](files, source=record.get("source") or where)
+
+
+def load_or_train_shared(config, cache_dir: str | None = None) -> Tokenizer:
+    """`load_or_train` on process 0 only; the other processes receive its files (broadcast), so
+    every host uses the same tokenizer whatever its own Python or cache holds."""
+    import jax
+
+    if jax.process_count() == 1:
+        return load_or_train(config, cache_dir)
+    from jax.experimental import multihost_utils
+
+    data = b""
+    if jax.process_index() == 0:
+        data = json.dumps(to_record(load_or_train(config, cache_dir))).encode()
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    buf = np.frombuffer(data, np.uint8) if jax.process_index() == 0 else np.zeros(n, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8).tobytes()
+    return from_record(json.loads(data), "process 0")

@@ -16,7 +16,9 @@ mutated, so the bug report can name the function.
 A mutant is kept only if the module still imports and its own tests fail, checked in the
 sandbox at generation time; the module's tests must first pass on the original (and run in
 `max_test_s`). Tasks are reproducible from the seed, deduplicated by mutated source, and each
-module belongs to exactly one split (train / heldout) by a hash of its name.
+module belongs to exactly one split (train / heldout) by a hash of its name
+(coder.data.corpus.task_module_split). The pretraining corpus holds the files of the held-out
+modules (`M.py`, `test/test_M.py`) out of its train split, so held-out tasks are not pretrained on.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import hashlib
 import os
 import random
 import shlex
 import sysconfig
 import time
 
+from coder.data import corpus
 from coder.env.reward import score
 from coder.env.sandbox import Limits, Sandbox
 from coder.env.tasks import DEFAULT_TEST_COMMAND, Task, content_id
@@ -113,10 +115,10 @@ def usable(module: str, preloaded: frozenset) -> bool:
     )
 
 
-def split_of(module: str, heldout_percent: int = 20) -> str:
-    """'train' or 'heldout', fixed per module (independent of any seed)."""
-    h = int(hashlib.sha256(module.encode()).hexdigest()[:8], 16)
-    return "heldout" if h % 100 < heldout_percent else "train"
+def split_of(module: str, heldout_percent: int = corpus.TASK_HELDOUT_PERCENT) -> str:
+    """'train' or 'heldout', fixed per module (independent of any seed); the pretraining corpus
+    holds the held-out modules' files out of its train split (coder.data.corpus)."""
+    return corpus.task_module_split(module, heldout_percent)
 
 
 # ---- mutation ---------------------------------------------------------------------------------

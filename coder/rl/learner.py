@@ -16,7 +16,7 @@ from coder.train.state import build_model, copy_model, load_into
 class Learner:
     """The trainer with the GRPO loss and the frozen reference policy (the training side)."""
 
-    def __init__(self, config, stage_dir, init_from, model_fn=None):
+    def __init__(self, config, stage_dir, init_from, model_fn=None, tokenizer=None):
         self.config = config
         g, acc = config.grpo, int(config.train.grad_accum)
         tokens_per_group = int(g.tokens_per_group) or int(config.rl.group_size) * int(config.rl.max_rollout_tokens)
@@ -28,7 +28,7 @@ class Learner:
                                     temperature=float(config.rl.temperature),
                                     router_replay=bool(g.router_replay))
         self.trainer = Trainer(config, stage_dir, loss_fn, init_from=init_from, model_fn=model_fn,
-                               stage="grpo")
+                               stage="grpo", tokenizer=tokenizer)  # saved in its checkpoints
         self.ref = self._reference(init_from, model_fn)
         temperature = float(config.rl.temperature)
         graphdef = nnx.graphdef(self.ref)

@@ -110,7 +110,7 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `grpo`: tasks from `rl.tasks`, sandboxed episodes, eval on `rl.eval_tasks`."""
-    from coder.data.tokenizer import stage_tokenizer
+    from coder.train.checkpoint import stage_tokenizer
 
     tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
     make_episode = episode_factory(config)

@@ -1,7 +1,9 @@
 """The language-model stages: pretrain, longctx, sft, eval (see coder/stages/__init__.py for the table).
 
 Each is `(config, stage_dir, init_from) -> checkpoint_dir`. The three training stages share one
-body (`_train`): tokenizer, this host's data iterator, a Trainer with the LM loss, `fit`.
+body (`_train`): the tokenizer (coder.train.checkpoint.stage_tokenizer: the one of the checkpoint
+resumed or started from), this host's data iterator, a Trainer with the LM loss (which stores the
+tokenizer in its checkpoints), `fit`.
 They differ in their data and in the config they derive for themselves:
 
   pretrain  packed documents (coder.data.pretrain), config as given.
@@ -32,23 +34,13 @@ from coder.train.state import load_model
 from coder.train.trainer import Trainer
 
 
-def _tokenizer(config):
-    from coder.data.tokenizer import load_or_train
-
-    tok = load_or_train(config)
-    if tok.padded_vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tok.padded_vocab_size} ids (padded) but model.vocab_size="
-            f"{config.model.vocab_size}; set model.vocab_size >= {tok.padded_vocab_size} or "
-            "data.tokenizer_vocab_size lower"
-        )
-    return tok
-
-
 def _train(config, stage_dir: str, init_from: str, make_iterator) -> str:
-    tok = _tokenizer(config)
+    from coder.train.checkpoint import stage_tokenizer
+
+    tok = stage_tokenizer(config, init_from, stage_dir)
     it = make_iterator(config, tok)
-    trainer = Trainer(config, stage_dir, lm_loss_fn(config.train), init_from=init_from, data_iterator=it)
+    trainer = Trainer(config, stage_dir, lm_loss_fn(config.train), init_from=init_from, data_iterator=it,
+                      tokenizer=tok)
     try:
         trainer.fit(it, int(config.train.steps))
     finally:
@@ -159,13 +151,14 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     numeric results.
     """
     from coder.data.pretrain import make_pretrain_iterator
+    from coder.train.checkpoint import stage_tokenizer
     from coder.model import sharding
     from coder.train import checkpoint as ckpt_lib
     from coder.train.metrics import MetricsWriter
 
     if not init_from:
         raise ValueError("stage eval needs a checkpoint: set init_from or run it after a training stage")
-    tok = _tokenizer(config)
+    tok = stage_tokenizer(config, init_from)
     mesh = sharding.make_mesh(config.mesh)
     rules = tuple(tuple(r) for r in config.mesh.rules)
     graphdef, state = nnx.split(load_model(config, init_from, mesh))

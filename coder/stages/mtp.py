@@ -61,15 +61,15 @@ def heldout_metrics(trainer, iterator, batches: int) -> dict:
 def run(config, stage_dir: str, init_from: str) -> str:
     """Self-distil the MTP modules of the `init_from` model; returns the checkpoint directory."""
     from coder.data.pretrain import make_pretrain_iterator
-    from coder.stages.lm import _tokenizer
+    from coder.train.checkpoint import stage_tokenizer
 
     if not init_from:
         raise ValueError("stage mtp distils a trained model: set init_from or run it after pretrain in stages")
     c = config
-    tok = _tokenizer(c)
+    tok = stage_tokenizer(c, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
     it = make_pretrain_iterator(c, tok, "train", jax.process_index(), jax.process_count())
     trainer = Trainer(c, stage_dir, distill_loss_fn(float(c.mtp.ce_weight)), trainable=MTP_PARAMS,
-                      init_from=init_from, data_iterator=it)
+                      init_from=init_from, data_iterator=it, tokenizer=tok)
     try:
         if trainer.step == 0 and c.mtp.fresh:
             _fresh_mtp_params(trainer)

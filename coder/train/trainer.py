@@ -33,9 +33,11 @@ and router bias unchanged), counted, and `config.train.max_nonfinite_steps` skip
 row stop the run with a RuntimeError.
 
 State and checkpoints: trainable params, the other model variables (router bias), optimizer
-state, step, RNG key and the data iterator's state are saved by coder.train.checkpoint into
-`{stage_dir}/checkpoints/{step}`. On construction the latest checkpoint in stage_dir is restored
-(exact resume); otherwise params come from `init_from` (a checkpoint directory; parameters the
+state, step, RNG key, each process's data-iterator state and the stage's tokenizer are saved by
+coder.train.checkpoint into `{stage_dir}/checkpoints/{step}` (layout in docs/contracts.md). On
+construction the latest checkpoint in stage_dir is restored (exact resume: every process gets
+back its own data position; a checkpoint of another model config is an error naming the
+variables); otherwise params come from `init_from` (a checkpoint directory; parameters the
 checkpoint lacks, e.g. fresh MTP modules, keep their initialisation and are logged), otherwise
 from the initialiser.
 """
@@ -185,6 +187,8 @@ class Trainer:
         in each checkpoint and restored here. `fit` uses it when no iterator is passed.
       model_fn: `() -> nnx.Module`; default `Transformer(config.model, rngs=nnx.Rngs(seed))`.
       stage: name used in logs (default: basename of stage_dir).
+      tokenizer: the tokenizer the batches were encoded with (coder.data.tokenizer); written
+        into every checkpoint, and a resumed checkpoint must have the same one.
     """
 
     def __init__(
@@ -198,6 +202,7 @@ class Trainer:
         data_iterator=None,
         model_fn: Callable[[], nnx.Module] | None = None,
         stage: str | None = None,
+        tokenizer=None,
     ):
         self.config = config
         self.stage_dir = stage_dir if "://" in stage_dir else os.path.abspath(stage_dir)
@@ -205,6 +210,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.trainable = trainable
         self.data_iterator = data_iterator
+        self.tokenizer = tokenizer  # saved in every checkpoint (see save)
+        self._tokenizer_record = None
         tc = config.train
         self.grad_accum = int(tc.grad_accum)
         if self.grad_accum < 1:
@@ -276,33 +283,59 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, force: bool = False):
-        """Checkpoint the current step (async). No-op when this step is already saved."""
+        """Checkpoint the current step (async). No-op when this step is already saved.
+
+        Every process saves its own data-iterator position; the tokenizer (when the trainer has
+        one) travels with every checkpoint (coder.train.checkpoint's layout)."""
         st = self.state
         if self._saved_step == st.step:
             return
         data_state = None
         if self.data_iterator is not None and hasattr(self.data_iterator, "get_state"):
             data_state = self.data_iterator.get_state()
+        if self.tokenizer is not None and self._tokenizer_record is None:
+            from coder.data.tokenizer import to_record
+
+            self._tokenizer_record = to_record(self.tokenizer)
         self.ckpt.save(
             st.step,
             arrays={"model": st.flat_model(), "opt_state": ckpt_lib.tree_to_flat(st.opt_state)},
             meta={**st.meta(), "stage": self.stage},
             data_state=data_state,
             config=json.loads(self.config.to_json_best_effort()),
+            tokenizer=self._tokenizer_record,
             force=force,
         )
         self._saved_step = st.step
 
     def _restore(self, step: int):
+        """This stage's checkpoint `step`: arrays, counters, this process's data position. A
+        checkpoint of another model config, or with another tokenizer than the trainer's, is a
+        ValueError naming the difference and the directory."""
         st = self.state
-        arrays, meta, data_state = self.ckpt.restore(
-            step, {"model": {**state_lib.abstract_flat(st.params), **state_lib.abstract_flat(st.rest)},
-                   "opt_state": state_lib.abstract_flat(st.opt_state)}
-        )
-        self.state = state_lib.restore_state(st, arrays, meta)
+        try:
+            restored = self.ckpt.restore(
+                step, {"model": {**state_lib.abstract_flat(st.params), **state_lib.abstract_flat(st.rest)},
+                       "opt_state": state_lib.abstract_flat(st.opt_state)},
+                data=self.data_iterator is not None,
+            )
+        except ValueError as e:  # another model config: the message names the variables
+            raise ValueError(f"stage {self.stage}: {e}") from None
+        if self.tokenizer is not None and restored.tokenizer is not None:
+            from coder.data.tokenizer import fingerprint
+
+            mine, saved = fingerprint(self.tokenizer), restored.tokenizer.get("sha256")
+            if mine != saved:
+                raise ValueError(
+                    f"[{self.stage}] the checkpoint {self.ckpt.directory}/{step} was written with "
+                    f"tokenizer sha256 {str(saved)[:16]} ({restored.tokenizer.get('source')}), this "
+                    f"trainer has sha256 {mine[:16]}: resume with the checkpoint's tokenizer "
+                    "(coder.train.checkpoint.stage_tokenizer) or delete the checkpoint directory"
+                )
+        self.state = state_lib.restore_state(st, restored.arrays, restored.meta)
         self._saved_step = self.state.step
-        if data_state is not None and self.data_iterator is not None:
-            self.data_iterator.set_state(data_state)
+        if restored.data_state is not None and self.data_iterator is not None:
+            self.data_iterator.set_state(restored.data_state)
         logging.info("[%s] resumed from %s/%d", self.stage, self.ckpt.directory, step)
 
     # ------------------------------------------------------------------ the step
