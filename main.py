@@ -158,7 +158,12 @@ def main(argv):
         stages.validate(config)
     except (ValueError, RuntimeError) as e:  # config errors: the message names the key to change
         _fail(str(e))
-    stages.run(config)
+    from coder.data.sft import SftDataError
+
+    try:
+        stages.run(config)
+    except SftDataError as e:  # SFT data that can never make a batch: the key to change
+        _fail(str(e))
 
 
 if __name__ == "__main__":

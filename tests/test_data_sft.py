@@ -143,3 +143,70 @@ def test_sft_resume_is_exact(tok, tmp_path):
         for k in want:
             np.testing.assert_array_equal(got[k], want[k])
     assert fresh.counts() == ref_it.counts()
+
+
+# ------------------------------------------------ no batch possible: an error, never a hang
+
+
+@pytest.fixture
+def deadline():
+    """Fail (SIGALRM) instead of hanging if the pipeline spins without a batch."""
+    import signal
+
+    def boom(*_):
+        raise TimeoutError("the SFT iterator produced neither a batch nor an error in 120 s")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_every_conversation_too_long_is_an_error_naming_sft_seq_len(tok, tmp_path, deadline):
+    convs = [conversation(i, n_turns=3, words=20) for i in range(12)]
+    write(tmp_path / "c.jsonl", convs)
+    lengths = [len(tok.render_conversation(c["messages"])[0]) for c in convs]
+    cfg = config(seq_len=16, batch_size=2)
+    # the endless training stream (shuffled, repeated) and a finite pass both stop with the error
+    for split, epochs in (("train", -1), ("all", 1), ("all", 3)):
+        it = sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"), split, num_epochs=epochs)
+        with pytest.raises(sft.SftDataError) as e:
+            next(it)
+        msg = str(e.value)
+        assert "sft.seq_len=16" in msg, msg
+        assert "12 conversations were dropped as too long" in msg, msg
+        assert f"the longest has {max(lengths)} tokens" in msg, msg
+    # the smallest seq_len the message gives keeps at least one conversation
+    need = int(msg.split("sft.seq_len >= ")[1].split()[0])
+    it = sft.make_sft_iterator(config(seq_len=need, batch_size=2), tok, str(tmp_path / "c.jsonl"), "all")
+    assert len(segments(list(it))) >= 1
+    assert isinstance(e.value, ValueError)
+
+
+def test_bad_records_alone_are_an_error_not_a_hang(tok, tmp_path, deadline):
+    write(tmp_path / "c.jsonl", [{"messages": f"not a list {i}"} for i in range(3)] + [b"{oops"])
+    cfg = config(max_bad_fraction=1.0)
+    with pytest.raises(sft.SftDataError, match=r"cannot make a batch: 4 records were bad"):
+        next(sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"), "train"))
+
+
+def test_empty_split_is_an_error_naming_heldout_fraction(tok, tmp_path, deadline):
+    write(tmp_path / "c.jsonl", [conversation(i) for i in range(3)])
+    cfg = config(heldout_fraction=1.0)
+    with pytest.raises(sft.SftDataError, match=r"no conversation in the 'train' split.*data\.heldout_fraction=1\.0"):
+        sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"), "train")
+
+
+def test_rare_fitting_conversations_still_make_batches(tok, tmp_path, deadline):
+    """Most conversations too long, a few fit: batches come (the error needs a whole pass)."""
+    long = [conversation(i, n_turns=3, words=20) for i in range(40)]
+    short = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"ok {i}"}]}
+             for i in range(2)]
+    write(tmp_path / "c.jsonl", long[:20] + short[:1] + long[20:] + short[1:])
+    cfg = config(seq_len=24, batch_size=2)
+    it = sft.make_sft_iterator(cfg, tok, str(tmp_path / "c.jsonl"), "train")
+    for _ in range(30):
+        b = next(it)
+        assert b["loss_mask"].any()
+    assert it.metrics()["data/dropped"] > it.metrics()["data/records_seen"] // 2
