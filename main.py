@@ -5,10 +5,11 @@
 The config file's `get_config()` gives every key (configs/base.py is the schema, locked: a config
 file or an override cannot add a key); `--config.a.b=v` overrides one key, checked against the
 schema: an unknown key or a value of the wrong type stops here with the key named
-(ml_collections config_flags). Before anything is built, `check` stops the run with a one-paragraph
-message (no traceback) when a chosen stage needs a program that is not installed (the sandbox's
-bwrap, setpriv, prlimit: `bash scripts/setup.sh` installs them), names an unknown stage, or sets a
-model / batch that does not fit the mesh (coder.stages.validate).
+(ml_collections config_flags; `_parse_flags` prints it as one line with the config file's line or
+the override). Before jax starts, `check_tools` stops the run with one paragraph (no traceback)
+when a chosen stage needs a program that is not installed (the sandbox's bwrap, setpriv, prlimit:
+`bash scripts/setup.sh` installs them) or names an unknown stage; then coder.stages.validate
+checks every chosen stage's config (a model / batch that does not fit the mesh, ...) the same way.
 
 On a multi-host slice / cluster (detected from the environment the launchers set, see
 `_multi_process`), `jax.distributed.initialize()` connects the processes first; every process
@@ -16,7 +17,8 @@ logs its index, only process 0 writes metrics.
 
 The console: coder's own lines (coder logs through the root logger), one progress line per logged
 step and a summary per stage. Libraries' INFO lines are silenced at their loggers (`QUIET_LOGGERS`:
-orbax and grain log through absl's "absl" logger, jax through "jax.*"); their warnings still show.
+orbax and grain log through absl's "absl" logger, jax through "jax.*", tensorboardX through its
+own); their warnings still show.
 `--logger_levels=absl:INFO,jax:INFO` brings their INFO lines back.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 # Logger -> level for third-party libraries (absl's --logger_levels flag; a value given on the
 # command line replaces this default). coder itself logs through the root logger at INFO.
-QUIET_LOGGERS = {"absl": "WARNING", "jax": "WARNING", "orbax": "WARNING", "grain": "WARNING"}
+QUIET_LOGGERS = {"absl": "WARNING", "jax": "WARNING", "orbax": "WARNING", "grain": "WARNING",
+                 "tensorboardX": "WARNING"}
 flags.FLAGS.set_default("logger_levels", ",".join(f"{k}:{v}" for k, v in QUIET_LOGGERS.items()))
 
 

@@ -19,7 +19,7 @@ def _readme_blocks() -> list[list[str]]:
     section = text[text.index("## Two commands"):]
     section = section[: section.index("\n## ", 3)]
     return [[line.strip() for line in block.strip().splitlines()]
-            for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+            for block in re.findall(r"```bash\n(.*?)```", section, re.DOTALL)]
 
 
 def test_readme_blocks_and_ci_agree():
@@ -58,7 +58,7 @@ def _stub_path(tmp_path, uid: int, tools: bool, sudo: bool = True) -> tuple[str,
     if sudo:
         stub("sudo", 'exec "$@"\n')
     stub("id", f'echo {uid}\n')
-    stub("python", 'echo "cwd $PWD" >> "{log}"\n'.format(log=log))
+    stub("python", f'echo "cwd $PWD" >> "{log}"\n')
     if tools:
         for t in ("bwrap", "setpriv", "prlimit"):
             stub(t)
@@ -124,9 +124,8 @@ print(json.dumps(dict(coder=coder.__file__, configs=configs.__file__, hidden=cfg
 def test_pip_install_outside_the_checkout(tmp_path):
     """`pip install .` (not editable) into a fresh venv; from another directory `configs` and
     `coder` are the installed copies and load_hf reads a checkpoint save_hf wrote."""
-    from flax import nnx
-
     import numpy as np
+    from flax import nnx
 
     from coder.model import Transformer, hf_import
     from configs.base import model_config
