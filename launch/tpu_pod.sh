@@ -6,7 +6,7 @@
 #
 # Usage:
 #   launch/tpu_pod.sh [--dry-run] setup              copy this checkout to every worker and
-#                                                    install it there (pip install -e '.[tpu]')
+#                                                    install it there (scripts/setup.sh tpu: bubblewrap, pip install -e '.[tpu]')
 #   launch/tpu_pod.sh [--dry-run] run [-- FLAGS...]  run main.py on every worker
 #   launch/tpu_pod.sh [--dry-run] gke [-- FLAGS...]  render launch/gke/jobset.yaml, kubectl apply
 # FLAGS are extra main.py flags, e.g. -- --config.train.steps=1000 --config.mesh.fsdp=64
@@ -79,7 +79,7 @@ case "$CMD" in
     tpu_vm scp "$tarball" "$TPU_NAME:coder.tar.gz"
     remote="mkdir -p $(printf %q "$REMOTE_DIR") && tar -xzf coder.tar.gz -C $(printf %q "$REMOTE_DIR")"
     remote+=" && cd $(printf %q "$REMOTE_DIR") && $(printf %q "$PYTHON") -m venv .venv"
-    remote+=" && .venv/bin/pip install -q -e '.[tpu]'"
+    remote+=" && PYTHON=.venv/bin/python bash scripts/setup.sh tpu"  # bubblewrap + the tpu extra
     tpu_vm ssh "$TPU_NAME" --command="$remote"
     ;;
   run)

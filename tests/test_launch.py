@@ -51,7 +51,7 @@ def test_tpu_pod_setup_dry_run_copies_and_installs_the_tpu_extra():
     assert [c[0] for c in cmds] == ["tar", "gcloud", "gcloud"]
     assert cmds[1][4] == "scp" and "--worker=all" in cmds[1]
     install = next(a for a in cmds[2] if a.startswith("--command="))
-    assert "pip install" in install and ".[tpu]" in install
+    assert "scripts/setup.sh tpu" in install  # system packages (the sandbox) and the tpu extra
 
 
 @pytest.mark.parametrize("missing", ["TPU_NAME", "ZONE", "PROJECT", "CONFIG", "WORKDIR"])

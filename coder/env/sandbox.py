@@ -113,7 +113,7 @@ def find_bwrap() -> str:
     if path is None:
         raise SandboxError(
             "bubblewrap (bwrap) is not installed: install the Debian/Ubuntu package `bubblewrap` "
-            "(apt-get install bubblewrap; scripts/install_system.sh does it)"
+            "(apt-get install bubblewrap; scripts/setup.sh does it)"
         )
     return path
 
