@@ -25,6 +25,10 @@ directory, before orbax reads anything.
 Every item has its handler registered with the manager (no "could not be restored" warnings),
 and other runs' checkpoints (`init_from`) are read through the item handlers directly, without a
 read-only CheckpointManager (which warns on construction and synchronises hosts).
+
+`stage_tokenizer(config, init_from, stage_dir)` is the one function stages call for their
+tokenizer: the checkpoint's (resumed or `init_from`), else `data.tokenizer`, else one trained
+once on process 0 and shared.
 """
 from __future__ import annotations
 
