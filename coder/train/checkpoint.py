@@ -342,7 +342,7 @@ def load_params(path: str, abstract_params: dict) -> tuple[dict, list[str], list
         ))
     finally:
         handler.close()
-    logging.info("init_from %s step %d: %d params loaded", directory, step, len(found_abs))
+    logging.debug("%s step %d: %d variables restored", directory, step, len(found_abs))
     return restored["model"], sorted(missing), unexpected
 
 
