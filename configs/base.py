@@ -22,7 +22,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.stages = ()  # several stages run in order, each starting from the previous checkpoint
     c.workdir = "runs/default"  # run directory: {workdir}/{stage}/ holds checkpoints + metrics
     c.seed = 0  # every random key derives from this and the step
-    c.init_from = ""  # checkpoint directory to take params from (fresh optimizer)
+    # checkpoint directory to take params from (fresh optimizer): a coder checkpoint, or a Hugging
+    # Face DeepSeek-V3 / Kimi-K2 directory (config.json + safetensors, local or gs://), whose
+    # config.json sets the model's architecture and whose tokenizer the stage uses
+    c.init_from = ""
 
     c.model = model_config()
 
@@ -38,7 +41,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.sources = ()  # tuple of dicts: path (glob or fsspec URL), weight, format, text_field
     c.data.corpus = "python_stdlib"  # bundled corpus used when sources is empty
-    c.data.tokenizer = ""  # sentencepiece .model path; "" = train one from the corpus, cached
+    # sentencepiece .model, or a pretrained tokenizer (a tokenizer.json / tiktoken.model file or a
+    # directory holding one); "" = train one from the corpus, cached (a checkpoint's wins: its own)
+    c.data.tokenizer = ""
+    # The chat / tool template's special tokens as strings of a pretrained (Hugging Face /
+    # tiktoken) tokenizer, by name: a string the base tokenizer has as a special token is used
+    # (e.g. --config.data.chat_tokens.user='<｜User｜>'), a missing one is added as a new token
+    # (the embedding and output head grow; new rows = mean of the checkpoint's). Defaults:
+    # coder's own tokens (coder.data.tokenizer.SPECIAL_TOKENS). Read when a stage starts from a
+    # Hugging Face checkpoint; later stages take the tokenizer stored in the checkpoint.
+    c.data.chat_tokens = ml_collections.ConfigDict(dict(
+        system="<|system|>", user="<|user|>", assistant="<|assistant|>", tool="<|tool|>",
+        end="<|end|>", tool_call="<tool_call>", tool_call_end="</tool_call>",
+        tool_result="<tool_result>", tool_result_end="</tool_result>", summary="<summary>",
+        summary_end="</summary>"))
+    c.data.tiktoken_pattern = ""  # pre-tokenizer regex of a tiktoken.model tokenizer ("" = Kimi K2's)
     c.data.tokenizer_vocab_size = 4096  # vocabulary of a tokenizer trained by coder
     c.data.seq_len = 256  # packed row length
     c.data.batch_size = 8  # global batch (rows), split over data-parallel hosts

@@ -1,13 +1,24 @@
-"""Hugging Face DeepSeek-V3 / Kimi-K2 safetensors <-> coder parameters.
+"""Hugging Face DeepSeek-V3 / Kimi-K2 safetensors <-> coder parameters, without torch.
 
-`load_hf(path)` reads `config.json` and the safetensors shards of a DeepseekV3ForCausalLM
-checkpoint (DeepSeek-V3, Kimi-K2: same layout) shard by shard, converting each tensor as it is
-read; a parameter is moved to the device as soon as all its pieces (e.g. every expert of a
-stacked expert weight) have arrived, so the host holds one shard plus the incomplete stacks.
+`import_into(model, path)` fills a built (sharded) coder Transformer from a
+DeepseekV3ForCausalLM checkpoint directory (`config.json` + safetensors shards, local or gs://;
+DeepSeek-V3, Kimi-K2: same layout): every variable is assembled in its own sharding by
+jax.make_array_from_callback, each process reading only the blocks its devices hold, in shard
+order (a shard is closed once every tensor it holds for the model is read). The shards are read
+with safetensors' numpy framework (memory-mapped) or, remotely, by byte ranges; no torch.
 FP8 (`float8_e4m3fn`) weights with a `weight_scale_inv` are dequantized block-wise:
     W[i, j] = W_fp8[i, j] * scale_inv[i // 128, j // 128].
 MTP modules are stored as extra layers `model.layers.{num_hidden_layers + k}.*` (enorm, hnorm,
-eh_proj, shared_head.norm, and a full decoder layer); Hugging Face's model ignores them.
+eh_proj, shared_head.norm, and a full decoder layer); Hugging Face's model ignores them and
+transformers saves none (its config still says num_nextn_predict_layers=1): a module the
+checkpoint lacks starts fresh, a missing trunk tensor is an error naming it. Embedding and
+output-head rows past the checkpoint's (chat tokens the tokenizer added) start at the mean row.
+
+`load_hf(path)` builds the model from config.json and imports it; `save_hf` writes the same
+layout back (with the tokenizer's files), so transformers loads a trained coder model. A stage
+starts from such a directory through `config.init_from` (coder.stages.inherit_model_config takes
+the architecture from config.json, coder.train.state.load_into calls `import_into`,
+coder.train.checkpoint.stage_tokenizer takes `tokenizer_of` the directory).
 
 Layout conversion (HF Linear weights are `[out, in]`; ours `[in, ...out]`):
     q_proj / q_b_proj [H*dq, in]  -> [in, H, dq]      kv_b_proj [H*(dn+dv), r] -> [r, H, dn+dv]
@@ -16,12 +27,15 @@ Layout conversion (HF Linear weights are `[out, in]`; ours `[in, ...out]`):
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -122,7 +136,208 @@ def hf_config(model_cfg) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- tensors
+# ----------------------------------------------------------------------------- checkpoints
+def is_hf_checkpoint(path: str) -> bool:
+    """True when `path` (local or a URL etils.epath reads, gs://...) is a Hugging Face checkpoint
+    directory: a config.json beside safetensors shards (a coder checkpoint has neither)."""
+    if not path:
+        return False
+    try:
+        from etils import epath
+
+        p = epath.Path(path)
+        if not (p / "config.json").exists():
+            return False
+        return (p / INDEX).exists() or any(f.name.endswith(".safetensors") for f in p.iterdir())
+    except (OSError, ValueError):
+        return False
+
+
+def read_hf_config(path: str) -> dict:
+    """The config.json of a Hugging Face checkpoint directory (local or gs://...)."""
+    from etils import epath
+
+    return json.loads((epath.Path(path) / "config.json").read_text())
+
+
+# Model keys a Hugging Face checkpoint fixes: every key that sets a parameter's shape or what the
+# trained model computes. A stage starting from one takes these from its config.json
+# (coder.stages.inherit_model_config); num_mtp_layers, dtypes, remat, scan_layers, the attention
+# backend and the MoE capacity stay the stage's own (missing MTP modules start fresh).
+ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+             "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+             "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "rms_norm_eps",
+             "rope_theta", "max_position_embeddings", "rope_scaling", "tie_word_embeddings")
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_of(path: str, tokenizer_path: str, chat: tuple, pattern: str):
+    from coder.data import tokenizer as tokenizer_lib
+
+    hf = read_hf_config(path)
+    return tokenizer_lib.load_pretrained(tokenizer_path or path, dict(chat),
+                                         first_new_id=int(hf["vocab_size"]), pattern=pattern,
+                                         model_config=hf)
+
+
+def tokenizer_of(path: str, data_cfg):
+    """The tokenizer a stage starting from the Hugging Face checkpoint `path` uses: the one
+    beside it (or at `data.tokenizer` when set) with the chat tokens `data.chat_tokens` (the
+    ones it lacks get ids from the checkpoint's vocab_size on: the embedding grows), and
+    `data.tiktoken_pattern` for a tiktoken file (coder.data.tokenizer.load_pretrained). Cached:
+    the stage table and the stage ask for it with the same arguments."""
+    chat = tuple(sorted(dict(data_cfg.chat_tokens).items()))
+    return _tokenizer_of(path, str(data_cfg.tokenizer or ""), chat, str(data_cfg.tiktoken_pattern or ""))
+
+
+# ----------------------------------------------------------------------------- reading shards
+# safetensors dtype -> numpy (ml_dtypes for bfloat16 and float8, which numpy lacks)
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+INDEX = "model.safetensors.index.json"
+
+
+class _Shard:
+    """One safetensors file, read lazily: the header (names, dtypes, shapes, offsets) when
+    opened, then only the slices asked for. Local files through safetensors' numpy framework
+    (memory-mapped; float8, which numpy cannot name, by a view of the mapped bytes); remote ones
+    (gs://...) by byte ranges through fsspec: the rows of the leading axis a slice covers."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.remote = "://" in path and not path.startswith("file://")
+        if self.remote:
+            import fsspec
+
+            self._file = fsspec.open(path, "rb").open()
+        else:
+            self._file = open(path, "rb")
+        n = int.from_bytes(self._file.read(8), "little")
+        header = json.loads(self._file.read(n))
+        header.pop("__metadata__", None)
+        self.entries = {k: (v["dtype"], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in header.items()}
+        self.data_start = 8 + n
+        self._st = None
+
+    def keys(self):
+        return self.entries.keys()
+
+    def shape(self, name: str) -> tuple:
+        return self.entries[name][1]
+
+    def dtype(self, name: str) -> str:
+        return self.entries[name][0]
+
+    def read(self, name: str, ranges) -> np.ndarray:
+        """The block `ranges` ((start, stop) per axis) of tensor `name`, in its stored dtype."""
+        dtype, shape, (begin, _) = self.entries[name]
+        index = tuple(slice(a, b) for a, b in ranges)
+        if dtype not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has dtype {dtype}, which coder does not read")
+        np_dtype = np.dtype(_DTYPES[dtype])
+        if not shape:
+            ranges, index = (), ()
+        if not self.remote and not dtype.startswith("F8"):
+            if self._st is None:
+                from safetensors import safe_open
+
+                self._st = safe_open(self.path, framework="numpy")
+            return np.asarray(self._st.get_slice(name)[index] if shape else self._st.get_tensor(name))
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np_dtype.itemsize
+        r0, r1 = ranges[0] if shape else (0, 1)
+        if self.remote:
+            self._file.seek(self.data_start + begin + r0 * row)
+            block = np.frombuffer(self._file.read((r1 - r0) * row), np_dtype)
+        else:  # float8: a view of the mapped bytes of the rows asked for
+            mm = np.memmap(self.path, np.uint8, "r", offset=self.data_start + begin + r0 * row,
+                           shape=((r1 - r0) * row,))
+            block = np.array(mm).view(np_dtype)
+            del mm
+        block = block.reshape((r1 - r0,) + tuple(shape[1:])) if shape else block.reshape(())
+        return block[(slice(None),) + index[1:]] if shape else block
+
+    def close(self):
+        self._st = None
+        self._file.close()
+
+
+class _Checkpoint:
+    """A Hugging Face checkpoint directory: which shard holds each tensor (the index, or every
+    shard's header), shards opened when first read and closed by `release`, and float32 blocks of
+    tensors with FP8 block dequantization."""
+
+    def __init__(self, path: str, block: int = FP8_BLOCK):
+        from etils import epath
+
+        self.path = path
+        self.block = block
+        d = epath.Path(path)
+        self._open: dict[str, _Shard] = {}
+        if (d / INDEX).exists():
+            self.where = dict(json.loads((d / INDEX).read_text())["weight_map"])
+            self.files = sorted(set(self.where.values()))
+            self._shapes = {}
+        else:
+            self.files = sorted(f.name for f in d.iterdir() if f.name.endswith(".safetensors"))
+            self.where, self._shapes = {}, {}
+            for fn in self.files:
+                shard = self._shard(fn)
+                for k in shard.keys():
+                    self.where[k] = fn
+                self.release(fn)
+        if not self.files:
+            raise FileNotFoundError(f"{path}: no safetensors shards")
+        self.order = {fn: i for i, fn in enumerate(self.files)}
+
+    def _shard(self, fn: str) -> _Shard:
+        if fn not in self._open:
+            self._open[fn] = _Shard(os.path.join(os.fspath(self.path), fn))
+        return self._open[fn]
+
+    def names(self):
+        return self.where.keys()
+
+    def shape(self, name: str) -> tuple:
+        return self._shard(self.where[name]).shape(name)
+
+    def read(self, name: str, ranges) -> np.ndarray:
+        """float32 block `ranges` of tensor `name`; an FP8 tensor is dequantized with its
+        `{name}_scale_inv` (one scale per block x block tile)."""
+        shard = self._shard(self.where[name])
+        w = shard.read(name, ranges)
+        if shard.dtype(name).startswith("F8"):
+            scale_name = name + "_scale_inv"
+            if scale_name not in self.where:
+                raise ValueError(f"{name} is FP8 but the checkpoint has no {scale_name}")
+            s_shard = self._shard(self.where[scale_name])
+            scale = s_shard.read(scale_name, [(0, n) for n in s_shard.shape(scale_name)]).astype(np.float32)
+            (r0, r1), (c0, c1) = ranges
+            rows, cols = np.arange(r0, r1) // self.block, np.arange(c0, c1) // self.block
+            return w.astype(np.float32) * scale[np.ix_(rows, cols)]
+        return w.astype(np.float32)
+
+    def mean_rows(self, name: str, chunk: int = 8192) -> np.ndarray:
+        """Mean over the rows of a 2-D tensor (float32 [cols]), read `chunk` rows at a time."""
+        rows, cols = self.shape(name)
+        total = np.zeros(cols, np.float64)
+        for r in range(0, rows, chunk):
+            total += self.read(name, [(r, min(rows, r + chunk)), (0, cols)]).sum(0, dtype=np.float64)
+        return (total / max(rows, 1)).astype(np.float32)
+
+    def release(self, fn: str):
+        shard = self._open.pop(fn, None)
+        if shard is not None:
+            shard.close()
+
+    def close(self):
+        for fn in list(self._open):
+            self.release(fn)
+
+
 def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
     """Block-wise FP8 dequantization: w `[M, N]` times scale_inv `[ceil(M/b), ceil(N/b)]`."""
     m, n = w.shape
@@ -130,81 +345,228 @@ def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) ->
     return w.astype(np.float32) * s
 
 
-def _target(name: str, n_layers: int):
-    """HF tensor name -> (our path tuple, conversion, expert index) or None to skip."""
-    if name == "model.embed_tokens.weight":
-        return ("embed",), "id", None
-    if name == "model.norm.weight":
-        return ("norm", "weight"), "id", None
-    if name == "lm_head.weight":
-        return ("lm_head",), "T", None
-    mt = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
-    if not mt:
-        return None
-    i, rest = int(mt.group(1)), mt.group(2)
-    if i < n_layers:
-        base = ("layers", i)
-    else:
-        k = i - n_layers
-        if rest in _MTP_SHARED:
+# ----------------------------------------------------------------------------- import
+_REV_ATTN = {v[0]: (k, v[1]) for k, v in _ATTN.items()}
+_REV_MTP = {v[0]: (k, v[1]) for k, v in _MTP.items()}
+
+
+def _sources(p: tuple, shape: tuple, n_layers: int, n_unstacked: int):
+    """The Hugging Face tensors of our variable `p` (a path tuple) of shape `shape`: a list of
+    alternative layouts, each a list of (slot, hf name, conversion); slot indexes the leading
+    axes the tensor fills (stacked layer, expert). None: a variable with no HF counterpart."""
+    if p == ("embed",):
+        return [[((), "model.embed_tokens.weight", "embed")]]
+    if p == ("norm", "weight"):
+        return [[((), "model.norm.weight", "id")]]
+    if p == ("lm_head",):
+        return [[((), "lm_head.weight", "head")]]
+    if p[0] == "layers":
+        prefixes, rest = [((), f"model.layers.{p[1]}.")], p[2:]
+    elif p[0] == "moe_stack":
+        prefixes, rest = [((j,), f"model.layers.{n_unstacked + j}.") for j in range(shape[0])], p[1:]
+    elif p[0] == "mtp":
+        pre = f"model.layers.{n_layers + p[1]}."
+        if p[2:] in _REV_MTP:
+            name, conv = _REV_MTP[p[2:]]
+            return [[((), pre + name, conv)]]
+        if p[2] != "block":
             return None
-        if rest in _MTP:
-            path, conv = _MTP[rest]
-            return ("mtp", k) + path, conv, None
-        base = ("mtp", k, "block")
-    if rest in _ATTN:
-        path, conv = _ATTN[rest]
-        return base + path, conv, None
-    me = _EXPERT.search(rest)
-    if me:
-        return base + ("mlp", _EXPERT_NAME[me.group(2)]), "T", int(me.group(1))
-    if rest == "mlp.experts.gate_up_proj":  # transformers>=5 fused layout [E, 2F, D]
-        return base + ("mlp",), "gate_up", None
-    if rest == "mlp.experts.down_proj":  # [E, D, F]
-        return base + ("mlp", "wd"), "down_fused", None
+        prefixes, rest = [((), pre)], p[3:]
+    else:
+        return None
+    if rest in _REV_ATTN:
+        name, conv = _REV_ATTN[rest]
+        return [[(s, pre + name, conv) for s, pre in prefixes]]
+    if rest in (("mlp", "wg"), ("mlp", "wu"), ("mlp", "wd")):
+        leaf = rest[1]
+        n_experts = shape[len(prefixes[0][0])]
+        kind = {"wg": "gate", "wu": "up", "wd": "down"}[leaf]
+        per_expert = [(s + (e,), pre + f"mlp.experts.{e}.{kind}_proj.weight", "T")
+                      for s, pre in prefixes for e in range(n_experts)]
+        fused_name = "mlp.experts.down_proj" if leaf == "wd" else "mlp.experts.gate_up_proj"
+        fused_conv = {"wg": "gate", "wu": "up", "wd": "down_fused"}[leaf]  # transformers>=5 layout
+        fused = [(s, pre + fused_name, fused_conv) for s, pre in prefixes]
+        return [per_expert, fused]
     return None
 
 
-def _convert(w: np.ndarray, conv: str, shape) -> np.ndarray:
+def _piece(ck: _Checkpoint, name: str, conv: str, tshape: tuple, idx) -> np.ndarray:
+    """Block `idx` ((start, stop) per axis) of our `tshape` tensor, from HF tensor `name`, read
+    as the block of `name` it needs. HF Linear weights are [out, in]; ours [in, ...out]."""
     if conv == "id":
-        return w
+        return ck.read(name, idx)
     if conv == "T":
-        return w.T
-    if conv == "heads":  # [H*dq, in] -> [in, H, dq]
-        return w.T.reshape(shape)
-    if conv == "o":  # [D, H*dv] -> [H, dv, D]
-        return w.T.reshape(shape)
-    if conv == "down_fused":
-        return w.transpose(0, 2, 1)
+        return ck.read(name, (idx[1], idx[0])).T
+    if conv == "heads":  # [in, H, dq] <- [H*dq, in]
+        (a0, a1), (h0, h1), (d0, d1) = idx
+        dq = tshape[2]
+        b = ck.read(name, ((h0 * dq, h1 * dq), (a0, a1)))
+        return b.T.reshape(a1 - a0, h1 - h0, dq)[:, :, d0:d1]
+    if conv == "o":  # [H, dv, D] <- [D, H*dv]
+        (h0, h1), (d0, d1), (c0, c1) = idx
+        dv = tshape[1]
+        b = ck.read(name, ((c0, c1), (h0 * dv, h1 * dv)))
+        return b.T.reshape(h1 - h0, dv, c1 - c0)[:, d0:d1, :]
+    if conv in ("gate", "up"):  # [E, D, F] <- gate_up_proj [E, 2F, D]
+        (e0, e1), (d0, d1), (f0, f1) = idx
+        off = 0 if conv == "gate" else tshape[2]
+        return ck.read(name, ((e0, e1), (off + f0, off + f1), (d0, d1))).transpose(0, 2, 1)
+    if conv == "down_fused":  # [E, F, D] <- down_proj [E, D, F]
+        (e0, e1), (f0, f1), (d0, d1) = idx
+        return ck.read(name, ((e0, e1), (d0, d1), (f0, f1))).transpose(0, 2, 1)
+    if conv in ("embed", "head"):  # [V, D] / [D, V] <- [V_ckpt, D]; rows past V_ckpt = the mean
+        (v0, v1), (d0, d1) = idx if conv == "embed" else idx[::-1]
+        v_ckpt = ck.shape(name)[0]
+        out = np.empty((v1 - v0, d1 - d0), np.float32)
+        have = max(0, min(v1, v_ckpt) - v0)
+        if have:
+            out[:have] = ck.read(name, ((v0, v0 + have), (d0, d1)))
+        if have < v1 - v0:
+            out[have:] = ck.mean_rows(name)[d0:d1]
+        return out if conv == "embed" else out.T
     raise ValueError(conv)
 
 
-def _read(handle, name: str, scale_lookup) -> np.ndarray:
-    import torch
+def import_into(model, path: str, *, log=None) -> dict:
+    """Every variable of `model` (a coder Transformer, already built, sharded or not) from the
+    Hugging Face checkpoint directory `path`, in place.
 
-    t = handle.get_tensor(name)
-    if t.dtype in (torch.float8_e4m3fn, getattr(torch, "float8_e5m2", None)):
-        scale = scale_lookup(name + "_scale_inv")
-        if scale is None:
-            raise ValueError(f"{name} is FP8 but has no {name}_scale_inv")
-        return dequant_fp8(t.float().numpy(), scale.float().numpy())
-    return t.float().numpy()
+    Each variable is built in its current sharding by jax.make_array_from_callback: a process
+    reads only the blocks of the HF tensors its own devices hold (and each block once), in shard
+    order, and closes a shard when every tensor it holds for the model has been read; the
+    variable's old array is dropped as soon as the new one is placed. So the host holds the
+    (sharded) model plus the blocks in flight, never a whole shard beyond what it maps.
+
+    - The embedding and the output head may have more rows than the checkpoint (tokens added
+      for the chat template): those rows start at the mean of the checkpoint's rows.
+    - An MTP module the checkpoint lacks entirely (declared in config.json or not:
+      transformers saves none) keeps its initialisation: it starts fresh, logged.
+    - A trunk tensor the checkpoint lacks is a ValueError naming it; variables with no Hugging
+      Face counterpart (NSA's own) keep their initialisation, logged.
+    Returns {"loaded", "missing" (flat names left as initialised), "unexpected" (checkpoint
+    tensors nothing read), "fresh_mtp" (module indices), "vocab": (checkpoint rows, model rows)}.
+    """
+    import itertools
+
+    log = log or logging.info
+    cfg = model.cfg
+    hf = read_hf_config(path)
+    qcfg = hf.get("quantization_config") or {}
+    block = int((qcfg.get("weight_block_size") or [FP8_BLOCK])[0])
+    n_layers = int(hf["num_hidden_layers"])
+    if n_layers != int(cfg.num_hidden_layers):
+        raise ValueError(f"{path}: config.json has num_hidden_layers={n_layers}, the model "
+                         f"{cfg.num_hidden_layers}: build the model from the checkpoint's config")
+    ck = _Checkpoint(path, block)
+    n_unstacked = len(model.layers) if model.moe_stack is not None else n_layers
+    flat = [(p, var) for p, var in nnx.to_flat_state(nnx.state(model))]
+    plan, absent, coder_only = [], {}, []
+    for p, var in flat:
+        shape = tuple(var.get_value().shape)
+        alts = _sources(p, shape, n_layers, n_unstacked)
+        if alts is None:
+            coder_only.append(p)
+            continue
+        chosen = next((a for a in alts if all(n in ck.where for _, n, _ in a)), None)
+        if chosen is None:
+            absent[p] = [n for _, n, _ in alts[0] if n not in ck.where]
+            continue
+        plan.append((p, var, chosen))
+    # MTP modules: wholly absent -> fresh; partly absent -> an error like the trunk's
+    fresh_mtp = sorted({p[1] for p in absent if p[0] == "mtp"})
+    for k in list(fresh_mtp):
+        module = [p for p, _ in flat if p[:2] == ("mtp", k) and p not in coder_only]
+        if any(p not in absent for p in module):
+            fresh_mtp.remove(k)
+    missing = {p: n for p, n in absent.items() if not (p[0] == "mtp" and p[1] in fresh_mtp)}
+    if missing:
+        names = [n for ns in missing.values() for n in ns]
+        raise ValueError(
+            f"the Hugging Face checkpoint {path} lacks {len(names)} tensors the model needs, e.g. "
+            f"{names[:6]} (for {['.'.join(map(str, p)) for p in list(missing)[:4]]})")
+    vocab = (ck.shape("model.embed_tokens.weight")[0], int(cfg.vocab_size))
+    if vocab[1] < vocab[0]:
+        raise ValueError(f"model.vocab_size={vocab[1]} < the checkpoint's {vocab[0]} rows ({path})")
+    # read shard by shard: a variable when the first shard it needs comes up
+    def needs(alt):  # the tensors a variable reads, FP8 scales included
+        names = {n for _, n, _ in alt}
+        return names | {n + "_scale_inv" for n in names if n + "_scale_inv" in ck.where}
+
+    used = set().union(*(needs(alt) for _, _, alt in plan)) if plan else set()
+    left: dict[str, set] = {}  # shard -> tensors still to read from it
+    for n in used:
+        left.setdefault(ck.where[n], set()).add(n)
+    plan.sort(key=lambda e: (min(ck.order[ck.where[n]] for _, n, _ in e[2]), e[0][0] != "embed"))
+    loaded = []
+    for p, var, alt in plan:
+        value = var.get_value()
+        shape, dtype, target = tuple(value.shape), value.dtype, value.sharding
+        n_slot = len(alt[0][0])
+        by_slot = {slot: (n, conv) for slot, n, conv in alt}
+        tshape = shape[n_slot:]
+        cache = {}
+
+        def block_of(index, shape=shape, dtype=dtype, n_slot=n_slot, by_slot=by_slot, tshape=tshape, cache=cache):
+            ranges = tuple(s.indices(n)[:2] for s, n in zip(index, shape)) + tuple((0, n) for n in shape[len(index):])
+            if ranges not in cache:
+                out = np.empty([b - a for a, b in ranges], np.float32)
+                slots, rest = ranges[:n_slot], ranges[n_slot:]
+                for slot in itertools.product(*(range(a, b) for a, b in slots)):
+                    n, conv = by_slot[slot]
+                    out[tuple(i - a for i, (a, _) in zip(slot, slots))] = _piece(ck, n, conv, tshape, rest)
+                cache[ranges] = out.astype(dtype)
+            return cache[ranges]
+
+        del value
+        var.set_value(jax.make_array_from_callback(shape, target, block_of))
+        cache.clear()
+        loaded.append(".".join(map(str, p)))
+        for n in needs(alt):
+            fn = ck.where[n]
+            left[fn].discard(n)
+            if not left[fn]:
+                ck.release(fn)  # every tensor it holds for the model is read
+    ck.close()
+    ignored = (".rotary_emb.inv_freq",) + tuple("." + s for s in _MTP_SHARED)
+    unexpected = sorted(n for n in ck.where if n not in used and not n.endswith(ignored))
+    log("init_from %s (Hugging Face checkpoint, %d shards): %d variables imported", path,
+        len(ck.files), len(loaded))
+    declared = int(hf.get("num_nextn_predict_layers") or 0)
+    for k in fresh_mtp:
+        log("MTP module %d: not in %s (config.json declares num_nextn_predict_layers=%d; "
+            "transformers saves none): it starts fresh", k, path, declared)
+    if vocab[1] > vocab[0]:
+        log("vocabulary: the checkpoint has %d rows, the model %d: the embedding and the output "
+            "head grow by %d rows (ids %d..%d), initialised to the mean of the checkpoint's rows",
+            vocab[0], vocab[1], vocab[1] - vocab[0], vocab[0], vocab[1] - 1)
+    if coder_only:
+        log("%d variables have no Hugging Face counterpart and keep their initialisation, e.g. %s",
+            len(coder_only), [".".join(map(str, p)) for p in coder_only[:4]])
+    if unexpected:
+        logging.warning("%d tensors of %s are not used by the model, e.g. %s", len(unexpected), path,
+                        unexpected[:6])
+    missing_names = [".".join(map(str, p)) for p in absent] + [".".join(map(str, p)) for p in coder_only]
+    return {"loaded": loaded, "missing": sorted(missing_names), "unexpected": unexpected,
+            "fresh_mtp": fresh_mtp, "vocab": vocab}
 
 
-def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bool = False):
+def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bool = False,
+            num_mtp_layers: int | None = None, vocab_size: int | None = None, seed: int = 0):
     """Read an HF DeepSeek-V3 / Kimi-K2 checkpoint directory -> (model_cfg, Transformer).
 
-    `dtype` is the parameter dtype (model_cfg.param_dtype); streaming, shard by shard. With a
-    `mesh` (and `rules`, default the config's), each parameter is placed in its final sharding
-    as soon as it is complete, so no device holds the whole model. scan_layers: build the
-    model with model.scan_layers (MoE layers stacked into moe_stack.*, see coder/model/config.py).
+    `dtype` is the parameter dtype (model_cfg.param_dtype). The model is built from config.json
+    (num_mtp_layers / vocab_size override it: fresh MTP modules, grown vocabulary) directly in
+    its sharding on `mesh` (with `rules`, default the config's), then `import_into` fills it
+    shard by shard, each process reading only its own blocks. scan_layers: build the model with
+    model.scan_layers (MoE layers stacked into moe_stack.*, see coder/model/config.py).
     """
-    from safetensors import safe_open
-
     from coder.model.transformer import Transformer
 
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = config_from_hf(json.load(f))
+    cfg = config_from_hf(read_hf_config(path))
+    if num_mtp_layers is not None:
+        cfg.num_mtp_layers = int(num_mtp_layers)
+    if vocab_size is not None:
+        cfg.vocab_size = int(vocab_size)
     if mesh is not None and rules is None:
         from coder.model.config import default_rules
 
@@ -212,82 +574,12 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bo
     cfg.scan_layers = bool(scan_layers)  # HF files are per layer; stacked here when asked
     cfg.param_dtype = jnp.dtype(dtype).name
     cfg.dtype = jnp.dtype(dtype).name if jnp.dtype(dtype) == jnp.float32 else cfg.dtype
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    index_file = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index_file):
-        with open(index_file) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        weight_map = {}
 
-    def scale_lookup(name):
-        fname = weight_map.get(name)
-        cands = [fname] if fname else files
-        for fn in cands:
-            with safe_open(os.path.join(path, fn), framework="pt") as h:
-                if name in h.keys():
-                    return h.get_tensor(name)
-        return None
+    def make():
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
 
-    n_layers = cfg.num_hidden_layers
-    # with model.scan_layers the MoE layers live stacked in moe_stack.* ([layers, ...])
-    n_unstacked = len(abstract.layers) if abstract.moe_stack is not None else n_layers
-    pending: dict = {}  # path -> (numpy stack, set of filled (layer, expert) slots)
-    done: set = set()
-
-    def finish(p, arr):
-        var = flat[p]
-        arr = np.asarray(arr, dtype=var.get_value().dtype)
-        if mesh is not None:
-            spec = sharding.logical_to_spec(var.get_metadata().get("logical_axes") or (), rules)
-            flat[p] = var.replace(jax.device_put(arr, jax.sharding.NamedSharding(mesh, spec)))
-        else:
-            flat[p] = var.replace(jnp.asarray(arr))
-        done.add(p)
-
-    for fn in files:
-        with safe_open(os.path.join(path, fn), framework="pt") as h:
-            for name in h.keys():
-                if name.endswith("_scale_inv"):
-                    continue
-                tgt = _target(name, n_layers)
-                if tgt is None:
-                    continue
-                p, conv, expert = tgt
-                layer = ()  # index into a stacked (scanned) layer axis
-                if p[0] == "layers" and p[1] >= n_unstacked:
-                    p, layer = ("moe_stack",) + p[2:], (p[1] - n_unstacked,)
-                if conv == "gate_up":
-                    w = _read(h, name, scale_lookup)  # [E, 2F, D]
-                    f_ = w.shape[1] // 2
-                    parts = {"wg": w[:, :f_].transpose(0, 2, 1), "wu": w[:, f_:].transpose(0, 2, 1)}
-                else:
-                    if p not in flat:
-                        raise ValueError(f"checkpoint tensor {name} maps to {p}, absent in the model config")
-                    shape = flat[p].get_value().shape[len(layer):]
-                    w = _read(h, name, scale_lookup)
-                    parts = {None: w.T if expert is not None else _convert(w, conv, shape)}
-                for leaf, value in parts.items():
-                    q = p + ((leaf,) if leaf else ())
-                    slot = layer + ((expert,) if expert is not None else ())
-                    if not slot:
-                        finish(q, value)
-                        continue
-                    full = flat[q].get_value().shape
-                    stack, filled = pending.setdefault(q, (np.zeros(full, np.float32), set()))
-                    stack[slot] = value
-                    filled.add(slot)
-                    if len(filled) == int(np.prod(full[:len(slot)])):
-                        finish(q, stack)
-                        del pending[q]
-    missing = [p for p in flat if p not in done and not (p[-1] == "lm_head" and cfg.tie_word_embeddings)]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = make() if mesh is None else sharding.create_sharded(make, mesh, rules)
+    import_into(model, path)
     return cfg, model
 
 
@@ -347,13 +639,27 @@ def _export_tensors(model_cfg, state_flat):
             yield prefix + name, np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
 
 
-def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30) -> None:
-    """Write config.json + safetensors shards + index, in the DeepSeek-V3 HF layout."""
+def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30, tokenizer=None) -> None:
+    """Write config.json + safetensors shards + index, in the DeepSeek-V3 HF layout, so
+    transformers' DeepseekV3ForCausalLM loads it; the MTP modules are layers
+    `num_hidden_layers + k` (DeepSeek-V3's names; transformers ignores them). `tokenizer`: the
+    checkpoint's tokenizer (coder.data.tokenizer); a pretrained kind writes files transformers'
+    AutoTokenizer loads (`export_hf`: tokenizer.json with the added chat tokens, a chat template),
+    coder's own sentencepiece kind its tokenizer.model; bos / eos ids go into config.json."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
+    config = hf_config(model_cfg)
+    if tokenizer is not None:
+        config.update(bos_token_id=int(tokenizer.bos_id), eos_token_id=int(tokenizer.eos_id))
+        if hasattr(tokenizer, "export_hf"):
+            tokenizer.export_hf(path)
+        else:
+            for name, data in tokenizer.files().items():
+                with open(os.path.join(path, name), "wb") as f:
+                    f.write(data)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config(model_cfg), f, indent=2)
+        json.dump(config, f, indent=2)
     state = nnx.to_flat_state(nnx.state(model))
     weight_map, shard, size, n = {}, {}, 0, 0
 

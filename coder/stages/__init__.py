@@ -35,6 +35,8 @@ from typing import Callable
 import jax
 from etils import epath
 
+from coder.model.hf_import import ARCH_KEYS
+
 # The sandbox (coder/env/sandbox.py) runs commands with these; scripts/setup.sh installs them.
 SANDBOX_TOOLS = {"bwrap": "bubblewrap", "setpriv": "util-linux", "prlimit": "util-linux"}
 
@@ -75,9 +77,12 @@ STAGES = {
 NEEDS_CHECKPOINT = ("longctx", "mtp", "eval")
 
 # Model keys a later stage takes from the checkpoint it starts from rather than from its own
-# config: the long-context stage changes them, and every later stage must run the model the
-# way it was trained.
-INHERITED_MODEL_KEYS = ("max_position_embeddings", "rope_scaling")
+# config: the architecture (coder.model.hf_import.ARCH_KEYS: every key that fixes a parameter's
+# shape or what the trained model computes, the vocabulary included: the tokenizer travels with
+# the checkpoint), so every later stage runs the model the way it was trained; the long-context
+# stage changes max_position_embeddings and rope_scaling. num_mtp_layers, dtypes, remat and the
+# layout stay the stage's own.
+INHERITED_MODEL_KEYS = ARCH_KEYS
 
 
 def stage_names(config) -> list[str]:
@@ -197,17 +202,32 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
 
 
 def inherit_model_config(config, init_from: str):
-    """Copy of `config` whose INHERITED_MODEL_KEYS come from the checkpoint `init_from`."""
+    """Copy of `config` whose INHERITED_MODEL_KEYS come from the checkpoint `init_from`.
+
+    A coder checkpoint: from the config it was written with. A Hugging Face checkpoint directory
+    (coder.model.hf_import.is_hf_checkpoint): from its config.json, and model.vocab_size =
+    max(its vocab_size, the ids of its tokenizer with the chat template's added tokens)
+    (hf_import.tokenizer_of), so the embedding grows by the tokens added. Every key that differs
+    from the stage's own config is logged.
+    """
+    from coder.model import hf_import
     from coder.train.checkpoint import read_config
 
     config = copy.deepcopy(config)
     if not init_from:
         return config
-    try:
-        saved = read_config(init_from)
-    except FileNotFoundError:
-        return config  # not a coder checkpoint (e.g. an HF import); the stage reports it
-    model = saved.get("model", {})
+    if hf_import.is_hf_checkpoint(init_from):
+        model = hf_import.config_from_hf(hf_import.read_hf_config(init_from)).to_dict()
+        tok = hf_import.tokenizer_of(init_from, config.data)
+        model["vocab_size"] = max(int(model["vocab_size"]), int(tok.padded_vocab_size))
+        what = f"{init_from}/config.json"
+    else:
+        try:
+            saved = read_config(init_from)
+        except FileNotFoundError:
+            return config  # no checkpoint there: the stage reports it
+        model = saved.get("model", {})
+        what = init_from
     for key in INHERITED_MODEL_KEYS:
         if key not in model:
             continue
@@ -215,10 +235,10 @@ def inherit_model_config(config, init_from: str):
         current = config.model[key]
         if hasattr(current, "to_dict"):
             if current.to_dict() != value:
-                logging.info("model.%s from %s: %s", key, init_from, value)
+                logging.info("model.%s from %s: %s (the config has %s)", key, what, value, current.to_dict())
                 current.update(value)
         elif current != value:
-            logging.info("model.%s from %s: %s", key, init_from, value)
+            logging.info("model.%s from %s: %s (the config has %s)", key, what, value, current)
             config.model[key] = type(current)(value)
     return config
 

@@ -143,6 +143,14 @@ def check_eval(config) -> None:
             raise ValueError(f"rl.eval_k={tuple(ks)} needs rl.eval_samples >= {max(ks)}")
 
 
+def _checkpoint_step(init_from: str) -> int:
+    """The step of the checkpoint `init_from`; 0 for a Hugging Face checkpoint directory."""
+    from coder.model import hf_import
+    from coder.train import checkpoint as ckpt_lib
+
+    return 0 if hf_import.is_hf_checkpoint(init_from) else ckpt_lib.checkpoint_step(init_from)
+
+
 def evaluate(config, stage_dir: str, init_from: str) -> str:
     """Held-out next-token loss and perplexity of `init_from` (+ the agent eval). Returns init_from.
 
@@ -195,10 +203,10 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
 
         agent_config = copy.deepcopy(config)
         agent_config.rl.eval_num_tasks = int(config.eval.agent_tasks)
-        step = ckpt_lib.checkpoint_step(init_from)
+        step = _checkpoint_step(init_from)
         results = run_agent_eval(agent_config, nnx.merge(graphdef, state), tok, stage_dir, step=step)
         record.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
-    step = ckpt_lib.checkpoint_step(init_from)
+    step = _checkpoint_step(init_from)
     writer = MetricsWriter(stage_dir, "eval", tensorboard=True)
     writer.write(step, record)
     writer.close()

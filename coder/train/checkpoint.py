@@ -384,14 +384,17 @@ def stage_tokenizer(config, init_from: str = "", stage_dir: str = "", *,
     """The tokenizer of a stage running in `stage_dir` from the checkpoint `init_from`.
 
     In order: the tokenizer of this stage's own latest checkpoint (`{stage_dir}/checkpoints`,
-    a resume), else of `init_from`'s, else (a run from scratch) `data.tokenizer`, else one
-    trained by `load_or_train` on process 0 and broadcast to the others
-    (coder.data.tokenizer.load_or_train_shared; `cache_dir`: its cache). A checkpoint written
-    before checkpoints carried a tokenizer is skipped with a warning. When the tokenizer comes
-    from a checkpoint and `data.tokenizer` is set to a different one, ValueError naming both.
-    The model's vocabulary must hold the tokenizer's ids (ValueError naming the keys).
+    a resume), else of `init_from`'s, else, when `init_from` is a Hugging Face checkpoint, the
+    tokenizer beside it (or at `data.tokenizer`) with the chat template's tokens
+    (`data.chat_tokens`; coder.model.hf_import.tokenizer_of), else (a run from scratch)
+    `data.tokenizer`, else one trained by `load_or_train` on process 0 and broadcast to the
+    others (coder.data.tokenizer.load_or_train_shared; `cache_dir`: its cache). A checkpoint
+    written before checkpoints carried a tokenizer is skipped with a warning. When the tokenizer
+    comes from a coder checkpoint and `data.tokenizer` is set to a different one, ValueError
+    naming both. The model's vocabulary must hold the tokenizer's ids (ValueError naming the keys).
     """
     from coder.data import tokenizer as tokenizer_lib
+    from coder.model import hf_import
 
     tok, where = None, ""
     for path in (os.path.join(stage_dir, "checkpoints") if stage_dir else "", init_from):
@@ -400,11 +403,15 @@ def stage_tokenizer(config, init_from: str = "", stage_dir: str = "", *,
             if tok is not None:
                 break
     explicit = config.data.tokenizer
-    if tok is not None:
+    if tok is None and hf_import.is_hf_checkpoint(init_from):
+        tok = hf_import.tokenizer_of(init_from, config.data)
+        logging.info("tokenizer of the Hugging Face checkpoint %s (%s, sha256 %s)", init_from,
+                     tok.source, tokenizer_lib.fingerprint(tok)[:16])
+    elif tok is not None:
         sha = tokenizer_lib.fingerprint(tok)
         logging.info("tokenizer of %s (sha256 %s, %s)", where, sha[:16], tok.source)
         if explicit:
-            given = tokenizer_lib.fingerprint(tokenizer_lib.load(explicit))
+            given = tokenizer_lib.fingerprint(tokenizer_lib.load_config(config, explicit))
             if given != sha:
                 raise ValueError(
                     f"data.tokenizer={explicit!r} (sha256 {given[:16]}) differs from the tokenizer "
@@ -413,13 +420,14 @@ def stage_tokenizer(config, init_from: str = "", stage_dir: str = "", *,
                     f"checkpoint's tokenizer, or start from a checkpoint trained with {explicit}"
                 )
     elif explicit:
-        tok = tokenizer_lib.load(explicit)
+        tok = tokenizer_lib.load_config(config, explicit)
     else:
         tok = tokenizer_lib.load_or_train_shared(config, cache_dir)
     if tok.padded_vocab_size > config.model.vocab_size:
         raise ValueError(
             f"the tokenizer ({tok.source}) has {tok.padded_vocab_size} ids (padded) but "
             f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
-            f"{tok.padded_vocab_size} or data.tokenizer_vocab_size lower"
+            f"{tok.padded_vocab_size} or data.tokenizer_vocab_size lower (a stage starting from a "
+            "Hugging Face checkpoint sets it from config.json and the tokenizer's added tokens)"
         )
     return tok

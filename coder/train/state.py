@@ -9,7 +9,7 @@
 Variables are matched by flat name ("layers.0.attn.wq", coder.train.checkpoint.flat_name), so a
 checkpoint written by a model without some module (fresh MTP heads) still loads: `load_into`
 reports what it lacked. A name present on both sides with another shape is an error that names
-the key to change.
+the key to change. `path` may be a Hugging Face checkpoint directory too (coder.model.hf_import).
 """
 from __future__ import annotations
 
@@ -55,7 +55,18 @@ def load_into(model: nnx.Module, path: str, *, require_all: bool = False) -> dic
 
     Returns {"loaded", "missing" (kept their current value), "unexpected" (in the checkpoint,
     not in the model)}; with `require_all` a missing variable is a ValueError naming them.
+
+    `path` may also be a Hugging Face DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json +
+    safetensors, local or gs://): coder.model.hf_import.import_into reads it into the model's
+    shardings, each process only its own blocks. There a missing trunk tensor is always an error
+    and a missing MTP module always starts fresh (transformers saves none), whatever
+    `require_all`; embedding / output-head rows past the checkpoint's (added tokens) start at the
+    mean of its rows. The report adds "fresh_mtp" and "vocab" (checkpoint rows, model rows).
     """
+    from coder.model import hf_import
+
+    if hf_import.is_hf_checkpoint(path):
+        return hf_import.import_into(model, path)
     state = nnx.state(model)
     found, missing, unexpected = ckpt_lib.load_params(path, abstract_flat(state))
     if missing and require_all:
