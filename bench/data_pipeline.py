@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coder.data import pretrain
 from coder.data import tokenizer as tk
+from coder.train import metrics
 from configs import base
 
 
@@ -131,12 +132,14 @@ def main():
     data_tps, data_spb = pipeline_tokens_per_s(cfg, tokenizer, args.batches)
     print(f"pipeline: {data_tps:,.0f} tokens/s ({data_spb * 1e3:.2f} ms per "
           f"{args.batch_size}x{args.seq_len} batch, workers={args.workers})")
-    step_tps, step_spb, active = step_tokens_per_s(cfg, model_cfg, args.steps)
+    step_tps, step_spb, _ = step_tokens_per_s(cfg, model_cfg, args.steps)
     print(f"train step: {step_tps:,.0f} tokens/s ({step_spb:.2f} s per step)")
-    # The same comparison for faster accelerators: training costs ~6 FLOPs per active parameter
-    # per token, so the pipeline keeps up with any step below this compute rate per process.
-    print(f"pipeline feeds up to {data_tps * 6 * active / 1e12:,.1f} TFLOP/s of training compute "
-          f"(6 x {active / 1e6:.1f}M active params per token) per loading process")
+    # The same comparison for faster accelerators: a trained token costs its model FLOPs
+    # (coder.train.metrics: 6 N + 3 A), so the pipeline keeps up with any step below this compute
+    # rate per process.
+    fpt = metrics.model_flops_per_token(model_cfg, args.seq_len)
+    print(f"pipeline feeds up to {data_tps * fpt / 1e12:,.1f} TFLOP/s of training compute "
+          f"({fpt / 1e6:.1f} MFLOP model FLOPs per token) per loading process")
     print(f"ratio pipeline / step: {data_tps / step_tps:,.1f}x "
           f"({'pipeline is not the bottleneck' if data_tps > step_tps else 'PIPELINE IS THE BOTTLENECK'})")
 

@@ -2,7 +2,9 @@
 
 Prints, for the quickstart model (configs/base.py model defaults) and a ~100M-parameter MoE:
 tokens/s of a jitted fwd+bwd step, the step's FLOPs from XLA's cost analysis, the achieved
-FLOP/s, and that as a fraction of a dense f32 matmul's FLOP/s measured in the same run.
+FLOP/s, and that as a fraction of a dense f32 matmul's FLOP/s measured in the same run; and the
+step's model FLOPs (coder.train.metrics.model_flops_per_token, the training log's MFU) per second
+as the same fraction.
 
     python bench/model_step.py [--steps 5]
 """
@@ -20,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from coder.model import Transformer, count_params  # noqa: E402
+from coder.train import metrics  # noqa: E402
 
 
 def moe_100m():
@@ -94,13 +97,13 @@ def main():
         peak32 = (peak32 + matmul_flops_per_s(steps=args.steps)) / 2
         peak16 = (peak16 + matmul_flops_per_s(steps=args.steps, dtype=jnp.bfloat16)) / 2
         achieved = r["flops"] / r["step_s"]
-        # reference: 6 * activated non-embedding trunk params * tokens (no attention, no MTP)
-        useful = 6 * (r["params"]["active"] - cfg.vocab_size * cfg.hidden_size) * b * t
+        # model FLOPs of the step (coder.train.metrics: 6 N + 3 A per token, the training log's MFU)
+        useful = metrics.model_flops_per_token(cfg, t) * b * t
         print(f"{name}: params total={r['params']['total'] / 1e6:.1f}M active={r['params']['active'] / 1e6:.1f}M "
               f"matmul f32 {peak32 / 1e9:.1f} bf16 {peak16 / 1e9:.1f} GFLOP/s; batch={b}x{t} step={r['step_s'] * 1e3:.0f}ms tokens/s={r['tokens_per_s']:.0f} "
               f"XLA flops/step={r['flops'] / 1e9:.2f}G achieved={achieved / 1e9:.1f} GFLOP/s "
               f"= {achieved / peak32:.2f} of f32 matmul, {achieved / peak16:.2f} of bf16 matmul; "
-              f"6*N_active*tokens={useful / 1e9:.2f}G -> {useful / r['step_s'] / peak32:.2f} of f32 matmul")
+              f"model FLOPs/step={useful / 1e9:.2f}G -> {useful / r['step_s'] / peak32:.2f} of f32 matmul")
 
 
 if __name__ == "__main__":

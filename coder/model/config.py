@@ -30,7 +30,11 @@ def model_config() -> ml_collections.ConfigDict:
     m.routed_scaling_factor = 1.0  # multiplier on the routed experts' combined output
     m.norm_topk_prob = True  # renormalise the top-k sigmoid weights to sum to 1
     m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
-    m.bias_update_rate = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
+    # aux-loss-free balancing: bias += rate * sign(mean_load - load) after every step. The bias
+    # must move by up to the sigmoid scores' range within the run: DeepSeek-V3's 1e-3 suits its
+    # ~10^5 steps; at 1e-3 the quickstart's 150 steps routed every token to 2 of 4 experts
+    # (coder.model.moe.balancing_warning, logged at start-up when rate x steps < 1)
+    m.bias_update_rate = 1e-2
     # 0 = dropless (DeepSeek-V3). c > 0: each expert takes at most ceil(c * pairs / experts)
     # (token, expert) pairs of the tokens a device sees, in token order, and drops the rest
     # (GShard); a fixed [experts, capacity] buffer whose matmuls cost c x the routed work, where

@@ -42,6 +42,47 @@ class RouterBias(nnx.Variable):
 
 
 # ----------------------------------------------------------------------------- routing
+def routing_errors(cfg) -> list[str]:
+    """Settings under which `route` cannot pick num_experts_per_tok allowed experts (each names
+    the keys to change); coder.model.sharding.validate and MoE refuse them."""
+    e, k, g, tg = cfg.n_routed_experts, cfg.num_experts_per_tok, max(1, cfg.n_group), cfg.topk_group
+    errors = []
+    if not 0 < k <= e:
+        errors.append(f"model.num_experts_per_tok={k} must be in 1..model.n_routed_experts={e}")
+    if g > 1 and e % g == 0:
+        if e // g < 2:  # a group's score is the sum of its top-2 experts
+            errors.append(f"model.n_group={g} leaves {e // g} expert per group (group-limited "
+                          "routing scores a group by its top-2 experts): lower model.n_group")
+        if tg * (e // g) < k:  # top-k would take experts of groups the token may not use
+            errors.append(f"model.topk_group={tg} groups of {e // g} experts (model.n_group={g}) "
+                          f"hold fewer than model.num_experts_per_tok={k} experts: raise "
+                          "model.topk_group or lower model.n_group")
+    return errors
+
+
+def balancing_warning(cfg, steps: int) -> str:
+    """Why aux-loss-free balancing cannot keep up in a from-scratch run of `steps` steps ("" if
+    it can).
+
+    The bias moves bias_update_rate per step (a sign update) and must cancel the score gaps
+    the router learns between experts (sigmoid scores in (0, 1)); early in training the hidden
+    states share one direction, so such a gap routes every token to the same top-k experts.
+    A bias that cannot move by 1 over the run cannot undo an arbitrary gap: e.g. the quickstart's
+    150 steps at DeepSeek-V3's 1e-3 (tuned for a run of ~10^5 steps) left every token of every
+    MoE layer on 2 of 4 experts (load_imbalance 2.00 = E/k) for the whole pretraining.
+    """
+    moe = cfg.n_routed_experts > 0 and (cfg.num_hidden_layers > cfg.first_k_dense_replace
+                                        or cfg.num_mtp_layers > 0)
+    rate = float(cfg.bias_update_rate)
+    if not moe or rate * steps >= 1.0:
+        return ""
+    return (f"model.bias_update_rate={rate:g} x {steps} steps moves the router bias by at most "
+            f"{rate * steps:.2g}, less than the sigmoid scores' range (1): routing may collapse onto "
+            f"{cfg.num_experts_per_tok} of {cfg.n_routed_experts} experts (load_imbalance "
+            f"{cfg.n_routed_experts / cfg.num_experts_per_tok:.2f}); raise model.bias_update_rate "
+            f"to >= {1.0 / max(steps, 1):.2g}")
+
+
 def route(logits, bias, cfg, expert_ids=None):
     """Top-k expert choice. logits `[N, E]` float32, bias `[E]`.
 
@@ -263,6 +304,9 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        errors = routing_errors(cfg)
+        if errors:
+            raise ValueError("; ".join(errors))
         self.cfg = cfg
         self.router = param(rngs, (d, e), ("embed", None), cfg)
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))

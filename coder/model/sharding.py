@@ -125,6 +125,9 @@ def validate(model_cfg, mesh_cfg, n_devices: int) -> dict[str, int]:
                       f"model.n_group={model_cfg.n_group}")
     if model_cfg.topk_group > model_cfg.n_group:
         errors.append(f"model.topk_group={model_cfg.topk_group} > model.n_group={model_cfg.n_group}")
+    from coder.model.moe import routing_errors  # moe imports this module
+
+    errors += routing_errors(model_cfg)
     if errors:
         raise ValueError("; ".join(errors))
     return sizes

@@ -171,9 +171,11 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
     """Check the config before anything runs; ValueError naming the keys to change.
 
     Returns the stage names. For every chosen stage, on the config it will run with: its derive
-    and check, the mesh against the model (coder.model.sharding.validate), the batch against the
-    mesh's batch axes and grad_accum; then the executables the stages need (RuntimeError naming
-    the package and the command that installs it).
+    and check, the mesh against the model (coder.model.sharding.validate, routing included), the
+    batch against the mesh's batch axes and grad_accum; a warning when a first stage trains the
+    MoE routers from scratch with a balancing bias too slow for its steps
+    (coder.model.moe.balancing_warning); then the executables the stages need (RuntimeError
+    naming the package and the command that installs it).
     """
     names = stage_names(config)
     if names[0] in NEEDS_CHECKPOINT and not config.init_from:
@@ -187,6 +189,12 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
             _import(STAGES[name].check, f"stage {name!r}")(c)
         if name != "compile":  # compile targets a TPU topology, not the local devices
             _check_batch(c, n_devices, name)
+        if name == names[0] and name != "compile" and not config.init_from:
+            from coder.model.moe import balancing_warning
+
+            msg = balancing_warning(c.model, int(c.train.steps))
+            if msg:  # routers trained from scratch by a balancing bias too slow for the run
+                logging.warning("stage %s: %s", name, msg)
         for key in INHERITED_MODEL_KEYS:  # what the next stage takes from this one's checkpoint
             chained.model[key] = copy.deepcopy(c.model[key])
     if check_tools:

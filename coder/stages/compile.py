@@ -87,17 +87,12 @@ def memory_report(mem, hbm_bytes: int, *, params: float, optimizer: float,
     )
 
 
-def model_flops_per_step(model_cfg, active: int, batch: int, seq: int) -> float:
-    """Training FLOPs of one step without recompute: 6 N_active per token + causal attention.
+def model_flops_per_step(model_cfg, batch: int, seq: int) -> float:
+    """Model FLOPs of one training step: batch x seq tokens x 6 N + 3 A per token
+    (coder.train.metrics.model_flops_per_token, the definition the training log's MFU uses)."""
+    from coder.train import metrics
 
-    active: matmul parameters per token (`active_params`). Attention per layer and sequence:
-    (2 QK^T + 2 PV) x T^2/2 (causal) x heads x head dims forward, times 3 for forward +
-    backward (PaLM appendix B). Trunk and MTP blocks both count: the step runs both.
-    """
-    layers = model_cfg.num_hidden_layers + model_cfg.num_mtp_layers
-    head = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim + model_cfg.v_head_dim
-    attn = 3 * layers * batch * seq * seq * model_cfg.num_attention_heads * head
-    return 6.0 * active * batch * seq + attn
+    return batch * seq * metrics.model_flops_per_token(model_cfg, seq)
 
 
 def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
@@ -364,22 +359,32 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
     return {"prefill": out["prefill"], "decode": out["decode"]}, setup
 
 
+def engine_model_flops(model_cfg, setup: dict) -> dict:
+    """{"prefill", "decode"}: model FLOPs of one call of each engine program (lower_engine's
+    setup: rows, prefill_len, cache_slots, speculative_k): forward-only model FLOPs per token
+    (2 N + A, coder.train.metrics.model_flops_per_token with training=False) x the tokens it
+    feeds, through the trunk and the speculative_k MTP modules the engine keeps current.
+    prefill: rows x prefill_len tokens, a chunk from position 0 (causal attention within it);
+    decode: rows x (speculative_k + 1) tokens, each attending to a full cache of cache_slots
+    tokens. The drafts' own MTP passes are not counted.
+    """
+    from coder.train import metrics
+
+    rows, k = setup["rows"], setup["speculative_k"]
+    prefill = metrics.model_flops_per_token(model_cfg, setup["prefill_len"], training=False, mtp_modules=k)
+    decode = metrics.model_flops_per_token(model_cfg, k + 1, training=False, mtp_modules=k,
+                                           context=setup["cache_slots"])
+    return dict(prefill=rows * setup["prefill_len"] * prefill, decode=rows * (k + 1) * decode)
+
+
 def compile_engine(config, mesh, topo) -> dict:
     """Compile and analyse the engine's programs; a failure is recorded per program.
 
-    Model FLOPs of a program: 2 x the trunk's active matmul parameters x the tokens it feeds
-    (prefill: rows x prefill_len; decode: rows x (speculative_k + 1)); attention over the cache
-    is not counted (small next to the weights at these lengths for MLA's 576-wide latent).
+    Model FLOPs of a program: `engine_model_flops`.
     """
     import logging
     import time
     import traceback
-
-    from coder.model import count_params
-
-    m = config.model
-    embed = m.vocab_size * m.hidden_size * (0 if m.tie_word_embeddings else 1)
-    active_trunk = count_params(m)["active"] - embed
 
     t0 = time.perf_counter()
     try:
@@ -390,6 +395,7 @@ def compile_engine(config, mesh, topo) -> dict:
     out = dict(setup=setup)
     k = setup["speculative_k"]
     tokens = dict(prefill=setup["rows"] * setup["prefill_len"], decode=setup["rows"] * (k + 1))
+    model_flops = engine_model_flops(config.model, setup)
     for name, low in lowered.items():
         t1 = time.perf_counter()
         try:
@@ -405,7 +411,7 @@ def compile_engine(config, mesh, topo) -> dict:
         else:
             entry = analyse(compiled, topo, params=setup["params_bytes_per_chip"], optimizer=0.0,
                             batch=setup["cache_bytes_per_chip"],
-                            model_flops=2.0 * active_trunk * tokens[name])
+                            model_flops=model_flops[name])
             entry["status"] = "fits" if entry["memory"]["fits"] else "does_not_fit"
             lower_s = entry["roofline"]["step_time_lower_s"]
             entry["tokens_per_s_upper"] = tokens[name] / lower_s if lower_s else 0.0
@@ -427,13 +433,12 @@ def _save_hlo(compiled, directory: str, name: str) -> str:
 
 
 def active_params(model_cfg) -> int:
-    """Matmul parameters one token touches in a training step: trunk + MTP modules, routed
-    experts at top-k / n_routed, without the input embedding (a lookup, not a matmul)."""
-    from coder.model import count_params
+    """N of a training step (coder.train.metrics.active_matmul_params): the matmul weights one
+    token multiplies by, trunk + output head + MTP modules (with their use of the shared head),
+    routed experts at top-k / n_routed, without the input embedding (a lookup, not a matmul)."""
+    from coder.train import metrics
 
-    c = count_params(model_cfg)
-    embed = model_cfg.vocab_size * model_cfg.hidden_size * (0 if model_cfg.tie_word_embeddings else 1)
-    return int(c["active"] + c["mtp_active"] - embed)
+    return int(round(metrics.active_matmul_params(model_cfg)))
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -549,7 +554,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
         report["hlo_file"] = _save_hlo(compiled, stage_dir, "train_step")
         report.update(analyse(compiled, topo, params=part_sizes["params"],
                               optimizer=part_sizes["optimizer"], batch=part_sizes["batch"],
-                              model_flops=model_flops_per_step(config.model, active, b, t)))
+                              model_flops=model_flops_per_step(config.model, b, t)))
         report["status"] = "fits" if report["memory"]["fits"] else "does_not_fit"
     report["advice"] = advice(report, config)
     if config.compile.engine and report["status"] != "compile_error":

@@ -159,10 +159,8 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
             update_router_bias(model, load, bias_rate, mtp_load)
             _, _, updated = nnx.split(model, trainable, ...)
             new_rest = keep_if_bad(updated, rest)
-            # Expert load imbalance: max / mean load of the worst layer (1 = balanced).
-            metrics["load_imbalance"] = jnp.max(
-                jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-12)
-            )
+            # max / mean load of the worst layer: 1 = balanced, E/k = every token on the same k
+            metrics["load_imbalance"] = metrics_lib.load_imbalance(load)
         out = {**metrics, "loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if schedule is not None:
             out["lr"] = schedule(step)
@@ -436,14 +434,12 @@ class Trainer:
         return self._peak_flops
 
     def _flops_per_token(self, seq_len: int) -> float:
-        if self._default_model:
-            from coder.model import count_params
-
-            counts = count_params(self.config.model)
-            active = counts["active"] + counts["mtp_active"]
-        else:
-            active = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
-        return metrics_lib.flops_per_token(self.config.model, seq_len, active)
+        """Model FLOPs per trained token (coder.train.metrics.model_flops_per_token, the one
+        definition stage `compile` reports too): 6 N + 3 A at this row length."""
+        params = None
+        if not self._default_model:  # a custom model: count its own matmul weights
+            params = nnx.state(self.state.model, nnx.Param)
+        return metrics_lib.model_flops_per_token(self.config.model, seq_len, params=params)
 
     def fit(self, iterator=None, steps: int | None = None, *, after_step: Callable | None = None) -> int:
         """Train until `steps` (default config.train.steps); returns the final step.

@@ -181,8 +181,9 @@ def roofline(chip, num_chips: int, flops: float, bytes_accessed: float,
     compute = FLOPs / peak; hbm = bytes / HBM bandwidth; ici = wire bytes of the in-slice
     collectives / the chip's total ICI bandwidth (optimistic: every link busy); dcn = wire bytes
     between slices / the chip's DCN share. `lower` assumes perfect overlap (max of the four),
-    `serial` none (their sum): the real step lies between. MFU = model FLOPs (6 x active params
-    x tokens + attention, not counting remat recompute) / (chips x peak x step time).
+    `serial` none (their sum): the real step lies between. MFU = model FLOPs (the caller's, from
+    coder.train.metrics.model_flops_per_token: 6 N + 3 A per trained token, 2 N + A per
+    inference token; no remat recompute) / (chips x peak x step time).
     """
     ici_wire = sum(v["wire_bytes"] for k, v in collectives.items() if k != "dcn")
     dcn_wire = collectives.get("dcn", {}).get("wire_bytes", 0.0)
