@@ -32,9 +32,9 @@ def model_config() -> ml_collections.ConfigDict:
     m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
     # aux-loss-free balancing: bias += rate * sign(mean_load - load) after every step. The bias
     # must move by up to the sigmoid scores' range within the run: DeepSeek-V3's 1e-3 suits its
-    # ~10^5 steps; at 1e-3 the quickstart's 150 steps routed every token to 2 of 4 experts
-    # (coder.model.moe.balancing_warning, logged at start-up when rate x steps < 1)
-    m.bias_update_rate = 1e-2
+    # ~10^5 steps; a short run from scratch needs more (coder.model.moe.balancing_warning,
+    # logged at start-up when rate x steps < 1; configs/quickstart.py uses 1e-2)
+    m.bias_update_rate = 1e-3
     # 0 = dropless (DeepSeek-V3). c > 0: each expert takes at most ceil(c * pairs / experts)
     # (token, expert) pairs of the tokens a device sees, in token order, and drops the rest
     # (GShard); a fixed [experts, capacity] buffer whose matmuls cost c x the routed work, where
