@@ -31,8 +31,13 @@ setup(
     extras_require={
         # transformers + CPU torch: reference implementation for the model-equivalence tests;
         # pytest-xdist: the README's test command runs the tests in 2 worker processes (-n 2).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6"],
+        # tokenizers + tiktoken: the pretrained tokenizers of tests/test_hf_init.py.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6",
+                 "tokenizers>=0.20", "tiktoken>=0.7"],
         "tpu": ["libtpu==0.0.42.*"],  # the libtpu jax 0.10.2 was built against (jax[tpu])
-        "hf": ["safetensors>=0.4", "huggingface_hub>=0.24"],
+        # Starting from a Hugging Face checkpoint (init_from=DIR) and exporting to one: the
+        # weights need no torch (safetensors' numpy framework); the tokenizer beside them is a
+        # `tokenizers` tokenizer.json (DeepSeek-V3) or a tiktoken.model (Kimi K2).
+        "hf": ["safetensors>=0.4", "huggingface_hub>=0.24", "tokenizers>=0.20", "tiktoken>=0.7"],
     },
 )

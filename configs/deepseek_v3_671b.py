@@ -2,6 +2,17 @@
 
 Compile-checked, not trained here. The published 671B excludes the 14B MTP module, which this
 config keeps (num_mtp_layers=1); count_params reports it separately.
+
+Start from the released checkpoint (any stage; its FP8 weights are dequantized block-wise as
+they are read, its MTP module, layer 61, is imported, its tokenizer.json is the run's tokenizer):
+
+    huggingface-cli download deepseek-ai/DeepSeek-V3 --local-dir /data/DeepSeek-V3  # or gs://...
+    python main.py --config=configs/deepseek_v3_671b.py --config.stage=sft \
+        --config.init_from=/data/DeepSeek-V3 --config.sft.data=gs://BUCKET/sft/*.jsonl
+
+config.json sets the model keys below (they already agree). The chat template's tokens are
+coder's own by default, added as 11 new rows; DeepSeek's own role tokens can stand in for some:
+    --config.data.chat_tokens.user='<｜User｜>' --config.data.chat_tokens.assistant='<｜Assistant｜>'
 """
 from configs.base import get_config as base_config
 
@@ -9,6 +20,7 @@ from configs.base import get_config as base_config
 def get_config():
     c = base_config()
     c.stage = "pretrain"  # --config.stage=compile plans the run on a TPU slice first
+    # c.init_from = "gs://BUCKET/DeepSeek-V3"  # the released weights + tokenizer (docstring)
     m = c.model
     m.vocab_size = 129280
     m.hidden_size = 7168

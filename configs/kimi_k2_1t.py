@@ -2,6 +2,19 @@
 
 DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no expert groups and no
 MTP module. Compile-checked, not trained here.
+
+Start from the released checkpoint (any stage; FP8 weights dequantized as read; its tokenizer is
+tiktoken.model + tokenizer_config.json, encoded with tiktoken and Kimi K2's pre-tokenizer, the
+default of data.tiktoken_pattern):
+
+    huggingface-cli download moonshotai/Kimi-K2-Instruct --local-dir /data/Kimi-K2  # or gs://...
+    python main.py --config=configs/kimi_k2_1t.py --config.stage=sft \
+        --config.init_from=/data/Kimi-K2 --config.sft.data=gs://BUCKET/sft/*.jsonl
+
+The release has no MTP module: set --config.model.num_mtp_layers=1 to train one from scratch
+(it starts fresh, logged; the mtp stage distils it). Kimi's own chat tokens can stand in for
+coder's: --config.data.chat_tokens.user='<|im_user|>' --config.data.chat_tokens.assistant='<|im_assistant|>'
+--config.data.chat_tokens.system='<|im_system|>' --config.data.chat_tokens.end='<|im_end|>'.
 """
 from configs.base import get_config as base_config
 
@@ -9,6 +22,7 @@ from configs.base import get_config as base_config
 def get_config():
     c = base_config()
     c.stage = "pretrain"  # --config.stage=compile plans the run on a TPU slice first
+    # c.init_from = "gs://BUCKET/Kimi-K2-Instruct"  # the released weights + tokenizer (docstring)
     m = c.model
     m.vocab_size = 163840
     m.hidden_size = 7168

@@ -165,3 +165,34 @@ def test_scanned_model_imports_and_exports_per_layer_names(tmp_path):
     hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(
         str(tmp_path / "ours"), attn_implementation="eager").eval()
     np.testing.assert_allclose(_theirs(hf2, tokens), ref, atol=1e-4, rtol=0)
+
+
+def test_transformers_default_mtp_setting_imports_with_fresh_mtp(tmp_path, caplog):
+    """transformers' default config says num_nextn_predict_layers=1 but saves no MTP tensors:
+    the import starts that module fresh (logged) instead of stopping; the trunk is exact."""
+    torch.manual_seed(0)
+    base = {k: v for k, v in BASE.items() if k != "num_nextn_predict_layers"}
+    cfg = transformers.DeepseekV3Config(**base, **CASES["groups_noqlora"])
+    assert cfg.num_nextn_predict_layers == 1
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    caplog.set_level("INFO")
+    ours_cfg, model = hf_import.load_hf(str(tmp_path), vocab_size=100)
+    assert ours_cfg.num_mtp_layers == 1 and len(model.mtp) == 1
+    assert "MTP module 0: not in" in caplog.text and "starts fresh" in caplog.text
+    assert "grow by 4 rows (ids 96..99)" in caplog.text
+    tokens = _tokens()
+    ours, aux = _ours(model, tokens)
+    np.testing.assert_allclose(ours[..., :96], _theirs(hf, tokens), atol=1e-4, rtol=0)
+    assert aux["mtp_logits"].shape == (1, 2, 24, 100)
+
+
+def test_checkpoint_of_another_shape_is_an_error_naming_the_tensor(tmp_path):
+    hf = _hf_model("groups_noqlora")
+    hf.save_pretrained(tmp_path)
+    cfg = hf_import.config_from_hf(json.load(open(tmp_path / "config.json")))
+    cfg.moe_intermediate_size = 24  # not the checkpoint's 16
+    cfg.dtype = "float32"
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"checkpoint's model\.layers\.1\.mlp\.\S+ has shape .*needs"):
+        hf_import.import_into(model, str(tmp_path))

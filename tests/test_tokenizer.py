@@ -310,3 +310,102 @@ def test_explicit_tokenizer_differing_from_the_checkpoints_is_an_error(three, tm
     msg = str(e.value)
     for part in (b_path, tk.fingerprint(b)[:16], tk.fingerprint(a)[:16], init + "/1"):
         assert part in msg, (part, msg)
+
+
+# --- pretrained tokenizers: Hugging Face `tokenizers`, tiktoken ------------------------------------
+def _hf_tokenizer_dir(directory, specials=("<s>", "</s>", "<|user|>", "<|im_end|>")):
+    """A small byte-level BPE (tokenizer.json) with some special tokens, + tokenizer_config.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=350, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_word_texts(0) + [CODE] * 20, trainer)
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": {"content": "</s>"}}, f)
+    return str(directory), tok.get_vocab_size(with_added_tokens=True)
+
+
+def test_hf_tokenizers_kind_uses_the_base_tokens_and_adds_the_others(tmp_path):
+    path, size = _hf_tokenizer_dir(tmp_path / "base")
+    # `end` named as the base's <|im_end|>; `user` is in the base under coder's own string
+    tok = tk.load_pretrained(path, {"end": "<|im_end|>"}, first_new_id=size + 5)
+    assert tok.kind == "hf_tokenizers" and (tok.bos_id, tok.eos_id) == (0, 1)
+    assert tok.special_id("user") == 2 and tok.end_id == 3
+    added = tok.added_tokens
+    assert "<|user|>" not in added and "<|end|>" not in added and len(added) == len(tk.SPECIAL_TOKENS) - 2
+    assert sorted(added.values()) == list(range(size + 5, size + 5 + len(added)))  # after the rows
+    assert tok.vocab_size == tok.padded_vocab_size == size + 5 + len(added)
+    assert tok.decode(tok.encode(CODE)) == CODE
+    # coder's strings and the configured one are single ids; decoding writes coder's
+    ids = tok.encode('x<tool_call>{"a": 1}</tool_call><|im_end|><|end|>')
+    assert ids.count(tok.special_id("<tool_call>")) == 1 and ids[-2:] == [3, 3]
+    assert tok.decode(ids) == 'x<tool_call>{"a": 1}</tool_call><|end|><|end|>'
+    plain = tok.encode("<|end|><|im_end|><tool_call>", allow_special=False)
+    assert not set(plain) & set(tok._special.values()) and tok.decode(plain) == "<|end|><|im_end|><tool_call>"
+    ids, mask = tok.render_conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+    assert ids[0] == 2 and ids[-1] == 3 and mask.tolist() == [0.0] * (len(ids) - len(tok.encode("ok")) - 1) + [1.0] * (len(tok.encode("ok")) + 1)
+    # the record and pickling rebuild exactly this tokenizer
+    record = tk.to_record(tok)
+    assert record["kind"] == "hf_tokenizers" and set(record["files"]) == {"tokenizer.json", tk.CHAT_FILE}
+    back = tk.from_record(json.loads(json.dumps(record)))
+    assert tk.fingerprint(back) == record["sha256"] and back.encode(CODE) == tok.encode(CODE)
+    assert pickle.loads(pickle.dumps(tok)).encode(CODE) == tok.encode(CODE)
+    # data.tokenizer may name the directory or its tokenizer.json
+    assert tk.load(path).encode(CODE) == tk.load(os.path.join(path, "tokenizer.json")).encode(CODE)
+
+
+def test_chat_tokens_errors(tmp_path):
+    path, _ = _hf_tokenizer_dir(tmp_path / "base")
+    with pytest.raises(ValueError, match="unknown names"):
+        tk.load_pretrained(path, {"nope": "<x>"})
+    with pytest.raises(ValueError, match="two template tokens to one id"):
+        tk.load_pretrained(path, {"end": "</s>", "tool": "</s>"})
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        tk.load_pretrained(str(tmp_path))
+
+
+def test_tiktoken_kind(tmp_path):
+    pytest.importorskip("tiktoken")
+    from tiktoken._educational import bpe_train
+
+    pattern = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    ranks = bpe_train("\n".join(_word_texts(1, 40)) + CODE, 300, pattern, visualise=None)
+    d = tmp_path / "kimi"
+    d.mkdir()
+    (d / "tiktoken.model").write_text("".join(f"{__import__('base64').b64encode(t).decode()} {r}\n"
+                                              for t, r in sorted(ranks.items(), key=lambda kv: kv[1])))
+    n = len(ranks)
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "added_tokens_decoder": {str(n): {"content": "[BOS]"}, str(n + 1): {"content": "[EOS]"},
+                                 str(n + 3): {"content": "<|im_end|>"}}}))
+    tok = tk.load_pretrained(str(d), {"end": "<|im_end|>"}, first_new_id=n + 8, pattern=pattern)
+    assert tok.kind == "tiktoken" and (tok.bos_id, tok.eos_id, tok.end_id) == (n, n + 1, n + 3)
+    assert tok.meta["special_tokens"][f"<|reserved_token_{n + 2}|>"] == n + 2  # gaps are named
+    assert min(tok.added_tokens.values()) == n + 8 and tok.vocab_size == n + 8 + len(tok.added_tokens)
+    assert tok.decode(tok.encode(CODE)) == CODE
+    assert tok.encode("[EOS]") == [n + 1] and n + 1 not in tok.encode("[EOS]", allow_special=False)
+    record = tk.to_record(tok)
+    assert set(record["files"]) == {"tiktoken.model", tk.CHAT_FILE}
+    assert tk.from_record(record).encode(CODE + "<tool_call>") == tok.encode(CODE + "<tool_call>")
+    assert pickle.loads(pickle.dumps(tok)).encode(CODE) == tok.encode(CODE)
+    # Kimi K2's pattern (the default) compiles in tiktoken
+    assert tk.load_pretrained(str(d)).meta["pattern"] == tk.KIMI_K2_PATTERN
+
+
+def test_stage_tokenizer_of_a_checkpoint_with_a_pretrained_tokenizer(tmp_path):
+    path, size = _hf_tokenizer_dir(tmp_path / "base")
+    tok = tk.load_pretrained(path, first_new_id=size)
+    init = _checkpoint_with(tmp_path / "sft" / "checkpoints", tok)
+    cfg = base.get_config()
+    got = ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "grpo"))
+    assert got.kind == "hf_tokenizers" and tk.fingerprint(got) == tk.fingerprint(tok)
+    cfg.model.vocab_size = tok.vocab_size - 1
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "grpo"))

@@ -2,9 +2,9 @@
 
 `import_into(model, path)` fills a built (sharded) coder Transformer from a
 DeepseekV3ForCausalLM checkpoint directory (`config.json` + safetensors shards, local or gs://;
-DeepSeek-V3, Kimi-K2: same layout): every variable is assembled in its own sharding by
-jax.make_array_from_callback, each process reading only the blocks its devices hold, in shard
-order (a shard is closed once every tensor it holds for the model is read). The shards are read
+DeepSeek-V3, Kimi-K2: same layout): every variable is assembled in its own sharding, device
+block by device block, each process reading only the blocks its devices hold, in shard order (a
+shard is closed once every tensor it holds for the model is read). The shards are read
 with safetensors' numpy framework (memory-mapped) or, remotely, by byte ranges; no torch.
 FP8 (`float8_e4m3fn`) weights with a `weight_scale_inv` are dequantized block-wise:
     W[i, j] = W_fp8[i, j] * scale_inv[i // 128, j // 128].
@@ -318,7 +318,7 @@ class _Checkpoint:
             (r0, r1), (c0, c1) = ranges
             rows, cols = np.arange(r0, r1) // self.block, np.arange(c0, c1) // self.block
             return w.astype(np.float32) * scale[np.ix_(rows, cols)]
-        return w.astype(np.float32)
+        return w if w.dtype == np.float32 else w.astype(np.float32)
 
     def mean_rows(self, name: str, chunk: int = 8192) -> np.ndarray:
         """Mean over the rows of a 2-D tensor (float32 [cols]), read `chunk` rows at a time."""
@@ -417,6 +417,9 @@ def _piece(ck: _Checkpoint, name: str, conv: str, tshape: tuple, idx) -> np.ndar
     if conv in ("embed", "head"):  # [V, D] / [D, V] <- [V_ckpt, D]; rows past V_ckpt = the mean
         (v0, v1), (d0, d1) = idx if conv == "embed" else idx[::-1]
         v_ckpt = ck.shape(name)[0]
+        if v1 <= v_ckpt:
+            out = ck.read(name, ((v0, v1), (d0, d1)))
+            return out if conv == "embed" else out.T
         out = np.empty((v1 - v0, d1 - d0), np.float32)
         have = max(0, min(v1, v_ckpt) - v0)
         if have:
@@ -427,15 +430,73 @@ def _piece(ck: _Checkpoint, name: str, conv: str, tshape: tuple, idx) -> np.ndar
     raise ValueError(conv)
 
 
+def _expected_shape(conv: str, tshape: tuple) -> tuple:
+    """The shape an HF tensor must have to fill our `tshape` block through `conv` (for the
+    embedding / output head: (None, D), any row count up to the model's)."""
+    if conv == "id":
+        return tshape
+    if conv == "T":
+        return tshape[::-1]
+    if conv == "heads":
+        return (tshape[1] * tshape[2], tshape[0])
+    if conv == "o":
+        return (tshape[2], tshape[0] * tshape[1])
+    if conv in ("gate", "up"):
+        return (tshape[0], 2 * tshape[2], tshape[1])
+    if conv == "down_fused":
+        return (tshape[0], tshape[2], tshape[1])
+    if conv == "embed":
+        return (None, tshape[1])
+    if conv == "head":
+        return (None, tshape[0])
+    raise ValueError(conv)
+
+
+def _assemble(ck: _Checkpoint, by_slot: dict, n_slot: int, shape: tuple, dtype, target) -> jax.Array:
+    """A variable of `shape` / `dtype` in sharding `target` from its HF tensors (`by_slot`: slot
+    -> (name, conversion)): each of this process's devices gets its block, read, converted and
+    transferred in turn, so the host holds one block (and its conversion) at a time; a block
+    several devices share (replication) is read once."""
+    import itertools
+    from collections import Counter
+
+    tshape = shape[n_slot:]
+    index_map = target.addressable_devices_indices_map(shape)
+    ranges_of = {d: tuple(s.indices(n)[:2] for s, n in zip(idx, shape)) + tuple((0, n) for n in shape[len(idx):])
+                 for d, idx in index_map.items()}
+    uses = Counter(ranges_of.values())
+    blocks, arrays = {}, []
+    for d, ranges in sorted(ranges_of.items(), key=lambda kv: kv[1]):
+        if ranges not in blocks:
+            slots, rest = ranges[:n_slot], ranges[n_slot:]
+            if not slots:  # one HF tensor: its block, converted, contiguous, in our dtype
+                n, conv = by_slot[()]
+                out = np.ascontiguousarray(_piece(ck, n, conv, tshape, rest), dtype=dtype)
+            else:  # one HF tensor per (layer, expert) slot
+                out = np.empty([b - a for a, b in ranges], dtype)
+                for slot in itertools.product(*(range(a, b) for a, b in slots)):
+                    n, conv = by_slot[slot]
+                    out[tuple(i - a for i, (a, _) in zip(slot, slots))] = _piece(ck, n, conv, tshape, rest)
+            blocks[ranges] = out
+        arrays.append(jax.device_put(blocks[ranges], d))
+        uses[ranges] -= 1
+        if not uses[ranges]:  # its last device: the transfer done, the host block dropped
+            jax.block_until_ready(arrays[-1])
+            del blocks[ranges]
+    return jax.make_array_from_single_device_arrays(shape, target, arrays)
+
+
 def import_into(model, path: str, *, log=None) -> dict:
     """Every variable of `model` (a coder Transformer, already built, sharded or not) from the
     Hugging Face checkpoint directory `path`, in place.
 
-    Each variable is built in its current sharding by jax.make_array_from_callback: a process
-    reads only the blocks of the HF tensors its own devices hold (and each block once), in shard
-    order, and closes a shard when every tensor it holds for the model has been read; the
-    variable's old array is dropped as soon as the new one is placed. So the host holds the
-    (sharded) model plus the blocks in flight, never a whole shard beyond what it maps.
+    Variables are read in shard order, one at a time (`_assemble`): each of this process's
+    devices gets its block of the variable, read (only the rows / columns it holds, each block
+    once), converted and transferred in turn, and the variable's old array is dropped as soon as
+    the new one is placed; a shard is closed once every tensor it holds for the model is read.
+    So a process holds its part of the model, the mapped pages of the shard being read and a
+    few copies of one device's block in flight (bench/hf_import.py measures it), and reads
+    only what its devices hold.
 
     - The embedding and the output head may have more rows than the checkpoint (tokens added
       for the chat template): those rows start at the mean of the checkpoint's rows.
@@ -446,8 +507,6 @@ def import_into(model, path: str, *, log=None) -> dict:
     Returns {"loaded", "missing" (flat names left as initialised), "unexpected" (checkpoint
     tensors nothing read), "fresh_mtp" (module indices), "vocab": (checkpoint rows, model rows)}.
     """
-    import itertools
-
     log = log or logging.info
     cfg = model.cfg
     hf = read_hf_config(path)
@@ -484,6 +543,16 @@ def import_into(model, path: str, *, log=None) -> dict:
         raise ValueError(
             f"the Hugging Face checkpoint {path} lacks {len(names)} tensors the model needs, e.g. "
             f"{names[:6]} (for {['.'.join(map(str, p)) for p in list(missing)[:4]]})")
+    for p, var, alt in plan:  # every tensor's shape against the model's, before reading any
+        shape = tuple(var.get_value().shape)
+        tshape = shape[len(alt[0][0]):]
+        for _, n, conv in alt:
+            want, have = _expected_shape(conv, tshape), ck.shape(n)
+            if len(want) != len(have) or any(w is not None and w != h for w, h in zip(want, have)):
+                raise ValueError(
+                    f"the Hugging Face checkpoint's {n} has shape {have}, the model's "
+                    f"{'.'.join(map(str, p))} {shape} needs {want}: build the model from the "
+                    f"checkpoint's config.json (coder.stages.inherit_model_config)")
     vocab = (ck.shape("model.embed_tokens.weight")[0], int(cfg.vocab_size))
     if vocab[1] < vocab[0]:
         raise ValueError(f"model.vocab_size={vocab[1]} < the checkpoint's {vocab[0]} rows ({path})")
@@ -503,23 +572,10 @@ def import_into(model, path: str, *, log=None) -> dict:
         shape, dtype, target = tuple(value.shape), value.dtype, value.sharding
         n_slot = len(alt[0][0])
         by_slot = {slot: (n, conv) for slot, n, conv in alt}
-        tshape = shape[n_slot:]
-        cache = {}
-
-        def block_of(index, shape=shape, dtype=dtype, n_slot=n_slot, by_slot=by_slot, tshape=tshape, cache=cache):
-            ranges = tuple(s.indices(n)[:2] for s, n in zip(index, shape)) + tuple((0, n) for n in shape[len(index):])
-            if ranges not in cache:
-                out = np.empty([b - a for a, b in ranges], np.float32)
-                slots, rest = ranges[:n_slot], ranges[n_slot:]
-                for slot in itertools.product(*(range(a, b) for a, b in slots)):
-                    n, conv = by_slot[slot]
-                    out[tuple(i - a for i, (a, _) in zip(slot, slots))] = _piece(ck, n, conv, tshape, rest)
-                cache[ranges] = out.astype(dtype)
-            return cache[ranges]
-
         del value
-        var.set_value(jax.make_array_from_callback(shape, target, block_of))
-        cache.clear()
+        new = _assemble(ck, by_slot, n_slot, shape, dtype, target)
+        var.set_value(jax.block_until_ready(new))  # one variable in flight: its old array freed now
+        del new
         loaded.append(".".join(map(str, p)))
         for n in needs(alt):
             fn = ck.where[n]
