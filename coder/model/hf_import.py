@@ -103,6 +103,7 @@ def config_from_hf(hf: dict):
         raise ValueError(f"rope type {kind!r} in config.json is not supported (none | yarn)")
     rs = m.rope_scaling
     rs.type = kind
+    rs.original_max_position_embeddings = m.max_position_embeddings  # the trained context
     if kind == "yarn":
         rs.factor = float(rope["factor"])
         rs.original_max_position_embeddings = int(rope["original_max_position_embeddings"])

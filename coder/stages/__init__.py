@@ -243,12 +243,22 @@ def inherit_model_config(config, init_from: str):
         current = config.model[key]
         if hasattr(current, "to_dict"):
             if current.to_dict() != value:
-                logging.info("model.%s from %s: %s (the config has %s)", key, what, value, current.to_dict())
+                _report(f"model.{key} from {what}: {value} (the config has {current.to_dict()})")
                 current.update(value)
         elif current != value:
-            logging.info("model.%s from %s: %s (the config has %s)", key, what, value, current)
+            _report(f"model.{key} from {what}: {value} (the config has {current})")
             config.model[key] = type(current)(value)
     return config
+
+
+_REPORTED: set = set()
+
+
+def _report(message: str) -> None:
+    """Log a model key taken from a checkpoint once per process (validate and run both ask)."""
+    if message not in _REPORTED:
+        _REPORTED.add(message)
+        logging.info("%s", message)
 
 
 def summarize(stage: str, stage_dir: str, seconds: float, checkpoint: str) -> dict:
