@@ -196,3 +196,24 @@ def test_checkpoint_of_another_shape_is_an_error_naming_the_tensor(tmp_path):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"checkpoint's model\.layers\.1\.mlp\.\S+ has shape .*needs"):
         hf_import.import_into(model, str(tmp_path))
+
+
+def test_remote_shard_reads_byte_ranges_like_the_local_reader(tmp_path):
+    """A gs:// (here fsspec's memory://) shard is read by byte ranges of the rows a block covers;
+    the blocks equal the local reader's (safetensors' numpy framework; float8 by a view)."""
+    import fsspec
+    from safetensors.torch import save_file
+
+    tensors = {"f32": torch.randn(40, 24), "bf16": torch.randn(8, 6, 10).to(torch.bfloat16),
+               "f8": torch.randn(30, 20).to(torch.float8_e4m3fn), "vec": torch.randn(7)}
+    save_file(tensors, tmp_path / "s.safetensors")
+    fsspec.filesystem("memory").pipe("/coder_test/s.safetensors", (tmp_path / "s.safetensors").read_bytes())
+    local = hf_import._Shard(str(tmp_path / "s.safetensors"))
+    remote = hf_import._Shard("memory://coder_test/s.safetensors")
+    assert remote.remote and not local.remote
+    for name, t in tensors.items():
+        ranges = [(1, n - 1) if n > 2 else (0, n) for n in t.shape]
+        a, b = local.read(name, ranges), remote.read(name, ranges)
+        expected = t.float().numpy()[tuple(slice(x, y) for x, y in ranges)]
+        np.testing.assert_array_equal(a.astype(np.float32), expected, err_msg=name)
+        np.testing.assert_array_equal(b.astype(np.float32), expected, err_msg=name)
