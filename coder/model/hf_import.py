@@ -566,7 +566,7 @@ def import_into(model, path: str, *, log=None) -> dict:
     left: dict[str, set] = {}  # shard -> tensors still to read from it
     for n in used:
         left.setdefault(ck.where[n], set()).add(n)
-    plan.sort(key=lambda e: (min(ck.order[ck.where[n]] for _, n, _ in e[2]), e[0][0] != "embed"))
+    plan.sort(key=lambda e: min(ck.order[ck.where[n]] for _, n, _ in e[2]))
     loaded = []
     for p, var, alt in plan:
         value = var.get_value()
