@@ -30,7 +30,6 @@ from coder.model import hf_import  # noqa: E402
 from coder.model import sharding  # noqa: E402
 from coder.train import checkpoint as ckpt_lib  # noqa: E402
 from coder.train import state as state_lib  # noqa: E402
-from configs import base  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.abspath(sys.executable)

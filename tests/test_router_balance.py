@@ -15,7 +15,8 @@ import pytest
 
 from coder import stages
 from coder.model import Transformer, sharding
-from coder.model.moe import balancing_warning, routing_errors
+from coder.model.config import routing_errors
+from coder.model.moe import balancing_warning
 from coder.train import losses
 from coder.train.trainer import Trainer
 from configs import quickstart

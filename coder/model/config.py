@@ -93,3 +93,21 @@ def default_rules() -> tuple:
         ("vocab", "tensor"),
         ("layers", None),
     )
+
+
+def routing_errors(cfg) -> list[str]:
+    """Settings under which `route` cannot pick num_experts_per_tok allowed experts (each names
+    the keys to change); coder.model.sharding.validate and coder.model.moe.MoE refuse them."""
+    e, k, g, tg = cfg.n_routed_experts, cfg.num_experts_per_tok, max(1, cfg.n_group), cfg.topk_group
+    errors = []
+    if not 0 < k <= e:
+        errors.append(f"model.num_experts_per_tok={k} must be in 1..model.n_routed_experts={e}")
+    if g > 1 and e % g == 0:
+        if e // g < 2:  # a group's score is the sum of its top-2 experts
+            errors.append(f"model.n_group={g} leaves {e // g} expert per group (group-limited "
+                          "routing scores a group by its top-2 experts): lower model.n_group")
+        if tg * (e // g) < k:  # top-k would take experts of groups the token may not use
+            errors.append(f"model.topk_group={tg} groups of {e // g} experts (model.n_group={g}) "
+                          f"hold fewer than model.num_experts_per_tok={k} experts: raise "
+                          "model.topk_group or lower model.n_group")
+    return errors

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from coder.model import sharding
+from coder.model.config import routing_errors
 from coder.model.layers import MLP, dtype_of, param
 
 
@@ -42,24 +43,6 @@ class RouterBias(nnx.Variable):
 
 
 # ----------------------------------------------------------------------------- routing
-def routing_errors(cfg) -> list[str]:
-    """Settings under which `route` cannot pick num_experts_per_tok allowed experts (each names
-    the keys to change); coder.model.sharding.validate and MoE refuse them."""
-    e, k, g, tg = cfg.n_routed_experts, cfg.num_experts_per_tok, max(1, cfg.n_group), cfg.topk_group
-    errors = []
-    if not 0 < k <= e:
-        errors.append(f"model.num_experts_per_tok={k} must be in 1..model.n_routed_experts={e}")
-    if g > 1 and e % g == 0:
-        if e // g < 2:  # a group's score is the sum of its top-2 experts
-            errors.append(f"model.n_group={g} leaves {e // g} expert per group (group-limited "
-                          "routing scores a group by its top-2 experts): lower model.n_group")
-        if tg * (e // g) < k:  # top-k would take experts of groups the token may not use
-            errors.append(f"model.topk_group={tg} groups of {e // g} experts (model.n_group={g}) "
-                          f"hold fewer than model.num_experts_per_tok={k} experts: raise "
-                          "model.topk_group or lower model.n_group")
-    return errors
-
-
 def balancing_warning(cfg, steps: int) -> str:
     """Why aux-loss-free balancing cannot keep up in a from-scratch run of `steps` steps ("" if
     it can).

@@ -25,6 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from coder.model.config import routing_errors
+
 AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
 
@@ -125,9 +127,7 @@ def validate(model_cfg, mesh_cfg, n_devices: int) -> dict[str, int]:
                       f"model.n_group={model_cfg.n_group}")
     if model_cfg.topk_group > model_cfg.n_group:
         errors.append(f"model.topk_group={model_cfg.topk_group} > model.n_group={model_cfg.n_group}")
-    from coder.model.moe import routing_errors  # moe imports this module
-
-    errors += routing_errors(model_cfg)
+    errors += routing_errors(model_cfg)  # route() must find k allowed experts
     if errors:
         raise ValueError("; ".join(errors))
     return sizes

@@ -161,7 +161,6 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     from coder.data.pretrain import make_pretrain_iterator
     from coder.train.checkpoint import stage_tokenizer
     from coder.model import sharding
-    from coder.train import checkpoint as ckpt_lib
     from coder.train.metrics import MetricsWriter
 
     if not init_from:
