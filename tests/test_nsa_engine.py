@@ -3,12 +3,14 @@
 Every cached result is compared with the full forward (MLA._nsa, impl "xla") of the same model.
 Sizes: T = 150 tokens, not a multiple of d = 4, l = 8 or l' = 16; top-n selection covers
 n * l' = 64 < T tokens and the window w = 24 < T, so selection excludes blocks and the window
-slides."""
+slides. Cached calls come in two shapes, CHUNK tokens (chunks of any length up to it, the rest
+padding) and 1 token, so the whole file compiles few programs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_nsa_reference import fast_compiles  # noqa: F401
 
 from coder.infer.engine import Engine, SamplingParams
 from coder.model import Transformer, init_cache
@@ -16,14 +18,17 @@ from configs.base import model_config
 
 T, S = 150, 160  # sequence length, cache slots
 V = 64
+CHUNK = 37  # tokens per chunked cached call (rows write up to CHUNK, the rest is padding)
 
 
 def nsa_cfg():
+    """Dense FFNs (trunk and MTP block; MoE is not what these tests are about, and without it every
+    compiled program is smaller), MLA with the nsa backend."""
     cfg = model_config()
     cfg.update({"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                 "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "n_group": 1, "topk_group": 1,
-                "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_mtp_layers": 1,
+                "num_experts_per_tok": 2, "first_k_dense_replace": 3, "num_mtp_layers": 1,
                 "max_position_embeddings": S, "dtype": "float32", "attention_backend": "nsa",
                 "initializer_range": 0.2})
     cfg.nsa.update({"compress_block": 8, "compress_stride": 4, "select_block": 16, "select_topk": 4, "window": 24})
@@ -53,7 +58,7 @@ def forward(model, rows):
 def setup():
     cfg = nsa_cfg()
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    tok = np.asarray(jax.random.randint(jax.random.key(1), (2, T), 1, V, dtype=jnp.int32))
+    tok = np.random.default_rng(1).integers(1, V, (2, T)).astype(np.int32)
     return cfg, model, tok, np.stack(forward(model, list(tok)))
 
 
@@ -87,12 +92,15 @@ def check(out, full, atol=1e-4):
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
 
 
+_compress = nnx.jit(lambda nsa, c: nsa.compress(jnp.concatenate([c["latent"], c["rope"]], -1)[:, :, None],
+                                                 c["latent"][:, :, None]))
+
+
 def check_compressed(model, cache, upto):
     """Every compressed entry of a block ending before `upto` equals NSA.compress of the cache."""
     for layer, c in zip(model.layers, cache["layers"]):
         nsa = layer.self_attn.nsa
-        k_cmp, v_cmp = nsa.compress(jnp.concatenate([c["latent"], c["rope"]], -1)[:, :, None],
-                                    c["latent"][:, :, None])
+        k_cmp, v_cmp = _compress(nsa, {k: c[k] for k in ("latent", "rope")})
         n_done = (upto - nsa.cfg.compress_block) // nsa.cfg.compress_stride + 1
         np.testing.assert_allclose(c["k_cmp"][:, :n_done], k_cmp[:, :n_done], atol=1e-5)
         np.testing.assert_allclose(c["v_cmp"][:, :n_done], v_cmp[:, :n_done], atol=1e-5)
@@ -100,7 +108,7 @@ def check_compressed(model, cache, upto):
 
 def test_token_by_token_decode_matches_full_forward(setup):
     cfg, model, tok, full = setup
-    spans = [(16, [(0, 16), (0, 11)])] + [(1, [(p, 1), (p - 5, 1)]) for p in range(16, T)]
+    spans = [(CHUNK, [(0, 16), (0, 11)])] + [(1, [(p, 1), (p - 5, 1)]) for p in range(16, T)]
     spans += [(1, [(T - 1, 0), (p, 1)]) for p in range(T - 5, T)]  # row 0 idles (padding) meanwhile
     cache, out = run_chunks(model, init_cache(cfg, 2, S, jnp.float32), tok, spans)
     assert len(out) == 2 * T
@@ -113,16 +121,16 @@ def test_chunked_prefill_and_rewritten_tail_match_full_forward(setup):
     offsets; then a tail of other tokens (its compressed blocks computed from them), rolled back
     and rewritten with the true tokens: the rewritten blocks are recomputed, never kept stale."""
     cfg, model, tok, full = setup
-    a, b = 37, 26
+    a = CHUNK
     cache, out = run_chunks(model, init_cache(cfg, 2, S, jnp.float32), tok,
-                            [(a, [(0, 37), (0, 30)]), (b, [(37, 26), (30, 26)]), (a, [(63, 37), (56, 37)])])
+                            [(a, [(0, 37), (0, 30)]), (a, [(37, 26), (30, 26)]), (a, [(63, 37), (56, 37)])])
     check(out, full)
     check_compressed(model, cache, 93)
     junk = (tok * 5 + 3) % (V - 1) + 1
     cache, bad = run_chunks(model, cache, tok, [(a, [(100, 37), (93, 37)])], junk=junk)
     assert np.abs(bad[0, 120] - full[0, 120]).max() > 1e-2
     # roll back to 96 / 93 (at or before the junk's start) and write the true tokens to the end
-    cache, out = run_chunks(model, cache, tok, [(a, [(96, 37), (93, 37)]), (b, [(133, 17), (130, 20)])])
+    cache, out = run_chunks(model, cache, tok, [(a, [(96, 37), (93, 37)]), (a, [(133, 17), (130, 20)])])
     assert len(out) == 2 * (T - 93) - 3
     check(out, full)
     check_compressed(model, cache, T)
@@ -135,8 +143,8 @@ def test_decode_reads_only_compressed_selected_and_window(setup):
     changes the output iff the block is selected; the compressed caches are read too."""
     cfg, model, tok, full = setup
     q = T - 1
-    spans = [(37, [(0, 37)] * 2), (37, [(37, 37)] * 2), (37, [(74, 37)] * 2), (26, [(111, 26)] * 2),
-             (26, [(137, 12)] * 2)]
+    spans = [(CHUNK, [(0, 37)] * 2), (CHUNK, [(37, 37)] * 2), (CHUNK, [(74, 37)] * 2), (CHUNK, [(111, 26)] * 2),
+             (CHUNK, [(137, 12)] * 2)]
     cache, _ = run_chunks(model, init_cache(cfg, 2, S, jnp.float32), tok, spans)
     step = lambda c: np.asarray(cached(model, jnp.asarray(tok[:, q:q + 1]), jnp.full((2, 1), q, jnp.int32),
                                        jnp.ones((2, 1), jnp.int32), c)[0])[:, 0]

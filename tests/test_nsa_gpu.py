@@ -11,7 +11,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import (
     InterpretGPUParams,  # not yet exported by plgpu
 )
-from test_nsa_reference import make_inputs, normal, packed_segments
+from test_nsa_reference import fast_compiles, make_inputs, normal, packed_segments  # noqa: F401
 
 from coder.pallas.nsa import gpu, ops, reference, xla
 from coder.pallas.nsa.reference import NSAConfig
@@ -28,9 +28,10 @@ def _inputs(t, h, g, docs, pad, seed=0, dk=64, dv=64):
     return x, seg, xla.doc_starts(seg)
 
 
-def _nsa_selection(x, seg, g):
+@jax.jit
+def _nsa_selection(x, seg):
     _, p = reference.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], seg, CFG, SCALE)
-    return reference.select_blocks(reference.selection_scores(p, g, CFG), seg, CFG)
+    return reference.select_blocks(reference.selection_scores(p, x["k"].shape[2], CFG), seg, CFG)
 
 
 def _random_selection(ds, g, n, seed):
@@ -82,17 +83,13 @@ def _lowered(f, args):
 
 
 def test_kernels_lower_to_mosaic_gpu():
-    x, seg, ds = _inputs(100, 2, 1, 2, 2)
-    for f in _branches(ops.Kernel(backend="pallas_gpu"), _nsa_selection(x, seg, 1), ds).values():
-        assert "mosaic_gpu" in _lowered(f, (x["q"], x["k"], x["v"]))
-
-
-def test_backward_kernels_lower_to_mosaic_gpu():
-    """jax.grad of each branch is three Mosaic GPU kernels (forward, dQ, dK/dV) and no XLA fallback."""
+    """Each branch lowers to a Mosaic GPU kernel, and jax.grad of it to three (forward, dQ, dK/dV)
+    with no XLA fallback."""
     x, seg, ds = _inputs(100, 4, 2, 2, 2)
     w = normal(x["q"].shape, 1)
-    branches = _branches(ops.Kernel(backend="pallas_gpu"), _nsa_selection(x, seg, 2), ds)
+    branches = _branches(ops.Kernel(backend="pallas_gpu"), _nsa_selection(x, seg), ds)
     for name, f in branches.items():
+        assert "mosaic_gpu" in _lowered(f, (x["q"], x["k"], x["v"])), name
         text = _lowered(lambda *a, f=f: _grads(f, a, w), (x["q"], x["k"], x["v"]))
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 3, name
 
@@ -136,49 +133,57 @@ def test_selection_csr_inverts_the_selection():
     assert offsets[-1] == 6, "the repeated (inactive) slots sort past the last block"
 
 
+def _segments(t, ends):
+    """[1,T] segment ids: documents 1, 2, ... ending (exclusive) at `ends`, padding (0) after."""
+    seg = np.zeros((1, t), np.int32)
+    for d, (lo, hi) in enumerate(zip((0,) + tuple(ends), ends)):
+        seg[0, lo:hi] = d + 1
+    return jnp.asarray(seg)
+
+
+def _interpret_inputs(t, h, g, seg, seed, dk=64, dv=64):
+    x = make_inputs(1, t, h, g, dk, dv, CFG, seed=seed)
+    x = {n: x[n].astype(jnp.bfloat16).astype(jnp.float32) for n in ("q", "k", "v")}  # kernel operands are bf16
+    return x, xla.doc_starts(seg)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("branch,t", [("selected", 100), ("window", 200)])
-def test_branch_matches_reference_in_gpu_interpret_mode(branch, t):
-    """Forward and gradients w.r.t. q, k, v: ragged lengths (2 and 4 tiles of 64, the last partial;
-    the window (100) then reaches two key tiles back and the last query tiles have fewer key tiles
-    ahead), 3 documents and 2 padding tokens, GQA (2 groups of 2 heads), selections that differ per
-    group and repeat blocks (the selected branch is the costly one in interpret mode: one CTA per token)."""
-    h, g = 4, 2
-    x, seg, ds = _inputs(t, h, g, docs=3, pad=2, seed=3)
-    sel = _random_selection(ds, g, n=2, seed=3)
+def test_branches_match_reference_in_gpu_interpret_mode():
+    """Both branches, forward and gradients w.r.t. q, k, v: T = 100 ragged (2 selection blocks and
+    window tiles of 64, the last partial; the last query tile has fewer key tiles ahead), 3
+    documents (the first reaching into block 1) and 2 padding tokens, GQA (2 groups of 2 heads).
+    The groups select differently (the selected branch is the costly one in interpret mode: one
+    CTA per token), and each selection repeats blocks (inactive slots):
+    - group 0: random, the query's own block plus up to one earlier block of its document;
+    - group 1: the document's first block and the query's own, so block 0's dK/dV sums the heads
+      of every token of document 1 (88 tokens; those of block 0 select it twice, [0, 0], the second
+      slot inactive). Dropping the share of the tokens of block 1, or doubling the share of the
+      tokens of block 0, would move it by far more than the tolerance (checked below). Each
+      output block has one writer (its CTA), so what can go wrong is the accumulation, not a race
+      between CTAs."""
+    t, h, g = 100, 4, 2
+    seg = _segments(t, (88, 95, 98))
+    x, ds = _interpret_inputs(t, h, g, seg, seed=3)
+    rand = _random_selection(ds, 1, n=2, seed=3)
+    own, first = jnp.arange(t, dtype=jnp.int32) // 64, ds // 64
+    shared = jnp.stack([first, jnp.broadcast_to(own, first.shape)], -1)[:, :, None]  # [1,T,1,2]
+    sel = jnp.concatenate([rand, shared], axis=2)
+    assert not np.array_equal(sel[:, :, 0], sel[:, :, 1]), "groups must select differently"
     kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams())
-    f_ker, f_ref = _branches(kernel, sel, ds)[branch], _references(sel, seg)[branch]
     args = (x["q"], x["k"], x["v"])
     w = normal(x["q"].shape, 1)
-    (o_ker, g_ker), (o_ref, g_ref) = _output_and_grads(f_ker, args, w), _output_and_grads(f_ref, args, w)
-    _assert_close(o_ker, o_ref, err_msg="output")
-    for name, a, b in zip("qkv", g_ker, g_ref):
-        _assert_close(a, b, err_msg=f"d{name}")
-
-
-@pytest.mark.slow
-def test_selected_dkv_sums_every_token_of_a_shared_block():
-    """Every token selects block 0 and its own block, so block 0's dK/dV sums the heads of all 128
-    tokens; the tokens of block 0 select it twice ([0, 0], the second slot inactive). Dropping the
-    share of the tokens of block 1, or doubling the share of the tokens of block 0, would move it by
-    far more than the tolerance (checked below). Each output block has one writer (its CTA), so what
-    can go wrong is the accumulation, not a race between CTAs."""
-    t, h, g = 128, 2, 1
-    x, seg, ds = _inputs(t, h, g, docs=1, pad=0, seed=4)
-    cur = jnp.arange(t, dtype=jnp.int32) // 64
-    sel = jnp.stack([jnp.zeros_like(cur), cur], -1)[None, :, None, :]  # [1,T,1,2]: [0,0] or [0,1]
-    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams())
-    f_ker, f_ref = _branches(kernel, sel, ds)["selected"], _references(sel, seg)["selected"]
-    args = (x["q"], x["k"], x["v"])
-    w = normal(x["q"].shape, 2)
-    g_ker, g_ref = _grads(f_ker, args, w), _grads(f_ref, args, w)
-    late = _grads(f_ref, args, w.at[:, :64].set(0.0))  # the share of the tokens of block 1
-    for name, a, b, c in zip("qkv", g_ker, g_ref, late):
-        _assert_close(a, b, err_msg=f"d{name}")
-        if name != "q":
-            tol = 1e-2 * float(jnp.max(jnp.abs(b)))
-            for share in (c[:, :64], b[:, :64] - c[:, :64]):
-                assert float(jnp.max(jnp.abs(share))) > 10 * tol, "the test could not see a wrong share"
+    refs = _references(sel, seg)
+    for branch, f_ker in _branches(kernel, sel, ds).items():
+        (o_ker, g_ker), (o_ref, g_ref) = _output_and_grads(f_ker, args, w), _output_and_grads(refs[branch], args, w)
+        _assert_close(o_ker, o_ref, err_msg=f"{branch} output")
+        for name, a, b in zip("qkv", g_ker, g_ref):
+            _assert_close(a, b, err_msg=f"{branch} d{name}")
+        if branch == "selected":  # the test can see a wrong share of group 1's block 0 in dK / dV
+            late = _grads(refs[branch], args, w.at[:, :64].set(0.0))  # the share of the tokens of block 1
+            for name, b, c in zip("kv", g_ref[1:], late[1:]):
+                tol = 1e-2 * float(jnp.max(jnp.abs(b)))
+                for share in (c[:, :64, 1], b[:, :64, 1] - c[:, :64, 1]):
+                    assert float(jnp.max(jnp.abs(share))) > 10 * tol, f"d{name}: could not see a wrong share"
 
 
 @pytest.mark.slow
@@ -207,13 +212,14 @@ def test_full_layer_batch2_short_mla_layout_matches_reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("branch,t,dk,dv,head_tile", [("selected", 60, 192, 128, 64), ("window", 130, 192, 128, 64),
-                                                      ("window", 100, 576, 512, None)])
+                                                      ("window", 40, 576, 512, None)])
 def test_wide_heads_match_reference_in_gpu_interpret_mode(branch, t, dk, dv, head_tile):
     """The head-width split (gpu.py, "Widths") in interpret mode, forward and gradients w.r.t. q, k, v,
     in MLA's layout (one key group for 2 heads, Dk != Dv), ragged T, 2 documents and a padding token.
     - MLA's widths (Dk = 576, Dv = 512) as the model gets them (default head_tile): Dk in 9 chunks
-      and 3 dQ / dK slices, Dv in 8 chunks and 2 output / dV slices; window branch only (the
-      selected branch costs a CTA per token and slice: ~200 s in interpret mode at these widths).
+      and 3 dQ / dK slices, Dv in 8 chunks and 2 output / dV slices; window branch only, one
+      tile (the selected branch costs a CTA per token and slice: ~200 s in interpret mode at
+      these widths; several key tiles per window are the 192 / 128 case's).
     - Widths scaled down with head_tile = 64 forcing the same kind of split: Dk = 192 in 3 chunks
       and 3 dQ / dK slices, Dv = 128 in 2 chunks and 2 output / dV slices, so the forward has 2
       CTAs per query tile, dQ 3, and dK/dV 5 per key tile (3 dK + 2 dV programs). The selected

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_nsa_reference import packed_segments
+from test_nsa_reference import fast_compiles, packed_segments  # noqa: F401
 
 from coder.pallas.nsa import decode, reference
 from coder.pallas.nsa.module import NSA
@@ -19,9 +19,18 @@ def _module(dk=16, dv=12):
 
 
 def _inputs(b, t, h, g, dk, dv, d, seed=1):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(ks[0], (b, t, h, dk)), jax.random.normal(ks[1], (b, t, g, dk)),
-            jax.random.normal(ks[2], (b, t, g, dv)), jax.random.normal(ks[3], (b, t, d)))
+    """Standard-normal q, k, v and gate input, float32 (numpy's generator: eager jax.random compiles per shape)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+    return draw(b, t, h, dk), draw(b, t, g, dk), draw(b, t, g, dv), draw(b, t, d)
+
+
+def _call(nsa, q, k, v, x, seg, impl):
+    pos = jnp.broadcast_to(jnp.arange(seg.shape[1]), seg.shape)
+    return nsa(q, k, v, x, seg, pos, softmax_scale=0.3, impl=impl)
+
+
+_apply = nnx.jit(_call, static_argnames=("impl",))
 
 
 @pytest.mark.slow
@@ -30,17 +39,16 @@ def test_module_xla_matches_reference_and_trains_every_part():
     b, t = 2, 21
     q, k, v, x = _inputs(b, t, 4, 1, 16, 12, mc.hidden_size)
     seg = packed_segments(b, t, 2, 1, seed=4)
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    out = nsa(q, k, v, x, seg, pos, softmax_scale=0.3, impl="xla")
-    ref = nsa(q, k, v, x, seg, pos, softmax_scale=0.3, impl="reference")
+    out = _apply(nsa, q, k, v, x, seg, "xla")
+    ref = _apply(nsa, q, k, v, x, seg, "reference")
     assert out.shape == (b, t, 4, 12)
     np.testing.assert_allclose(out, ref, atol=2e-5)
 
     # perturb w2 away from its zero init so every parameter sits on the gradient path
     nsa.compress_k.w2[...] = 0.01 * jnp.ones_like(nsa.compress_k.w2[...])
     nsa.compress_v.w2[...] = 0.01 * jnp.ones_like(nsa.compress_v.w2[...])
-    loss = lambda m: jnp.sum(m(q, k, v, x, seg, pos, softmax_scale=0.3, impl="xla") ** 2)
-    grads = nnx.grad(loss)(nsa)
+    loss = lambda m: jnp.sum(_call(m, q, k, v, x, seg, "xla") ** 2)
+    grads = nnx.jit(nnx.grad(loss))(nsa)
     for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param)):
         assert float(jnp.abs(g).max()) > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
 
@@ -61,22 +69,22 @@ def test_decode_step_matches_reference_last_position():
     b, t, s, h, g = 2, 37, 48, 4, 2
     q, k, v, x = _inputs(b, t, h, g, 16, 12, mc.hidden_size, seed=2)
     seg = jnp.stack([jnp.ones((t,), jnp.int32), jnp.where(jnp.arange(t) < 14, 1, 2)])
-    pos_in_doc = jnp.broadcast_to(jnp.arange(t), (b, t))
-    ref = nsa(q, k, v, x, seg, pos_in_doc, softmax_scale=0.3, impl="reference")
+    ref = _apply(nsa, q, k, v, x, seg, "reference")
 
     pad = ((0, 0), (0, s - t), (0, 0), (0, 0))
     k_cache, v_cache = jnp.pad(k, pad), jnp.pad(v, pad)
     k_cmp = jnp.zeros((b, s // 2, g, 16))
     v_cmp = jnp.zeros((b, s // 2, g, 12))
+    update = nnx.jit(lambda m, *a: m.compress_update(*a))  # one program, called once per slot
     for p in range(t):
-        k_cmp, v_cmp = nsa.compress_update(k_cache, v_cache, k_cmp, v_cmp, jnp.full((b,), p))
-    full_k, _ = nsa.compress(k, v)
+        k_cmp, v_cmp = update(nsa, k_cache, v_cache, k_cmp, v_cmp, jnp.full((b,), p))
+    full_k, _ = nnx.jit(lambda m, k, v: m.compress(k, v))(nsa, k, v)
     n_done = (t - 4) // 2 + 1
     np.testing.assert_allclose(k_cmp[:, :n_done], full_k[:, :n_done], atol=1e-5)
 
-    gates = nsa.gates(x)[:, -1]
-    out = decode.decode_step(q[:, -1], k_cache, v_cache, k_cmp, v_cmp, gates, jnp.full((b,), t - 1),
-                             jnp.array([0, 14]), cfg=nsa.cfg, softmax_scale=0.3)
+    step = nnx.jit(lambda m, q, x, *a: decode.decode_step(q, *a[:4], m.gates(x)[:, -1], *a[4:], cfg=m.cfg,
+                                                          softmax_scale=0.3))
+    out = step(nsa, q[:, -1], x, k_cache, v_cache, k_cmp, v_cmp, jnp.full((b,), t - 1), jnp.array([0, 14]))
     np.testing.assert_allclose(out, ref[:, -1], atol=2e-5)
 
 

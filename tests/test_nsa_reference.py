@@ -10,6 +10,18 @@ from coder.pallas.nsa.reference import NSAConfig
 SMALL = NSAConfig(compress_block=4, compress_stride=2, select_block=8, select_topk=3, window=8)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fast_compiles():
+    """The NSA tests check what small programs compute, not how fast they run, and XLA's backend
+    optimizations are most of their compile time: off while a module of them runs (every
+    tests/test_nsa_*.py imports this fixture), restored after."""
+    flag = "jax_disable_most_optimizations"
+    before = jax.config.values[flag]
+    jax.config.update(flag, True)
+    yield
+    jax.config.update(flag, before)
+
+
 def packed_segments(b, t, docs, pad, seed):
     """[B,T] segment ids: `docs` documents of random lengths per row, then `pad` padding tokens."""
     rng = np.random.default_rng(seed)
@@ -38,7 +50,7 @@ def make_inputs(b, t, h, g, dk, dv, cfg, seed=0):
 
 
 SHAPES = [  # b, t, h, g, dk, dv, docs, pad
-    pytest.param(2, 45, 4, 2, 16, 16, 3, 3, id="gqa-ragged-3docs-pad"),
+    pytest.param(2, 45, 6, 2, 24, 16, 3, 3, id="gqa-ragged-3docs-pad"),  # Hg = 3 != G = 2, Dk != Dv
     pytest.param(1, 40, 4, 1, 24, 16, 2, 0, id="mqa-mla-layout"),
     pytest.param(2, 5, 2, 2, 8, 8, 1, 0, id="shorter-than-blocks"),
 ]
@@ -49,17 +61,17 @@ def test_full_coverage_equals_dense_attention():
     cfg = NSAConfig(compress_block=4, compress_stride=2, select_block=8, select_topk=8, window=64)
     x = make_inputs(2, 45, 4, 2, 16, 16, cfg)
     seg = packed_segments(2, 45, 3, 3, seed=1)
-    dense = reference.dense_attention(x["q"], x["k"], x["v"], seg, 0.3)
+    dense = jax.jit(reference.dense_attention)(x["q"], x["k"], x["v"], seg, 0.3)
+    nsa = jax.jit(lambda g: reference.nsa(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], g, seg, cfg, 0.3))
     for gates in ([0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.4, 0.6]):
-        g = jnp.broadcast_to(jnp.array(gates), (2, 45, 4, 3))
-        out = reference.nsa(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], g, seg, cfg, 0.3)
+        out = nsa(jnp.broadcast_to(jnp.array(gates), (2, 45, 4, 3)))
         np.testing.assert_allclose(out, dense, atol=1e-5)
     # and the dense reference is the textbook softmax for one document, one head
     q, k, v = x["q"][0, :, 0], x["k"][0, :, 0], x["v"][0, :, 0]
     s = np.where(np.tril(np.ones((45, 45), bool)), q @ k.T * 0.3, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     want = (p / p.sum(-1, keepdims=True)) @ v
-    got = reference.dense_attention(x["q"][:1], x["k"][:1], x["v"][:1], jnp.ones((1, 45), jnp.int32), 0.3)
+    got = jax.jit(reference.dense_attention)(x["q"][:1], x["k"][:1], x["v"][:1], jnp.ones((1, 45), jnp.int32), 0.3)
     np.testing.assert_allclose(got[0, :, 0], want, atol=1e-5)
 
 
@@ -67,8 +79,12 @@ def test_selection_rules():
     t = 45
     seg = packed_segments(2, t, 3, 3, seed=2)
     x = make_inputs(2, t, 4, 2, 16, 16, SMALL)
-    _, p = reference.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], seg, SMALL, 0.3)
-    sel = np.asarray(reference.select_blocks(reference.selection_scores(p, 2, SMALL), seg, SMALL))
+    @jax.jit
+    def select(x, seg):
+        _, p = reference.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], seg, SMALL, 0.3)
+        return reference.select_blocks(reference.selection_scores(p, 2, SMALL), seg, SMALL)
+
+    sel = np.asarray(select(x, seg))
     ds = np.asarray(xla.doc_starts(seg))
     lb = SMALL.select_block
     assert np.all(np.diff(sel, axis=-1) >= 0), "canonical form is sorted"

@@ -7,17 +7,22 @@ from jax._src.pallas.mosaic.interpret import (
     interpret_pallas_call as tpu_interpret,  # race state
 )
 from jax.experimental.pallas import tpu as pltpu
-from test_nsa_reference import make_inputs, normal, packed_segments
+from test_nsa_reference import fast_compiles, make_inputs, normal, packed_segments  # noqa: F401
 
 from coder.pallas.nsa import ops, reference, tpu, xla
 from coder.pallas.nsa.reference import NSAConfig
 
-CFG = NSAConfig(compress_block=4, compress_stride=2, select_block=8, select_topk=3, window=11)
-KERNEL = ops.Kernel(backend="pallas_tpu", interpret=pltpu.InterpretParams(), token_tile=8, window_tile=8,
-                    max_tokens=16)  # several kernel calls per row: exercises token_offset
+# Small blocks and tiles (interpret mode takes any; Mosaic's block-shape rules are checked by
+# test_kernels_lower_to_mosaic_tpu at the paper's sizes): a few tokens already span several
+# selection blocks, window tiles and kernel calls, and the interpreter's cost is per grid step.
+CFG = NSAConfig(compress_block=4, compress_stride=2, select_block=4, select_topk=3, window=7)
+KERNEL = ops.Kernel(backend="pallas_tpu", interpret=pltpu.InterpretParams(), token_tile=4, window_tile=4,
+                    max_tokens=8)  # several kernel calls per row: exercises token_offset
 
 
-def _selection(x, seg, g):
+@jax.jit
+def _selection(x, seg):
+    g = x["k"].shape[2]
     _, p = reference.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], seg, CFG, 0.3)
     return reference.select_blocks(reference.selection_scores(p, g, CFG), seg, CFG)
 
@@ -37,34 +42,36 @@ def _check(f_ref, f_kernel, args, w):
         np.testing.assert_allclose(b, a, atol=5e-5, err_msg=f"grad of argument {i}")
 
 
-@pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", [
-    pytest.param(1, 19, 4, 2, 16, 16, 2, 2, id="gqa-ragged-2docs-pad"),
-    pytest.param(2, 12, 4, 1, 24, 16, 2, 0, id="mqa-mla-layout-batch2"),
-    pytest.param(2, 7, 2, 1, 16, 8, 2, 0, id="batch2-shorter-than-a-block"),
-])
-def test_selected_branch(b, t, h, g, dk, dv, docs, pad):
+CASES = [  # b, t, h, g, dk, dv, docs, pad
+    # 2 rows of different layouts, 3 documents and 2 padding tokens each; T = 11 ragged: 3 selection
+    # blocks (2 kernel calls of 8 and 4 tokens) and 3 window tiles, the window (7) reaching 2 tiles
+    # back; GQA with Hg = 3 != G = 2; MLA's Dk != Dv
+    pytest.param(2, 11, 6, 2, 24, 16, 3, 2, id="gqa-mla-widths-ragged-3docs-pad-batch2"),
+    # T = 3: shorter than a selection block and a window tile; MQA; 2 rows of different layouts
+    pytest.param(2, 3, 2, 1, 16, 8, 2, 0, id="mqa-batch2-shorter-than-a-block"),
+]
+
+
+def _case(b, t, h, g, dk, dv, docs, pad, seed):
     x = make_inputs(b, t, h, g, dk, dv, CFG, seed=t)
     seg = packed_segments(b, t, docs, pad, seed=t)
     assert b == 1 or not np.array_equal(seg[0], seg[1]), "rows must differ for batch indexing to show"
-    sel, ds = _selection(x, seg, g), xla.doc_starts(seg)
-    w = normal((b, t, h, dv), 3)
+    return x, seg, xla.doc_starts(seg), normal((b, t, h, dv), seed)
+
+
+@pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", CASES)
+def test_selected_branch(b, t, h, g, dk, dv, docs, pad):
+    x, seg, ds, w = _case(b, t, h, g, dk, dv, docs, pad, seed=3)
+    sel = _selection(x, seg)
     f_ref = lambda q, k, v: reference.selected_attention(q, k, v, sel, seg, CFG.select_block, 0.3)
     f_ker = lambda q, k, v: ops.selected_attention(q, k, v, sel, ds, block=CFG.select_block, scale=0.3,
                                                    kernel=KERNEL)
     _check(f_ref, f_ker, (x["q"], x["k"], x["v"]), w)
 
 
-@pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", [
-    pytest.param(1, 21, 4, 2, 16, 16, 3, 3, id="gqa-ragged-3docs-pad"),
-    pytest.param(1, 13, 2, 1, 24, 16, 1, 0, id="mqa-short"),
-    pytest.param(2, 7, 2, 1, 16, 8, 2, 0, id="batch2-shorter-than-a-tile"),
-])
+@pytest.mark.parametrize("b,t,h,g,dk,dv,docs,pad", CASES)
 def test_window_branch(b, t, h, g, dk, dv, docs, pad):
-    x = make_inputs(b, t, h, g, dk, dv, CFG, seed=t)
-    seg = packed_segments(b, t, docs, pad, seed=t)
-    assert b == 1 or not np.array_equal(seg[0], seg[1]), "rows must differ for batch indexing to show"
-    ds = xla.doc_starts(seg)
-    w = normal((b, t, h, dv), 4)
+    x, seg, ds, w = _case(b, t, h, g, dk, dv, docs, pad, seed=4)
     f_ref = lambda q, k, v: reference.window_attention(q, k, v, seg, CFG.window, 0.3)
     f_ker = lambda q, k, v: ops.window_attention(q, k, v, ds, window=CFG.window, scale=0.3, kernel=KERNEL)
     _check(f_ref, f_ker, (x["q"], x["k"], x["v"]), w)
@@ -74,11 +81,11 @@ def test_window_branch(b, t, h, g, dk, dv, docs, pad):
 def test_full_layer_with_race_detection():
     """nsa_attention(impl=pallas_tpu) == reference, gradients w.r.t. q, k, v, compressed k/v and gates,
     with the interpreter's race detector on."""
-    b, t, h, g, d = 1, 13, 2, 1, 16
+    b, t, h, g, d = 1, 7, 2, 1, 16  # 2 selection blocks and window tiles, the second partial
     x = make_inputs(b, t, h, g, d, d, CFG, seed=5)
     seg = packed_segments(b, t, 2, 1, seed=5)
     w = normal((b, t, h, d), 5)
-    kernel = ops.Kernel(interpret=pltpu.InterpretParams(detect_races=True), token_tile=8, window_tile=8)
+    kernel = ops.Kernel(interpret=pltpu.InterpretParams(detect_races=True), token_tile=4, window_tile=4)
     names = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
     run = lambda impl, kern=None: lambda *a: ops.nsa_attention(*a, seg, cfg=CFG, softmax_scale=0.3, impl=impl,
                                                                 kernel=kern)
