@@ -14,12 +14,12 @@ from configs import base, quickstart
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _parse(*overrides):
-    """Parse `--config=configs/quickstart.py` + overrides exactly as main.py's flag does.
+def _parse_file(path, *overrides):
+    """Parse `--config=path` + overrides exactly as main.py's flag does.
 
     config_flags reads the overrides from sys.argv, so the test sets it too.
     """
-    argv = ["main.py", f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *overrides]
+    argv = ["main.py", f"--config={path}", *overrides]
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "config", flag_values=fv)
     saved = sys.argv
@@ -29,6 +29,11 @@ def _parse(*overrides):
     finally:
         sys.argv = saved
     return fv.config
+
+
+def _parse(*overrides):
+    """`_parse_file` of configs/quickstart.py."""
+    return _parse_file(os.path.join(ROOT, "configs", "quickstart.py"), *overrides)
 
 
 def test_overrides_apply_with_their_types():
@@ -156,20 +161,6 @@ def test_stage_overrides_are_data():
 
 
 # ---------------------------------------------------------------------------- locked configs
-
-
-def _parse_file(path, *overrides):
-    """Parse `--config=path` + overrides as main.py's flag does (see _parse)."""
-    argv = ["main.py", f"--config={path}", *overrides]
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "config", flag_values=fv)
-    saved = sys.argv
-    sys.argv = argv
-    try:
-        fv(argv)
-    finally:
-        sys.argv = saved
-    return fv.config
 
 
 TYPO_CONFIG = """

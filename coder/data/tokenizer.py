@@ -48,6 +48,7 @@ when the weights were trained whatever Python or corpus this host has; a run fro
 `data.tokenizer` or trains one once (`load_or_train_shared`: on process 0, its files broadcast
 to the other processes).
 """
+import abc
 import base64
 import hashlib
 import io
@@ -246,7 +247,7 @@ CHAT_FILE = "coder_chat.json"  # the chat tokens' ids and strings, bos / eos, th
 _RESERVED = "<|coder_reserved_{}|>"  # fills id gaps when exporting (no checkpoint row is unnamed)
 
 
-class PretrainedTokenizer(ChatTemplate):
+class PretrainedTokenizer(ChatTemplate, abc.ABC):
     """A pretrained base tokenizer (subclasses: `HFTokenizer`, `TiktokenTokenizer`) plus the chat
     template's tokens, as `load_pretrained` resolved them.
 
@@ -288,26 +289,32 @@ class PretrainedTokenizer(ChatTemplate):
         self.unk_id = None if unk is None else int(unk)
 
     # --- the base library (subclasses) ------------------------------------------------------------
+    @abc.abstractmethod
     def _load_base(self):
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _encode_base(self, text: str, specials: bool) -> list[int]:
         """The base library's ids of `text` (its own special tokens matched when `specials`)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _decode_base(self, ids: list[int]) -> str:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _base_size(self) -> int:
         """Ids the base tokenizer defines: [0, _base_size())."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _base_piece(self, i: int) -> str | None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _base_tokenizer_json(self) -> str:
         """A Hugging Face tokenizer.json of the base alone (for export_hf)."""
-        raise NotImplementedError
+        ...
 
     # --- the interface ----------------------------------------------------------------------------
     def __getstate__(self):  # the libraries' objects are rebuilt from the files (grain workers)
