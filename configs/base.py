@@ -112,6 +112,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.eval_tasks = "toy"  # held-out tasks of the agent eval: "toy" or a Task JSONL path/glob
     c.rl.group_size = 4  # G: rollouts per task
     c.rl.speculative_k = 0  # the engine drafts this many tokens per step with the MTP modules (<= model.num_mtp_layers)
+    # The rollout engine (coder/infer/engine.py): continuous batching over a pool of cache slots.
+    c.rl.engine_slots = 0  # rows decoded together at most (0 = tasks_per_step * group_size)
+    c.rl.decode_steps = 16  # decode steps per host call, run on device in one lax.while_loop
+    c.rl.engine_dtype = ""  # serving weights' dtype ("" = model.dtype; "bfloat16": bf16 engine, f32 learner)
+    c.rl.concurrent = True  # the actor runs all B x G rollouts at once (False: group by group)
+    c.rl.env_workers = 0  # env worker processes running the sandboxes' tool calls (0 = one per rollout, at most 16)
     c.rl.tasks_per_step = 2  # B: tasks per optimizer step (each task used once: single epoch)
     c.rl.temperature = 1.0  # sampling temperature (the learner's logprobs use the same one)
     c.rl.top_p = 1.0  # nucleus sampling (1 = off)
@@ -167,6 +173,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.tokens_per_group = 0  # loss normalizer per group (0 = group_size * max_rollout_tokens)
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
+    c.grpo.max_staleness = 4  # tokens sampled more than this many learner versions ago carry no loss
+    c.grpo.tis_cap = 0.0  # truncated importance weight min(pi_learner/pi_engine, cap) on the loss (0 = off)
 
     # MTP self-distillation (coder/stages/mtp.py, stage "mtp"): trunk frozen, MTP modules trained.
     c.mtp = ml_collections.ConfigDict()
