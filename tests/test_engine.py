@@ -199,6 +199,7 @@ def test_set_weights_between_decode_steps(setup):
     ref = NoCacheDecoder(other, max_len=MAX_LEN, len_buckets=LENS).generate(prompt, greedy, jax.random.key(0))
     assert swapped.tokens == ref.tokens and swapped.policy_version == [1, 1, 1]
     # in flight: tokens sampled from logits computed before the swap keep the old version
+    group.close()  # its slot returns to the pool: the next group decodes at the same pool size
     group = engine.start_group(prompt, 1)
     first = engine.generate(group, greedy, jax.random.key(0))[0]
     engine.set_weights(nnx.state(model), version=7)

@@ -1,136 +1,88 @@
-"""Batched sampling engine over MLA's compressed-latent KV cache (prefill once, decode many).
-
-API (coder/rl/rollout.py is written against exactly this):
+"""The rollout and serving engine: continuous batching over a pool of MLA cache slots, multi-step
+decode on device, on a mesh. Public API (coder/rl and coder/serve are written against it):
 
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256,
                             stop_token_ids=())
-    engine = Engine(model, model_cfg, *, max_len, batch_buckets=(1, 2, 4, 8, 16, 32),
-                    len_buckets=(16, 32, ..., >= max_len), speculative_k=0)
-        speculative_k > 0 drafts that many tokens per step with the MTP modules and verifies
-        them with one main-model forward (coder/infer/speculative.py); the output distribution,
-        greedy output and recorded logprobs are those of plain decoding.
-    group = engine.start_group(prompt_ids: list[int], n: int)
-        Prefills the prompt ONCE (batch 1) and broadcasts its cache to the n rows.
+    engine = Engine(model, model_cfg, *, max_len, max_slots=64, decode_steps=16,
+                    speculative_k=0, mesh=None, rules=None, dtype=None,
+                    batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=(16, 32, ..., >= max_len))
+    group = engine.start_group(prompt_ids, n)
+        n rows sharing a prompt: the prompt is prefilled ONCE (one slot) and its cache copied to
+        the other n - 1 slots. Blocks until the group has slots (they free as other groups
+        close); raises when every slot is held by an open, idle group (it would wait forever).
     gens = engine.generate(group, params, rng, rows=None) -> list[Generation]
-        Decodes the given rows (default: every row not finished) together in one batch, until
-        each stops; `gens[i]` belongs to `rows[i]`. Generation(tokens, logprobs, expert_ids
-        `[n_tokens, moe_layers, top_k]`, finish_reason "stop" | "length" | "max_len",
-        policy_version per token). Sampled tokens, the stop token included, stay in the row's
-        cache, so the next call continues after them.
+        Decodes the given rows (default: every row not finished) until each stops. Thread-safe:
+        calls from many threads (one per agent) run together in the same decode batches.
+        Generation(tokens, logprobs, expert_ids `[n_tokens, moe_layers, top_k]` uint8/uint16,
+        finish_reason "stop" | "length" | "max_len", policy_version per token). Row i samples
+        with keys fold_in(fold_in(rng, i), position): its tokens do not depend on which rows
+        share its batches (tests compare rows decoded together and alone).
     engine.append(group, row, token_ids)
-        Appends observation tokens to a row (multi-turn); they are prefilled (only they, the
-        history is never recomputed) at the start of the next `generate` of that row, batched
-        with the other rows that have appended tokens. The row is unfinished again.
+        Observation tokens for a row (a tool's output); the next `generate` of that row prefills
+        only them, never the history. The row keeps its slot and cache while it waits.
     engine.set_weights(state, version=None)
-        Swaps the weights (an `nnx.State`, partial states allowed, or a model) between two
-        decode steps; safe to call from another thread while `generate` runs. Every sampled
-        token records the policy version that computed the logits it was drawn from.
-    group.tokens(row), group.expert_ids(row) `[len, moe_layers, top_k]`, group.length(row):
-        the row's whole sequence (prompt, sampled and appended tokens) and the routing of every
-        token in the cache, for router replay of prompt and observation tokens too.
+        New weights (an `nnx.State`, partial states allowed, or a model), from any thread; they
+        apply between two decode calls (in flight: rows keep their caches). Every sampled token
+        records the policy version whose logits it was drawn from. Sharded states are placed
+        on the engine's mesh (gathered across processes when the learner spans several).
+    group.close() returns the group's slots (also when the group is garbage-collected).
+    group.tokens(row), group.expert_ids(row) `[len, moe_layers, top_k]`, group.length(row).
 
 Recorded logprob of a token: `log_softmax(logits / T)[token]` over the full vocabulary
 (T = 0: `log_softmax(logits)`), see coder/infer/sampling.py; a training forward at the same
 temperature reproduces it.
 
-How it runs. The cache (`coder.model.init_cache`: per layer latent `[B, S, r]` and RoPE key
-`[B, S, dr]`, indexed by absolute position; with the nsa backend also the compressed keys and
-values `[B, ceil(S / d), 1, ...]`) of a group holds its n rows; a call runs on a
-sub-batch of the requested rows, gathered from the group cache into a batch bucket and
-scattered back afterwards, unless it covers every row in order (padding rows have segment id 0,
-which the model never writes into the cache). One decode step samples every active row's next token from the logits it holds
-and feeds that token through the model at its position, which writes it into the cache and
-yields the next logits; finished rows ride along with segment 0 until the whole batch is done.
-With speculative_k = k a step instead emits 1 .. k+1 tokens per row (speculative.py), and every
-prefill also runs the MTP modules so that their caches follow the main one.
-Compiled shapes: batch bucket x prefill length bucket x cache capacity bucket (the cache grows
-by whole buckets, so short rows do not pay for `max_len` attention), so a run compiles a
-handful of programs and none per request. The engine relies on one layout rule for every cache
-leaf (checked at construction): `[batch, slots, ...]` where `slots` grows with the capacity S
-(S itself, or ceil(S / d) for NSA's compressed entries), entries are indexed from slot 0, and
-the other axes do not depend on S; growing the cache is then zero-padding axis 1 of each leaf
-to its length at the new capacity. `compilations` counts the traces.
+How it runs. One thread (started on first use) owns the device store (programs.Store, a pool
+of slots) and loops: admit groups waiting for slots (batched prefill of their prompts, then the
+slot copies), prefill the observations of rows about to decode, and run one `programs.decode`
+call over the whole pool: up to `decode_steps` steps (x (k + 1) tokens with speculative
+decoding) on device in one `lax.while_loop`, rows leaving on their stop token or budget. The
+host reads the emitted tokens once per call. Callers block on their own rows only.
+Compiled shapes: the pool's slot count is a batch bucket covering the highest slot in use (slots
+are handed out lowest first), its cache capacity a length bucket covering the longest row (+
+the call's room to grow), a prefill chunk a batch bucket x length bucket: a run compiles a
+handful of programs and none per request (`compilations` counts traces).
 
-Counters for benchmarks and metrics: `prefill_tokens`, `decode_steps`, and with speculative
-decoding `drafted` / `accepted` (acceptance rate = accepted / drafted).
+On a mesh: weights shard by the training rules (`coder.model.sharding`: tensor / expert /
+fsdp axes), the pool's slots split over the batch axes when they divide the slot count.
+`dtype` casts floating weights (e.g. bfloat16 serving weights while the learner keeps float32).
 
-Thread model: one thread calls start_group / generate / append; set_weights may come from any.
+Counters: `prefill_tokens`, `decode_steps`, `decode_calls`, `emitted`, with speculative decoding
+`drafted` / `accepted` and `accepted_by_depth` `[k]`; `stats()` adds the decode batch occupancy.
 """
 from __future__ import annotations
 
-import bisect
 import collections
-import dataclasses
+import functools
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from coder.infer import sampling, speculative
-from coder.model import init_cache
+from coder.infer import programs
+from coder.infer.scheduler import (FINISH_REASONS, Call, Generation, Request, Row, SamplingParams, Scheduler,
+                                   bucket, default_len_buckets)
+from coder.model import init_cache, sharding
 
-FINISH_REASONS = ("stop", "length", "max_len")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass (1 = off)
-    top_k: int = 0  # keep the k most likely tokens (0 = off)
-    max_new_tokens: int = 256  # per generate call and row
-    stop_token_ids: tuple = ()  # a row stops after sampling one of these (it is kept)
-
-
-@dataclasses.dataclass
-class Generation:
-    tokens: list  # sampled token ids
-    logprobs: list  # log_softmax(logits / T)[token] per token
-    expert_ids: np.ndarray  # [n_tokens, moe_layers, top_k] int32, routing of each token
-    finish_reason: str  # "stop" | "length" | "max_len"
-    policy_version: list  # weights version that produced each token's distribution
-
-
-@dataclasses.dataclass
-class _Row:
-    tokens: list  # whole sequence: cached tokens, then pending (appended, not yet prefilled)
-    length: int  # tokens in the cache (positions 0 .. length-1)
-    expert_chunks: list  # np arrays [t, moe_layers, top_k] covering the cached tokens
-    logits_version: int  # policy version of the logits the next token is sampled from
-    finish_reason: str | None = None
-
-    @property
-    def pending(self) -> list:
-        return self.tokens[self.length:]
+__all__ = ["Engine", "Group", "Generation", "SamplingParams", "FINISH_REASONS", "default_len_buckets"]
 
 
 class Group:
-    """n rows that share a prompt, and the host-side bookkeeping of each row.
+    """n rows that share a prompt. Rows live in the engine's slot pool until `close()`."""
 
-    `store` holds, per slot: `cache` (the model cache `[nb, capacity, ...]`), `logits` `[nb, V]`
-    (next-token logits after the cached tokens), `hidden` `[nb, D]` (trunk hidden state of the
-    last cached token) and `mtp_hidden` `[nb, k, D]` (the hidden state each MTP depth still owes
-    the next, see speculative.py; k = 0 without speculative decoding). nb is n rounded up to a
-    batch bucket (so groups of 3 and 4 share compiled programs); slots past n are scratch.
-    """
-
-    def __init__(self, rows, store, capacity):
+    def __init__(self, engine: "Engine", rows: list[Row]):
+        self._engine = engine
         self.rows = rows
-        self.store = store
-        self.capacity = capacity
-
-    @property
-    def cache(self):
-        return self.store["cache"]
+        self._finalizer = weakref.finalize(self, engine._release, rows)
 
     @property
     def n(self) -> int:
         return len(self.rows)
-
-    @property
-    def slots(self) -> int:
-        return self.store["logits"].shape[0]
 
     def tokens(self, row: int) -> list:
         return list(self.rows[row].tokens)
@@ -144,72 +96,81 @@ class Group:
     def finished(self, row: int) -> str | None:
         return self.rows[row].finish_reason
 
+    @property
+    def cache(self):
+        """The rows' model caches gathered from the pool: leaves `[n, capacity, ...]`."""
+        return self._engine._gather_cache([r.slot for r in self.rows])
 
-def default_len_buckets(max_len: int) -> tuple:
-    """Powers of two from 16 up to the first one >= max_len."""
-    b = [16]
-    while b[-1] < max_len:
-        b.append(b[-1] * 2)
-    return tuple(b)
-
-
-def _bucket(buckets, n: int) -> int:
-    """Smallest bucket >= n; past the largest, the next multiple of the largest."""
-    i = bisect.bisect_left(buckets, n)
-    if i < len(buckets):
-        return buckets[i]
-    top = buckets[-1]
-    return -(-n // top) * top
-
-
-def _empty_experts(moe_layers: int, top_k: int) -> np.ndarray:
-    return np.zeros((0, moe_layers, top_k), np.int32)
+    def close(self) -> None:
+        self._finalizer()
 
 
 class Engine:
-    def __init__(self, model, model_cfg, *, max_len: int, batch_buckets=(1, 2, 4, 8, 16, 32),
-                 len_buckets=None, speculative_k: int = 0, cache_dtype=None):
+    thread_safe = True  # generate / append / set_weights may be called from many threads
+
+    def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
+                 batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=None, speculative_k: int = 0,
+                 cache_dtype=None, mesh=None, rules=None, dtype=None):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
             raise ValueError(f"speculative_k={speculative_k}: drafting uses one MTP module per token, "
                              f"the model has model.num_mtp_layers={model_cfg.num_mtp_layers}")
+        if decode_steps < 1 or max_slots < 1:
+            raise ValueError(f"decode_steps={decode_steps}, max_slots={max_slots}: both must be >= 1")
         self.cfg = model_cfg
         self.max_len = int(max_len)
         self.spec_k = int(speculative_k)
+        self.decode_steps_per_call = int(decode_steps)
         self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets}))
         self.len_buckets = tuple(sorted({int(b) for b in (len_buckets or default_len_buckets(max_len))}))
         if self.batch_buckets[0] < 1 or self.len_buckets[0] < 1:
             raise ValueError("batch_buckets and len_buckets must be positive")
-        self.cache_dtype = jnp.dtype(cache_dtype or model_cfg.dtype)
+        self.dtype = None if dtype in (None, "") else jnp.dtype(dtype)
+        self.cache_dtype = jnp.dtype(cache_dtype or self.dtype or model_cfg.dtype)
         self.moe_layers = max(0, model_cfg.num_hidden_layers - model_cfg.first_k_dense_replace)
         self.top_k_experts = int(model_cfg.num_experts_per_tok)
-        self._graphdef, self._state = nnx.split(model)
+        self.experts_dtype = programs.expert_dtype(int(model_cfg.n_routed_experts))
+        self.mesh, self.rules = mesh, tuple(tuple(r) for r in (rules or ()))
+        graphdef, state = nnx.split(model)
+        self._graphdef = graphdef
+        self._state_shardings = self._weight_shardings(state)
+        self._state = self._place(state) if not _is_abstract(state) else state
         self._state_struct = _signature(self._state)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._pending_weights = None
         self.policy_version = 0
-        self.compilations = collections.Counter()  # traces per compiled function
+        self.sched = Scheduler(max_slots=int(max_slots), max_len=self.max_len, spec_k=self.spec_k,
+                               num_steps=self.decode_steps_per_call, moe_layers=self.moe_layers,
+                               top_k=self.top_k_experts, expert_dtype=self.experts_dtype)
+        self._store = None  # programs.Store of `_slots` slots and `_capacity` positions
+        self._slots = self._capacity = 0
+        self._thread = None
+        self._closing = False
+        self._broken: BaseException | None = None
+        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+        self.compilations = collections.Counter()  # traces per compiled program
         self.prefill_tokens = 0  # real tokens run through prefill (shared prompts count once)
-        self.decode_steps = 0  # batched decode (or draft + verify) steps
+        self.decode_steps = 0  # decode (or draft + verify) steps
+        self.decode_calls = 0  # host calls of the multi-step decode program
+        self.emitted = 0  # tokens emitted by decode calls
+        self.row_steps = 0  # sum over steps of the rows that took part (occupancy numerator)
+        self.slot_steps = 0  # sum over steps of the pool's slot count (occupancy denominator)
         self.drafted = 0  # speculative: drafts proposed for active rows
         self.accepted = 0  # speculative: drafts accepted
+        self.accepted_by_depth = np.zeros((self.spec_k,), np.int64)
         self._check_cache_layout()
-        self._prefill_fn = jax.jit(self._counted("prefill", self._prefill_impl), static_argnums=2)
-        self._decode_fn = jax.jit(self._counted("decode", self._decode_impl))
-        self._spec_fn = jax.jit(self._counted("speculative", self._spec_impl))
-        self._take_fn = jax.jit(self._counted("take", _take_rows))
-        self._put_fn = jax.jit(self._counted("put", _put_rows))
-        self._grow_fn = jax.jit(self._counted("grow", self._grow_impl), static_argnums=1)
-        self._broadcast_fn = jax.jit(self._counted("broadcast", _broadcast), static_argnums=1)
+        bind = dict(experts_dtype=self.experts_dtype)
+        self._prefill_fn = jax.jit(self._counted("prefill", functools.partial(
+            programs.prefill, graphdef, spec_k=self.spec_k, **bind)))
+        self._decode_fn = jax.jit(self._counted("decode", functools.partial(
+            programs.decode, graphdef, num_steps=self.decode_steps_per_call, **bind)))
+        self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots))
+        self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
 
     # ------------------------------------------------------------------ public API
-    def start_group(self, prompt_ids, n: int, *, share_prefix: bool = True) -> Group:
-        """Prefill `prompt_ids` once and share its cache among `n` rows.
-
-        share_prefix=False prefills the prompt in every row instead (one batched prefill of n
-        copies): the same result at n times the prefill work, kept as bench/engine.py's baseline.
-        """
+    def start_group(self, prompt_ids, n: int) -> Group:
+        """Rows sharing `prompt_ids`, prefilled once; blocks until the group has n slots."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("start_group: empty prompt")
@@ -217,152 +178,241 @@ class Engine:
             raise ValueError(f"start_group: prompt of {len(prompt)} tokens exceeds max_len={self.max_len}")
         if n < 1:
             raise ValueError(f"start_group: n={n}, need at least one row")
-        self._sync_weights()
-        cap = _bucket(self.len_buckets, len(prompt))
-        slots = _bucket(self.batch_buckets, n)
-        if not share_prefix:
-            group = self._empty_group(prompt, n, slots, cap)
-            self._prefill_pending(group, list(range(n)))
-            return group
-        seed = self._empty_group(prompt, 1, _bucket(self.batch_buckets, 1), cap)
-        self._prefill_pending(seed, [0])
-        r0 = seed.rows[0]
-        rows = [_Row(tokens=list(prompt), length=r0.length, expert_chunks=list(r0.expert_chunks),
-                     logits_version=r0.logits_version) for _ in range(n)]
-        return Group(rows, self._broadcast_fn(seed.store, slots), seed.capacity)
+        if n > self.sched.pool.max_slots:
+            raise ValueError(f"start_group: n={n} rows exceed the engine's max_slots={self.sched.pool.max_slots}")
+        rows = [Row(tokens=list(prompt), logits_version=self.policy_version) for _ in range(n)]
+        call = Call(1)
+        with self._lock:
+            self._check_alive()
+            self.sched.admissions.append((rows, call))
+            self._wake()
+        self._wait(call)
+        return Group(self, rows)
 
     def append(self, group: Group, row: int, token_ids) -> None:
-        """Append observation tokens to `row`; they are prefilled by the next generate."""
+        """Append observation tokens to `row`; the next generate of the row prefills them."""
         r = group.rows[row]
         ids = [int(t) for t in token_ids]
         if len(r.tokens) + len(ids) > self.max_len:
             raise ValueError(f"append: row {row} would hold {len(r.tokens) + len(ids)} tokens, "
                              f"more than max_len={self.max_len}")
-        r.tokens.extend(ids)
-        r.finish_reason = None
+        with self._lock:
+            if r.request is not None:
+                raise RuntimeError(f"append: row {row} is being decoded by a generate call")
+            if r.slot < 0:
+                raise RuntimeError(f"append: row {row}'s group was closed")
+            r.tokens.extend(ids)
+            r.finish_reason = None
+
+    def generate(self, group: Group, params: SamplingParams, rng, rows=None) -> list:
+        """Decode `rows` (default: all unfinished) until each stops; one Generation per row."""
+        if rows is None:
+            rows = [i for i, r in enumerate(group.rows) if r.finish_reason is None]
+        rows = [int(r) for r in rows]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"generate: duplicate rows {rows}")
+        out, live = {}, []
+        for i in rows:
+            r = group.rows[i]
+            if r.slot < 0:
+                raise RuntimeError(f"generate: row {i}'s group was closed")
+            if len(r.tokens) >= self.max_len or params.max_new_tokens <= 0:
+                reason = "max_len" if len(r.tokens) >= self.max_len else "length"
+                r.finish_reason = reason
+                out[i] = Generation([], [], np.zeros((0, self.moe_layers, self.top_k_experts), self.experts_dtype),
+                                    reason, [])
+            else:
+                live.append(i)
+        if live:
+            call = Call(len(live))
+            keys = _row_key_data(rng, np.asarray(live, np.uint32))
+            with self._lock:
+                self._check_alive()
+                for i, key in zip(live, keys):
+                    r = group.rows[i]
+                    if r.request is not None:
+                        raise RuntimeError(f"generate: row {i} is already being decoded")
+                    r.request = Request(params, key, call)
+                self._wake()
+            self._wait(call)
+            for i in live:
+                out[i], group.rows[i].result = group.rows[i].result, None
+        return [out[i] for i in rows]
 
     def set_weights(self, state, version: int | None = None) -> None:
-        """Use `state` (nnx.State, possibly partial, or a model) from the next decode step on."""
+        """Use `state` (nnx.State, possibly partial, or a model) from the next decode call on."""
         if isinstance(state, nnx.Module):
             state = nnx.state(state)
         with self._lock:
             base = self._pending_weights[0] if self._pending_weights else self._state
         model = nnx.merge(self._graphdef, base)
         nnx.update(model, state)
-        new = nnx.state(model)
+        new = self._place(nnx.state(model))
         if _signature(new) != self._state_struct:
             raise ValueError("set_weights: the new state's structure, shapes or dtypes differ from "
                              "the engine's model (that would recompile every program)")
         with self._lock:
             self._pending_weights = (new, version)
+            self._wake()
 
-    def generate(self, group: Group, params: SamplingParams, rng, rows=None) -> list:
-        """Decode `rows` (default: all unfinished) until each stops. Returns one Generation per row."""
-        if rows is None:
-            rows = [i for i, r in enumerate(group.rows) if r.finish_reason is None]
-        rows = [int(r) for r in rows]
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"generate: duplicate rows {rows}")
-        self._sync_weights()
-        self._prefill_pending(group, [r for r in rows if group.rows[r].pending])
-        out = {}
-        live = []
-        for r in rows:
-            row = group.rows[r]
-            if len(row.tokens) >= self.max_len or params.max_new_tokens <= 0:
-                reason = "max_len" if len(row.tokens) >= self.max_len else "length"
-                row.finish_reason = reason
-                out[r] = Generation([], [], _empty_experts(self.moe_layers, self.top_k_experts), reason, [])
-            else:
-                live.append(r)
-        top = self.batch_buckets[-1]
-        for i in range(0, len(live), top):
-            out.update(self._decode_rows(group, live[i:i + top], params, rng))
-        return [out[r] for r in rows]
+    def close(self) -> None:
+        """Stop the engine's thread (pending calls fail)."""
+        with self._lock:
+            self._closing = True
+            self._wake()
+        if self._thread is not None:
+            self._thread.join()
 
     @property
     def num_compilations(self) -> int:
         return sum(self.compilations.values())
 
-    def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,
-              store_sharding=None) -> dict:
-        """Lower (never run) the prefill and decode programs of one shape bucket.
+    def stats(self) -> dict:
+        """Counters, and the mean decode batch occupancy (rows decoding / pool slots per step)."""
+        s = dict(prefill_tokens=self.prefill_tokens, decode_steps=self.decode_steps,
+                 decode_calls=self.decode_calls, emitted=self.emitted,
+                 occupancy=self.row_steps / self.slot_steps if self.slot_steps else 0.0,
+                 rows_per_step=self.row_steps / self.decode_steps if self.decode_steps else 0.0)
+        if self.spec_k:
+            s.update(drafted=self.drafted, accepted=self.accepted,
+                     **{f"accept_rate_depth{d + 1}": float(a) / max(self.drafted / self.spec_k, 1)
+                        for d, a in enumerate(self.accepted_by_depth)})
+        return s
 
-        batch rows, cache `capacity` slots, prefill chunks of `prefill_len` tokens; the decode
-        program is the speculative step when speculative_k > 0. Returns {"prefill": Lowered,
-        "decode": Lowered, "state": abstract state, "store": abstract store}. The engine may
-        be built from an abstract model (`nnx.eval_shape`): nothing is allocated, which is how
-        stage `compile` compiles a full-size engine for a TPU slice.
-        state_shardings: a tree like the model state; store_sharding: `leaf -> sharding` for
-        every `[batch, ...]` store leaf (cache, logits, hidden).
-        """
+    def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,
+              store_sharding=None, num_steps: int = 1) -> dict:
+        """Lower (never run) the prefill and decode programs of one shape: a pool of `batch`
+        slots, cache `capacity`, prefill chunks of `batch` x `prefill_len` tokens, a decode
+        call of `num_steps` steps (1: the cost of one step). The engine may be built from an
+        abstract model (`nnx.eval_shape`): nothing is allocated, which is how stage `compile`
+        compiles a full-size engine for a TPU slice. state_shardings: a tree like the model
+        state; store_sharding: `leaf -> sharding` for every `[batch, ...]` store leaf.
+        Returns {"prefill": Lowered, "decode": Lowered, "state": ..., "store": ...}."""
         def put(tree, shardings):
             if shardings is None:
                 return tree
-            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                tree, shardings)
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
 
-        state = put(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._state),
-                    state_shardings)
-        store = jax.eval_shape(lambda: self._empty_store(batch, capacity))
+        state = put(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._state), state_shardings)
+        store = jax.eval_shape(lambda: programs.empty_store(self.cfg, batch, capacity, self.cache_dtype, self.spec_k))
+        rows_sh = None
         if store_sharding is not None:
             store = put(store, jax.tree.map(store_sharding, store))
-        row_sh = None if store_sharding is None else store_sharding(jax.ShapeDtypeStruct((batch,), jnp.int32))
-        vec = lambda dt, *shape: jax.ShapeDtypeStruct((batch, *shape), dt, sharding=row_sh)
-        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
-        tokens = jax.ShapeDtypeStruct((batch, prefill_len), jnp.int32)
-        if store_sharding is not None:
-            tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=store_sharding(tokens))
-        prefill = self._prefill_fn.lower(state, store, True, vec(jnp.int32), tokens, tokens, tokens,
-                                         vec(jnp.int32))
-        carry = (vec(jnp.float32, self.cfg.vocab_size), vec(jnp.bool_))
-        step_fn = self._spec_fn if self.spec_k else self._decode_fn
-        decode = step_fn.lower(state, store, carry, vec(jnp.int32), vec(jnp.int32), vec(jnp.bool_),
-                               vec(jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32),
-                               jax.eval_shape(lambda: jax.random.key(0)),
-                               scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
+            rows_sh = store_sharding(jax.ShapeDtypeStruct((batch,), jnp.int32))
+        vec = lambda dt, *shape: jax.ShapeDtypeStruct((batch, *shape), dt, sharding=rows_sh)
+        tokens = vec(jnp.int32, prefill_len)
+        prefill = self._prefill_fn.lower(state, store, vec(jnp.int32), tokens, tokens, tokens, vec(jnp.int32))
+        inputs = programs.SlotInputs(
+            length=vec(jnp.int32), active=vec(jnp.bool_), budget=vec(jnp.int32),
+            rng=vec(jnp.uint32, *self._key_shape), temperature=vec(jnp.float32), top_k=vec(jnp.int32),
+            top_p=vec(jnp.float32), stops=vec(jnp.int32, 8))
+        decode_fn = self._decode_fn if num_steps == self.decode_steps_per_call else jax.jit(functools.partial(
+            programs.decode, self._graphdef, num_steps=num_steps, experts_dtype=self.experts_dtype))
+        decode = decode_fn.lower(state, store, inputs, jax.ShapeDtypeStruct((), jnp.int32))
         return {"prefill": prefill, "decode": decode, "state": state, "store": store}
 
-    # ------------------------------------------------------------------ internals
-    def _counted(self, name, fn):
-        def traced(*args):
-            self.compilations[name] += 1  # runs only when jit traces, i.e. on a cache miss
-            return fn(*args)
-        return traced
+    # ------------------------------------------------------------------ placement
+    def _weight_shardings(self, state):
+        if self.mesh is None:
+            dev = SingleDeviceSharding(jax.local_devices()[0])
+            return jax.tree.map(lambda _: dev, state)
+        return sharding.state_shardings(state, self.mesh, self.rules)
 
-    def _empty_store(self, slots: int, capacity: int) -> dict:
-        """The all-zero store of a group of `slots` rows (see Group)."""
-        d = self.cfg.hidden_size
-        return {
-            "cache": init_cache(self.cfg, slots, capacity, self.cache_dtype),
-            "logits": jnp.zeros((slots, self.cfg.vocab_size), jnp.float32),
-            "hidden": jnp.zeros((slots, d), self.cache_dtype),
-            "mtp_hidden": jnp.zeros((slots, self.spec_k, d), self.cache_dtype),
-        }
+    def _place(self, state):
+        """The engine's own copy of `state`: cast to the serving dtype, on the engine's shardings.
+        Always fresh buffers: a trainer donates its arrays to each step."""
+        def put(x, sh):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                x = multihost_utils.process_allgather(x, tiled=True)  # learner spans several hosts
+            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(self.dtype)
+            return jax.device_put(x, sh)
+        placed = jax.tree.map(put, state, self._state_shardings)
+        return _fresh_copy(placed)
 
-    def _empty_group(self, prompt, n: int, slots: int, capacity: int) -> Group:
-        """n rows holding `prompt` as pending tokens, an all-zero store of `slots` rows."""
-        store = self._empty_store(slots, capacity)
-        rows = [_Row(tokens=list(prompt), length=0, expert_chunks=[], logits_version=self.policy_version)
-                for _ in range(n)]
-        return Group(rows, store, capacity)
+    def _store_sharding(self, slots: int):
+        if self.mesh is None:
+            sh = SingleDeviceSharding(jax.local_devices()[0])
+            return lambda leaf: sh
+        axes = sharding.mesh_axes_of("batch", self.rules)
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        n = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+        split = axes if axes and slots % n == 0 else None
+        return lambda leaf: NamedSharding(self.mesh, PartitionSpec(split, *([None] * (leaf.ndim - 1))))
 
-    def _cache_shapes(self, batch: int, capacity: int):
-        return jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, self.cache_dtype))
+    def _gather_cache(self, slots):
+        with self._lock:
+            idx = jnp.asarray(slots, jnp.int32)
+            return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self._store.cache)
 
-    def _check_cache_layout(self):
-        """Every cache leaf must be `[batch, slots, ...]` with `slots` growing with the capacity and
-        the other axes independent of it (module docstring); fail early otherwise."""
-        a, b, c = self._cache_shapes(2, 64), self._cache_shapes(3, 64), self._cache_shapes(2, 1024)
-        for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
-            if (x.ndim < 2 or (x.shape[0], y.shape[0]) != (2, 3) or x.shape[1:] != y.shape[1:]
-                    or x.shape[2:] != z.shape[2:] or not 0 < x.shape[1] < z.shape[1]):
-                raise ValueError(f"init_cache leaf {x.shape} (batch 2, capacity 64) is not "
-                                 "[batch, slots growing with the capacity, fixed axes...]")
+    # ------------------------------------------------------------------ the engine thread
+    def _wake(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+            self._thread.start()
+        self._lock.notify_all()
 
-    def _grow_impl(self, cache, capacity: int):
-        """Zero-pad every cache leaf's slot axis to its length at `capacity`."""
-        return _grow(cache, self._cache_shapes(1, capacity))
+    def _check_alive(self):
+        if self._broken is not None:
+            raise RuntimeError("the engine's thread failed earlier") from self._broken
+        if self._closing:
+            raise RuntimeError("the engine is closed")
+
+    def _wait(self, call: Call) -> None:
+        call.done.wait()
+        if call.error is not None:
+            raise RuntimeError(f"engine: {call.error}") from call.error
+
+    def _release(self, rows):
+        with self._lock:
+            self.sched.to_release += [r.slot for r in rows if r.slot >= 0]
+            if self._thread is not None:
+                self._lock.notify_all()
+
+    def _has_work(self) -> bool:
+        s = self.sched
+        return bool(s.admissions or s.to_release or s.decoding() or self._pending_weights)
+
+    def _loop(self):
+        while True:
+            with self._lock:
+                while not self._closing and not self._has_work():
+                    self._lock.wait()
+                if self._closing:
+                    self.sched.fail_all(RuntimeError("the engine was closed"))
+                    return
+            try:
+                self._iterate()
+            except BaseException as e:  # noqa: BLE001 - every waiting caller gets it, never a hang
+                with self._lock:
+                    self._broken = e
+                    self.sched.fail_all(e)
+                return
+
+    def _iterate(self):
+        self._sync_weights()
+        with self._lock:
+            self.sched.release_closed()
+            admitted = self.sched.admit_ready()
+            if self.sched.stuck() and not admitted:
+                n = self.sched.pool.max_slots
+                for _, call in self.sched.admissions:
+                    call.fail(RuntimeError(
+                        f"all {n} slots are held by open groups that are not decoding: close() groups "
+                        "you are done with, or raise max_slots"))
+                self.sched.admissions = []
+            prefill = self.sched.to_prefill()
+        if admitted:
+            self._admit(admitted)
+        if prefill:
+            self._prefill(prefill)
+        with self._lock:
+            ready = self.sched.ready()
+            waiting = bool(self.sched.admissions)
+        if ready:
+            self._decode(ready, waiting)
+        elif not admitted and not prefill:
+            self._fit_pool(0)
 
     def _sync_weights(self):
         with self._lock:
@@ -371,253 +421,130 @@ class Engine:
             self._state = pending[0]
             self.policy_version = self.policy_version + 1 if pending[1] is None else int(pending[1])
 
-    # ------------------------------------------------------------------ compiled programs
-    def _prefill_impl(self, state, store, identity, idx, tokens, positions, segment_ids, last):
-        """Prefill group slots `idx` `[B]` of `store` (every slot in order if `identity`).
+    def _fit_pool(self, capacity_needed: int) -> None:
+        """Resize the store to the slot bucket covering the used slots and the length bucket
+        covering `capacity_needed` and every held row."""
+        held = max((r.length for r in self.sched.rows.values()), default=0)
+        slots = bucket(self.batch_buckets, max(self.sched.pool.high, 1))
+        cap = bucket(self.len_buckets, max(capacity_needed, held, 1))
+        if self._store is not None and (slots, cap) == (self._slots, self._capacity):
+            return
+        target = jax.eval_shape(lambda: programs.empty_store(self.cfg, slots, cap, self.cache_dtype, self.spec_k))
+        sh = self._store_sharding(slots)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh(x)), target)
+        if self._store is None:
+            self._store = jax.tree.map(lambda t: jax.device_put(np.zeros(t.shape, t.dtype), t.sharding), target)
+        else:
+            if (slots, cap) not in self._resize_fns:
+                fn = self._counted("resize", lambda store, target=target: programs.resize(store, target))
+                self._resize_fns[slots, cap] = jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, target))
+            self._store = self._run(self._resize_fns[slots, cap], self._store)
+        self._slots, self._capacity = slots, cap
 
-        tokens/positions/segment_ids `[B,T]`, last `[B]` index of each row's last real token.
-        Returns (store with the rows' tokens cached and their logits / hidden taken at `last`,
-        expert ids `[moe_layers, B, T, top_k]`)."""
-        sub = store if identity else _take_rows(store, idx)
-        model = nnx.merge(self._graphdef, state)
-        logits, aux = model(tokens, positions, segment_ids, cache=sub["cache"])
-        pick = last[:, None, None]
-        cache, mtp_hidden = aux["cache"], sub["mtp_hidden"]
-        if self.spec_k:
-            cache, mtp_hidden = speculative.advance(
-                model, cache, sub["hidden"], mtp_hidden, aux["hidden"], tokens, positions[:, 0],
-                last + 1, segment_ids[:, 0] > 0)
-        new = {
-            "cache": cache,
-            "logits": jnp.take_along_axis(logits, pick, axis=1)[:, 0],
-            "hidden": jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0].astype(self.cache_dtype),
-            "mtp_hidden": mtp_hidden,
-        }
-        return (new if identity else _put_rows(store, idx, new)), aux["expert_ids"]
+    def _run(self, fn, *args):
+        if self.mesh is None:
+            return fn(*args)
+        with sharding.activate(self.mesh, self.rules):
+            return fn(*args)
 
-    def _decode_impl(self, state, sub, carry, row_ids, positions, active, budget, stops, rng,
-                     temperature, top_k, top_p):
-        """One plain step for `[B]` rows: sample from the held logits, feed the token.
+    def _admit(self, admitted) -> None:
+        """Prefill each admitted group's prompt once (in its first row's slot), copy it to the
+        group's other slots, and release the waiting start_group calls."""
+        seeds = [rows[0] for rows, _ in admitted]
+        self._prefill(seeds)
+        src, dst = [], []
+        for rows, _ in admitted:
+            for r in rows[1:]:
+                src.append(rows[0].slot)
+                dst.append(r.slot)
+                r.length, r.logits_version = rows[0].length, rows[0].logits_version
+                r.expert_chunks = list(rows[0].expert_chunks)
+        if dst:
+            n = bucket(self.batch_buckets, len(dst))
+            pad = lambda xs: np.asarray(xs + [self._slots] * (n - len(xs)), np.int32)
+            self._store = self._run(self._copy_fn, self._store, pad(src), pad(dst))
+        for _, call in admitted:
+            call.finish_one()
 
-        Inactive rows feed with segment 0 (no cache write) and keep their state. Returns
-        (sub, carry, tokens `[B,1]`, emitted count `[B]`, logprobs `[B,1]`, expert ids
-        `[moe_layers, B, 1, top_k]`, accepted drafts `[B]` (0))."""
-        keys = sampling.row_keys(rng, row_ids, positions)
-        tok, logp = sampling.sample(sub["logits"], keys, temperature, top_k, top_p)
-        model = nnx.merge(self._graphdef, state)
-        logits, aux = model(tok[:, None], positions[:, None], active.astype(jnp.int32)[:, None],
-                            cache=sub["cache"])
-        keep = active[:, None]
-        new = dict(sub, cache=aux["cache"], logits=jnp.where(keep, logits[:, 0], sub["logits"]),
-                   hidden=jnp.where(keep, aux["hidden"][:, 0].astype(self.cache_dtype), sub["hidden"]))
-        ones = jnp.ones_like(positions)
-        return new, carry, tok[:, None], ones, logp[:, None], aux["expert_ids"], 0 * ones
-
-    def _spec_impl(self, state, sub, carry, row_ids, positions, active, budget, stops, rng,
-                   temperature, top_k, top_p):
-        """One speculative step (speculative.py) for `[B]` rows at cache lengths `positions`.
-
-        carry: (q `[B,V]`, has_q `[B]`) the rejected draft distribution at the next position.
-        budget `[B]`: tokens a row may still emit; stops `[S]` stop ids (-1 padded). Emits
-        tokens `[B,k+1]` of which the first `count` `[B]` count; the row's state ends after them.
-        """
-        k = self.spec_k
-        model = nnx.merge(self._graphdef, state)
-        q_prev, has_q = carry
-        b = positions.shape[0]
-        held = sub["logits"]
-        # t0: from the held logits, or from the residual of a draft rejected at this position
-        p_held = sampling.sampling_probs(held, temperature, top_k, top_p)
-        p0 = jnp.where(has_q[:, None], speculative.residual(p_held, q_prev), p_held)
-        t0 = speculative.draw(p0, sampling.row_keys(rng, row_ids, positions), temperature)
-        draft_keys = jnp.stack([sampling.row_keys(jax.random.fold_in(rng, 1), row_ids, positions + d)
-                                for d in range(1, k + 1)])
-        drafts, q, cache = speculative.draft(model, sub["cache"], sub["hidden"], sub["mtp_hidden"], t0,
-                                             positions, active, draft_keys, k, temperature, top_k, top_p)
-        toks = jnp.concatenate([t0[:, None], drafts], axis=1)  # [B, k+1] at positions L..L+k
-        pos = positions[:, None] + jnp.arange(k + 1)[None]
-        logits, aux = model(toks, pos, jnp.broadcast_to(active[:, None], toks.shape).astype(jnp.int32),
-                            cache=cache)
-        p = sampling.sampling_probs(logits[:, :k].reshape(b * k, -1), temperature, top_k, top_p)
-        u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(
-            sampling.row_keys(jax.random.fold_in(rng, 2), row_ids, positions))
-        n_acc = speculative.accept(p.reshape(b, k, -1), q, drafts, u)
-        # emitted: t0 and the accepted drafts, cut after a stop token or at the budget
-        j = jnp.arange(k + 1)[None]
-        is_stop = (toks[:, :, None] == stops[None, None, :]).any(-1) & (j <= n_acc[:, None])
-        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), k + 1)
-        count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), budget)
-        count = jnp.where(active, jnp.maximum(count, 1), 0)
-        finished = (first_stop < count) | (count >= budget)
-        last = jnp.maximum(count - 1, 0)[:, None, None]
-        cache, mtp_hidden = speculative.advance(model, aux["cache"], sub["hidden"], sub["mtp_hidden"],
-                                                aux["hidden"], toks, positions, count, active)
-        keep = active[:, None]
-        new = {
-            "cache": cache,
-            "logits": jnp.where(keep, jnp.take_along_axis(logits, last, axis=1)[:, 0], held),
-            "hidden": jnp.where(keep, jnp.take_along_axis(aux["hidden"], last, axis=1)[:, 0].astype(self.cache_dtype),
-                             sub["hidden"]),
-            "mtp_hidden": jnp.where(keep[:, :, None], mtp_hidden, sub["mtp_hidden"]),
-        }
-        # the residual is owed only if the step ended at a rejection and the row goes on
-        rejected = active & ~finished & (n_acc < k) & (count == n_acc + 1)
-        q_next = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
-        logp = jnp.concatenate([sampling.token_logprob(held, t0, temperature)[:, None],
-                                sampling.token_logprob(logits[:, :k], drafts, temperature)], axis=1)
-        return new, (q_next, rejected), toks, count, logp, aux["expert_ids"], jnp.where(active, n_acc, 0)
-
-    # ------------------------------------------------------------------ host loops
-    def _ensure_capacity(self, group: Group, need: int) -> None:
-        if need > group.capacity:
-            cap = _bucket(self.len_buckets, need)
-            group.store = dict(group.store, cache=self._grow_fn(group.store["cache"], cap))
-            group.capacity = cap
-
-    def _prefill_pending(self, group: Group, rows) -> None:
-        """Write the pending tokens of `rows` into the cache, in batches and length buckets."""
-        max_chunk = self.len_buckets[-1]
+    def _prefill(self, rows: list[Row]) -> None:
+        """Write the pending tokens of `rows` (slots held) into the cache, in batches and length
+        buckets; rows longer than the largest length bucket go in several chunks."""
+        chunk = self.len_buckets[-1]
         top = self.batch_buckets[-1]
         while True:
-            todo = [r for r in rows if group.rows[r].pending]
+            todo = [r for r in rows if r.pending]
             if not todo:
                 return
             for i in range(0, len(todo), top):
                 part = todo[i:i + top]
-                chunks = [group.rows[r].pending[:max_chunk] for r in part]
-                t = _bucket(self.len_buckets, max(len(c) for c in chunks))
-                bb = _bucket(self.batch_buckets, len(part))
-                tokens = np.zeros((bb, t), np.int32)
-                positions = np.zeros((bb, t), np.int32)
-                seg = np.zeros((bb, t), np.int32)
-                last = np.zeros((bb,), np.int32)
-                for j, (r, c) in enumerate(zip(part, chunks)):
-                    start = group.rows[r].length
-                    tokens[j, :len(c)] = c
-                    positions[j, :len(c)] = np.arange(start, start + len(c))
-                    seg[j, :len(c)] = 1
-                    last[j] = len(c) - 1
-                self._ensure_capacity(group, max(group.rows[r].length + len(c) for r, c in zip(part, chunks)))
-                idx, identity = _row_index(part, bb, group.slots)
-                group.store, eids = self._prefill_fn(self._state, group.store, identity, idx,
-                                                     tokens, positions, seg, last)
-                eids = np.asarray(eids)
+                need = max(r.length + min(len(r.pending), chunk) for r in part)
+                self._fit_pool(need)
+                b = bucket(self.batch_buckets, len(part))
+                chunks, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, self._slots)
+                self._store, experts = self._run(self._prefill_fn, self._state, self._store, *args)
+                experts = np.asarray(experts)
                 self.prefill_tokens += sum(len(c) for c in chunks)
-                for j, (r, c) in enumerate(zip(part, chunks)):
-                    row = group.rows[r]
-                    row.expert_chunks.append(np.ascontiguousarray(eids[:, j, :len(c)].transpose(1, 0, 2)))
-                    row.length += len(c)
-                    row.logits_version = self.policy_version
+                with self._lock:
+                    self.sched.absorb_prefill(part, chunks, experts, self.policy_version)
 
-    def _decode_rows(self, group: Group, rows, params: SamplingParams, rng) -> dict:
-        """Decode `rows` (at most the largest batch bucket) to completion; returns {row: Generation}."""
-        n = len(rows)
-        bb = _bucket(self.batch_buckets, n)
-        idx, identity = _row_index(rows, bb, group.slots)
-        sub = group.store if identity else self._take_fn(group.store, idx)
-        cap = group.capacity
-        lengths = np.zeros((bb,), np.int32)
-        lengths[:n] = [group.rows[r].length for r in rows]
-        active = np.zeros((bb,), bool)
-        active[:n] = True
-        emitted = np.zeros((bb,), np.int32)
-        row_ids = np.where(idx < group.n, idx, 0).astype(np.int32)  # sampling keys
-        knobs = (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p))
-        stops = {int(s) for s in params.stop_token_ids}
-        stop_arr = np.full((-(-max(len(stops), 1) // 8) * 8,), -1, np.int32)  # padded: few shapes
-        stop_arr[:len(stops)] = sorted(stops)
-        step_fn = self._spec_fn if self.spec_k else self._decode_fn
-        carry = (jnp.zeros((bb, self.cfg.vocab_size), jnp.float32), jnp.zeros((bb,), bool))
-        gens = [Generation([], [], None, None, []) for _ in range(n)]
-        experts = [[] for _ in range(n)]
-        while active.any():
-            self._sync_weights()
-            need = int(lengths[active].max()) + 1 + self.spec_k
-            if need > cap:
-                cap = _bucket(self.len_buckets, need)
-                sub = dict(sub, cache=self._grow_fn(sub["cache"], cap))
-            budget = np.minimum(params.max_new_tokens - emitted, self.max_len - lengths).astype(np.int32)
-            sub, carry, tok, count, logp, eids, n_acc = step_fn(
-                self._state, sub, carry, row_ids, lengths, active, budget, stop_arr, rng, *knobs)
-            tok, count, logp, eids = np.asarray(tok), np.asarray(count), np.asarray(logp), np.asarray(eids)
-            self.decode_steps += 1
-            if self.spec_k:
-                self.drafted += self.spec_k * int(active.sum())
-                self.accepted += int(np.asarray(n_acc).sum())
-            for j in np.flatnonzero(active[:n]):
-                row, gen = group.rows[rows[j]], gens[j]
-                c = int(count[j])
-                new = [int(t) for t in tok[j, :c]]
-                gen.tokens += new
-                gen.logprobs += [float(x) for x in logp[j, :c]]
-                gen.policy_version += [row.logits_version] + [self.policy_version] * (c - 1)
-                experts[j].append(eids[:, j, :c].transpose(1, 0, 2))
-                row.tokens += new
-                row.expert_chunks.append(experts[j][-1])
-                row.length += c
-                row.logits_version = self.policy_version
-                lengths[j] += c
-                emitted[j] += c
-                if new[-1] in stops:
-                    gen.finish_reason = "stop"
-                elif row.length >= self.max_len:
-                    gen.finish_reason = "max_len"
-                elif emitted[j] >= params.max_new_tokens:
-                    gen.finish_reason = "length"
-                if gen.finish_reason is not None:
-                    row.finish_reason = gen.finish_reason
-                    active[j] = False
-        if identity:
-            group.store, group.capacity = sub, cap
-        else:
-            self._ensure_capacity(group, cap)
-            group.store = self._put_fn(group.store, idx, sub)
-        for gen, ex in zip(gens, experts):
-            gen.expert_ids = np.concatenate(ex) if ex else _empty_experts(self.moe_layers, self.top_k_experts)
-        return dict(zip(rows, gens))
+    def _decode(self, ready: list[Row], waiting: bool) -> None:
+        """One multi-step decode call over the pool; the rows' requests absorb what it emitted."""
+        self._fit_pool(self.sched.needed_capacity(ready))
+        f = self.sched.decode_inputs(ready, self._slots, self._key_shape)
+        inputs = programs.SlotInputs(**f)
+        # rows waiting for a slot: hand control back as soon as one row leaves
+        stop_below = np.int32(len(ready) if waiting else 1)
+        self._store, emitted = self._run(self._decode_fn, self._state, self._store, inputs, stop_below)
+        out = {k: np.asarray(getattr(emitted, k)) for k in ("tokens", "logprobs", "experts", "count", "stopped",
+                                                             "steps", "row_steps", "accepted")}
+        steps = int(out["steps"])
+        self.decode_calls += 1
+        self.decode_steps += steps
+        self.emitted += int(out["count"].sum())
+        self.row_steps += int(out["row_steps"].sum())
+        self.slot_steps += steps * self._slots
+        if self.spec_k:
+            self.drafted += self.spec_k * int(out["row_steps"].sum())
+            self.accepted += int(out["accepted"].sum())
+            self.accepted_by_depth += out["accepted"]
+        with self._lock:
+            self.sched.absorb_decode(ready, out, self.policy_version)
+
+    # ------------------------------------------------------------------ internals
+    def _counted(self, name, fn):
+        def traced(*args, **kw):
+            self.compilations[name] += 1  # runs only when jit traces, i.e. on a cache miss
+            return fn(*args, **kw)
+        return traced
+
+    def _check_cache_layout(self):
+        """Every cache leaf must be `[batch, slots, ...]` with `slots` growing with the capacity and
+        the other axes independent of it (programs.resize relies on it); fail early otherwise."""
+        shapes = lambda b, c: jax.eval_shape(lambda: init_cache(self.cfg, b, c, self.cache_dtype))
+        a, b, c = shapes(2, 64), shapes(3, 64), shapes(2, 1024)
+        for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+            if (x.ndim < 2 or (x.shape[0], y.shape[0]) != (2, 3) or x.shape[1:] != y.shape[1:]
+                    or x.shape[2:] != z.shape[2:] or not 0 < x.shape[1] < z.shape[1]):
+                raise ValueError(f"init_cache leaf {x.shape} (batch 2, capacity 64) is not "
+                                 "[batch, slots growing with the capacity, fixed axes...]")
 
 
-# ---------------------------------------------------------------------- store plumbing (pure)
 def _signature(state):
     return jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
 
 
-def _row_index(rows, bucket: int, slots: int) -> tuple:
-    """Group slot of each batch slot `[bucket]`, and whether that is every slot in order.
-
-    If the batch covers the group's storage exactly, padding batch slots take the group's
-    scratch slots (no gather / scatter needed: padding has segment 0 and writes nothing);
-    otherwise padding gets `slots` (out of range: gathers clip, scatters drop)."""
-    idx = np.full((bucket,), slots, np.int32)
-    idx[:len(rows)] = rows
-    if bucket == slots and list(rows) == list(range(len(rows))):
-        return np.arange(bucket, dtype=np.int32), True
-    return idx, False
+def _is_abstract(state) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
 
 
-def _take_rows(tree, idx):
-    """Gather batch rows `idx` `[b]` of every leaf `[n, ...]` -> `[b, ...]`."""
-    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), tree)
+@jax.jit
+def _fresh_copy(tree):
+    return jax.tree.map(jnp.copy, tree)
 
 
-def _put_rows(tree, idx, sub):
-    """Scatter `sub` leaves `[b, ...]` into rows `idx` of `tree` leaves `[n, ...]` (padding dropped).
-
-    A sub-cache grows past the group's capacity only after the group cache was grown
-    (Engine._ensure_capacity), so shapes match past the batch axis."""
-    return jax.tree.map(lambda x, s: x.at[idx].set(s.astype(x.dtype), mode="drop"), tree, sub)
-
-
-def _grow(cache, target):
-    """Zero-pad axis 1 of every cache leaf `[B, s, ...]` to the length of the matching leaf of
-    `target` (shapes of the cache at a larger capacity)."""
-    def pad(x, t):
-        widths = [(0, 0)] * x.ndim
-        widths[1] = (0, t.shape[1] - x.shape[1])
-        return jnp.pad(x, widths)
-    return jax.tree.map(pad, cache, target)
-
-
-def _broadcast(tree, n: int):
-    """Repeat the first row of every leaf `[b, ...]` to `[n, ...]`."""
-    return jax.tree.map(lambda x: jnp.broadcast_to(x[:1], (n,) + x.shape[1:]), tree)
+def _row_key_data(rng, rows: np.ndarray) -> np.ndarray:
+    """Key data `[n, *key_shape]` uint32 of fold_in(rng, row) for each row."""
+    keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.asarray(rows))
+    if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.key_data(keys)
+    return np.asarray(keys)

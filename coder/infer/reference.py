@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from coder.infer import sampling
-from coder.infer.engine import Generation, SamplingParams, _bucket, default_len_buckets
+from coder.infer.scheduler import Generation, SamplingParams, bucket, default_len_buckets
 
 
 class NoCacheDecoder:
@@ -51,7 +51,7 @@ class NoCacheDecoder:
             if len(seq) >= self.max_len:
                 reason = "max_len"
                 break
-            t = _bucket(self.len_buckets, len(seq))
+            t = bucket(self.len_buckets, len(seq))
             buf = np.zeros((1, t), np.int32)
             buf[0, :len(seq)] = seq
             tok, logp, _ = self._step(self._state, buf, np.int32(len(seq)), *args)
@@ -70,7 +70,7 @@ class NoCacheDecoder:
 
     def expert_ids(self, seq) -> np.ndarray:
         """Routing of every token of `seq` in one full forward: `[len, moe_layers, top_k]`."""
-        t = _bucket(self.len_buckets, len(seq))
+        t = bucket(self.len_buckets, len(seq))
         buf = np.zeros((1, t), np.int32)
         buf[0, :len(seq)] = seq
         _, _, eids = self._step(self._state, buf, np.int32(len(seq)), np.int32(0),

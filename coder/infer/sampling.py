@@ -12,8 +12,9 @@ Randomness is per row and per absolute position: the key of the token at positio
 `fold_in(fold_in(rng, r), p)`, so a row's samples do not depend on which other rows share its
 batch or on the batch bucket (and a reference decoder without a cache can replay them).
 
-All functions are pure and jittable; temperature / top_k / top_p may be traced scalars (one
-compiled step serves every setting).
+All functions are pure and jittable; temperature / top_k / top_p may be traced scalars or
+per-row arrays `[B]` (rows of one batch may belong to different requests: one compiled step
+serves every setting).
 """
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
+def _per_row(x, logits, dtype):
+    """A scalar or a per-row setting `logits.shape[:-1]` as `[..., 1]` against logits `[..., V]`."""
+    return jnp.broadcast_to(jnp.asarray(x, dtype), logits.shape[:-1])[..., None]
+
+
 def scale_logits(logits, temperature):
     """logits `[..., V]` / T, or unchanged for T = 0 (greedy). Returns float32."""
     logits = logits.astype(jnp.float32)
-    t = jnp.asarray(temperature, jnp.float32)
+    t = _per_row(temperature, logits, jnp.float32)
     return jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
 
 
@@ -38,8 +44,8 @@ def filter_logits(scaled, top_k, top_p):
     boundary are broken by sort order, so exactly k tokens survive top-k.
     """
     v = scaled.shape[-1]
-    top_k = jnp.asarray(top_k, jnp.int32)
-    top_p = jnp.asarray(top_p, jnp.float32)
+    top_k = _per_row(top_k, scaled, jnp.int32)
+    top_p = _per_row(top_p, scaled, jnp.float32)
 
     def apply(x):
         order = jnp.argsort(-x, axis=-1)  # [B, V] token ids, most likely first
@@ -54,7 +60,7 @@ def filter_logits(scaled, top_k, top_p):
         keep_vocab = jnp.zeros_like(keep).at[jnp.arange(x.shape[0])[:, None], order].set(keep)
         return jnp.where(keep_vocab, x, NEG_INF)
 
-    needed = (top_k > 0) | (top_p < 1.0)
+    needed = ((top_k > 0) | (top_p < 1.0)).any()
     return jax.lax.cond(needed, apply, lambda x: x, scaled)
 
 
@@ -64,7 +70,7 @@ def sampling_probs(logits, temperature, top_k, top_p):
     filtered = filter_logits(scaled, top_k, top_p)
     probs = jax.nn.softmax(filtered, axis=-1)
     greedy = jax.nn.one_hot(jnp.argmax(scaled, axis=-1), scaled.shape[-1], dtype=jnp.float32)
-    return jnp.where(jnp.asarray(temperature) > 0, probs, greedy)
+    return jnp.where(_per_row(temperature, scaled, jnp.float32) > 0, probs, greedy)
 
 
 def token_logprob(logits, tokens, temperature):
@@ -82,6 +88,12 @@ def row_keys(rng, row_ids, positions):
         row_ids.astype(jnp.uint32), positions.astype(jnp.uint32))
 
 
+def position_keys(row_rngs, positions):
+    """Per-token keys `[B]`: fold_in(row_rng, position); row_rngs `[B]` = fold_in(rng, row)
+    (the same keys as `row_keys`, for rows that each carry their own rng)."""
+    return jax.vmap(jax.random.fold_in)(row_rngs, positions.astype(jnp.uint32))
+
+
 def sample(logits, keys, temperature, top_k, top_p):
     """Draw one token per row. logits `[B, V]`, keys `[B]` (from `row_keys`).
 
@@ -90,6 +102,7 @@ def sample(logits, keys, temperature, top_k, top_p):
     scaled = scale_logits(logits, temperature)
     filtered = filter_logits(scaled, top_k, top_p)
     drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-    tokens = jnp.where(jnp.asarray(temperature) > 0, drawn, jnp.argmax(scaled, axis=-1))
+    greedy = _per_row(temperature, scaled, jnp.float32)[..., 0] <= 0
+    tokens = jnp.where(greedy, jnp.argmax(scaled, axis=-1), drawn)
     tokens = tokens.astype(jnp.int32)
     return tokens, token_logprob(logits, tokens, temperature)

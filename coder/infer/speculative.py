@@ -94,7 +94,8 @@ def draw(probs, keys, temperature):
     """One token per row from `probs` `[B,V]` (argmax at temperature 0). keys `[B]`."""
     logp = jnp.log(jnp.maximum(probs, 0.0))
     drawn = jax.vmap(jax.random.categorical)(keys, logp)
-    return jnp.where(jnp.asarray(temperature) > 0, drawn, jnp.argmax(probs, axis=-1)).astype(jnp.int32)
+    sampled = jnp.broadcast_to(jnp.asarray(temperature), probs.shape[:-1]) > 0
+    return jnp.where(sampled, drawn, jnp.argmax(probs, axis=-1)).astype(jnp.int32)
 
 
 def residual(p, q):

@@ -1,0 +1,291 @@
+"""Host bookkeeping of the engine: rows, the slot pool, requests, and what each program call runs.
+
+No JAX here: the scheduler turns requests into numpy inputs of coder/infer/programs.py and the
+numpy outputs back into rows. coder/infer/engine.py owns the device store and the thread that
+calls the programs; every method here runs under the engine's lock.
+
+Life of a row (one sequence of a group):
+  waiting   the group asked for slots (`admit`); its prompt is pending;
+  holding   it owns a slot: its tokens are in the slot's cache; it may hold pending tokens
+            (appended observations) that the next prefill writes, never the history;
+  decoding  a `generate` request covers it: it takes part in every decode call until it stops,
+            spends its budget or reaches max_len; its request then completes;
+  released  its group was closed (or garbage-collected): the slot returns to the pool.
+A row waiting on a tool is "holding": it keeps its slot and its cache while other rows decode.
+
+Continuous batching: every decode call runs all decoding rows of all groups together; rows join
+(after their prefill) at the next call and leave when they stop.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "max_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass (1 = off)
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+    max_new_tokens: int = 256  # per generate call and row
+    stop_token_ids: tuple = ()  # a row stops after sampling one of these (it is kept)
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list  # sampled token ids
+    logprobs: list  # log_softmax(logits / T)[token] per token
+    expert_ids: np.ndarray  # [n_tokens, moe_layers, top_k] uint8/uint16, routing of each token
+    finish_reason: str  # "stop" | "length" | "max_len"
+    policy_version: list  # weights version that produced each token's distribution
+
+
+def bucket(buckets, n: int) -> int:
+    """Smallest bucket >= n; past the largest, the next multiple of the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if i < len(buckets):
+        return buckets[i]
+    top = buckets[-1]
+    return -(-n // top) * top
+
+
+def default_len_buckets(max_len: int) -> tuple:
+    """Powers of two from 16 up to the first one >= max_len."""
+    b = [16]
+    while b[-1] < max_len:
+        b.append(b[-1] * 2)
+    return tuple(b)
+
+
+@dataclasses.dataclass
+class Request:
+    """One row's part of a `generate` call."""
+
+    params: SamplingParams
+    rng: np.ndarray  # key data of fold_in(call rng, row): token keys fold in the position
+    call: "Call"
+    gen: Generation = None
+    stops: frozenset = frozenset()
+
+    def __post_init__(self):
+        self.stops = frozenset(int(s) for s in self.params.stop_token_ids)
+        self.gen = Generation([], [], [], None, [])
+
+
+class Call:
+    """A blocking `generate` (or admission) waiting for its rows; set by the engine's thread."""
+
+    def __init__(self, n: int):
+        self.left = n
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def finish_one(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
+@dataclasses.dataclass
+class Row:
+    tokens: list  # whole sequence: cached tokens, then pending (appended, not yet prefilled)
+    length: int = 0  # tokens in the cache (positions 0 .. length-1)
+    expert_chunks: list = dataclasses.field(default_factory=list)  # [t, L, K] over the cached tokens
+    logits_version: int = 0  # policy version of the logits the next token is sampled from
+    finish_reason: str | None = None
+    slot: int = -1  # -1: no slot yet (waiting) or released
+    request: Request | None = None  # the generate call decoding this row
+    result: Generation | None = None  # what the last request produced, until its caller takes it
+
+    @property
+    def pending(self) -> list:
+        return self.tokens[self.length:]
+
+
+class SlotPool:
+    """Slot ids 0..max_slots-1; the lowest free ones are handed out first, so the used slots stay
+    at the bottom and the decode batch (the pool's size, a batch bucket) stays small."""
+
+    def __init__(self, max_slots: int):
+        self.max_slots = max_slots
+        self.free = list(range(max_slots))  # sorted
+
+    def alloc(self, n: int) -> list | None:
+        if n > len(self.free):
+            return None
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def release(self, slots) -> None:
+        for s in slots:
+            bisect.insort(self.free, s)
+
+    @property
+    def high(self) -> int:
+        """1 + the highest slot in use (0 when none is)."""
+        used = set(range(self.max_slots)) - set(self.free)
+        return max(used) + 1 if used else 0
+
+    @property
+    def in_use(self) -> int:
+        return self.max_slots - len(self.free)
+
+
+class Scheduler:
+    """Rows by slot, the admission queue, and the inputs / outputs of each program call."""
+
+    def __init__(self, *, max_slots: int, max_len: int, spec_k: int, num_steps: int, moe_layers: int,
+                 top_k: int, expert_dtype):
+        self.pool = SlotPool(max_slots)
+        self.max_len, self.spec_k, self.num_steps = max_len, spec_k, num_steps
+        self.expert_shape, self.expert_dtype = (moe_layers, top_k), expert_dtype
+        self.rows: dict[int, Row] = {}  # slot -> row holding it
+        self.admissions: list[tuple[list, Call]] = []  # (rows of a group, its call) in FIFO order
+        self.to_release: list = []  # slots of closed groups (freed by the engine thread)
+
+    # ------------------------------------------------------------------ admission and release
+    def admit_ready(self) -> list[list]:
+        """Groups (lists of rows) that get slots now, in FIFO order (a group that does not fit
+        waits, and so do the ones behind it)."""
+        out = []
+        while self.admissions:
+            rows, call = self.admissions[0]
+            slots = self.pool.alloc(len(rows))
+            if slots is None:
+                break
+            self.admissions.pop(0)
+            for r, s in zip(rows, slots):
+                r.slot = s
+                self.rows[s] = r
+            out.append((rows, call))
+        return out
+
+    def release_closed(self) -> None:
+        for s in self.to_release:
+            if self.rows.get(s) is not None and self.rows[s].request is None:
+                self.rows.pop(s).slot = -1
+                self.pool.release([s])
+        self.to_release = [s for s in self.to_release if s in self.rows]
+
+    def stuck(self) -> bool:
+        """Groups wait for slots that nothing will free: no row is decoding and no closed
+        group is pending release (every slot is held by an open, idle group)."""
+        return bool(self.admissions) and not self.decoding() and not self.to_release
+
+    # ------------------------------------------------------------------ work selection
+    def decoding(self) -> list[Row]:
+        return [r for r in self.rows.values() if r.request is not None]
+
+    def to_prefill(self) -> list[Row]:
+        """Rows whose next decode needs their pending tokens in the cache."""
+        return [r for r in self.decoding() if r.pending]
+
+    def ready(self) -> list[Row]:
+        return [r for r in self.decoding() if not r.pending]
+
+    def needed_capacity(self, ready: list[Row]) -> int:
+        """Cache positions the next decode call may write: every held row keeps its tokens; a
+        decoding row may add up to its budget for this call (+ k draft slots)."""
+        held = max((r.length for r in self.rows.values()), default=1)
+        w = self.num_steps * (self.spec_k + 1)
+        grow = max((r.length + min(self.budget(r), w) + self.spec_k for r in ready), default=0)
+        return max(held, grow, 1)
+
+    def budget(self, r: Row) -> int:
+        req = r.request
+        return max(0, min(req.params.max_new_tokens - len(req.gen.tokens), self.max_len - r.length))
+
+    # ------------------------------------------------------------------ program inputs
+    def prefill_batch(self, rows: list[Row], chunk: int, len_buckets, batch: int, slots: int):
+        """numpy inputs of `programs.prefill` for the first `chunk` pending tokens of `rows`."""
+        chunks = [r.pending[:chunk] for r in rows]
+        t = bucket(len_buckets, max(len(c) for c in chunks))
+        idx = np.full((batch,), slots, np.int32)
+        tokens = np.zeros((batch, t), np.int32)
+        positions = np.zeros((batch, t), np.int32)
+        seg = np.zeros((batch, t), np.int32)
+        last = np.zeros((batch,), np.int32)
+        for j, (r, c) in enumerate(zip(rows, chunks)):
+            idx[j] = r.slot
+            tokens[j, :len(c)] = c
+            positions[j, :len(c)] = np.arange(r.length, r.length + len(c))
+            seg[j, :len(c)] = 1
+            last[j] = len(c) - 1
+        return chunks, (idx, tokens, positions, seg, last)
+
+    def absorb_prefill(self, rows: list[Row], chunks: list, experts: np.ndarray, version: int) -> None:
+        """experts `[B, T, L, K]` of the prefilled chunk."""
+        for j, (r, c) in enumerate(zip(rows, chunks)):
+            r.expert_chunks.append(np.ascontiguousarray(experts[j, :len(c)]))
+            r.length += len(c)
+            r.logits_version = version
+
+    def decode_inputs(self, ready: list[Row], slots: int, key_shape) -> dict:
+        """numpy fields of `programs.SlotInputs` for a pool of `slots` (only `ready` rows active)."""
+        n_stop = max([len(r.request.stops) for r in ready] + [1])
+        n_stop = -(-n_stop // 8) * 8  # padded: few shapes
+        f = dict(length=np.zeros((slots,), np.int32), active=np.zeros((slots,), bool),
+                 budget=np.zeros((slots,), np.int32), rng=np.zeros((slots, *key_shape), np.uint32),
+                 temperature=np.zeros((slots,), np.float32), top_k=np.zeros((slots,), np.int32),
+                 top_p=np.ones((slots,), np.float32), stops=np.full((slots, n_stop), -1, np.int32))
+        for r in ready:
+            s, p = r.slot, r.request.params
+            f["length"][s], f["active"][s], f["budget"][s] = r.length, True, self.budget(r)
+            f["rng"][s] = r.request.rng
+            f["temperature"][s], f["top_k"][s], f["top_p"][s] = p.temperature, p.top_k, p.top_p
+            f["stops"][s, :len(r.request.stops)] = sorted(r.request.stops)
+        return f
+
+    def absorb_decode(self, ready: list[Row], out: dict, version: int) -> None:
+        """Emitted tokens (numpy fields of `programs.Emitted`) into rows and their requests; a
+        row that stopped, spent its budget or reached max_len finishes its request."""
+        for r in ready:
+            s, req = r.slot, r.request
+            c = int(out["count"][s])
+            if c == 0:
+                continue
+            new = [int(t) for t in out["tokens"][s, :c]]
+            gen = req.gen
+            gen.tokens += new
+            gen.logprobs += [float(x) for x in out["logprobs"][s, :c]]
+            gen.policy_version += [r.logits_version] + [version] * (c - 1)
+            experts = np.ascontiguousarray(out["experts"][s, :c])
+            gen.expert_ids.append(experts)
+            r.tokens += new
+            r.expert_chunks.append(experts)
+            r.length += c
+            r.logits_version = version
+            if bool(out["stopped"][s]):
+                self.finish(r, "stop")
+            elif r.length >= self.max_len:
+                self.finish(r, "max_len")
+            elif len(gen.tokens) >= req.params.max_new_tokens:
+                self.finish(r, "length")
+
+    def finish(self, r: Row, reason: str) -> None:
+        req = r.request
+        gen = req.gen
+        gen.finish_reason = reason
+        gen.expert_ids = (np.concatenate(gen.expert_ids) if gen.expert_ids
+                          else np.zeros((0, *self.expert_shape), self.expert_dtype))
+        r.finish_reason = reason
+        r.request, r.result = None, gen
+        req.call.finish_one()
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine thread failed: every waiting caller gets the error (never a hang)."""
+        for r in self.decoding():
+            r.request.call.fail(error)
+            r.request = None
+        for _, call in self.admissions:
+            call.fail(error)
+        self.admissions = []
