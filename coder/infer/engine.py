@@ -52,6 +52,7 @@ Counters: `prefill_tokens`, `decode_steps`, `decode_calls`, `emitted`, with spec
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import threading
@@ -350,6 +351,7 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
         self._lock.notify_all()
 
     def _check_alive(self):
@@ -411,8 +413,6 @@ class Engine:
             waiting = bool(self.sched.admissions)
         if ready:
             self._decode(ready, waiting)
-        elif not admitted and not prefill:
-            self._fit_pool(0)
 
     def _sync_weights(self):
         with self._lock:
@@ -527,6 +527,15 @@ class Engine:
                     or x.shape[2:] != z.shape[2:] or not 0 < x.shape[1] < z.shape[1]):
                 raise ValueError(f"init_cache leaf {x.shape} (batch 2, capacity 64) is not "
                                  "[batch, slots growing with the capacity, fixed axes...]")
+
+
+_RUNNING = weakref.WeakSet()  # engines whose thread runs: stopped before the interpreter exits
+
+
+@atexit.register
+def _close_running():
+    for engine in list(_RUNNING):
+        engine.close()
 
 
 def _signature(state):
