@@ -134,12 +134,15 @@ def test_multi_step_loop_stops_on_the_stop_token_on_device(model_and_cfg):
 
 def test_all_slots_held_is_an_error_not_a_hang(model_and_cfg):
     cfg, model = model_and_cfg
-    engine = make_engine(model, cfg, max_slots=2)
+    engine = make_engine(model, cfg, max_slots=2, admission_timeout_s=1.0)
     held = engine.start_group(PROMPTS[0], 2)
-    with pytest.raises(RuntimeError, match="slots are held"):
+    with pytest.raises(RuntimeError, match="are held by open groups"):
         engine.start_group(PROMPTS[1], 1)
-    held.close()
-    g = engine.start_group(PROMPTS[1], 2)  # the slots came back
+    engine.admission_timeout_s = 60.0
+    closer = threading.Timer(0.3, held.close)  # another agent finishes: its slots come back
+    closer.start()
+    g = engine.start_group(PROMPTS[1], 2)  # waits for them
+    closer.join()
     assert len(engine.generate(g, PARAMS[0], jax.random.key(0))) == 2
     engine.close()
 

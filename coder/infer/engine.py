@@ -9,7 +9,8 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
     group = engine.start_group(prompt_ids, n)
         n rows sharing a prompt: the prompt is prefilled ONCE (one slot) and its cache copied to
         the other n - 1 slots. Blocks until the group has slots (they free as other groups
-        close); raises when every slot is held by an open, idle group (it would wait forever).
+        close); raises after `admission_timeout_s` during which every slot was held by an open
+        group with no row decoding (in one thread, that wait would be forever).
     gens = engine.generate(group, params, rng, rows=None) -> list[Generation]
         Decodes the given rows (default: every row not finished) until each stops. Thread-safe:
         calls from many threads (one per agent) run together in the same decode batches.
@@ -56,6 +57,7 @@ import atexit
 import collections
 import functools
 import threading
+import time
 import weakref
 
 import jax
@@ -111,7 +113,7 @@ class Engine:
 
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
                  batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=None, speculative_k: int = 0,
-                 cache_dtype=None, mesh=None, rules=None, dtype=None):
+                 cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
@@ -148,6 +150,8 @@ class Engine:
         self._slots = self._capacity = 0
         self._thread = None
         self._closing = False
+        self.admission_timeout_s = float(admission_timeout_s)
+        self._stuck_since = None
         self._broken: BaseException | None = None
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self.compilations = collections.Counter()  # traces per compiled program
@@ -373,13 +377,32 @@ class Engine:
 
     def _has_work(self) -> bool:
         s = self.sched
-        return bool(s.admissions or s.to_release or s.decoding() or self._pending_weights)
+        admissible = bool(s.admissions) and len(s.admissions[0][0]) <= len(s.pool.free)
+        return bool(admissible or s.to_release or s.decoding() or self._pending_weights)
+
+    def _check_stuck(self) -> None:
+        """Groups that wait for slots while every slot is held by an idle open group: fine for a
+        while (their agents may be running tools), an error after `admission_timeout_s`."""
+        if not self.sched.stuck():
+            self._stuck_since = None
+            return
+        now = time.monotonic()
+        self._stuck_since = self._stuck_since or now
+        if now - self._stuck_since > self.admission_timeout_s:
+            n = self.sched.pool.max_slots
+            for _, call in self.sched.admissions:
+                call.fail(RuntimeError(
+                    f"waited {self.admission_timeout_s:.0f} s for a slot while all {n} are held by open "
+                    "groups that are not decoding: close() groups you are done with, or raise max_slots"))
+            self.sched.admissions = []
+            self._stuck_since = None
 
     def _loop(self):
         while True:
             with self._lock:
                 while not self._closing and not self._has_work():
-                    self._lock.wait()
+                    self._check_stuck()
+                    self._lock.wait(timeout=0.5 if self.sched.admissions else None)
                 if self._closing:
                     self.sched.fail_all(RuntimeError("the engine was closed"))
                     return
@@ -396,13 +419,6 @@ class Engine:
         with self._lock:
             self.sched.release_closed()
             admitted = self.sched.admit_ready()
-            if self.sched.stuck() and not admitted:
-                n = self.sched.pool.max_slots
-                for _, call in self.sched.admissions:
-                    call.fail(RuntimeError(
-                        f"all {n} slots are held by open groups that are not decoding: close() groups "
-                        "you are done with, or raise max_slots"))
-                self.sched.admissions = []
             prefill = self.sched.to_prefill()
         if admitted:
             self._admit(admitted)

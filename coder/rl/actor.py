@@ -9,9 +9,7 @@ import glob
 import random
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from coder.rl import grpo
 from coder.rl import reward as reward_lib
@@ -64,19 +62,30 @@ def sampling_params(rl_cfg):
     return make
 
 
-def detached_state(model) -> nnx.State:
-    """The model's variables copied onto one device: the engine's own buffers (the trainer
-    donates its arrays to each step, so sharing them would hand the engine deleted buffers)."""
-    dev = jax.devices()[0]
-    return jax.tree.map(lambda x: jnp.copy(jax.device_put(x, dev)), nnx.state(model))
+def engine_mesh(config):
+    """The actor's mesh: this process's devices, with the training mesh's expert / tensor /
+    sequence axes and everything else over data (rows). The same logical rules as training
+    place the weights; FSDP is folded into data (an inference engine gathers nothing per step).
+    On a multi-process job each process's actor decodes on its own devices."""
+    from coder.model import sharding
+
+    cfg = config.mesh.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.update(dict(data=-1, fsdp=1, num_slices=1))
+    return sharding.make_mesh(cfg, jax.local_devices())
 
 
-def make_engine(model, config):
+def make_engine(model, config, *, mesh=None):
+    """The RL engine on `mesh` (default: `engine_mesh(config)`), with its own copy of the
+    model's weights in `rl.engine_dtype`; slots for the larger of a step's B x G rollouts and an
+    eval's groups."""
     from coder.infer.engine import Engine
 
-    m = nnx.merge(nnx.graphdef(model), detached_state(model))
-    return Engine(m, config.model, max_len=int(config.rl.context_budget),
-                  speculative_k=int(config.rl.speculative_k))
+    rl = config.rl
+    slots = int(rl.engine_slots) or max(int(rl.tasks_per_step) * int(rl.group_size), int(rl.eval_samples))
+    return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
+                  max_slots=slots, decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
+                  mesh=engine_mesh(config) if mesh is None else mesh, rules=config.mesh.rules)
 
 
 # --- actor -------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ import logging
 import time
 
 import jax
+from flax import nnx
 
 from coder.rl import reward as reward_lib
-from coder.rl.actor import Actor, detached_state, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
+from coder.rl.actor import Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
 from coder.rl.learner import Learner
 
 
@@ -68,8 +69,8 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
                         "train.steps=%d", len(tasks), steps, b, config.train.steps)
     learner = Learner(config, stage_dir, init_from, model_fn, tokenizer=tokenizer)
     trainer = learner.trainer
-    engine = make_engine(trainer.model, config)
-    engine.set_weights(detached_state(trainer.model), version=trainer.step)
+    engine = make_engine(trainer.model, config)  # its own copy of the weights, on the actor's mesh
+    engine.set_weights(nnx.state(trainer.model), version=trainer.step)
     actor = Actor(engine, tokenizer, config, make_episode)
     eval_every = int(config.grpo.eval_every)
     key = jax.random.key(int(config.seed))
@@ -88,7 +89,7 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
             yield learner.batch(groups)
 
     def after_step(trainer, metrics) -> dict:
-        engine.set_weights(detached_state(trainer.model), version=trainer.step)
+        engine.set_weights(nnx.state(trainer.model), version=trainer.step)
         jax.block_until_ready(metrics)
         record = dict(rollout_record)
         record["learner_time_s"] = time.perf_counter() - record.pop("learner_start")
