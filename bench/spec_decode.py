@@ -79,54 +79,51 @@ def heldout_prompts(c, ckpt: str, n: int, length: int) -> list:
     return prompts
 
 
-def run_engine(model, cfg, k, prompts, temperature, new_tokens, seed):
+def run_engine(model, cfg, k, prompts, temperature, new_tokens, seed, decode_steps):
     """Decode every prompt (batch 1) with speculative_k = k; returns the figures and tokens."""
     from coder.infer.engine import Engine, SamplingParams
 
-    engine = Engine(model, cfg, max_len=len(prompts[0]) + new_tokens + 8, batch_buckets=(1,),
-                    speculative_k=k)
+    engine = Engine(model, cfg, max_len=len(prompts[0]) + new_tokens + 8, batch_buckets=(1,), max_slots=1,
+                    speculative_k=k, decode_steps=decode_steps)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
-    # per-step accepted-draft counts (batch 1: one row per step), observed on the step function's
-    # output, for the acceptance rate of each depth; the engine's counters give only the sum
-    hist = []
-    if k:
-        spec_fn = engine._spec_fn
 
-        def observed(*a):
-            out = spec_fn(*a)
-            hist.append(int(np.asarray(out[-1])[0]))
-            return out
+    def decode(p, rng):
+        group = engine.start_group(p, 1)
+        t0 = time.perf_counter()
+        gen = engine.generate(group, params, rng)[0]
+        dt = time.perf_counter() - t0
+        group.close()
+        return gen, dt
 
-        engine._spec_fn = observed
     # warm up: compile the prefill and decode programs on every prompt (a different rng, so
     # the timed pass does not replay it; any compile left in the timed pass is reported)
     for p in prompts:
-        engine.generate(engine.start_group(p, 1), params, jax.random.key(seed + 1000))
+        decode(p, jax.random.key(seed + 1000))
     engine.decode_steps = engine.drafted = engine.accepted = 0
-    hist.clear()
+    engine.accepted_by_depth[:] = 0
     compiled = engine.num_compilations
     rng = jax.random.key(seed + 1)
     outs, elapsed, emitted = [], 0.0, 0
     for p in prompts:
-        group = engine.start_group(p, 1)
         rng, sub = jax.random.split(rng)
-        t0 = time.perf_counter()
-        gen = engine.generate(group, params, sub)[0]
-        elapsed += time.perf_counter() - t0
+        gen, dt = decode(p, sub)
+        elapsed += dt
         emitted += len(gen.tokens)
         outs.append(list(gen.tokens))
+    steps = engine.decode_steps
+    # depth d is examined only when drafts 1..d-1 were accepted: conditional rate per depth
+    examined = [steps] + [int(a) for a in engine.accepted_by_depth]
     return {
         "tok_s": emitted / elapsed,
         "compiles": engine.num_compilations - compiled,
         "tokens": emitted,
-        "steps": engine.decode_steps,
-        "per_step": emitted / max(engine.decode_steps, 1),
+        "steps": steps,
+        "per_step": emitted / max(steps, 1),
         "drafted": engine.drafted,
         "accepted": engine.accepted,
         "accept_rate": engine.accepted / engine.drafted if engine.drafted else float("nan"),
-        "acc_per_step": engine.accepted / max(engine.decode_steps, 1),
-        # depth d is examined only when drafts 1..d-1 were accepted: conditional rate per depth
-        "depth": [sum(h >= d for h in hist) / max(sum(h >= d - 1 for h in hist), 1) for d in range(1, k + 1)],
+        "acc_per_step": engine.accepted / max(steps, 1),
+        "depth": [examined[d] / max(examined[d - 1], 1) for d in range(1, k + 1)],
     }, outs
 
 
@@ -151,6 +148,7 @@ def main():
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode_steps", type=int, default=32, help="decode steps per host call")
     args = ap.parse_args()
 
     c = build_config(args)
@@ -171,7 +169,7 @@ def main():
         print(f"{'k':>3} {'tok/s':>8} {'x plain':>8} {'tok/step':>9} {'acc/step':>9} {'accept':>7} "
               f"{'steps':>6} {'tokens':>7} {'greedy==plain':>14} {'compiles':>8}")
         for k in (0, 1, 2):
-            r, outs = run_engine(model, c.model, k, prompts, temp, args.new_tokens, args.seed)
+            r, outs = run_engine(model, c.model, k, prompts, temp, args.new_tokens, args.seed, args.decode_steps)
             if k == 0:
                 base, base_outs = r, outs
             same = "-" if temp > 0 or k == 0 else str(outs == base_outs)

@@ -3,7 +3,7 @@
 The learning test uses a light in-process environment so it runs in a few minutes on CPU: the
 task is "submit the lucky number from 1 to 4" (in many phrasings, each used once) with one tool,
 `submit(answer)`, and the reward is 1 when the answer is 3. It goes through exactly the code a
-sandboxed run uses (Agent.run_group, protocol parsing, score_groups, Learner with coder.rl.grpo's
+sandboxed run uses (the actor's agent loop, protocol parsing, score_groups, Learner with coder.rl.grpo's
 loss, engine weight updates, metrics.jsonl); only the episode is in-process instead of a bwrap
 sandbox. What it does not test is conditioning on the prompt: a 2-layer, 64-wide model did not
 learn that within a CPU test's budget (tried: copy a number from the prompt; smallest vs
@@ -65,7 +65,7 @@ class SubmitEpisode:
         self.tools = [SUBMIT]
         self.expected, self.answer, self.done = expected, None, False
 
-    def step(self, call):
+    def call(self, call):
         self.answer, self.done = call.arguments["answer"], True
         return "submitted"
 
@@ -180,6 +180,9 @@ def test_grpo_raises_reward_on_toy_tasks(tmp_path):
     assert early < 0.2, early
     assert late > 0.8, late
     assert np.isfinite(m[-1]["loss"]) and "kl" in m[-1] and "entropy" in m[-1]
+    # the engine's work is logged: 64 rows of 8 groups decode together in the slot pool
+    assert all(r["engine_tokens_per_s"] > 0 and 0 < r["engine_occupancy"] <= 1 for r in m)
+    assert all(r["engine_prefill_tokens"] > 0 and r["engine_decode_steps"] > 0 for r in m)
 
 
 @pytest.mark.slow

@@ -273,15 +273,17 @@ class Engine:
         return sum(self.compilations.values())
 
     def stats(self) -> dict:
-        """Counters, and the mean decode batch occupancy (rows decoding / pool slots per step)."""
+        """Counters (cumulative; a caller diffs two snapshots), the decode batch occupancy (rows
+        decoding / pool slots, over all steps) and, with speculative decoding, the drafts
+        accepted at each depth (`accepted_depth{d}`; depth d is examined only when drafts
+        1..d-1 were accepted)."""
         s = dict(prefill_tokens=self.prefill_tokens, decode_steps=self.decode_steps,
-                 decode_calls=self.decode_calls, emitted=self.emitted,
-                 occupancy=self.row_steps / self.slot_steps if self.slot_steps else 0.0,
+                 decode_calls=self.decode_calls, emitted=self.emitted, row_steps=self.row_steps,
+                 slot_steps=self.slot_steps, occupancy=self.row_steps / self.slot_steps if self.slot_steps else 0.0,
                  rows_per_step=self.row_steps / self.decode_steps if self.decode_steps else 0.0)
         if self.spec_k:
             s.update(drafted=self.drafted, accepted=self.accepted,
-                     **{f"accept_rate_depth{d + 1}": float(a) / max(self.drafted / self.spec_k, 1)
-                        for d, a in enumerate(self.accepted_by_depth)})
+                     **{f"accepted_depth{d + 1}": int(a) for d, a in enumerate(self.accepted_by_depth)})
         return s
 
     def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,

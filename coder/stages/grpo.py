@@ -50,6 +50,22 @@ def validate(config) -> None:
         raise ValueError(f"rl.aux_rewards: unknown {sorted(unknown)}; known {sorted(reward_lib.AUX_REWARDS)}")
 
 
+def engine_metrics(before: dict, after: dict, seconds: float) -> dict:
+    """The engine's work between two `Engine.stats()` snapshots `seconds` apart: decode tokens/s,
+    prefill tokens, decode steps, batch occupancy (rows decoding / pool slots, per step) and,
+    with speculative decoding, the acceptance rate of each draft depth (depth d: of the steps
+    whose drafts 1..d-1 were accepted)."""
+    d = {k: after[k] - before[k] for k in after if not isinstance(after[k], float)}
+    out = dict(engine_tokens_per_s=d["emitted"] / max(seconds, 1e-9), engine_prefill_tokens=d["prefill_tokens"],
+               engine_decode_steps=d["decode_steps"],
+               engine_occupancy=d["row_steps"] / d["slot_steps"] if d["slot_steps"] else 0.0)
+    reached = d["row_steps"]  # every decoding row of every step drafts depth 1
+    for depth in range(1, 1 + sum(k.startswith("accepted_depth") for k in d)):
+        out[f"engine_accept_depth{depth}"] = d[f"accepted_depth{depth}"] / reached if reached else 0.0
+        reached = d[f"accepted_depth{depth}"]
+    return out
+
+
 # --- the stage ---------------------------------------------------------------------------------
 def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
           held_out=None, model_fn=None) -> str:
@@ -81,11 +97,13 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
         while True:
             s = trainer.step
             t0 = time.perf_counter()
+            before = engine.stats()
             groups = actor.collect(tasks[s * b:(s + 1) * b], jax.random.fold_in(key, s))
             t1 = time.perf_counter()
             score_groups(groups, rl)
             rollout_record.clear()
-            rollout_record.update(rollout_metrics(groups), rollout_time_s=t1 - t0, learner_start=t1)
+            rollout_record.update(rollout_metrics(groups), **engine_metrics(before, engine.stats(), t1 - t0),
+                                  rollout_time_s=t1 - t0, learner_start=t1)
             yield learner.batch(groups)
 
     def after_step(trainer, metrics) -> dict:
