@@ -117,3 +117,19 @@ def test_from_config_reads_the_env_section():
     ep = Episode.from_config(cfg, len, max_turns=3)
     assert ep.limits.memory_bytes == cfg.memory_mb << 20 and ep.limits.nproc == cfg.nproc
     assert ep.max_tool_output_tokens == cfg.max_tool_output_tokens and ep.max_turns == 3
+
+
+def test_tools_selection_timeout_and_lint_count():
+    ep = Episode(len, tools=("read_file", "submit"), tool_timeout_s=7.0)
+    assert [t.name for t in ep.tools] == ["read_file", "submit"] and ep.tool_timeout_s == 7.0
+    assert "shell" not in ep.system_prompt and "read_file" in ep.system_prompt
+    with pytest.raises(ValueError, match="unknown tools"):
+        Episode(len, tools=("read_file", "teleport"))
+    ep.reset(TASK)
+    with pytest.raises(ValueError, match="not offered"):
+        ep.call(ToolCall("shell", {"command": "true"}, ""))
+    ep.sandbox.write("bad.py", "import os\nx = undefined_name\n")
+    assert ep.lint_count() >= 2  # F401 unused import, F821 undefined name
+    ep.sandbox.write("bad.py", "x = 1\n")
+    assert ep.lint_count() == 0
+    ep.close()

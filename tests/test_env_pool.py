@@ -119,3 +119,98 @@ def test_minimal_edit_is_unique():
     new = "a = 1\nb = 2\na = 5\nc = 3\n"
     o, n, lo, hi = minimal_edit(old, new)
     assert old.count(o) == 1 and old.replace(o, n) == new and lo <= 3 <= hi
+
+
+def test_per_call_interface_runs_different_workers_in_parallel():
+    import threading
+    import time
+
+    from coder.env.pool import PooledEpisode
+    from coder.env.protocol import ToolCall
+
+    pairs = toy_tasks(2, seed=3)
+    with EpisodePool(2, token_count=len) as pool:
+        eps = [PooledEpisode(pool, t) for t, _ in pairs]
+        assert sorted(pool._owner.values()) == [0, 1]  # one episode per worker
+        assert [s.name for s in eps[0].tools] == [s.name for s in SPECS]
+        spans, errors = {}, []
+
+        def work(i):
+            try:
+                t0 = time.perf_counter()
+                out = eps[i].call(ToolCall("shell", {"command": "sleep 1; echo slept"}, ""))
+                spans[i] = (t0, time.perf_counter())
+                assert "slept" in out
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert max(s for s, _ in spans.values()) < min(e for _, e in spans.values())  # overlapped
+        # The episode interface end to end: fix, submit, score.
+        (_, sol), ep = pairs[0], eps[0]
+        out = ep.call(ToolCall("write_file", {"path": "answer.py", "content": sol["answer.py"]}, ""))
+        assert out.startswith("wrote") and not ep.done
+        assert ep.call(ToolCall("submit", {}, "")) == "submitted" and ep.done
+        reward, info = ep.score()
+        assert reward == 1.0 and info["infra_error"] is None
+        for e in eps:
+            e.close()
+        assert not pool._owner
+
+
+def test_per_call_interface_serializes_one_worker():
+    import threading
+    import time
+
+    from coder.env.protocol import ToolCall
+
+    pairs = toy_tasks(2, seed=4)
+    with EpisodePool(1, token_count=len) as pool:
+        for i, (t, _) in enumerate(pairs):
+            pool.open(i, t)
+        spans = {}
+
+        def work(i):
+            t0 = time.perf_counter()
+            pool.call(i, ToolCall("shell", {"command": "sleep 0.5"}, ""))
+            spans[i] = (t0, time.perf_counter())
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert max(e for _, e in spans.values()) - min(s for s, _ in spans.values()) >= 1.0
+
+
+def test_dead_worker_turns_calls_into_infra_errors_and_is_restarted():
+    import pytest
+
+    from coder.env.pool import PooledEpisode
+    from coder.env.protocol import ToolCall
+    from coder.env.sandbox import InfraError
+
+    ((task, _),) = toy_tasks(1, seed=6)
+    with EpisodePool(1, token_count=len, tools=("shell", "submit")) as pool:
+        ep = PooledEpisode(pool, task)
+        assert [s.name for s in ep.tools] == ["shell", "submit"]
+        assert "exit code: 0" in ep.call(ToolCall("shell", {"command": "true"}, ""))
+        pool._workers[0].proc.kill()
+        pool._workers[0].proc.join()
+        with pytest.raises(InfraError, match="died"):
+            ep.call(ToolCall("shell", {"command": "true"}, ""))
+        with pytest.raises(InfraError):
+            ep.score()
+        ep.close()
+        fresh = PooledEpisode(pool, task)  # the worker is restarted for new episodes
+        assert not fresh.error and "exit code: 0" in fresh.call(ToolCall("shell", {"command": "true"}, ""))
+        with pytest.raises(InfraError):  # the lost episode stays lost
+            ep.call(ToolCall("shell", {"command": "true"}, ""))
+        fresh.close()
+    with pytest.raises(ValueError, match="unknown tools"):
+        EpisodePool(1, token_count=len, tools=("teleport",))

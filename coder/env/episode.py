@@ -3,10 +3,15 @@
 Text interface (scripted agents, SFT transcripts, tests):
     obs = ep.reset(task)                       # the user prompt
     obs, done, info = ep.step(model_text)      # one assistant reply: all its calls, in order
-Per-call interface (coder/rl/rollout.py, which parses calls from sampled token ids itself):
+Per-call interface (coder/rl/agent.py, which parses calls from sampled token ids itself):
     ep.reset(task); out = ep.call(tool_call)   # one parsed protocol.ToolCall -> output text
-    ep.done; reward, info = ep.score(); ep.close()
+    ep.done; n = ep.lint_count(); reward, info = ep.score(); ep.close()
 (`step` also accepts a `protocol.ToolCall` and then behaves as `call`.)
+
+`tools` names the tools offered (`()`: all of coder.env.tools; an unknown name is a ValueError);
+`tool_timeout_s` caps one tool command (default: the limits' `timeout_s`). RL builds every
+episode with `Episode.from_config(config.env, ...)` (coder/rl/actor.py), so `config.env` sets
+the sandbox limits of training and eval rollouts alike.
 
 The conversation is system prompt (tools and call format), user (the task's prompt), then
 alternating assistant turns (model text with protocol tool calls) and tool messages (the
@@ -29,11 +34,23 @@ the length penalty; pass the tokenizer's `lambda s: len(tok.encode(s))` (tests p
 
 from __future__ import annotations
 
+import re
 import traceback
-from typing import Callable
+from typing import Callable, Sequence
 
 from coder.env import protocol, reward, tools
 from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
+
+_DIAGNOSTIC = re.compile(r"^\S+:\d+:\d+: ")  # ruff concise output: path:line:col: CODE message
+
+
+def select_tools(names: Sequence[str] = ()) -> list[protocol.ToolSpec]:
+    """The env tools named (`()`: all), in prompt order; an unknown name is a ValueError."""
+    known = [t.name for t in tools.SPECS]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"unknown tools {unknown}; env tools are {known}")
+    return [t for t in tools.SPECS if not names or t.name in names]
 
 
 class Episode:
@@ -49,6 +66,8 @@ class Episode:
         test_timeout_s: float = 300.0,
         sandbox_root: str | None = None,
         system_preamble: str | None = None,
+        tools: Sequence[str] = (),
+        tool_timeout_s: float | None = None,
     ):
         if not callable(token_count):
             raise TypeError("token_count must be a function str -> int (the tokenizer's count)")
@@ -60,7 +79,8 @@ class Episode:
         self.reward_mode = reward_mode
         self.test_timeout_s = test_timeout_s
         self.sandbox_root = sandbox_root
-        self.tools = list(tools.SPECS)  # protocol.ToolSpec list, in prompt order
+        self.tool_timeout_s = float(tool_timeout_s or self.limits.timeout_s)
+        self.tools = select_tools(tools)  # protocol.ToolSpec list, in prompt order
         self._tool_map = {t.name: t for t in self.tools}
         self.system_prompt = protocol.render_system_prompt(self.tools, system_preamble)
         self.sandbox: Sandbox | None = None
@@ -75,14 +95,22 @@ class Episode:
         cls, env_cfg, token_count: Callable[[str], int], max_turns: int = 30, **kw
     ) -> "Episode":
         """An episode with the limits and reward settings of `config.env`."""
-        return cls(
-            token_count,
+        return cls(**cls.config_kwargs(env_cfg, token_count, max_turns, **kw))
+
+    @staticmethod
+    def config_kwargs(
+        env_cfg, token_count: Callable[[str], int], max_turns: int = 30, **kw
+    ) -> dict:
+        """`from_config`'s constructor arguments (picklable: env workers build the same episode)."""
+        select_tools(kw.get("tools", ()))  # an unknown name fails here, not in a worker
+        return dict(
+            token_count=token_count,
             limits=Limits.from_config(env_cfg),
             max_turns=max_turns,
-            max_tool_output_tokens=env_cfg.max_tool_output_tokens,
-            max_output_chars=env_cfg.max_output_chars,
-            reward_mode=env_cfg.reward_mode,
-            test_timeout_s=env_cfg.test_timeout_s,
+            max_tool_output_tokens=int(env_cfg.max_tool_output_tokens),
+            max_output_chars=int(env_cfg.max_output_chars),
+            reward_mode=str(env_cfg.reward_mode),
+            test_timeout_s=float(env_cfg.test_timeout_s),
             **kw,
         )
 
@@ -137,21 +165,37 @@ class Episode:
             raise InfraError(self.info["infra_error"])
         if self.done:
             raise RuntimeError("call() after the episode ended; call reset()")
+        if c.name not in self._tool_map:
+            raise ValueError(f"tool {c.name!r} is not offered in this episode")
         self.info["tool_calls"] += 1
         if c.name == tools.SUBMIT:
             self.done = True
             self.info["done_reason"] = "submit"
             return "submitted"
-        ctx = tools.ToolContext(
-            self.sandbox, self.task, self.max_output_chars, self.limits.timeout_s
-        )
         try:
-            return tools.call(ctx, c.name, c.arguments)
+            return tools.call(self._context(), c.name, c.arguments)
         except SandboxError as e:
             self._fail_infra(f"sandbox failed during {c.name}: {e}")
         except Exception:  # a harness bug, not the agent's doing: mask, do not score
             self._fail_infra(f"tool {c.name} crashed:\n{traceback.format_exc(limit=5)}")
         raise InfraError(self.info["infra_error"])
+
+    def _context(self) -> tools.ToolContext:
+        return tools.ToolContext(self.sandbox, self.task, self.max_output_chars, self.tool_timeout_s)
+
+    def lint_count(self) -> int:
+        """ruff diagnostics in the workspace (the lint tool's `path:line:col: CODE message`
+        lines). Raises InfraError when the harness fails."""
+        if self.info.get("infra_error"):
+            raise InfraError(self.info["infra_error"])
+        if self.sandbox is None:
+            raise RuntimeError("lint_count() without a workspace; call reset()")
+        try:
+            out = tools.lint(self._context(), {})
+        except SandboxError as e:
+            self._fail_infra(f"sandbox failed during lint: {e}")
+            raise InfraError(self.info["infra_error"]) from e
+        return sum(1 for line in out.splitlines() if _DIAGNOSTIC.match(line))
 
     # ---- one assistant reply ---------------------------------------------------------------
     def step(self, model_text) -> tuple[str, bool, dict]:

@@ -1,24 +1,45 @@
 """N sandboxed episodes in parallel worker processes, so rollouts do not queue behind one.
 
+Batch commands (scripted agents, checks, SFT transcripts):
+
     pool = EpisodePool(4, token_count=count_fn, limits=...)   # Episode keyword arguments
     obs = pool.reset([(key, task, snapshot_or_None), ...])     # new episodes, by caller's keys
     outs = pool.step([(key, model_text), ...])                # [(observation, done, info), ...]
     pool.map(fn, items)                                       # any picklable fn, spread over workers
     pool.close()
 
-Each episode lives in one worker (the least loaded at its reset); a batch is sent to all
-workers at once and each worker runs its share in order, so a batch of G steps takes about
-G / N sandbox commands of wall time. Workers are started with `spawn`: the parent may be a JAX
-process, and forking a process that runs threads is unsafe. A worker that dies turns its
-episodes' results into `infra_error` infos (the RL loop masks them), never into zero rewards.
+A batch is sent to all workers at once and each worker runs its share in order, so a batch of G
+steps takes about G / N sandbox commands of wall time.
+
+Per-call commands (the RL agent, one thread per rollout; `PooledEpisode` wraps them in the
+episode interface of coder/rl/agent.py):
+
+    pool.open(key, task)                        # a new episode on the least loaded worker
+    out = pool.call(key, tool_call)             # one protocol.ToolCall -> output text
+    pool.done(key); pool.lint_count(key); reward, info = pool.score(key)
+    pool.close_episode(key)
+
+They are thread-safe: a call goes to the worker that owns the episode; calls from different
+threads to different workers run in parallel, calls to one worker are serialized (each worker
+runs one command at a time). A harness failure raises `InfraError`; so does every call of an
+episode whose worker died (the worker is restarted for new episodes), and a command that takes
+longer than `timeout_s` (the worker is then killed).
+
+Each episode lives in one worker (the least loaded when it starts). Workers are started with
+`spawn`: the parent may be a JAX process, and forking a process that runs threads is unsafe. In
+the batch commands a worker that dies turns its episodes' results into `infra_error` infos (the
+RL loop masks them), never into zero rewards.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import traceback
+import uuid
 
-from coder.env.episode import Episode
+from coder.env.episode import Episode, select_tools
+from coder.env.sandbox import InfraError
 
 
 def _worker(conn, episode_kwargs: dict) -> None:
@@ -34,7 +55,7 @@ def _worker(conn, episode_kwargs: dict) -> None:
         out = []
         for item in batch:
             try:
-                if cmd == "reset":
+                if cmd in ("reset", "open"):
                     key, task, snap = item
                     if key in episodes:
                         episodes.pop(key).close()
@@ -49,15 +70,23 @@ def _worker(conn, episode_kwargs: dict) -> None:
                         episodes.pop(key).close()
                         info["messages"] = ep.messages
                     out.append((obs, done, info))
+                elif cmd == "call":
+                    key, call = item
+                    ep = episodes[key]
+                    out.append((ep.call(call), ep.done))
+                elif cmd == "lint":
+                    out.append(episodes[item].lint_count())
+                elif cmd == "score":
+                    out.append(episodes[item].score())
                 elif cmd == "map":
                     fn, x = item
                     out.append(fn(x))
-                elif cmd == "drop":
+                elif cmd in ("drop", "close"):
                     if item in episodes:
                         episodes.pop(item).close()
                     out.append(None)
-            except Exception:
-                out.append(_Failure(traceback.format_exc(limit=8)))
+            except Exception as e:
+                out.append(_Failure(traceback.format_exc(limit=8), f"{type(e).__name__}: {e}"))
         conn.send(out)
     for ep in episodes.values():
         ep.close()
@@ -65,40 +94,89 @@ def _worker(conn, episode_kwargs: dict) -> None:
 
 
 class _Failure:
-    def __init__(self, tb: str):
-        self.tb = tb
+    def __init__(self, tb: str, message: str = ""):
+        self.tb, self.message = tb, message or tb
+
+
+class _Worker:
+    """One worker process, its pipe, and the lock that serializes its commands."""
+
+    def __init__(self, ctx, episode_kwargs: dict):
+        self.ctx, self.episode_kwargs = ctx, episode_kwargs
+        self.lock = threading.Lock()
+        self.epoch = 0  # incremented at each (re)start: episodes of an older epoch are lost
+        self.conn = self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=_worker, args=(child, self.episode_kwargs), daemon=True)
+        p.start()
+        child.close()
+        self.conn, self.proc = parent, p
+        self.epoch += 1
+        self.dead = False
+
+    def kill(self) -> None:
+        """Marks the worker dead and makes sure its process is gone (under `lock`)."""
+        self.dead = True
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.join(timeout=10)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+    def restart_if_dead(self) -> None:
+        if self.dead or not self.proc.is_alive():
+            self.kill()
+            self.start()
 
 
 class EpisodePool:
-    def __init__(self, n_workers: int, **episode_kwargs):
+    def __init__(self, n_workers: int, timeout_s: float | None = None, **episode_kwargs):
         if "token_count" not in episode_kwargs:
             raise TypeError("EpisodePool needs token_count= (a picklable str -> int function)")
+        if n_workers < 1:
+            raise ValueError(f"EpisodePool: n_workers={n_workers}, need at least one")
+        self.tools = select_tools(episode_kwargs.get("tools", ()))  # unknown names fail here
+        self.episode_kwargs = episode_kwargs
+        self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
         self.n = n_workers
-        self._conns, self._procs = [], []
-        for _ in range(n_workers):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(child, episode_kwargs), daemon=True)
-            p.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
+        self._workers = [_Worker(ctx, episode_kwargs) for _ in range(n_workers)]
+        self._mu = threading.Lock()  # guards the bookkeeping below
         self._owner: dict = {}  # episode key -> worker index
+        self._epoch: dict = {}  # episode key -> its worker's epoch when it started
+        self._done: dict = {}  # episode key -> the episode reported itself done (per-call path)
         self._rr = 0
 
+    # --- batch commands -------------------------------------------------------------------
     def _run(self, cmd: str, per_worker: dict[int, list]) -> dict[int, list]:
-        sent = []
-        for w, batch in per_worker.items():
-            if batch:
-                self._conns[w].send((cmd, batch))
-                sent.append(w)
-        out = {}
-        for w in sent:
-            try:
-                out[w] = self._conns[w].recv()
-            except (EOFError, OSError):
-                out[w] = [_Failure(f"worker {w} died")] * len(per_worker[w])
-        return out
+        ws = sorted(w for w, batch in per_worker.items() if batch)
+        for w in ws:  # in index order: no deadlock with another batch
+            self._workers[w].lock.acquire()
+        try:
+            sent, out = [], {}
+            for w in ws:
+                try:
+                    self._workers[w].conn.send((cmd, per_worker[w]))
+                    sent.append(w)
+                except (OSError, ValueError):
+                    out[w] = [_Failure(f"worker {w} died")] * len(per_worker[w])
+                    self._workers[w].dead = True
+            for w in sent:
+                try:
+                    out[w] = self._workers[w].conn.recv()
+                except (EOFError, OSError):
+                    out[w] = [_Failure(f"worker {w} died")] * len(per_worker[w])
+                    self._workers[w].dead = True
+            return out
+        finally:
+            for w in ws:
+                self._workers[w].lock.release()
 
     def _scatter(self, cmd: str, items: list, workers: list[int]) -> list:
         per: dict[int, list] = {w: [] for w in range(self.n)}
@@ -109,20 +187,34 @@ class EpisodePool:
         res = self._run(cmd, per)
         return [res[w][i] for w, i in slots]
 
-    def reset(self, items: list[tuple]) -> list[str]:
-        """items: (key, task, snapshot or None). Returns each episode's first observation."""
+    def _least_loaded(self, load: list[int]) -> int:
+        return min(range(self.n), key=lambda i: (load[i], (i - self._rr) % self.n))
+
+    def _load(self) -> list[int]:
         load = [0] * self.n
         for w in self._owner.values():
             load[w] += 1
-        workers = []
-        for key, _, _ in items:
-            w = self._owner.get(key)
-            if w is None:
-                w = min(range(self.n), key=lambda i: (load[i], (i - self._rr) % self.n))
-                load[w] += 1
-                self._owner[key] = w
-            workers.append(w)
-        self._rr = (self._rr + 1) % self.n
+        return load
+
+    def reset(self, items: list[tuple]) -> list[str]:
+        """items: (key, task, snapshot or None). Returns each episode's first observation."""
+        with self._mu:
+            load = self._load()
+            workers = []
+            for key, _, _ in items:
+                w = self._owner.get(key)
+                if w is None:
+                    w = self._least_loaded(load)
+                    load[w] += 1
+                    self._owner[key] = w
+                workers.append(w)
+            self._rr = (self._rr + 1) % self.n
+        for w in set(workers):
+            with self._workers[w].lock:
+                self._workers[w].restart_if_dead()
+        with self._mu:
+            for (key, _, _), w in zip(items, workers):
+                self._epoch[key] = self._workers[w].epoch
         outs = self._scatter("reset", list(items), workers)
         for o in outs:
             if isinstance(o, _Failure):
@@ -131,7 +223,9 @@ class EpisodePool:
 
     def step(self, items: list[tuple]) -> list[tuple[str, bool, dict]]:
         """items: (key, model_text). Finished episodes are dropped from their worker."""
-        outs = self._scatter("step", list(items), [self._owner[k] for k, _ in items])
+        with self._mu:
+            workers = [self._owner[k] for k, _ in items]
+        outs = self._scatter("step", list(items), workers)
         result = []
         for (key, _), o in zip(items, outs, strict=True):
             if isinstance(o, _Failure):
@@ -145,12 +239,17 @@ class EpisodePool:
                     },
                 )
             if o[1]:
-                self._owner.pop(key, None)
+                with self._mu:
+                    self._forget(key)
             result.append(o)
         return result
 
     def drop(self, keys: list) -> None:
-        self._scatter("drop", list(keys), [self._owner.pop(k) for k in keys])
+        with self._mu:
+            workers = [self._owner[k] for k in keys]
+            for k in keys:
+                self._forget(k)
+        self._scatter("drop", list(keys), workers)
 
     def map(self, fn, items: list) -> list:
         """[fn(x) for x in items] across the workers (fn must be picklable, e.g. top-level)."""
@@ -162,23 +261,152 @@ class EpisodePool:
                 raise RuntimeError(f"pool map failed in a worker:\n{o.tb}")
         return outs
 
-    def close(self) -> None:
-        for c in self._conns:
+    # --- per-call commands ----------------------------------------------------------------
+    def _forget(self, key) -> None:
+        self._owner.pop(key, None)
+        self._epoch.pop(key, None)
+        self._done.pop(key, None)
+
+    def _request(self, w: int, epoch: int | None, cmd: str, item, what: str):
+        """One command to worker `w`, under its lock; `epoch`: the episode's (None: any)."""
+        worker = self._workers[w]
+        with worker.lock:
+            if epoch is not None and (worker.dead or worker.epoch != epoch):
+                raise InfraError(f"env worker {w} died: {what} is lost")
             try:
-                c.send(("stop", None))
-            except (OSError, BrokenPipeError):
+                worker.conn.send((cmd, [item]))
+                if self.timeout_s is not None and not worker.conn.poll(self.timeout_s):
+                    worker.kill()
+                    raise InfraError(f"env worker {w}: {what} took more than {self.timeout_s} s "
+                                     "(worker killed)")
+                (out,) = worker.conn.recv()
+            except (EOFError, OSError, ValueError) as e:
+                worker.kill()
+                raise InfraError(f"env worker {w} died during {what}: {type(e).__name__}: {e}") from e
+        if isinstance(out, _Failure):
+            raise InfraError(f"{what} failed in env worker {w}: {out.message}")
+        return out
+
+    def _route(self, key) -> tuple[int, int]:
+        with self._mu:
+            if key not in self._owner:
+                raise InfraError(f"no episode {key!r} in the pool")
+            return self._owner[key], self._epoch[key]
+
+    def open(self, key, task, snapshot=None) -> str:
+        """Starts episode `key` of `task` on the least loaded worker (a dead one is restarted
+        first); returns the user prompt. Raises InfraError when the worker fails."""
+        with self._mu:
+            if key in self._owner:
+                raise ValueError(f"episode {key!r} is already open")
+            w = self._least_loaded(self._load())
+            self._rr = (self._rr + 1) % self.n
+            self._owner[key] = w
+            self._epoch[key] = -1  # not started yet
+        try:
+            with self._workers[w].lock:
+                self._workers[w].restart_if_dead()
+                epoch = self._workers[w].epoch
+            with self._mu:
+                self._epoch[key] = epoch
+            return self._request(w, epoch, "open", (key, task, snapshot), f"episode {key!r}: open")
+        except BaseException:
+            with self._mu:
+                self._forget(key)
+            raise
+
+    def call(self, key, tool_call) -> str:
+        """Runs one parsed `protocol.ToolCall` in episode `key`; returns its output text."""
+        w, epoch = self._route(key)
+        out, done = self._request(w, epoch, "call", (key, tool_call), f"episode {key!r}: {tool_call.name}")
+        with self._mu:
+            self._done[key] = bool(done)
+        return out
+
+    def done(self, key) -> bool:
+        """The episode ended (`submit`), as its last call reported."""
+        with self._mu:
+            return self._done.get(key, False)
+
+    def lint_count(self, key) -> int:
+        w, epoch = self._route(key)
+        return self._request(w, epoch, "lint", key, f"episode {key!r}: lint")
+
+    def score(self, key) -> tuple[float, dict]:
+        """`Episode.score()` of episode `key`: (test reward, info)."""
+        w, epoch = self._route(key)
+        return self._request(w, epoch, "score", key, f"episode {key!r}: score")
+
+    def close_episode(self, key) -> None:
+        """Closes episode `key` (its sandbox); a lost or unknown episode is just forgotten."""
+        with self._mu:
+            if key not in self._owner:
+                return
+            w, epoch = self._owner[key], self._epoch[key]
+            self._forget(key)
+        try:
+            self._request(w, epoch, "close", key, f"episode {key!r}: close")
+        except InfraError:
+            pass  # the worker is gone, and the sandbox with it
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        for wk in self._workers:
+            try:
+                wk.conn.send(("stop", None))
+            except (OSError, ValueError):
                 pass
-        for p in self._procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in self._conns:
-            c.close()
-        self._conns, self._procs = [], []
+        for wk in self._workers:
+            wk.proc.join(timeout=30)
+            if wk.proc.is_alive():
+                wk.proc.kill()
+                wk.proc.join()
+            wk.conn.close()
+        self._workers = []
 
     def __enter__(self) -> "EpisodePool":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PooledEpisode:
+    """The episode interface of coder/rl/agent.py over an episode living in a pool worker.
+
+    An episode that cannot start (its worker failed) does not raise here: every later call
+    raises `InfraError`, so the rollout is masked, never scored as the agent's failure.
+    """
+
+    def __init__(self, pool: EpisodePool, task, key=None, snapshot=None):
+        self.pool, self.task = pool, task
+        self.key = key if key is not None else uuid.uuid4().hex
+        self.tools = pool.tools
+        self.error = ""
+        try:
+            pool.open(self.key, task, snapshot)
+        except InfraError as e:
+            self.error = str(e)
+
+    def _check(self) -> None:
+        if self.error:
+            raise InfraError(self.error)
+
+    @property
+    def done(self) -> bool:
+        return self.pool.done(self.key)
+
+    def call(self, tool_call) -> str:
+        self._check()
+        return self.pool.call(self.key, tool_call)
+
+    def lint_count(self) -> int:
+        self._check()
+        return self.pool.lint_count(self.key)
+
+    def score(self) -> tuple[float, dict]:
+        self._check()
+        return self.pool.score(self.key)
+
+    def close(self) -> None:
+        self.pool.close_episode(self.key)

@@ -1,19 +1,35 @@
 """The inference side of RL: tasks, sandboxed episodes, the engine, and the actor that
 produces groups of rollouts with it; scoring of finished groups (rewards and advantages).
 
+`Actor.collect(tasks, rng)` returns G rollouts of each task, `[B][G]`:
+- `rl.concurrent=True`: all B x G rollouts at once, one thread per rollout driving its
+  `coder.rl.agent.AgentRun` (`agent.drive`). A task's prompt is prefilled once for its G rows
+  (`engine.start_group(prompt, G)`); each thread decodes its own row
+  (`engine.generate(group, params, key, rows=[i])`, which a thread-safe engine batches with the
+  other threads' rows) and runs its tool calls in an env worker process (coder.env.pool,
+  `rl.env_workers`) while the other rows keep decoding.
+- `rl.concurrent=False`: task after task with `Agent.run_group` (a group's rows decode together,
+  tool calls run one after another on this thread, in local sandboxes).
+The sampling key of task i is `fold_in(rng, i)` in both modes, and a row's tokens do not depend
+on which rows share its decode batches, so both modes sample the same rollouts.
+
 Used by stage `grpo` (coder/stages/grpo.py) and the agent eval (coder/rl/eval.py).
 """
 from __future__ import annotations
 
 import glob
 import random
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
 
+from coder.env.episode import Episode
+from coder.rl import agent as agent_lib
 from coder.rl import grpo
 from coder.rl import reward as reward_lib
-from coder.rl import rollout as rollout_lib
 
 
 # --- tasks and episodes ------------------------------------------------------------------------
@@ -44,10 +60,28 @@ def eval_tasks(config) -> list:
     return tasks[len(tasks) - int(config.rl.eval_num_tasks):]
 
 
-def episode_factory(config):
-    """`task -> SandboxEpisode` with the rollout config's tools and tool timeout."""
-    timeout, tools = float(config.rl.tool_timeout_s), tuple(config.rl.tools)
-    return lambda task: rollout_lib.SandboxEpisode(task, tools=tools, tool_timeout_s=timeout)
+class EpisodeFactory:
+    """`task -> Episode` (started, in a local sandbox): `Episode.from_config(config.env, ...)`
+    with the tools of `rl.tools`, the preamble `rl.system_prompt` and the tool timeout
+    `rl.tool_timeout_s`. `kwargs` are the same episode's constructor arguments for env workers
+    (coder.env.pool.EpisodePool), where the concurrent actor runs it."""
+
+    def __init__(self, config):
+        rl = config.rl
+        # The agent counts the ids it trains on itself; the count is only used by the episode's
+        # text interface, which RL does not call.
+        self.kwargs = Episode.config_kwargs(
+            config.env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
+            tool_timeout_s=float(rl.tool_timeout_s))
+
+    def __call__(self, task) -> Episode:
+        ep = Episode(**self.kwargs)
+        ep.reset(task)
+        return ep
+
+
+def episode_factory(config) -> EpisodeFactory:
+    return EpisodeFactory(config)
 
 
 # --- engine ------------------------------------------------------------------------------------
@@ -89,18 +123,102 @@ def make_engine(model, config, *, mesh=None):
 
 
 # --- actor -------------------------------------------------------------------------------------
+class _Serialized:
+    """An engine that is not thread-safe, called by one thread at a time."""
+
+    thread_safe = True
+
+    def __init__(self, engine):
+        self._engine, self._lock = engine, threading.Lock()
+
+    def start_group(self, prompt, n):
+        with self._lock:
+            return self._engine.start_group(prompt, n)
+
+    def generate(self, group, params, rng, rows=None):
+        with self._lock:
+            return self._engine.generate(group, params, rng, rows=rows)
+
+    def append(self, group, row, ids):
+        with self._lock:
+            return self._engine.append(group, row, ids)
+
+
+class _SharedGroup:
+    """A task's engine group, started by the first of its G rollout threads to need it."""
+
+    def __init__(self, n: int):
+        self.n, self._lock, self._lease = n, threading.Lock(), None
+
+    def get(self, engine, prompt) -> agent_lib.Lease:
+        with self._lock:
+            if self._lease is None:
+                self._lease = agent_lib.Lease(engine.start_group(prompt, self.n), self.n)
+            return self._lease
+
+
 class Actor:
-    """Produces groups of rollouts with an engine (the inference side)."""
+    """Produces groups of rollouts with an engine (the inference side); see the module
+    docstring. `make_episode(task)` builds a rollout's episode; an `EpisodeFactory` runs it in
+    the actor's env workers in concurrent mode (started on first use, kept until `close()`),
+    any other factory (in-process test episodes) in the rollout's own thread."""
 
     def __init__(self, engine, tokenizer, config, make_episode):
         self.engine, self.config, self.make_episode = engine, config, make_episode
-        self.agent = rollout_lib.Agent(engine, tokenizer, config.rl, sampling_params(config.rl))
+        self.agent = agent_lib.Agent(engine, tokenizer, config.rl, sampling_params(config.rl))
+        # The engine serializes nothing itself unless it says it is thread-safe.
+        self._threaded_engine = engine if getattr(engine, "thread_safe", False) else _Serialized(engine)
+        self.pool = None
+        self._finalizer = None
 
     def collect(self, tasks, rng) -> list[list]:
         """G rollouts for each task: `[B][G]` Rollouts."""
+        if not self.config.rl.concurrent:
+            g = int(self.config.rl.group_size)
+            return [self.agent.run_group(t.id, t.prompt, [self.make_episode(t) for _ in range(g)],
+                                         jax.random.fold_in(rng, i)) for i, t in enumerate(tasks)]
+        return self._collect_concurrent(tasks, rng)
+
+    def _collect_concurrent(self, tasks, rng) -> list[list]:
         g = int(self.config.rl.group_size)
-        return [self.agent.run_group(t.id, t.prompt, [self.make_episode(t) for _ in range(g)],
-                                     jax.random.fold_in(rng, i)) for i, t in enumerate(tasks)]
+        make_episode = self._episode_maker(len(tasks) * g)
+        engine, sp = self._threaded_engine, self.agent.sampling_params
+
+        def rollout(task, shared: _SharedGroup, i: int, key):
+            episode, seat = None, agent_lib.Seat(engine, None, i)
+            try:
+                episode = make_episode(task)
+                run = self.agent.start(task.id, task.prompt, episode.tools, i)
+                seat.lease = shared.get(engine, run.prompt)
+                return agent_lib.drive(run, episode, engine, seat, key, sp)
+            finally:
+                if episode is not None:
+                    episode.close()
+
+        jobs = [(t, _SharedGroup(g), i, jax.random.fold_in(rng, b)) for b, t in enumerate(tasks)
+                for i in range(g)]
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rollout") as ex:
+            futures = [ex.submit(rollout, *job) for job in jobs]
+            flat = [f.result() for f in futures]
+        return [flat[b * g:(b + 1) * g] for b in range(len(tasks))]
+
+    def _episode_maker(self, n_rollouts: int):
+        """`task -> episode` for the concurrent mode: pooled when the factory allows it."""
+        from coder.env.pool import EpisodePool, PooledEpisode
+
+        if not isinstance(self.make_episode, EpisodeFactory):
+            return self.make_episode
+        if self.pool is None:
+            n = int(self.config.rl.env_workers) or min(n_rollouts, 16)
+            self.pool = EpisodePool(n, **self.make_episode.kwargs)
+            self._finalizer = weakref.finalize(self, self.pool.close)
+        return lambda task: PooledEpisode(self.pool, task)
+
+    def close(self) -> None:
+        """Stops the env workers (if any were started)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.pool = self._finalizer = None
 
 
 def score_groups(groups: list[list], rl_cfg) -> dict:
@@ -125,6 +243,10 @@ def rollout_metrics(groups: list[list]) -> dict:
     flat = [r for g in groups for r in g]
     ok = [r for r in flat if not r.infra_error]
     m = {"rollouts": len(flat), "infra_failures": len(flat) - len(ok)}
+    if flat:  # time the rows spent waiting on the env (tool calls and lint; scoring), all rollouts
+        tool = [r.tool_time_s for r in flat]
+        m.update(tool_wait_s_sum=float(np.sum(tool)), tool_wait_s=float(np.mean(tool)),
+                 score_time_s=float(np.mean([r.score_time_s for r in flat])))
     if not ok:
         return m
 

@@ -76,13 +76,14 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
       stage_dir: reports go to `{stage_dir}/agent_eval/`.
       step: the checkpoint's step (names the report).
       tasks: held-out `Task`s (default: `coder.rl.actor.eval_tasks(config)`).
-      make_episode: `task -> episode` (default: a sandboxed `SandboxEpisode`).
+      make_episode: `task -> episode` (default: `coder.rl.actor.episode_factory(config)`, a
+        sandboxed coder.env Episode with config.env's limits).
       engine: an existing Engine holding `model`'s weights (default: a new one).
     Returns:
       {"pass@k" for k in rl.eval_k, "num_tasks", "infra_failures", "regressed", "report"}.
     """
-    from coder.rl import rollout as rollout_lib
     from coder.rl import actor as stage_lib
+    from coder.rl import agent as agent_lib
 
     rl = config.rl
     ks = tuple(sorted({1, *(int(k) for k in rl.eval_k)}))  # pass@1 always: the regression check
@@ -91,7 +92,7 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     tasks = stage_lib.eval_tasks(config) if tasks is None else tasks
     make_episode = make_episode or stage_lib.episode_factory(config)
     engine = engine or stage_lib.make_engine(model, config)
-    agent = rollout_lib.Agent(engine, tokenizer, rl, stage_lib.sampling_params(rl))
+    agent = agent_lib.Agent(engine, tokenizer, rl, stage_lib.sampling_params(rl))
     rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
     t0 = time.perf_counter()
     per_task, counts, infra = [], [], 0
