@@ -1,4 +1,6 @@
-"""GRPO math against numbers computed by hand, and the k1 KL gradient against the exact one."""
+"""GRPO math against numbers computed by hand, and the k1 KL gradient against the exact one;
+staleness, truncated importance weights, the loss registry, and the learner's reference on resume."""
+import json
 import math
 
 import jax
@@ -189,3 +191,216 @@ def test_grpo_loss_fn_only_sees_policy_tokens():
     logits_c = logits_a.at[0, 2, 6].add(3.0)  # position 2 predicts token 6 at index 3: a policy token
     lc, _ = fn(model_with(logits_c), batch, None)
     assert float(lc) != pytest.approx(float(la))
+
+
+# ---------------------------------------------------------------- staleness, TIS, registry
+
+def _logits_model(logits):
+    return lambda tokens, positions, segment_ids, routing=None, mtp=None: (logits, {})
+
+
+def _stale_batch():
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 7, (2, 6)), jnp.int32)
+    return dict(
+        tokens=tokens, positions=jnp.broadcast_to(jnp.arange(6), (2, 6)),
+        segment_ids=jnp.ones((2, 6), jnp.int32),
+        loss_mask=jnp.array([[0.0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]),
+        behaviour_logp=jnp.asarray(rng.normal(-2.0, 0.3, (2, 6)), jnp.float32),
+        ref_logp=jnp.asarray(rng.normal(-2.0, 0.3, (2, 6)), jnp.float32),
+        advantages=jnp.array([0.8, -1.3]),
+        # learner version - policy version; max_staleness 2 below: 3 and 5 are stale, -1 is a
+        # version the learner never produced; 9 sits on a token without loss (no effect)
+        staleness=jnp.array([[9, 0, 3, 2, 0, 1], [0, 5, -1, 2, 0, 0]], jnp.int32),
+    )
+
+
+def test_stale_tokens_carry_no_loss():
+    """A batch with stale tokens = the same batch with those tokens' loss_mask zeroed (loss and
+    gradient), and the metrics count them."""
+    batch = _stale_batch()
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, 7)), jnp.float32)
+    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, normalizer=8.0, temperature=1.0)
+    fn = grpo.grpo_loss_fn(max_staleness=2, **kw)
+    zeroed = dict(batch, loss_mask=batch["loss_mask"] * jnp.array([[1.0, 1, 0, 1, 1, 1], [1, 0, 0, 1, 1, 1]]))
+    del zeroed["staleness"]
+    plain = grpo.grpo_loss_fn(**kw)
+
+    def loss(f, b):
+        return lambda lg: f(_logits_model(lg), b, None)
+
+    (la, ma), ga = jax.value_and_grad(loss(fn, batch), has_aux=True)(logits)
+    (lb, mb), gb = jax.value_and_grad(loss(plain, zeroed), has_aux=True)(logits)
+    assert float(la) == float(lb)
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(gb))
+    assert float(ma["stale_tokens"]) == 3.0
+    assert float(ma["policy_tokens"]) == float(mb["policy_tokens"]) == 4.0
+    # kept loss tokens have staleness 2, 0, 1 (row 0) and 2 (row 1)
+    assert float(ma["staleness_mean"]) == pytest.approx(5 / 4)
+    assert float(ma["staleness_max"]) == 2.0
+    # Without a max the key is ignored: every policy token keeps its loss.
+    (lc, mc) = grpo.grpo_loss_fn(**kw)(_logits_model(logits), batch, None)
+    assert float(mc["policy_tokens"]) == 7.0 and "stale_tokens" not in mc
+
+
+def test_tis_weight_is_capped_and_one_when_logprobs_agree():
+    logp = jnp.array([[-1.0, -2.0, -0.5, -3.0]])
+    np.testing.assert_array_equal(grpo.tis_weight(logp, logp, 2.0), np.ones((1, 4)))
+    blogp = logp - jnp.array([[0.0, 0.5, 1.0, -0.3]])  # ratios 1, 1.65, 2.72, 0.74
+    np.testing.assert_allclose(grpo.tis_weight(logp, blogp, 2.0),
+                               [[1.0, math.exp(0.5), 2.0, math.exp(-0.3)]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("adv", [1.5, -1.5])
+def test_tis_policy_gradient_weight_is_truncated_ratio(adv):
+    """With tis_cap each token's gradient is min(rho, cap) x the on-policy one (where PPO's clip
+    does not zero it); with engine == learner logprobs the loss is the plain one."""
+    logp = jnp.array([[-1.0, -2.0, -0.5, -3.0, -1.0]])
+    shift = jnp.array([[0.0, 0.15, 1.0, -0.1, 3.0]])  # ratios 1, 1.16, 2.72, 0.90, 20.1
+    blogp = logp - shift
+    mask = jnp.array([[1.0, 1, 1, 1, 1]])
+    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.0, normalizer=5.0)
+
+    def f(lp, b, cap):
+        return grpo.policy_loss(lp, b, lp, jnp.array([adv]), mask, tis_cap=cap, **kw)
+
+    # engine and learner agree: identical loss, gradient and a weight of 1
+    (l0, m0), g0 = jax.value_and_grad(f, has_aux=True)(logp, logp, 2.0)
+    (l1, _), g1 = jax.value_and_grad(f, has_aux=True)(logp, logp, 0.0)
+    assert float(l0) == float(l1)
+    np.testing.assert_array_equal(np.asarray(g0), np.asarray(g1))
+    assert float(m0["tis_weight_mean"]) == 1.0 and float(m0["tis_truncated_fraction"]) == 0.0
+
+    (_, m), g = jax.value_and_grad(f, has_aux=True)(logp, blogp, 2.0)
+    rho = np.exp(np.asarray(shift[0]))
+    w = np.minimum(rho, 2.0)
+    # the unclipped branch: d(-ratio * A / norm)/dlogp = -rho A / norm, times w / rho
+    live = (rho <= 1.28) if adv > 0 else (rho >= 0.8)
+    want = np.where(live, -w * adv / 5.0, 0.0)
+    np.testing.assert_allclose(np.asarray(g[0]), want, rtol=1e-5, atol=1e-7)
+    assert float(m["tis_truncated_fraction"]) == pytest.approx(2 / 5)
+    assert float(m["tis_weight_mean"]) == pytest.approx(w.mean(), rel=1e-5)
+    # without TIS the ratio 20 token would weigh 20x (negative advantage: PPO never clips it)
+    if adv < 0:
+        g_plain = jax.grad(lambda lp: f(lp, blogp, 0.0)[0])(logp)
+        assert float(g_plain[0, 4]) == pytest.approx(-rho[4] * adv / 5.0, rel=1e-5)
+
+
+def test_policy_loss_registry():
+    assert "grpo" in grpo.POLICY_LOSSES
+    lp = jnp.array([[-1.0, -2.0]])
+    kw = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.0, normalizer=2.0)
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        grpo.policy_loss(lp, lp, lp, jnp.array([1.0]), jnp.ones((1, 2)), loss="nope", **kw)
+
+    @grpo.register_policy_loss("test_plain_pg")
+    def plain(log_ratio, adv, mask, *, clip_low, clip_high, tis_cap):
+        return jnp.exp(log_ratio) * adv, {}
+
+    try:
+        with pytest.raises(ValueError, match="registered twice"):
+            grpo.register_policy_loss("test_plain_pg")(plain)
+        loss, m = grpo.policy_loss(lp, lp - 1.0, lp, jnp.array([1.0]), jnp.ones((1, 2)),
+                                   loss="test_plain_pg", **kw)
+        assert float(loss) == pytest.approx(-math.e)  # unclipped: 2 tokens of ratio e / 2
+        assert "clip_fraction" not in m and float(m["policy_tokens"]) == 2.0
+    finally:
+        del grpo.POLICY_LOSSES["test_plain_pg"]
+
+
+# ---------------------------------------------------------------- the learner's reference
+
+def _learner_config():
+    from configs import quickstart
+
+    c = quickstart.get_config()
+    c.model.update(dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                        v_head_dim=8, max_position_embeddings=64))
+    c.model.rope_scaling.original_max_position_embeddings = 64
+    c.rl.update(dict(context_budget=32, summary_reserve=8, max_rollout_tokens=16))
+    c.train.update(dict(lr=1e-2, warmup_steps=0, ckpt_every=1))
+    c.grpo.max_staleness = 1
+    return c
+
+
+def _learner_batch(rows=8, t=32):
+    r = np.random.default_rng(0)
+    return dict(tokens=r.integers(1, 256, (rows, t)).astype(np.int32),
+                positions=np.broadcast_to(np.arange(t, dtype=np.int32), (rows, t)).copy(),
+                segment_ids=np.ones((rows, t), np.int32), loss_mask=np.ones((rows, t), np.float32),
+                behaviour_logp=np.full((rows, t), -5.0, np.float32),
+                ref_logp=np.full((rows, t), -5.0, np.float32),
+                advantages=r.normal(size=rows).astype(np.float32),
+                staleness=np.where(np.arange(t) < 4, 3, 0).astype(np.int32)[None].repeat(rows, 0))
+
+
+def _flat(model):
+    from flax import nnx
+
+    from coder.train import checkpoint as ckpt_lib
+
+    return {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+
+
+def _with_bias(model, value):
+    """`model` with every MoE router bias (an nnx.Variable, not a Param) set to `value` + its
+    expert index (non-zero and distinct)."""
+    from flax import nnx
+
+    from coder.model.moe import RouterBias
+
+    state = nnx.state(model, RouterBias)
+    state = jax.tree.map(lambda b: b + value + jnp.arange(b.shape[-1], dtype=b.dtype), state)
+    nnx.update(model, state)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_init_from", [True, False])
+def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from):
+    """The reference a resumed stage rebuilds = the fresh stage's, every variable (the router
+    bias included), bit for bit; init_from is pinned to the step it resolved to, so a newer
+    checkpoint there later does not move it; a changed source is refused."""
+    from coder.model import Transformer
+    from coder.rl.learner import REFERENCE_RECORD, Learner
+    from flax import nnx
+
+    c = _learner_config()
+
+    def biased():
+        return _with_bias(Transformer(c.model, rngs=nnx.Rngs(7)), 0.01)
+
+    init_from, model_fn = "", biased
+    if with_init_from:  # a previous stage's checkpoint with a trained (non-zero) router bias
+        pre = Learner(c, str(tmp_path / "pre"), "", biased)
+        pre.trainer.save(force=True)
+        pre.trainer.ckpt.wait()
+        init_from, model_fn = pre.trainer.checkpoint_dir, None
+
+    fresh = Learner(c, str(tmp_path / "grpo"), init_from, model_fn)
+    want = _flat(fresh.ref)
+    biases = [k for k in want if k.endswith("mlp.bias")]
+    assert biases and all(np.abs(want[k]).min() > 0 for k in biases)  # the check is not vacuous
+    metrics = fresh.trainer.train_step(_learner_batch())
+    assert float(metrics["stale_tokens"]) == 8 * 3  # staleness 3 > 1 on targets 1..3 of each row
+    fresh.trainer.save(force=True)
+    fresh.trainer.ckpt.wait()
+    if with_init_from:  # init_from's directory gets a newer checkpoint with other weights
+        pre.trainer.train_step(_learner_batch())
+        pre.trainer.save(force=True)
+        pre.trainer.ckpt.wait()
+
+    resumed = Learner(c, str(tmp_path / "grpo"), init_from, model_fn)
+    assert resumed.version == 1
+    got = _flat(resumed.ref)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+    record = tmp_path / "grpo" / REFERENCE_RECORD
+    rec = json.loads(record.read_text())
+    rec["checksums"][biases[0]] ^= 1
+    record.write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="reference policy rebuilt on resume"):
+        Learner(c, str(tmp_path / "grpo"), init_from, model_fn)

@@ -27,8 +27,16 @@ Why the KL is folded into the advantage: d/dtheta of the detached penalty term g
 E_{x~pi}[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref) exactly, while a
 differentiated k1 loss term `mean(log pi - log pi_ref)` has expected gradient
 E_{x~pi}[grad log pi] = 0 (tests/test_grpo.py checks both on a small categorical policy).
+
+Off-policy hygiene (docs/rl.md, "Staleness"): a token sampled by policy version v and trained
+at learner version u keeps its loss only if 0 <= u - v <= max_staleness (`staleness_mask`);
+with `tis_cap > 0` each token's policy-gradient weight is truncated at the cap (`ppo_clip`).
+The surrogate is a registry (`POLICY_LOSSES`, `@register_policy_loss("name")`): a variant is one
+function of the per-token log-ratio and advantage.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +79,91 @@ def advantages(rewards, correct, valid=None, *, eps: float = 1e-6):
     return jnp.where(n >= 2, adv, 0.0) * vf
 
 
+# name -> fn(log_ratio, adv, mask, *, clip_low, clip_high, tis_cap) -> (surrogate [R, T], metrics)
+POLICY_LOSSES: dict[str, Callable] = {}
+
+
+def register_policy_loss(name: str):
+    """Registers a per-token surrogate under `name` (policy_loss(..., loss=name)).
+
+    The function gets `log_ratio` `[R, T]` = logp - behaviour_logp (differentiable; 0 on masked
+    positions), `adv` `[R, T]` (the row advantage with the KL penalty folded in), `mask` `[R, T]`
+    and the keyword hyperparameters `clip_low, clip_high, tis_cap`; it returns the surrogate to
+    *maximise* per token (policy_loss masks, sums and divides by the normalizer) and a dict of
+    scalar metrics (means over loss tokens).
+    """
+
+    def register(fn):
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def _masked_mean(x, mask, n_tok):
+    return (jax.lax.stop_gradient(jnp.asarray(x, jnp.float32)) * mask).sum() / n_tok
+
+
+@register_policy_loss("grpo")
+def ppo_clip(log_ratio, adv, mask, *, clip_low: float, clip_high: float, tis_cap: float = 0.0):
+    """PPO's clipped surrogate against the behaviour policy, optionally with truncated IS.
+
+        ratio_t = exp(logp_t - behaviour_logp_t)
+        s_t     = min(ratio_t A_t, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_t)
+
+    What the two logprobs are: `logp` is the learner's current model (this step's weights,
+    version u, before the update: the trainer makes one pass, so the learner's "old policy" is
+    the current model); `behaviour_logp` is what the engine recorded when it sampled the token
+    (version v <= u, with the engine's own numerics: serving dtype, cached decode, kernels).
+
+    Truncated importance sampling (`tis_cap > 0`; Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"; verl's `tis_imp_ratio_cap`):
+
+        rho_t = exp(stop_gradient(logp_t) - behaviour_logp_t)     current model / engine
+        w_t   = min(rho_t, tis_cap)
+        s_t  <- stop_gradient(w_t / rho_t) * s_t
+
+    The ratio is against the behaviour logprob, so it already carries the importance weight:
+    its value is rho_t and its gradient rho_t grad log pi. Multiplying the surrogate by w_t as
+    well would apply the weight twice; the detached factor w_t / rho_t = min(1, cap / rho_t)
+    makes each token's policy-gradient weight exactly w_t = min(rho_t, tis_cap) (1 when engine
+    and learner agree), while the PPO clip stays against the behaviour policy. For a token of
+    staleness 0, rho_t is the engine/learner numerical mismatch alone; for a stale token it also
+    holds the policy change from v to u. The cap matters most for negative advantages, where
+    PPO's min() never clips a large ratio.
+    """
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    surrogate = jnp.minimum(ratio * adv, clipped * adv)
+    n_tok = jnp.maximum(mask.sum(), 1.0)
+    sg_ratio = jax.lax.stop_gradient(ratio)
+    # A token is clipped when the clipped branch is the one taken by min() and it differs.
+    is_clipped = (clipped * adv < ratio * adv) & (sg_ratio != clipped)
+    metrics = {
+        "clip_fraction": _masked_mean(is_clipped, mask, n_tok),
+        "ratio_mean": _masked_mean(sg_ratio, mask, n_tok),
+        "ratio_max": jnp.where(mask > 0, sg_ratio, 0.0).max(),
+    }
+    if tis_cap > 0:
+        weight = jnp.minimum(sg_ratio, tis_cap)
+        # w / rho = min(1, cap / rho), in log space: no 0 / 0 where the ratio underflows
+        factor = jnp.minimum(1.0, tis_cap * jnp.exp(-jax.lax.stop_gradient(log_ratio)))
+        surrogate = factor * surrogate
+        metrics["tis_weight_mean"] = _masked_mean(weight, mask, n_tok)
+        metrics["tis_truncated_fraction"] = _masked_mean(sg_ratio > tis_cap, mask, n_tok)
+    return surrogate, metrics
+
+
+def tis_weight(logp, behaviour_logp, tis_cap: float):
+    """The truncated importance weight min(exp(logp - behaviour_logp), tis_cap), detached: the
+    policy-gradient weight `ppo_clip` gives each token when tis_cap > 0 (`[R, T]`)."""
+    rho = jnp.exp(jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
+                  - jnp.asarray(behaviour_logp, jnp.float32))
+    return jnp.minimum(rho, tis_cap)
+
+
 def policy_loss(
     logp,
     behaviour_logp,
@@ -83,11 +176,13 @@ def policy_loss(
     kl_coef: float,
     normalizer: float,
     entropy=None,
+    loss: str = "grpo",
+    tis_cap: float = 0.0,
 ):
     """Clipped GRPO policy loss with the k1 KL penalty folded into the per-token advantage.
 
     Args:
-      logp: `[R, T]` log pi_theta of each token (differentiable).
+      logp: `[R, T]` log pi_theta of each token (differentiable): the learner's current model.
       behaviour_logp: `[R, T]` logprob recorded by the engine when the token was sampled.
       ref_logp: `[R, T]` log pi_ref of each token (frozen reference policy).
       advantages: `[R]` one advantage per row (all tokens of a rollout share it).
@@ -96,10 +191,15 @@ def policy_loss(
       kl_coef: weight of the k1 penalty (0 = no KL).
       normalizer: constant divisor (tokens per group budget x number of groups).
       entropy: optional `[R, T]` per-token entropy of pi_theta, reported as a metric only.
+      loss: the surrogate, a name in POLICY_LOSSES (default "grpo": `ppo_clip`).
+      tis_cap: truncated importance weight cap (0 = off; see `ppo_clip`).
     Returns:
       (loss scalar, metrics dict of scalars: kl, clip_fraction, ratio_mean, ratio_max,
-      policy_tokens, advantage_mean, entropy when given). Metrics are means over loss tokens.
+      policy_tokens, advantage_mean, entropy when given, tis_weight_mean and
+      tis_truncated_fraction when tis_cap > 0). Metrics are means over loss tokens.
     """
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {loss!r}; registered: {sorted(POLICY_LOSSES)}")
     mask = jnp.asarray(loss_mask, jnp.float32)
     logp = jnp.asarray(logp, jnp.float32)
     behaviour_logp = jnp.asarray(behaviour_logp, jnp.float32)
@@ -111,26 +211,48 @@ def policy_loss(
     # Masked-out positions may hold garbage logprobs (padding): zero the log-ratio there so
     # exp() cannot overflow into a NaN that a 0-weight would not remove from the gradient.
     log_ratio = jnp.where(mask > 0, logp - behaviour_logp, 0.0)
-    ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    surrogate = jnp.minimum(ratio * adv, clipped * adv)
-    loss = -(surrogate * mask).sum() / normalizer
+    surrogate, metrics = POLICY_LOSSES[loss](log_ratio, adv, mask, clip_low=clip_low,
+                                             clip_high=clip_high, tis_cap=tis_cap)
+    value = -(surrogate * mask).sum() / normalizer
 
     n_tok = jnp.maximum(mask.sum(), 1.0)
-    sg_ratio = jax.lax.stop_gradient(ratio)
-    # A token is clipped when the clipped branch is the one taken by min() and it differs.
-    is_clipped = (clipped * adv < ratio * adv) & (sg_ratio != clipped)
     metrics = {
         "kl": (kl * mask).sum() / n_tok,
-        "clip_fraction": (jax.lax.stop_gradient(is_clipped) * mask).sum() / n_tok,
-        "ratio_mean": (sg_ratio * mask).sum() / n_tok,
-        "ratio_max": jnp.where(mask > 0, sg_ratio, 0.0).max(),
+        **metrics,
         "policy_tokens": mask.sum(),
         "advantage_mean": (jnp.broadcast_to(adv_row, mask.shape) * mask).sum() / n_tok,
     }
     if entropy is not None:
-        metrics["entropy"] = (jax.lax.stop_gradient(jnp.asarray(entropy, jnp.float32)) * mask).sum() / n_tok
-    return loss, metrics
+        metrics["entropy"] = _masked_mean(entropy, mask, n_tok)
+    return value, metrics
+
+
+def staleness_mask(staleness, loss_mask, max_staleness: int):
+    """Drops the loss of tokens sampled too many versions ago.
+
+    Args:
+      staleness: `[R, T]` int, learner version minus the version that sampled the token (the
+        learner's version is its optimizer step count, the version its weights were published
+        under); anything on tokens outside `loss_mask`.
+      loss_mask: `[R, T]` the tokens that would carry loss.
+      max_staleness: a token keeps its loss only if 0 <= staleness <= max_staleness (a negative
+        staleness is a token of a version this learner never produced, e.g. one published
+        before a restart from an earlier checkpoint).
+    Returns:
+      (mask `[R, T]` float32, metrics: stale_tokens = loss tokens dropped, staleness_mean and
+      staleness_max over the tokens that keep their loss).
+    """
+    mask = jnp.asarray(loss_mask, jnp.float32)
+    s = jnp.asarray(staleness, jnp.int32)
+    fresh = (s >= 0) & (s <= max_staleness)
+    kept = mask * fresh
+    n_kept = jnp.maximum(kept.sum(), 1.0)
+    metrics = {
+        "stale_tokens": (mask * ~fresh).sum(),
+        "staleness_mean": (s * kept).sum() / n_kept,
+        "staleness_max": jnp.where(kept > 0, s, 0).max().astype(jnp.float32),
+    }
+    return kept, metrics
 
 
 def target_logp(logits, tokens, segment_ids, temperature: float = 1.0):
@@ -159,12 +281,16 @@ def target_logp(logits, tokens, segment_ids, temperature: float = 1.0):
     return lp, ent, valid
 
 
-def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, router_replay=False):
+def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, router_replay=False,
+                 max_staleness: int | None = None, tis_cap: float = 0.0, loss: str = "grpo"):
     """A trainer loss `loss_fn(model, batch, rng) -> (loss, metrics)` for GRPO batches.
 
     The batch (docs/contracts.md) holds `tokens, positions, segment_ids, loss_mask` `[B, T]`,
     `behaviour_logp, ref_logp` `[B, T]` at the target index, `advantages` `[B]`, and with
     `router_replay` the engine's `expert_ids` `[moe_layers, B, T, top_k]` passed as `routing=`.
+    With `max_staleness` set and a batch key `staleness` `[B, T]` (learner version minus the
+    token's policy version, `coder.rl.learner.Learner.batch`), stale tokens carry no loss
+    (`staleness_mask`). `loss` and `tis_cap` pick the surrogate (`policy_loss`).
     `normalizer` may be a number or the batch key "normalizer" (a scalar) when it varies.
     """
 
@@ -175,10 +301,15 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
                           mtp=False)  # GRPO trains the policy head only
         logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
         mask = batch["loss_mask"] * valid
+        stale = {}
+        if max_staleness is not None and "staleness" in batch:
+            mask, stale = staleness_mask(batch["staleness"], mask, max_staleness)
         norm = batch.get("normalizer", normalizer)
-        return policy_loss(
+        value, metrics = policy_loss(
             logp, batch["behaviour_logp"], batch["ref_logp"], batch["advantages"], mask,
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, normalizer=norm, entropy=ent,
+            loss=loss, tis_cap=tis_cap,
         )
+        return value, {**metrics, **stale}
 
     return loss_fn

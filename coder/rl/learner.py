@@ -1,16 +1,70 @@
-"""The training side of RL: the trainer with the GRPO loss and the frozen reference policy."""
+"""The training side of RL: the trainer with the GRPO loss and the frozen reference policy.
+
+The learner's version is its optimizer step count (`Learner.version`): the version its weights
+are handed to an engine (`set_weights(state, version)`) or published under
+(coder.rl.weight_sync). `Learner.batch` turns each token's recorded policy version into its
+staleness (learner version - policy version) and the loss drops the tokens more than
+`grpo.max_staleness` behind (coder.rl.grpo.staleness_mask).
+
+The reference policy is the weights the stage started from. A fresh stage copies the trainer's
+initial weights and records, in `{stage_dir}/reference.json`, where they came from (init_from
+pinned to the checkpoint step it resolved to) and a checksum of every variable; a resumed stage
+rebuilds them from that source and checks every checksum, so a resumed run trains against the
+same reference bit for bit or stops and says why.
+"""
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from coder.rl import grpo
 from coder.rl import rollout as rollout_lib
+from coder.train import checkpoint as ckpt_lib
 from coder.train.trainer import Trainer
 from coder.train.state import build_model, copy_model, load_into
+
+REFERENCE_RECORD = "reference.json"
+
+
+def _mix(x):
+    """uint32 avalanche (murmur3's finaliser)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _checksum(x) -> jax.Array:
+    """uint32 checksum of an array's bits and positions: a wrapping sum of per-element hashes,
+    so neither the sharding nor the reduction order changes it."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = x.dtype.itemsize
+        uint = {1: jnp.uint8, 2: jnp.uint16}.get(width, jnp.uint32)
+        bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)  # width 8: [..., 2]
+    pos = jnp.uint32(1)
+    for d in range(bits.ndim):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
+        pos = pos + iota * jnp.uint32(0x9E3779B1 + 2 * d)
+    return jnp.sum(_mix(_mix(bits) ^ _mix(pos + jnp.uint32(0x27D4EB2F))), dtype=jnp.uint32)
+
+
+def fingerprint(model: nnx.Module) -> dict[str, int]:
+    """{flat variable name: uint32 checksum} of every variable of `model` (params, router bias)."""
+    flat = ckpt_lib.state_to_flat(nnx.state(model))
+    sums = jax.jit(lambda f: {k: _checksum(v) for k, v in f.items()})(flat)
+    return {k: int(np.asarray(v.addressable_data(0))) for k, v in sums.items()}
 
 
 class Learner:
@@ -18,7 +72,11 @@ class Learner:
 
     def __init__(self, config, stage_dir, init_from, model_fn=None, tokenizer=None):
         self.config = config
+        self.stage_dir = stage_dir
         g, acc = config.grpo, int(config.train.grad_accum)
+        if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:
+            raise ValueError(f"grpo.max_staleness={g.max_staleness} and grpo.tis_cap={g.tis_cap} "
+                             "must be >= 0 (tis_cap 0 = off)")
         tokens_per_group = int(g.tokens_per_group) or int(config.rl.group_size) * int(config.rl.max_rollout_tokens)
         # Constant normalizer: tokens per group budget x groups per step. The trainer averages
         # micro-batch losses, so each micro-batch divides by 1/accum of it (sum / normalizer).
@@ -26,7 +84,8 @@ class Learner:
         loss_fn = grpo.grpo_loss_fn(clip_low=float(g.clip_low), clip_high=float(g.clip_high),
                                     kl_coef=float(g.kl_coef), normalizer=self.normalizer,
                                     temperature=float(config.rl.temperature),
-                                    router_replay=bool(g.router_replay))
+                                    router_replay=bool(g.router_replay),
+                                    max_staleness=int(g.max_staleness), tis_cap=float(g.tis_cap))
         self.trainer = Trainer(config, stage_dir, loss_fn, init_from=init_from, model_fn=model_fn,
                                stage="grpo", tokenizer=tokenizer)  # saved in its checkpoints
         self.ref = self._reference(init_from, model_fn)
@@ -41,22 +100,57 @@ class Learner:
         self._ref_state = nnx.state(self.ref)
         self.row_multiple = jax.device_count() * acc
 
+    @property
+    def version(self) -> int:
+        """The policy version of the learner's current weights: its optimizer step count."""
+        return self.trainer.step
+
     def _reference(self, init_from, model_fn):
-        """The frozen reference policy: the weights this stage started from.
+        """The frozen reference policy: the weights this stage started from (module docstring).
 
-        Fresh stage: a copy of the trainer's initial weights. Resumed stage: the same weights
-        rebuilt (init_from's checkpoint, or the seeded initialisation when there is none).
+        Fresh stage: a copy of the trainer's initial weights, recorded in reference.json. Resumed
+        stage: rebuilt from the recorded source (init_from's checkpoint step, or the seeded
+        initialisation / `model_fn` when there is none), every variable (the router bias
+        included), and checked against the recorded checksums.
         """
+        record_path = epath.Path(self.stage_dir) / REFERENCE_RECORD
         if self.trainer.step == 0:
-            return copy_model(self.trainer.model)
-        m = build_model(self.config, self.trainer.mesh, model_fn=model_fn)
-        if init_from:  # every variable, the router bias included
-            load_into(m, init_from)
-        return m
+            ref = copy_model(self.trainer.model)
+            source = init_from
+            if init_from and not _is_hf(init_from):
+                source = ckpt_lib.step_dir(init_from)  # pinned: init_from's latest step may move
+            if jax.process_index() == 0:
+                record_path.parent.mkdir(parents=True, exist_ok=True)
+                record_path.write_text(json.dumps({"init_from": source, "checksums": fingerprint(ref)}))
+            return ref
+        record = json.loads(record_path.read_text()) if record_path.exists() else None
+        source = record["init_from"] if record is not None else init_from
+        ref = build_model(self.config, self.trainer.mesh, model_fn=model_fn)
+        if source:
+            load_into(ref, source)  # every variable, the router bias included
+        if record is None:
+            logging.warning("[grpo] %s has no %s: the reference policy is rebuilt from %s unchecked",
+                            self.stage_dir, REFERENCE_RECORD, source or "the seeded initialisation")
+            return ref
+        mine, saved = fingerprint(ref), record["checksums"]
+        diff = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+        if diff:
+            raise ValueError(
+                f"[grpo] the reference policy rebuilt on resume from "
+                f"{source or 'the seeded initialisation (model_fn)'} differs from the one this stage "
+                f"started with in {len(diff)} variables, e.g. {diff[:4]}: that source changed since; "
+                f"restore it, or restart the stage from scratch (delete {self.stage_dir})")
+        return ref
 
-    def batch(self, groups: list[list]) -> dict:
+    def batch(self, groups: list[list], version: int | None = None) -> dict:
         """The GRPO batch of the step's rollouts (rows padded to a power of two, multiple of
-        devices x grad_accum, so few shapes compile) with the reference logprobs."""
+        devices x grad_accum, so few shapes compile) with the reference logprobs.
+
+        `staleness` `[R, T]` int32 = `version` (default: the learner's) minus each token's policy
+        version (0 on tokens no policy sampled); the loss drops tokens more than
+        grpo.max_staleness behind (coder.rl.grpo.staleness_mask).
+        """
+        version = self.version if version is None else int(version)
         rollouts = [r for g in groups for r in g]
         n = sum(len(r.generations) for r in rollouts if not r.infra_error)
         rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
@@ -67,8 +161,15 @@ class Learner:
             b["expert_ids"] = np.maximum(b["expert_ids"], 0)  # unrouted tokens predict nothing
             if not self.config.grpo.router_replay:
                 del b["expert_ids"]
-        b.pop("policy_version")
+        pv = b.pop("policy_version")
+        b["staleness"] = np.where(pv >= 0, version - pv, 0).astype(np.int32)
         return b
 
     def update(self, groups: list[list]) -> dict:
         return self.trainer.train_step(self.batch(groups))
+
+
+def _is_hf(path: str) -> bool:
+    from coder.model import hf_import
+
+    return hf_import.is_hf_checkpoint(path)
