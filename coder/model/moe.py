@@ -111,9 +111,15 @@ def block_grouped_matmul(x, w, group_sizes, block: int = GMM_BLOCK):
     sum give zeros) -> `[M, N]`. Each group's rows are placed at a block-aligned offset, every
     block is multiplied by its group's weight (`[blocks, block, K] x [blocks, K, N]`), and the
     rows are gathered back: (M + G*block) * K * N multiply-adds instead of the M * G * K * N
-    that XLA's CPU lowering of `ragged_dot` performs.
+    that XLA's CPU lowering of `ragged_dot` performs. With fewer rows than padding blocks
+    would hold (decoding: a few tokens), each row is multiplied by its own group's gathered
+    weight instead: M * K * N, no padding.
     """
     m, g = x.shape[0], w.shape[0]
+    if m * 2 <= g * block:  # static: small M (decode) pays less gathering M weights than padding
+        grp = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+        y = jnp.einsum("mk,mkn->mn", x, w[jnp.minimum(grp, g - 1)])
+        return jnp.where((grp < g)[:, None], y, 0).astype(x.dtype)
     n_blocks = -(-(m + g * block) // block)
     padded = -(-group_sizes // block) * block
     start = jnp.cumsum(group_sizes) - group_sizes  # first row of each group in x
