@@ -1,0 +1,144 @@
+"""Weight store (coder/rl/weight_sync.py) on real GRPO-sized updates: bytes per version against
+the full serving-dtype weights, seconds per publish and per load.
+
+    python bench/weight_sync.py [--config configs/quickstart.py] [--lr 1e-6 3e-6] [--steps 4]
+                                [--dtype bfloat16] [--anchor_every 10] [--model hidden_size=512 ...]
+
+The config's model (float32 master weights, the seeded initialisation) takes `--steps` optimizer
+steps of the project's optimizer (coder.train.optim.make_optimizer: AdamW, b1 0.9, b2 0.95, weight
+decay 0.1, global-norm clipping 1; constant lr) on the next-token loss of random tokens. After
+each step the weights are cast to the serving dtype and published as the next version to a
+local directory; version 0 (the start) is an anchor, the rest deltas. Per version it prints the
+bytes written / the full serving-dtype bytes, the share of elements whose serving-dtype bits
+changed, publish seconds, a reader's poll (apply one delta) seconds, and a fresh load's (anchor
++ every delta since) seconds; then the delta codec on the first update without byte planes and
+at other zstd levels.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import zstandard  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from coder.model import Transformer  # noqa: E402
+from coder.rl import weight_sync  # noqa: E402
+from coder.train import checkpoint as ckpt_lib  # noqa: E402
+from coder.train.losses import next_token_loss  # noqa: E402
+from coder.train.optim import make_optimizer  # noqa: E402
+
+
+def _config(path: str, overrides: list[str]):
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    for kv in overrides:
+        k, v = kv.split("=", 1)
+        c.model[k] = type(c.model[k])(v)
+    return c
+
+
+def _serving(params: nnx.State, dtype) -> dict:
+    return {k: np.asarray(v).astype(dtype) for k, v in ckpt_lib.state_to_flat(params).items()}
+
+
+def run(args) -> None:
+    c = _config(args.config, args.model)
+    c.train.update(dict(lr=args.lr, warmup_steps=0, min_lr_ratio=1.0, steps=10 ** 6))
+    dtype = np.dtype(getattr(ml_dtypes, args.dtype, None) or args.dtype)
+    model = Transformer(c.model, rngs=nnx.Rngs(int(c.seed)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = make_optimizer(c.train)
+    opt = tx.init(params)
+    b, t = int(c.data.batch_size), min(int(c.data.seq_len), 256)
+
+    @jax.jit
+    def step(params, opt, tokens):
+        def loss(p):
+            logits, _ = nnx.merge(graphdef, p, rest)(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
+                                                     jnp.ones((b, t), jnp.int32), mtp=False)
+            return next_token_loss(logits, dict(tokens=tokens, segment_ids=jnp.ones((b, t), jnp.int32),
+                                                loss_mask=jnp.ones((b, t), jnp.float32)))[0]
+
+        g = jax.grad(loss)(params)
+        updates, opt = tx.update(g, opt, params)
+        return jax.tree.map(lambda p, u: p + u, params, updates), opt
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    print(f"model {os.path.basename(args.config)} {dict((kv.split('=') for kv in args.model))}: "
+          f"{n_params / 1e6:.2f}M params, serving dtype {dtype.name}, lr {args.lr:g}, "
+          f"anchor_every {args.anchor_every}")
+    url = os.path.join(tempfile.mkdtemp(), "store")
+    pub = weight_sync.WeightPublisher(url, anchor_every=args.anchor_every)
+    reader = weight_sync.WeightReader(url)
+    rng = np.random.default_rng(0)
+    prev, first_delta = None, None
+    print(f"{'version':>7} {'kind':>6} {'bytes':>11} {'/ full':>8} {'changed':>8} {'publish s':>10} "
+          f"{'poll s':>8} {'load s':>8}")
+    for v in range(args.steps + 1):
+        if v:
+            tokens = jnp.asarray(rng.integers(0, int(c.model.vocab_size), (b, t)), jnp.int32)
+            params, opt = step(params, opt, tokens)
+        flat = _serving(params, dtype)
+        info = pub.publish(v, flat)
+        t0 = time.perf_counter()
+        got_v, got = reader.poll()
+        poll_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        weight_sync.load(url, v)
+        load_s = time.perf_counter() - t0
+        assert got_v == v and all(got[k].tobytes() == flat[k].tobytes() for k in flat)
+        changed = "-"
+        if prev is not None:
+            n_changed = sum(int((flat[k].reshape(-1).view(np.uint8).reshape(flat[k].size, -1)
+                                 != prev[k].reshape(-1).view(np.uint8).reshape(prev[k].size, -1)).any(-1).sum())
+                            for k in flat)
+            changed = f"{n_changed / n_params:.2%}"
+            if first_delta is None:
+                first_delta = (prev, flat)
+        kind = "anchor" if info["delta_leaves"] == 0 else "delta"
+        print(f"{v:>7} {kind:>6} {info['bytes']:>11,} {info['bytes'] / info['raw_bytes']:>8.2%} "
+              f"{changed:>8} {info['seconds']:>10.4f} {poll_s:>8.4f} {load_s:>8.4f}")
+        prev = flat
+    if first_delta is not None:
+        prev, flat = first_delta
+        full = sum(x.nbytes for x in flat.values())
+        print("delta codec on the first update (bytes / full):")
+        for level in (1, 3, 9):
+            for planes in (False, True):
+                total = 0
+                for k in flat:
+                    xor = np.bitwise_xor(flat[k].reshape(-1).view(np.uint8), prev[k].reshape(-1).view(np.uint8))
+                    if planes:
+                        xor = weight_sync._planes(xor, flat[k].dtype.itemsize)
+                    total += len(zstandard.ZstdCompressor(level=level).compress(xor.tobytes()))
+                print(f"  zstd level {level} {'byte planes' if planes else 'interleaved'}: {total / full:.2%}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py"))
+    ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--anchor_every", type=int, default=10)
+    ap.add_argument("--model", nargs="*", default=[], help="model config overrides key=value")
+    args = ap.parse_args()
+    for lr in args.lr:
+        run(argparse.Namespace(**{**vars(args), "lr": lr}))
+
+
+if __name__ == "__main__":
+    main()
