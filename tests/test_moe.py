@@ -176,3 +176,23 @@ def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
     y0, stats0 = dropless(x, valid)
     np.testing.assert_allclose(out, np.asarray(y0).reshape(32, 16), atol=2e-5)
     assert not np.asarray(dropped).any() and "dropped" not in stats0
+
+
+def test_dense_ffn_equals_sorted_ffn():
+    """The CPU decode form (every local expert on every token) equals the sorted grouped form,
+    values and gradients, with pairs routed to experts that are not local (expert parallelism)."""
+    from coder.model.moe import dense_ffn, sorted_ffn
+
+    k = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(k[0], (6, 16))
+    ids = jax.random.randint(k[1], (6, 2), 0, 8)
+    w = jax.random.uniform(k[2], (6, 2))
+    wg, wu = jax.random.normal(k[3], (4, 16, 8)), jax.random.normal(k[4], (4, 16, 8))
+    wd = jax.random.normal(k[5], (4, 8, 16))
+    for first in (0, 4, 2):  # experts first..first+3 are local
+        f = lambda *a: dense_ffn(*a, first_expert=first)
+        g = lambda *a: sorted_ffn(*a, first_expert=first)
+        np.testing.assert_allclose(f(x, ids, w, wg, wu, wd), g(x, ids, w, wg, wu, wd), rtol=1e-5, atol=1e-4)
+        loss = lambda fn: jax.grad(lambda x, wg, wd: jnp.sum(fn(x, ids, w, wg, wu, wd) ** 2), (0, 1, 2))
+        for a, b in zip(loss(f)(x, wg, wd), loss(g)(x, wg, wd)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)

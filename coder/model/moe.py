@@ -28,6 +28,8 @@ to its owner. This padded, all-gather form runs on every backend (CPU included);
 from __future__ import annotations
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -116,9 +118,13 @@ def block_grouped_matmul(x, w, group_sizes, block: int = GMM_BLOCK):
     weight instead: M * K * N, no padding.
     """
     m, g = x.shape[0], w.shape[0]
-    if m * 2 <= g * block:  # static: small M (decode) pays less gathering M weights than padding
+    if m * 2 <= g * block:  # static: few rows (decode) do not fill padded blocks
         grp = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
-        y = jnp.einsum("mk,mkn->mn", x, w[jnp.minimum(grp, g - 1)])
+        if m < g:  # fewer rows than groups: gather each row's weight (reads m weights)
+            y = jnp.einsum("mk,mkn->mn", x, w[jnp.minimum(grp, g - 1)])
+        else:  # every row through every group's weight (reads each weight once), keep its own
+            y = jnp.einsum("mk,gkn->mgn", x, w)
+            y = jnp.take_along_axis(y, jnp.minimum(grp, g - 1)[:, None, None], axis=1)[:, 0]
         return jnp.where((grp < g)[:, None], y, 0).astype(x.dtype)
     n_blocks = -(-(m + g * block) // block)
     padded = -(-group_sizes // block) * block
@@ -147,14 +153,42 @@ def grouped_matmul(x, w, group_sizes):
                                       default=jax.lax.ragged_dot)
 
 
+DENSE_FFN_MAX = 512  # tokens x local experts up to which CPU runs every expert on every token
+
+
+def dense_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
+    """`grouped_ffn`'s result with every local expert run on every token, each token keeping its
+    routed experts' outputs: N * El expert FFNs instead of N * k, and no sort, gather or scatter.
+    On CPU that is the fastest form when N * El is small (decoding a few rows), where the
+    sorted form's dozens of tiny ops cost more than the matmuls. Shapes as `grouped_ffn`."""
+    n, n_local = x.shape[0], wg.shape[0]
+    local = ids - first_expert
+    slot = jnp.where((local >= 0) & (local < n_local), local, n_local)  # n_local: dropped
+    combine = jnp.zeros((n, n_local), jnp.float32).at[jnp.arange(n)[:, None], slot].add(weights, mode="drop")
+    dt = x.dtype
+    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, wg.astype(dt))) * jnp.einsum("nd,edf->nef", x, wu.astype(dt))
+    y = jnp.einsum("nef,efd->ned", h, wd.astype(dt)).astype(jnp.float32)
+    return jnp.einsum("ned,ne->nd", y, combine).astype(dt)
+
+
 def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     """Dropless SwiGLU experts for the (token, expert) pairs whose expert is local.
 
     x `[N, D]`, ids/weights `[N, k]`, wg/wu `[El, D, F]`, wd `[El, F, D]` hold experts
     first_expert .. first_expert+El-1. Returns `sum_j weights_j * FFN_{ids_j}(x)` over the local
     pairs, `[N, D]` in x.dtype. Pairs of other experts are sorted past the last group, where
-    the grouped matmul produces zeros.
+    the grouped matmul produces zeros. With N * El <= DENSE_FFN_MAX the CPU lowering is
+    `dense_ffn` (decoding); other platforms always take the sorted form.
     """
+    if x.shape[0] * wg.shape[0] <= DENSE_FFN_MAX:
+        return jax.lax.platform_dependent(x, ids, weights, wg, wu, wd, cpu=functools.partial(
+            dense_ffn, first_expert=first_expert), default=functools.partial(
+            sorted_ffn, first_expert=first_expert))
+    return sorted_ffn(x, ids, weights, wg, wu, wd, first_expert)
+
+
+def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
+    """`grouped_ffn` by sorting the pairs by expert and one grouped matmul per projection."""
     n, k = ids.shape
     n_local = wg.shape[0]
     local = ids.reshape(-1) - first_expert
