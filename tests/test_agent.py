@@ -504,6 +504,7 @@ def test_concurrent_actor_matches_group_by_group_and_overlaps_tools(tok):
         groups = actor.collect(tasks, jax.random.key(0))
         assert [[r.task_id for r in g] for g in groups] == [["t0", "t0"], ["t1", "t1"]]
         assert all(r.finish == "submit" and r.correct for g in groups for r in g)
+        assert len(engine.groups) == len(tasks)  # each task's prompt prefilled once for its G rows
         out[concurrent] = groups, list(spans)
         m = actor_lib.rollout_metrics(groups)
         assert m["tool_wait_s_sum"] >= 4 * 2 * 0.2 and m["tool_wait_s"] >= 2 * 0.2

@@ -195,8 +195,8 @@ class Actor:
                 if episode is not None:
                     episode.close()
 
-        jobs = [(t, _SharedGroup(g), i, jax.random.fold_in(rng, b)) for b, t in enumerate(tasks)
-                for i in range(g)]
+        shared = [_SharedGroup(g) for _ in tasks]
+        jobs = [(t, shared[b], i, jax.random.fold_in(rng, b)) for b, t in enumerate(tasks) for i in range(g)]
         with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rollout") as ex:
             futures = [ex.submit(rollout, *job) for job in jobs]
             flat = [f.result() for f in futures]
