@@ -2,6 +2,7 @@
 staleness, truncated importance weights, the loss registry, and the learner's reference on resume."""
 import json
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -384,6 +385,18 @@ def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from):
     assert biases and all(np.abs(want[k]).min() > 0 for k in biases)  # the check is not vacuous
     metrics = fresh.trainer.train_step(_learner_batch())
     assert float(metrics["stale_tokens"]) == 8 * 3  # staleness 3 > 1 on targets 1..3 of each row
+    # Learner.batch: staleness = the learner's version - each sampled token's policy version
+    from coder.rl import trajectory
+
+    gen = trajectory.Generation()
+    gen.add_context([5, 6, 7])
+    gen.add_sampled(types.SimpleNamespace(tokens=[8, 9, 10], logprobs=[-1.0, -2.0, -3.0],
+                                          policy_version=[0, 1, 1]))
+    rollout = trajectory.Rollout(task_id="t", generations=[gen], advantage=1.0)
+    b = fresh.batch([[rollout]])
+    assert "policy_version" not in b
+    np.testing.assert_array_equal(b["staleness"][0, :7], [0, 0, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(fresh.batch([[rollout]], version=3)["staleness"][0, :6], [0, 0, 0, 3, 2, 2])
     fresh.trainer.save(force=True)
     fresh.trainer.ckpt.wait()
     if with_init_from:  # init_from's directory gets a newer checkpoint with other weights

@@ -25,7 +25,7 @@ from etils import epath
 from flax import nnx
 
 from coder.rl import grpo
-from coder.rl import rollout as rollout_lib
+from coder.rl import trajectory
 from coder.train import checkpoint as ckpt_lib
 from coder.train.trainer import Trainer
 from coder.train.state import build_model, copy_model, load_into
@@ -155,7 +155,7 @@ class Learner:
         n = sum(len(r.generations) for r in rollouts if not r.infra_error)
         rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
         rows = -(-rows // self.row_multiple) * self.row_multiple
-        b = rollout_lib.to_batch(rollouts, int(self.config.rl.context_budget), rows)
+        b = trajectory.to_batch(rollouts, int(self.config.rl.context_budget), rows)
         b["ref_logp"] = np.asarray(self._ref_logp(self._ref_state, b["tokens"], b["positions"], b["segment_ids"]))
         if "expert_ids" in b:
             b["expert_ids"] = np.maximum(b["expert_ids"], 0)  # unrouted tokens predict nothing
