@@ -6,7 +6,8 @@ the full serving-dtype weights, seconds per publish and per load.
 
 The config's model (float32 master weights, the seeded initialisation) takes `--steps` optimizer
 steps of the project's optimizer (coder.train.optim.make_optimizer: AdamW, b1 0.9, b2 0.95, weight
-decay 0.1, global-norm clipping 1; constant lr) on the next-token loss of random tokens. After
+decay 0.1, global-norm clipping 1; constant lr) on the GRPO loss (coder.rl.grpo.policy_loss,
+on-policy, every token a policy token, a random advantage per row) of random tokens. After
 each step the weights are cast to the serving dtype and published as the next version to a
 local directory; version 0 (the start) is an anchor, the rest deltas. Per version it prints the
 bytes written / the full serving-dtype bytes, the share of elements whose serving-dtype bits
@@ -33,9 +34,8 @@ import zstandard  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from coder.model import Transformer  # noqa: E402
-from coder.rl import weight_sync  # noqa: E402
+from coder.rl import grpo, weight_sync  # noqa: E402
 from coder.train import checkpoint as ckpt_lib  # noqa: E402
-from coder.train.losses import next_token_loss  # noqa: E402
 from coder.train.optim import make_optimizer  # noqa: E402
 
 
@@ -65,12 +65,15 @@ def run(args) -> None:
     b, t = int(c.data.batch_size), min(int(c.data.seq_len), 256)
 
     @jax.jit
-    def step(params, opt, tokens):
-        def loss(p):
+    def step(params, opt, tokens, adv):
+        def loss(p):  # the GRPO loss, on-policy: behaviour = reference = the current model
+            segs = jnp.ones((b, t), jnp.int32)
             logits, _ = nnx.merge(graphdef, p, rest)(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                                                     jnp.ones((b, t), jnp.int32), mtp=False)
-            return next_token_loss(logits, dict(tokens=tokens, segment_ids=jnp.ones((b, t), jnp.int32),
-                                                loss_mask=jnp.ones((b, t), jnp.float32)))[0]
+                                                     segs, mtp=False)
+            logp, _, valid = grpo.target_logp(logits, tokens, segs)
+            old = jax.lax.stop_gradient(logp)
+            return grpo.policy_loss(logp, old, old, adv, valid, clip_low=0.2, clip_high=0.28,
+                                    kl_coef=0.001, normalizer=float(b * t))[0]
 
         g = jax.grad(loss)(params)
         updates, opt = tx.update(g, opt, params)
@@ -90,7 +93,8 @@ def run(args) -> None:
     for v in range(args.steps + 1):
         if v:
             tokens = jnp.asarray(rng.integers(0, int(c.model.vocab_size), (b, t)), jnp.int32)
-            params, opt = step(params, opt, tokens)
+            adv = jnp.asarray(rng.normal(size=(b,)), jnp.float32)  # one rollout per row
+            params, opt = step(params, opt, tokens, adv)
         flat = _serving(params, dtype)
         info = pub.publish(v, flat)
         t0 = time.perf_counter()
