@@ -576,7 +576,9 @@ def gc(url: str, keep_from: int) -> dict:
     for v in dirs:
         if v < keep_from:
             continue
-        m = cache.setdefault(v, _read_manifest(fs, root, v))
+        if v not in cache:
+            cache[v] = _read_manifest(fs, root, v)
+        m = cache[v]
         if m is None:
             continue
         try:
