@@ -197,6 +197,65 @@ def test_two_processes_resume_their_own_data_positions(tmp_path):
     assert (step_dir / "tokenizer" / "metadata").exists()
 
 
+def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str):
+    """Two GRPO steps and the agent eval of tests/test_rl_learning.py's in-process task: the
+    learner on the global mesh (every process's devices), each process's actor (engine) on its
+    own devices with its share of the tasks. Prints the metrics and the eval summary."""
+    import jax
+
+    if num_processes > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                                   num_processes=num_processes, process_id=process_id)
+    from flax import nnx
+
+    from coder.model import Transformer
+    from coder.stages import grpo as grpo_stage
+    from tests import test_rl_learning as rl_test
+
+    tok = rl_test.tokenizer()
+    cfg = rl_test.tiny_config(tok, 256)
+    cfg.rl.update(dict(group_size=2, tasks_per_step=2, eval_num_tasks=2, eval_samples=2))
+    cfg.train.update(dict(steps=2, ckpt_every=1000))
+    cfg.grpo.kl_coef = 0.01
+    tasks = rl_test.make_tasks(6, seed=0)
+    answer = {t.id: k for t, k in tasks}
+    stage_dir = os.path.join(workdir, "grpo")
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=[t for t, _ in tasks[:4]],
+                     held_out=[t for t, _ in tasks[4:]], model_fn=lambda: Transformer(cfg.model, rngs=nnx.Rngs(3)),
+                     make_episode=lambda task: rl_test.SubmitEpisode(answer[task.id]))
+    out = {"process": jax.process_index(), "devices": jax.device_count(), "local": jax.local_device_count()}
+    if jax.process_index() == 0:
+        with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
+            out["metrics"] = [json.loads(line) for line in f]
+        evals = sorted(os.listdir(os.path.join(stage_dir, "agent_eval")))
+        with open(os.path.join(stage_dir, "agent_eval", evals[-1])) as f:
+            out["eval"] = json.load(f)["summary"]
+    print("GRPO " + json.dumps(out), flush=True)
+
+
+@pytest.mark.slow
+def test_grpo_and_agent_eval_on_a_4_device_mesh_and_on_two_processes(tmp_path):
+    """GRPO (learner + engine + agent eval) on one process with 4 devices, and on two processes
+    with 4 devices each (the learner spans both, each actor decodes on its own 4): the stage
+    runs, logs both steps and writes the eval report."""
+    def run(procs):
+        outs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-4000:]
+            outs.append(json.loads(next(x for x in out.splitlines() if x.startswith("GRPO "))[5:]))
+        return outs
+
+    (single,) = run([_spawn(0, 1, 4, _free_port(), str(tmp_path / "single"), "grpo")])
+    port = _free_port()
+    pair = run([_spawn(i, 2, 4, port, str(tmp_path / "multi"), "grpo") for i in range(2)])
+    assert (single["devices"], pair[0]["devices"], pair[1]["local"]) == (4, 8, 4)
+    for out in (single, pair[0]):
+        assert [m["step"] for m in out["metrics"]] == [1, 2]
+        assert all(np.isfinite(m["loss"]) and m["engine_tokens_per_s"] > 0 for m in out["metrics"])
+        assert set(out["eval"]) >= {"pass@1"} and 0.0 <= out["eval"]["pass@1"] <= 1.0
+
+
 if __name__ == "__main__":
-    main = resume_worker if sys.argv[5:] == ["resume"] else worker
+    main = {"resume": resume_worker, "grpo": grpo_worker}.get(sys.argv[5] if sys.argv[5:] else "", worker)
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -26,6 +26,20 @@ import jax
 import numpy as np
 
 
+def _gather(records: list) -> list:
+    """Every process's JSON-able records, concatenated (the records themselves when alone)."""
+    if jax.process_count() == 1:
+        return records
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(records).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int32(data.size))
+    padded = np.zeros((int(np.max(sizes)),), np.uint8)
+    padded[:data.size] = data
+    everyone = multihost_utils.process_allgather(padded)
+    return [r for row, n in zip(everyone, sizes) for r in json.loads(bytes(row[:int(n)]).decode())]
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (requires k <= n)."""
     if k > n:
@@ -95,17 +109,20 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     agent = agent_lib.Agent(engine, tokenizer, rl, stage_lib.sampling_params(rl))
     rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
     t0 = time.perf_counter()
-    per_task, counts, infra = [], [], 0
+    per_task = []
+    processes, pid = jax.process_count(), jax.process_index()
     for i, task in enumerate(tasks):
+        if i % processes != pid:  # each process's actor evaluates its share of the tasks
+            continue
         episodes = [make_episode(task) for _ in range(int(rl.eval_samples))]
         rollouts = agent.run_group(task.id, task.prompt, episodes, jax.random.fold_in(rng, i))
         valid = [r for r in rollouts if not r.infra_error]
-        infra += len(rollouts) - len(valid)
-        c = sum(r.correct for r in valid)
-        counts.append((len(valid), c))
-        per_task.append({"id": task.id, "n": len(valid), "correct": int(c),
+        per_task.append({"index": i, "id": task.id, "n": len(valid), "correct": int(sum(r.correct for r in valid)),
                          "mean_test_reward": float(np.mean([r.test_reward for r in valid])) if valid else None,
                          "infra_failures": len(rollouts) - len(valid)})
+    per_task = sorted(_gather(per_task), key=lambda t: t.pop("index"))
+    counts = [(t["n"], t["correct"]) for t in per_task]
+    infra = sum(t["infra_failures"] for t in per_task)
     summary = summarize(counts, ks)
     report_dir = os.path.join(stage_dir, "agent_eval")
     os.makedirs(report_dir, exist_ok=True)
@@ -116,6 +133,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
         logging.warning("agent eval at step %d: pass@1 %.3f regressed from %.3f (step %d) by more than %.3f",
                         step, summary["pass@1"], prev["summary"]["pass@1"], prev["step"], margin)
     path = os.path.join(report_dir, f"step_{step:08d}.json")
+    if jax.process_index() != 0:  # every process has the same summary; process 0 writes it
+        return {**summary, "num_tasks": len(tasks), "infra_failures": infra, "regressed": regressed, "report": path}
     report = {"step": step, "summary": summary, "num_tasks": len(tasks), "samples": int(rl.eval_samples),
               "infra_failures": infra, "regressed": regressed,
               "previous_step": None if prev is None else prev["step"], "tasks": per_task,

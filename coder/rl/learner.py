@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from coder.rl import grpo
 from coder.rl import trajectory
@@ -98,7 +99,7 @@ class Learner:
 
         self._ref_logp = jax.jit(ref_logp)
         self._ref_state = nnx.state(self.ref)
-        self.row_multiple = jax.device_count() * acc
+        self.row_multiple = jax.local_device_count() * acc  # rows this process feeds per step
 
     @property
     def version(self) -> int:
@@ -153,10 +154,14 @@ class Learner:
         version = self.version if version is None else int(version)
         rollouts = [r for g in groups for r in g]
         n = sum(len(r.generations) for r in rollouts if not r.infra_error)
+        if jax.process_count() > 1:  # every process feeds the same number of rows: the largest
+            n = int(np.max(multihost_utils.process_allgather(np.int32(n))))
         rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
         rows = -(-rows // self.row_multiple) * self.row_multiple
         b = trajectory.to_batch(rollouts, int(self.config.rl.context_budget), rows)
-        b["ref_logp"] = np.asarray(self._ref_logp(self._ref_state, b["tokens"], b["positions"], b["segment_ids"]))
+        # reference logprobs of the global batch (each process's rows on its own devices)
+        inputs = self.trainer.device_batch({k: b[k] for k in ("tokens", "positions", "segment_ids")})
+        b["ref_logp"] = self._ref_logp(self._ref_state, inputs["tokens"], inputs["positions"], inputs["segment_ids"])
         if "expert_ids" in b:
             b["expert_ids"] = np.maximum(b["expert_ids"], 0)  # unrouted tokens predict nothing
             if not self.config.grpo.router_replay:

@@ -79,6 +79,11 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
     validate(config)
     rl = config.rl
     b = int(rl.tasks_per_step)
+    processes, pid = jax.process_count(), jax.process_index()
+    if b % processes:
+        raise ValueError(f"rl.tasks_per_step={b} does not split over {processes} processes (each "
+                         "process's actor rolls out its share of every step's tasks)")
+    local = b // processes
     steps = min(int(config.train.steps), len(tasks) // b)
     if steps < int(config.train.steps):
         logging.warning("[grpo] %d tasks make %d single-epoch steps of %d tasks, fewer than "
@@ -98,7 +103,9 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
             s = trainer.step
             t0 = time.perf_counter()
             before = engine.stats()
-            groups = actor.collect(tasks[s * b:(s + 1) * b], jax.random.fold_in(key, s))
+            # each process's actor rolls out its share of the step's tasks on its own devices
+            mine = tasks[s * b + pid * local:s * b + (pid + 1) * local]
+            groups = actor.collect(mine, jax.random.fold_in(jax.random.fold_in(key, s), pid))
             t1 = time.perf_counter()
             score_groups(groups, rl)
             rollout_record.clear()
