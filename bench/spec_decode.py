@@ -30,12 +30,23 @@ import numpy as np
 
 
 def build_config(args):
-    """configs/quickstart.py with 2 MTP layers and the bench's step counts."""
+    """configs/quickstart.py with 2 MTP layers, the bench's step counts and (by default) a model
+    large enough that decoding one row is memory-bound on a CPU: --hidden 768 x --layers 8 dense
+    layers, ~90M float32 parameters (~370 MB), so reading the weights bounds a step and a
+    verify forward of k + 1 tokens costs about one of a single token."""
     from configs import quickstart
 
     c = quickstart.get_config()
     c.workdir = args.workdir
     c.model.num_mtp_layers = 2
+    if args.hidden:
+        heads = max(4, args.hidden // 96)
+        c.model.update(dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                            first_k_dense_replace=args.layers, num_attention_heads=heads, kv_lora_rank=args.hidden // 4,
+                            qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64))
+        c.data.batch_size = 4
+        c.data.seq_len = 128
+        c.model.max_position_embeddings = 256
     c.train.steps = args.pretrain_steps
     c.train.ckpt_every = args.pretrain_steps
     c.mtp.steps = args.mtp_steps
@@ -149,6 +160,8 @@ def main():
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decode_steps", type=int, default=32, help="decode steps per host call")
+    ap.add_argument("--hidden", type=int, default=768, help="model width (0: the quickstart model as is)")
+    ap.add_argument("--layers", type=int, default=8, help="dense trunk layers (with --hidden)")
     args = ap.parse_args()
 
     c = build_config(args)
@@ -159,6 +172,11 @@ def main():
 
     model = load_model(c, ckpt)
     prompts = heldout_prompts(c, ckpt, args.prompts, args.prompt_len)
+    from coder.model import count_params
+
+    n = count_params(c.model)
+    print(f"model: {n['total'] / 1e6:.1f}M trunk + {n['mtp'] / 1e6:.1f}M MTP parameters, "
+          f"{4 * (n['total'] + n['mtp']) / 2**20:.0f} MB float32")
     print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
           f"batch 1, {jax.device_count()} device(s), backend {jax.default_backend()}")
 
