@@ -64,6 +64,10 @@ def test_concurrent_rows_equal_rows_alone_and_join_and_leave(model_and_cfg):
         t.start()
     for t in threads:
         t.join(timeout=300)
+    streamed = []
+    g = engine.start_group(PROMPTS[2], 1)
+    again = engine.generate(g, PARAMS[2], jax.random.key(102), on_tokens=lambda row, t, lp: streamed.append(t))[0]
+    assert len(streamed) > 1 and sum(streamed, []) == again.tokens == ref[2].tokens  # streamed per call
     for i in range(4):
         assert results[i].tokens == ref[i].tokens, i
         np.testing.assert_allclose(results[i].logprobs, ref[i].logprobs, atol=1e-5, rtol=0)

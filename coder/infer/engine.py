@@ -14,6 +14,7 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
     gens = engine.generate(group, params, rng, rows=None) -> list[Generation]
         Decodes the given rows (default: every row not finished) until each stops. Thread-safe:
         calls from many threads (one per agent) run together in the same decode batches.
+        `on_tokens(row, tokens, logprobs)` streams each decode call's new tokens.
         Generation(tokens, logprobs, expert_ids `[n_tokens, moe_layers, top_k]` uint8/uint16,
         finish_reason "stop" | "length" | "max_len", policy_version per token). Row i samples
         with keys fold_in(fold_in(rng, i), position): its tokens do not depend on which rows
@@ -209,8 +210,11 @@ class Engine:
             r.tokens.extend(ids)
             r.finish_reason = None
 
-    def generate(self, group: Group, params: SamplingParams, rng, rows=None) -> list:
-        """Decode `rows` (default: all unfinished) until each stops; one Generation per row."""
+    def generate(self, group: Group, params: SamplingParams, rng, rows=None, on_tokens=None) -> list:
+        """Decode `rows` (default: all unfinished) until each stops; one Generation per row.
+
+        on_tokens: `fn(row, tokens, logprobs)`, called from the engine's thread with each decode
+        call's new tokens of a row (streaming); it must be quick and must not call the engine."""
         if rows is None:
             rows = [i for i, r in enumerate(group.rows) if r.finish_reason is None]
         rows = [int(r) for r in rows]
@@ -237,7 +241,8 @@ class Engine:
                     r = group.rows[i]
                     if r.request is not None:
                         raise RuntimeError(f"generate: row {i} is already being decoded")
-                    r.request = Request(params, key, call)
+                    stream = None if on_tokens is None else functools.partial(on_tokens, i)
+                    r.request = Request(params, key, call, stream)
                 self._wake()
             self._wait(call)
             for i in live:

@@ -69,6 +69,7 @@ class Request:
     params: SamplingParams
     rng: np.ndarray  # key data of fold_in(call rng, row): token keys fold in the position
     call: "Call"
+    on_tokens: object = None  # fn(tokens, logprobs) called with each decode call's new tokens
     gen: Generation = None
     stops: frozenset = frozenset()
 
@@ -264,6 +265,8 @@ class Scheduler:
             r.expert_chunks.append(experts)
             r.length += c
             r.logits_version = version
+            if req.on_tokens is not None:
+                req.on_tokens(new, gen.logprobs[-c:])
             if bool(out["stopped"][s]):
                 self.finish(r, "stop")
             elif r.length >= self.max_len:
