@@ -16,7 +16,7 @@ group (`coder.rl.grpo.valid_mask`).
     cost = w.thinking * thinking_tokens + w.tool_io * tool_io_tokens + w.output * output_tokens
          + w.tool_call * tool_calls + w.turn * turns
 
-(token classes are defined in `coder.rl.rollout.Rollout.usage`). The penalty is a concave,
+(token classes are defined in `coder.rl.trajectory.Rollout.usage`). The penalty is a concave,
 saturating curve of the cost whose scale grows with the task's difficulty:
 
     p     = pass rate of the task's group (valid rollouts)          difficulty = 1 - p
