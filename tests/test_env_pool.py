@@ -214,3 +214,18 @@ def test_dead_worker_turns_calls_into_infra_errors_and_is_restarted():
         fresh.close()
     with pytest.raises(ValueError, match="unknown tools"):
         EpisodePool(1, token_count=len, tools=("teleport",))
+
+
+def test_hung_worker_times_out_as_infra_error():
+    import pytest
+
+    from coder.env.protocol import ToolCall
+    from coder.env.sandbox import InfraError
+
+    ((task, _),) = toy_tasks(1, seed=7)
+    with EpisodePool(1, timeout_s=3.0, token_count=len) as pool:
+        pool.open("a", task)
+        with pytest.raises(InfraError, match="took more than"):
+            pool.call("a", ToolCall("shell", {"command": "sleep 20"}, ""))
+        pool.open("b", task)  # the killed worker is restarted
+        assert "exit code: 0" in pool.call("b", ToolCall("shell", {"command": "true"}, ""))

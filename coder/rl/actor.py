@@ -74,6 +74,13 @@ class EpisodeFactory:
             config.env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
             tool_timeout_s=float(rl.tool_timeout_s))
 
+    @property
+    def harness_timeout_s(self) -> float:
+        """Longest an env worker may take for one command (a tool call, lint, scoring) before
+        it counts as hung: the longest sandbox timeout, plus margin for the sandbox's setup."""
+        k = self.kwargs
+        return max(k["test_timeout_s"], k["tool_timeout_s"], k["limits"].timeout_s, 60.0) + 120.0
+
     def __call__(self, task) -> Episode:
         ep = Episode(**self.kwargs)
         ep.reset(task)
@@ -210,7 +217,7 @@ class Actor:
             return self.make_episode
         if self.pool is None:
             n = int(self.config.rl.env_workers) or min(n_rollouts, 16)
-            self.pool = EpisodePool(n, **self.make_episode.kwargs)
+            self.pool = EpisodePool(n, timeout_s=self.make_episode.harness_timeout_s, **self.make_episode.kwargs)
             self._finalizer = weakref.finalize(self, self.pool.close)
         return lambda task: PooledEpisode(self.pool, task)
 
