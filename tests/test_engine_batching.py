@@ -142,6 +142,11 @@ def test_all_slots_held_is_an_error_not_a_hang(model_and_cfg):
     held = engine.start_group(PROMPTS[0], 2)
     with pytest.raises(RuntimeError, match="are held by open groups"):
         engine.start_group(PROMPTS[1], 1)
+    held.release(1)  # one row done: its slot alone comes back
+    one = engine.start_group(PROMPTS[1], 1)
+    assert len(engine.generate(one, PARAMS[0], jax.random.key(0))[0].tokens) == 20
+    assert len(engine.generate(held, PARAMS[1], jax.random.key(0), rows=[0])[0].tokens) == 7
+    one.close()
     engine.admission_timeout_s = 60.0
     closer = threading.Timer(0.3, held.close)  # another agent finishes: its slots come back
     closer.start()

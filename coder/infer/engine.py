@@ -105,6 +105,11 @@ class Group:
         """The rows' model caches gathered from the pool: leaves `[n, capacity, ...]`."""
         return self._engine._gather_cache([r.slot for r in self.rows])
 
+    def release(self, row: int) -> None:
+        """Return one row's slot to the pool (the row is done: e.g. its agent moved on to a new
+        generation); the group's other rows keep theirs."""
+        self._engine._release([self.rows[row]])
+
     def close(self) -> None:
         self._finalizer()
 
@@ -378,7 +383,10 @@ class Engine:
 
     def _release(self, rows):
         with self._lock:
-            self.sched.to_release += [r.slot for r in rows if r.slot >= 0]
+            for r in rows:
+                if r.request is not None:
+                    raise RuntimeError("release: the row is being decoded by a generate call")
+            self.sched.to_release += [r.slot for r in rows if r.slot >= 0 and r.slot not in self.sched.to_release]
             if self._thread is not None:
                 self._lock.notify_all()
 
@@ -445,11 +453,17 @@ class Engine:
             self.policy_version = self.policy_version + 1 if pending[1] is None else int(pending[1])
 
     def _fit_pool(self, capacity_needed: int) -> None:
-        """Resize the store to the slot bucket covering the used slots and the length bucket
-        covering `capacity_needed` and every held row."""
+        """Resize the store to cover the used slots and `capacity_needed` (and every held row).
+
+        The slot count only grows (a batch bucket covering the highest slot ever used): it
+        settles at the workload's concurrency, so programs are not recompiled as groups come
+        and go. The capacity grows to the length bucket needed and shrinks only to a quarter
+        of itself or less (long rows gone), which bounds the shapes a run compiles."""
         held = max((r.length for r in self.sched.rows.values()), default=0)
-        slots = bucket(self.batch_buckets, max(self.sched.pool.high, 1))
+        slots = max(bucket(self.batch_buckets, max(self.sched.pool.high, 1)), self._slots)
         cap = bucket(self.len_buckets, max(capacity_needed, held, 1))
+        if self._capacity and cap < self._capacity and cap * 4 > self._capacity:
+            cap = self._capacity
         if self._store is not None and (slots, cap) == (self._slots, self._capacity):
             return
         target = jax.eval_shape(lambda: programs.empty_store(self.cfg, slots, cap, self.cache_dtype, self.spec_k))
