@@ -106,7 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.batches = 16  # held-out batches of data.batch_size rows (0 = the whole held-out split)
     c.eval.agent_tasks = 0  # > 0: also run coder.rl.eval.run_agent_eval on this many tasks
 
-    # Agent rollouts and rewards (coder/rl/rollout.py, reward.py, eval.py).
+    # Agent rollouts and rewards (coder/rl/agent.py, actor.py, reward.py, eval.py).
     c.rl = ml_collections.ConfigDict()
     c.rl.tasks = "toy"  # task source: "toy" (coder.env toy tasks) or a Task JSONL path/glob
     c.rl.eval_tasks = "toy"  # held-out tasks of the agent eval: "toy" or a Task JSONL path/glob
