@@ -4,12 +4,13 @@ Named configs (quickstart.py, deepseek_v3_671b.py, ...) start from `get_config()
 override what they need. Command-line overrides: `--config.train.lr=1e-4`. The config returned
 is locked: a key that is not defined here cannot be set anywhere, in a named config or on the
 command line (ml_collections raises naming the key and the keys that exist), so this file is the
-schema. Only `rl.aux_rewards` stays open: its names are checked against the registry of
-coder/rl/reward.py when the grpo stage is validated.
+schema. Only `rl.aux_rewards` and `realtime.signals` stay open: their names are checked against
+the registries of coder/rl/reward.py and coder/rl/realtime.py when the grpo / realtime stage is
+validated.
 
 Sections are owned by the part of the code that reads them:
   model -> coder/model, mesh -> coder/model/sharding.py, data -> coder/data,
-  train -> coder/train, longctx/sft/mtp/grpo/eval/compile -> the stage of that name.
+  train -> coder/train, longctx/sft/mtp/grpo/eval/compile/serve/realtime -> the stage of that name.
 """
 import ml_collections
 
@@ -197,6 +198,35 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.engine_max_len = 0
     c.compile.engine_prefill_len = 0
 
+    # Serving (coder/serve, stage "serve"): the OpenAI-compatible server over the engine.
+    c.serve = ml_collections.ConfigDict()
+    c.serve.host = "127.0.0.1"  # address the server listens on ("0.0.0.0": every interface)
+    c.serve.port = 8000  # port the server listens on
+    c.serve.model_name = "coder"  # the model id of GET /v1/models (a request naming another gets a 404)
+    c.serve.max_len = 0  # tokens of prompt + reply per sequence (0 = model.max_position_embeddings)
+    c.serve.max_slots = 32  # sequences the engine decodes at once (more requests wait for a slot)
+    c.serve.decode_steps = 8  # decode steps per engine call (a stream sends tokens this often)
+    c.serve.dtype = ""  # serving weights' dtype ("" = model.dtype); the weight store holds this dtype
+    c.serve.max_tokens = 512  # a request's default max_tokens
+    c.serve.system_prompt = ""  # preamble of the tools' system prompt when a request has no system message
+    c.serve.log_store = ""  # trajectory log URL ("" = {workdir}/serve/trajectories; "none" = no log)
+    c.serve.flush_seconds = 30.0  # a served completion reaches the log within this many seconds
+    c.serve.retention_days = 30.0  # days of trajectories and feedback kept (0 = forever)
+    c.serve.weight_store = ""  # weight store URL the server follows and the realtime stage publishes to
+    c.serve.poll_seconds = 10.0  # seconds between two polls of the weight store
+
+    # Real-time RL from production signals (coder/rl/realtime.py, stage "realtime").
+    c.realtime = ml_collections.ConfigDict()
+    c.realtime.cycles = 0  # cycles to run (0 = forever)
+    c.realtime.window = 18000.0  # seconds of served trajectories per cycle (5 hours)
+    c.realtime.steps = 4  # optimizer steps per cycle (the window's completions in as many minibatches)
+    c.realtime.lr = 1e-6  # constant learning rate of the stage
+    c.realtime.tokens_per_completion = 0  # loss normaliser per completion (0 = serve.max_tokens)
+    c.realtime.signals = ml_collections.ConfigDict(
+        dict(edit_kept=1.0, dissatisfied_followup=1.0, rating=1.0)
+    )  # production signal name -> reward weight (0 = off); registry in coder/rl/realtime.py
+
     c.lock()  # setting an unknown key (a typo) raises instead of adding a key nothing reads
     c.rl.aux_rewards.unlock()  # a registered auxiliary reward may be added (checked by grpo)
+    c.realtime.signals.unlock()  # a registered signal may be added (checked by realtime)
     return c
