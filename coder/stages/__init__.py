@@ -71,7 +71,15 @@ STAGES = {
     "eval": Stage("coder.stages.lm:evaluate", check="coder.stages.lm:check_eval",
                   tools=lambda c: tuple(SANDBOX_TOOLS) if int(c.eval.agent_tasks) > 0 else ()),
     "compile": Stage("coder.stages.compile:run"),
+    "serve": Stage("coder.stages.serve:run", check="coder.stages.serve:check"),
+    "realtime": Stage("coder.stages.realtime:run", (("realtime.lr", "train.lr"),),
+                      derive="coder.stages.realtime:realtime_config", check="coder.stages.realtime:validate",
+                      tools=lambda c: tuple(SANDBOX_TOOLS) if int(c.rl.eval_num_tasks) > 0 else ()),
 }
+
+# Stages that run beside a chain rather than in it (they serve, or learn from serving, the chain's
+# newest checkpoint): `--config.stage=serve` runs one even when the config file sets `stages`.
+SERVICES = ("serve", "realtime")
 
 # Stages that continue a trained model: the first stage of a run may be one only with init_from.
 NEEDS_CHECKPOINT = ("longctx", "mtp", "eval")
@@ -86,8 +94,9 @@ INHERITED_MODEL_KEYS = ARCH_KEYS
 
 
 def stage_names(config) -> list[str]:
-    """`config.stages` or `[config.stage]` (exactly one of them set); ValueError naming the key."""
-    if config.stages and config.stage:
+    """`config.stages` or `[config.stage]` (exactly one of them set, except that a SERVICES stage
+    in `config.stage` runs alone whatever `config.stages` says); ValueError naming the key."""
+    if config.stages and config.stage and config.stage not in SERVICES:
         raise ValueError(
             f"config.stage={config.stage!r} and config.stages={tuple(config.stages)} are both set: "
             "run one stage with --config.stage=NAME --config.stages=() or several with "
@@ -95,8 +104,8 @@ def stage_names(config) -> list[str]:
         )
     if not config.stages and not config.stage:
         raise ValueError(f"set config.stage (one of {', '.join(STAGES)}) or config.stages")
-    names = list(config.stages) if config.stages else [config.stage]
-    key = "stages" if config.stages else "stage"
+    names = [config.stage] if config.stage else list(config.stages)
+    key = "stage" if config.stage else "stages"
     for name in names:
         if name not in STAGES:
             raise ValueError(

@@ -1,0 +1,122 @@
+"""Stage `serve`: the OpenAI-compatible server over the engine (coder/serve/server.py, docs/serve.md).
+
+    python main.py --config=configs/quickstart.py --config.stage=serve
+
+serves `POST /v1/chat/completions`, `POST /v1/feedback`, `GET /v1/models` and `GET /health` on
+`serve.host:serve.port` until SIGINT / SIGTERM.
+
+The model: `init_from` (a coder checkpoint or a Hugging Face directory), else the newest
+checkpoint of the config's own chain in `workdir` (`config.stages`, from the last stage back;
+the quickstart's grpo checkpoint after `python main.py --config=configs/quickstart.py`), else a
+freshly initialised model (with a warning: its replies are noise). Its tokenizer is the one
+stored with it (coder.train.checkpoint.stage_tokenizer). The engine holds `serve.max_slots`
+sequences of `serve.max_len` tokens on this process's devices (coder.rl.actor.engine_mesh), in
+`serve.dtype`. Every completion and every feedback goes to the trajectory log at
+`serve.log_store` (default `{workdir}/serve/trajectories`); with `serve.weight_store` set the
+server follows the weight store the realtime stage publishes to.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from coder.train import checkpoint as ckpt_lib
+
+
+def check(config) -> None:
+    """Stops at start-up on serve keys that cannot work, naming them."""
+    s = config.serve
+    if not 0 <= int(s.port) <= 65535:
+        raise ValueError(f"serve.port={s.port} is not a port number")
+    max_len = served_len(config)
+    if max_len > int(config.model.max_position_embeddings) or max_len < 2:
+        raise ValueError(f"serve.max_len={s.max_len}: must be in [2, model.max_position_embeddings="
+                         f"{config.model.max_position_embeddings}] (0 = model.max_position_embeddings)")
+    for key in ("max_slots", "decode_steps", "max_tokens"):
+        if int(s[key]) < 1:
+            raise ValueError(f"serve.{key}={s[key]} must be >= 1")
+    for key in ("flush_seconds", "retention_days"):
+        if float(s[key]) < 0:
+            raise ValueError(f"serve.{key}={s[key]} must be >= 0")
+    if float(s.poll_seconds) <= 0:
+        raise ValueError(f"serve.poll_seconds={s.poll_seconds} must be > 0")
+
+
+def served_len(config) -> int:
+    return int(config.serve.max_len) or int(config.model.max_position_embeddings)
+
+
+def log_store(config) -> str | None:
+    """The trajectory log's URL (None: logging off)."""
+    url = config.serve.log_store
+    if url == "none":
+        return None
+    return url or os.path.join(config.workdir, "serve", "trajectories")
+
+
+def served_checkpoint(config, init_from: str) -> str:
+    """`init_from`, else the newest checkpoint of the config's chain in workdir, else ""."""
+    if init_from:
+        return init_from
+    for name in reversed(tuple(config.stages)):
+        directory = os.path.join(config.workdir, name, "checkpoints")
+        try:
+            ckpt_lib.checkpoint_step(directory)
+        except FileNotFoundError:
+            continue
+        return directory
+    return ""
+
+
+def build(config, init_from: str = ""):
+    """The Server of the config (stage docstring), following the weight store when one is set."""
+    from flax import nnx
+
+    from coder.infer.engine import Engine
+    from coder.rl.actor import engine_mesh
+    from coder.serve.server import Server
+    from coder.serve.trajectory_log import TrajectoryLog
+    from coder.stages import inherit_model_config
+    from coder.train.state import build_model, load_model
+
+    check(config)
+    path = served_checkpoint(config, init_from)
+    if path != init_from:
+        config = inherit_model_config(config, path)
+        logging.info("[serve] serving %s (the newest checkpoint of workdir's stages)", path)
+    tok = ckpt_lib.stage_tokenizer(config, path)
+    if path:
+        model = load_model(config, path)
+    else:
+        logging.warning("[serve] no init_from and no checkpoint of stages %s in %s: serving a freshly "
+                        "initialised model", tuple(config.stages), config.workdir)
+        model = build_model(config)
+    s = config.serve
+    engine = Engine(model, config.model, max_len=served_len(config), max_slots=int(s.max_slots),
+                    decode_steps=int(s.decode_steps), dtype=s.dtype or None, mesh=engine_mesh(config),
+                    rules=config.mesh.rules)
+    url = log_store(config)
+    log = None if url is None else TrajectoryLog(url, flush_seconds=float(s.flush_seconds),
+                                                  retention_days=float(s.retention_days))
+    server = Server(engine, tok, model_name=s.model_name, log=log, max_tokens=int(s.max_tokens),
+                    system_prompt=s.system_prompt, seed=int(config.seed), workers=max(64, 2 * int(s.max_slots)))
+    if s.weight_store:
+        server.follow(s.weight_store, nnx.state(model), float(s.poll_seconds))
+    logging.info("[serve] model %r (%s), %d slots x %d tokens, log %s, weight store %s", s.model_name,
+                 path or "fresh", int(s.max_slots), served_len(config), url or "off", s.weight_store or "none")
+    return server
+
+
+def run(config, stage_dir: str, init_from: str) -> str:
+    """Serves until SIGINT / SIGTERM; returns the checkpoint it served (for a following stage)."""
+    import uvicorn
+
+    del stage_dir  # the server writes only its trajectory log (serve.log_store)
+    server = build(config, init_from)
+    try:
+        uvicorn.Server(uvicorn.Config(server.app, host=config.serve.host, port=int(config.serve.port),
+                                      log_level="info", timeout_graceful_shutdown=30)).run()
+    finally:
+        server.close()
+        server.engine.close()
+    return served_checkpoint(config, init_from)
