@@ -1,0 +1,383 @@
+"""Stage serve: the OpenAI-compatible server, driven by the real `openai` client over HTTP.
+
+One tiny model, briefly fitted so that greedy decoding answers a user turn with a greeting and,
+when the system prompt lists the `submit` tool (rendered by coder.env.protocol, as RL renders
+it), with `<tool_call>{"name": "submit", "arguments": {"answer": "3"}}</tool_call>`: the tool
+call comes back through the real response path (engine -> parse_tool_calls -> `tool_calls`).
+The server runs under uvicorn in a background thread on a free local port; its engine is the
+real one (a spy records what `generate` returned, to compare with the trajectory log).
+"""
+import concurrent.futures
+import inspect
+import json
+import random
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from coder.data import tokenizer as tokenizer_lib
+from coder.env import protocol
+from coder.infer.engine import Engine
+from coder.model import Transformer
+from coder.rl import grpo
+from coder.rl import realtime
+from coder.serve import trajectory_log
+from coder.serve.server import Server
+from coder.train import losses
+from configs.base import model_config
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+MAX_LEN = 256
+PREAMBLE = "Answer with the submit tool."
+PARAMS = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+          "additionalProperties": False}
+SUBMIT = protocol.ToolSpec("submit", "Submit your answer.", PARAMS)
+TOOLS = [{"type": "function", "function": {"name": "submit", "description": "Submit your answer.",
+                                           "parameters": PARAMS}}]
+CALL = protocol.render_tool_call("submit", {"answer": "3"})
+GREETING = "Hello! How can I help?"
+NAMES = ["Ada", "Alan", "Grace", "Linus", "Guido", "Barbara", "Donald", "Edsger", "Ken", "Dennis"]
+
+
+def prompts(n, seed):
+    rng = random.Random(seed)
+    return [f"{rng.choice(['Hi', 'Hello', 'Dear'])} {rng.choice(NAMES)}, pick a number from 1 to 4." for _ in range(n)]
+
+
+def make_tokenizer():
+    """A small tokenizer fitted to the system prompt, the prompts, the replies (and some code,
+    so it has 600 pieces: the tools' system prompt + a user turn + the call is ~216 tokens)."""
+    import json.decoder
+    import json.encoder
+
+    code = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
+    system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
+    texts = [system] * 20 + prompts(100, 1) + [CALL, GREETING] * 20 + [code]
+    return tokenizer_lib.train_tokenizer(texts, 600)
+
+
+def tiny_cfg(tok):
+    cfg = model_config()
+    cfg.update(dict(vocab_size=tok.padded_vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1,
+                    num_experts_per_tok=2, first_k_dense_replace=1, num_mtp_layers=0,
+                    max_position_embeddings=MAX_LEN, dtype="float32"))
+    return cfg
+
+
+def fit(cfg, tok, steps=120, seed=0):
+    """A tiny model that greets a plain user turn and calls submit(answer="3") under the tools'
+    system prompt (teacher forcing on both conversations, Adam)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
+    rng = random.Random(seed)
+    pool = prompts(200, 2)
+    rows = 8
+
+    def batch():
+        toks, masks, seg = (np.zeros((rows, MAX_LEN), np.int32), np.zeros((rows, MAX_LEN), np.float32),
+                            np.zeros((rows, MAX_LEN), np.int32))
+        for i in range(rows):
+            user = {"role": "user", "content": rng.choice(pool)}
+            if i % 2:
+                msgs = [{"role": "system", "content": system}, user, {"role": "assistant", "content": CALL}]
+            else:
+                msgs = [user, {"role": "assistant", "content": GREETING}]
+            ids, mask = tok.render_conversation(msgs)
+            toks[i, :len(ids)], masks[i, :len(ids)], seg[i, :len(ids)] = ids, mask, 1
+        pos = np.broadcast_to(np.arange(MAX_LEN, dtype=np.int32), (rows, MAX_LEN))
+        return dict(tokens=toks, positions=pos, segment_ids=seg, loss_mask=masks)
+
+    @nnx.jit
+    def step(model, opt, b):
+        def loss_fn(m):
+            logits, _ = m(b["tokens"], b["positions"], b["segment_ids"])
+            return losses.next_token_loss(logits, b)[0]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    for _ in range(steps):
+        loss = step(model, opt, batch())
+    return model, float(loss)
+
+
+class Spy:
+    """Records what the real engine's `generate` returned for each request (ids, logprobs,
+    routing), to compare with the trajectory log."""
+
+    def __init__(self, engine):
+        self.calls = []
+        self._generate = engine.generate
+        engine.generate = self.generate
+
+    def generate(self, group, params, rng, rows=None, on_tokens=None):
+        gens = self._generate(group, params, rng, rows=rows, on_tokens=on_tokens)
+        self.calls.append(dict(prompt=group.tokens(0)[:group.length(0) - len(gens[0].tokens)], gens=gens,
+                               experts=[group.expert_ids(i) for i in range(group.n)], params=params))
+        return gens
+
+
+def start_uvicorn(app):
+    """uvicorn serving `app` in a daemon thread on a free local port; returns (server, base url)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def make_engine(model, cfg):
+    # one batch and one length bucket: a handful of programs compile, once
+    return Engine(model, cfg, max_len=MAX_LEN, max_slots=8, decode_steps=8, batch_buckets=(8,),
+                  len_buckets=(MAX_LEN,))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tok = make_tokenizer()
+    cfg = tiny_cfg(tok)
+    model, loss = fit(cfg, tok)
+    engine = make_engine(model, cfg)
+    spy = Spy(engine)
+    log_dir = str(tmp_path_factory.mktemp("trajectories"))
+    server = Server(engine, tok, model_name="tiny", log=trajectory_log.TrajectoryLog(log_dir, flush_seconds=0),
+                    max_tokens=32)
+    uv, url = start_uvicorn(server.app)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-secret-test-key", max_retries=0, timeout=120)
+    yield dict(tok=tok, cfg=cfg, model=model, engine=engine, spy=spy, server=server, url=url, client=client,
+               log=log_dir, fit_loss=loss)
+    uv.should_exit = True
+    server.close()
+    engine.close()
+
+
+def _records(served):
+    return list(trajectory_log.read_completions(served["log"]))
+
+
+def test_plain_completion(served):
+    c = served["client"]
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts(1, 5)[0]}],
+                                  temperature=0, max_tokens=24)
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.message.content == GREETING, (ch.message, served["fit_loss"])
+    assert ch.finish_reason == "stop" and not ch.message.tool_calls
+    assert r.usage.completion_tokens == len(served["spy"].calls[-1]["gens"][0].tokens)
+    assert r.model == "tiny" and r.id.startswith("chatcmpl-")
+    assert [m.id for m in c.models.list()] == ["tiny"]
+    with urllib.request.urlopen(served["url"] + "/health") as f:
+        assert json.load(f)["status"] == "ok"
+
+
+def test_streamed_completion_matches_the_plain_one(served):
+    c = served["client"]
+    msgs = [{"role": "user", "content": prompts(1, 6)[0]}]
+    plain = c.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24)
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain.choices[0].message.content == GREETING
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # a stop string cuts the reply (and the logged ids) where it appears
+    r = c.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24, stop=["How"])
+    assert r.choices[0].message.content == GREETING[:GREETING.index("How")]
+    rec = _records(served)[-1]
+    assert served["tok"].decode(rec["completion_ids"]).startswith(GREETING[:GREETING.index("How")])
+    assert "How" in served["tok"].decode(rec["completion_ids"]) and rec["finish_reason"] == "stop"
+
+
+def test_tool_call_comes_back_in_tool_calls(served):
+    c = served["client"]
+    user = prompts(1, 7)[0]
+    msgs = [{"role": "system", "content": PREAMBLE}, {"role": "user", "content": user}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=32)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch.message
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.function.name == "submit"
+    assert json.loads(call.function.arguments) == {"answer": "3"}
+    assert not ch.message.content
+    # the prompt is the one RL renders: system prompt of the same function, user turn, <|assistant|>
+    tok = served["tok"]
+    expected = (tok.turn_ids("system", protocol.render_system_prompt([SUBMIT], PREAMBLE)) + tok.turn_ids("user", user)
+                + tok.generation_prefix())
+    assert served["spy"].calls[-1]["prompt"] == expected
+    rec = _records(served)[-1]
+    assert rec["tool_calls"] == 1 and rec["broken_calls"] == 0 and rec["prompt_ids"] == expected
+    # streamed: the call arrives as a tool_calls delta
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=32,
+                                            stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("submit", {"answer": "3"})]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+    # the conversation continues: the call and its result render back as protocol text
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "submitted"}]
+    r2 = c.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, temperature=0, max_tokens=8)
+    prompt = served["spy"].calls[-1]["prompt"]
+    assert prompt[:len(expected)] == expected
+    assert tok.decode(prompt[len(expected):]) == CALL + "<|end|><|tool|><tool_result>submitted</tool_result><|end|><|assistant|>"
+    assert r2.conversation_id == r.conversation_id  # same client and first messages: one conversation
+
+
+def test_malformed_call_is_returned_as_text_and_logged_as_broken(served):
+    c = served["client"]
+    bad = [{"type": "function", "function": {"name": "submit", "description": "Submit your answer.",
+                                             "parameters": {**PARAMS, "properties": {"answer": {"type": "integer"}}}}}]
+    msgs = [{"role": "system", "content": PREAMBLE}, {"role": "user", "content": prompts(1, 8)[0]}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=bad, temperature=0, max_tokens=32)
+    ch = r.choices[0]
+    assert not ch.message.tool_calls and ch.finish_reason == "stop"
+    assert ch.message.content == CALL  # the model's call: "3" is not an integer
+    rec = _records(served)[-1]
+    assert rec["broken_calls"] == 1 and rec["tool_calls"] == 0 and "integer" in rec["broken_reason"]
+
+
+def test_concurrent_requests_batch_together(served):
+    c, engine = served["client"], served["engine"]
+    steps0, rows0 = engine.decode_steps, engine.row_steps
+    msgs = [[{"role": "user", "content": p}] for p in prompts(8, 9)]
+
+    def ask(i):
+        return c.chat.completions.create(model="tiny", messages=msgs[i], temperature=1.0, seed=i, max_tokens=24)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        rs = list(ex.map(ask, range(8)))
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in rs)
+    # rows decoded together: more than one row per decode step on average
+    assert (engine.row_steps - rows0) / (engine.decode_steps - steps0) > 1.5
+    # a row's tokens do not depend on its companions: the same seed alone gives the same reply
+    alone = ask(3)
+    assert alone.choices[0].message.content == rs[3].choices[0].message.content
+
+
+def _post(url, body, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as f:
+            return f.status, json.load(f)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_malformed_requests_get_clear_4xx_and_the_server_keeps_serving(served):
+    c, url = served["client"], served["url"]
+    with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
+        c.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="temperature must be a number in"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=7)
+    with pytest.raises(openai.BadRequestError, match="role is one of"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 400}])
+    status, body = _post(url + "/v1/chat/completions", None, raw=b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    status, body = _post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "bogus": 1})
+    assert status == 400 and body["error"]["param"] == "bogus"
+    status, body = _post(url + "/v1/nowhere", {})
+    assert status == 404 and "error" in body
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts(1, 5)[0]}],
+                                  temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == GREETING
+
+
+def test_trajectory_log_holds_the_engine_ids_and_logprobs(served):
+    c, spy = served["client"], served["spy"]
+    msgs = [{"role": "system", "content": PREAMBLE}, {"role": "user", "content": prompts(1, 10)[0]}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0.7, top_p=0.9, n=2,
+                                  max_tokens=24, user="client-7", extra_headers={"X-Request-Id": "req-abc"})
+    call = spy.calls[-1]
+    recs = [x for x in _records(served) if x["completion_id"] == r.id]
+    assert sorted(x["choice"] for x in recs) == [0, 1]
+    for rec in sorted(recs, key=lambda x: x["choice"]):
+        gen = call["gens"][rec["choice"]]
+        assert rec["prompt_ids"] == call["prompt"] and rec["completion_ids"] == gen.tokens
+        assert rec["logprobs"] == list(np.float32(gen.logprobs))  # exactly the engine's (float32)
+        assert rec["versions"] == gen.policy_version
+        np.testing.assert_array_equal(trajectory_log.expert_array(rec), call["experts"][rec["choice"]])
+        assert rec["expert_dtype"] == "uint8" and rec["moe_layers"] == 1 and rec["top_k"] == 2
+        assert rec["client_id"] == "client-7" and rec["request_id"] == "req-abc"
+        assert rec["conversation_id"] == r.conversation_id and rec["temperature"] == np.float32(0.7)
+    # no secret is written: the API key and the headers are nowhere in the shards
+    for path in trajectory_log.shards(served["log"], "completions"):
+        with open(path, "rb") as f:
+            assert b"sk-secret-test-key" not in f.read()
+    # the training forward (realtime's batch, GRPO's target_logp) reproduces the logged logprobs
+    items = [realtime.Joined(rec, {}, 0.0) for rec in recs]
+    b = realtime.to_batch(items, version=0, seq_len=MAX_LEN, rows=2, normalizer=1.0)
+
+    @nnx.jit
+    def forward(model, b):
+        logits, _ = model(b["tokens"], b["positions"], b["segment_ids"])
+        return grpo.target_logp(logits, b["tokens"], b["segment_ids"], b["temperature"][:, None, None])[0]
+
+    logp = forward(served["model"], {k: jnp.asarray(v) for k, v in b.items()})
+    m = b["loss_mask"] > 0
+    assert m.sum() == sum(len(x["completion_ids"]) for x in recs)
+    np.testing.assert_allclose(np.asarray(logp)[m], b["behaviour_logp"][m], atol=1e-4, rtol=0)
+
+
+def test_feedback_is_stored_beside_the_trajectories(served):
+    c, url = served["client"], served["url"]
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    t0 = time.time() - 1
+    status, body = _post(url + "/v1/feedback", {"completion_id": r.id, "signal": "edit_kept", "value": True})
+    assert status == 200 and body["signal"] == "edit_kept"
+    status, _ = _post(url + "/v1/feedback", {"conversation_id": r.conversation_id, "signal": "rating", "value": -1})
+    assert status == 200
+    status, body = _post(url + "/v1/feedback", {"completion_id": r.id, "signal": "vibes", "value": 1})
+    assert status == 400 and "unknown signal" in body["error"]["message"]
+    status, body = _post(url + "/v1/feedback", {"signal": "rating", "value": 1})
+    assert status == 400 and body["error"]["param"] == "completion_id"
+    fb = list(trajectory_log.read_feedback(served["log"], t0, time.time() + 1))
+    assert [(f["signal"], f["value"]) for f in fb] == [("edit_kept", 1.0), ("rating", -1.0)]
+    assert fb[0]["completion_id"] == r.id and fb[1]["conversation_id"] == r.conversation_id
+
+
+def test_weight_versions_apply_in_flight(served, tmp_path):
+    """A version published to the weight store reaches the engine through the follower, and the
+    tokens sampled after it record it."""
+    from coder.rl import weight_sync
+    from coder.train import checkpoint as ckpt_lib
+
+    server, model = served["server"], served["model"]
+    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+    store = str(tmp_path / "store")
+    weight_sync.publish(store, 5, flat)
+    follower = server.follow(store, nnx.state(model), poll_seconds=3600)  # polls once at start
+    try:
+        deadline = time.time() + 60
+        while served["engine"].policy_version != 5:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        r = served["client"].chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4)
+        rec = [x for x in _records(served) if x["completion_id"] == r.id][0]
+        assert rec["versions"] == [5] * len(rec["completion_ids"]) and rec["policy_version"] == 5
+        assert follower.poll() is None  # nothing new
+    finally:
+        follower.close()
+        server.follower = None
