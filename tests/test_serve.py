@@ -8,6 +8,7 @@ The server runs under uvicorn in a background thread on a free local port; its e
 real one (a spy records what `generate` returned, to compare with the trajectory log).
 """
 import concurrent.futures
+import functools
 import inspect
 import json
 import random
@@ -115,6 +116,16 @@ def fit(cfg, tok, steps=120, seed=0):
     return model, float(loss)
 
 
+@functools.lru_cache(maxsize=1)
+def fitted():
+    """(tokenizer, model config, fitted model, final loss), built once per test process (this
+    module and test_realtime.py share it; nothing mutates the model: engines copy its weights)."""
+    tok = make_tokenizer()
+    cfg = tiny_cfg(tok)
+    model, loss = fit(cfg, tok)
+    return tok, cfg, model, loss
+
+
 class Spy:
     """Records what the real engine's `generate` returned for each request (ids, logprobs,
     routing), to compare with the trajectory log."""
@@ -152,9 +163,7 @@ def make_engine(model, cfg):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    tok = make_tokenizer()
-    cfg = tiny_cfg(tok)
-    model, loss = fit(cfg, tok)
+    tok, cfg, model, loss = fitted()
     engine = make_engine(model, cfg)
     spy = Spy(engine)
     log_dir = str(tmp_path_factory.mktemp("trajectories"))

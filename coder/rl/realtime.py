@@ -125,7 +125,8 @@ def join(completions: list[dict], feedback: list[dict], weights) -> tuple[list[J
         by_id[c["completion_id"]][int(c["choice"])] = c
         if c["conversation_id"]:
             by_conv[c["conversation_id"]].append(c)
-    counts = collections.Counter(trajectories=len(completions), feedback=len(feedback))
+    counts = collections.Counter(trajectories=len(completions), feedback=len(feedback), feedback_unmatched=0,
+                                 feedback_off=0, dropped_no_signal=0)
     got: dict[tuple, dict] = collections.defaultdict(dict)  # (completion_id, choice) -> {signal: value}
     for f in sorted(feedback, key=lambda f: f["time"]):
         name = f["signal"]
