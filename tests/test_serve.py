@@ -390,3 +390,47 @@ def test_weight_versions_apply_in_flight(served, tmp_path):
     finally:
         follower.close()
         server.follower = None
+
+
+def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_path):
+    """`--config.stage=serve` runs alone beside a config's chain; the stage's server comes from
+    the config: the model (fresh here: no init_from, no checkpoint in workdir), the tokenizer
+    (data.tokenizer), the log under {workdir}/serve/trajectories, the weight store it follows."""
+    from coder import stages
+    from coder.rl import weight_sync
+    from coder.stages import serve as serve_stage
+    from coder.train import checkpoint as ckpt_lib
+    from configs import base, quickstart
+
+    q = quickstart.get_config()
+    q.stage = "serve"  # quickstart also sets `stages`: serve runs beside the chain
+    assert stages.validate(q, n_devices=8, check_tools=False) == ["serve"]
+    c = base.get_config()
+    c.model.update(served["cfg"].to_dict())
+    served["tok"].save(str(tmp_path / "tok.model"))
+    store = str(tmp_path / "store")
+    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(served["model"])).items()}
+    weight_sync.publish(store, 3, flat)
+    c.update(dict(workdir=str(tmp_path / "run"), stage="serve"))
+    c.data.tokenizer = str(tmp_path / "tok.model")
+    c.serve.update(dict(weight_store=store, model_name="tiny-stage", max_slots=4, poll_seconds=3600.0))
+    c = stages.stage_config("serve", c)
+    server = serve_stage.build(c, "")
+    uv = None
+    try:
+        assert server.log.url == str(tmp_path / "run" / "serve" / "trajectories")
+        assert server.max_len == MAX_LEN and server.max_n == 4
+        deadline = time.time() + 60
+        while server.engine.policy_version != 3:  # the follower applied the store's version
+            assert time.time() < deadline
+            time.sleep(0.05)
+        uv, url = start_uvicorn(server.app)
+        with urllib.request.urlopen(url + "/health") as f:
+            assert json.load(f) == {"status": "ok", "model": "tiny-stage", "policy_version": 3}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-stage"]
+    finally:
+        if uv is not None:
+            uv.should_exit = True
+        server.close()
+        server.engine.close()

@@ -569,15 +569,21 @@ class Server:
         sent = [""] * req.n
         held = [p for p in req.stop] + ([protocol.CALL_OPEN] if req.tools else [])
 
-        def on_tokens(row, tokens, logprobs):  # the engine's thread
-            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", row, list(tokens)))
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody reads the stream
+                pass
+
+        def on_tokens(row, tokens, logprobs):  # the engine's thread: quick, and never raises
+            put(("tokens", row, list(tokens)))
 
         def run():
             try:
                 result = ("done", self._generate(req, on_tokens, req.completion_id))
             except BaseException as e:  # noqa: BLE001 - reported in the stream
                 result = ("error", e)
-            loop.call_soon_threadsafe(queue.put_nowait, result)
+            put(result)
 
         def live_text(row) -> str:
             text = self.decode(ids[row])

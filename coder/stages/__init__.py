@@ -196,7 +196,7 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
         c = stage_config(name, chained)
         if STAGES[name].check:
             _import(STAGES[name].check, f"stage {name!r}")(c)
-        if name != "compile":  # compile targets a TPU topology, not the local devices
+        if name != "compile" and name not in SERVICES:  # compile targets a TPU topology; services train no data batches
             _check_batch(c, n_devices, name)
         if name == names[0] and name != "compile" and not config.init_from:
             from coder.model.moe import balancing_warning
