@@ -68,9 +68,14 @@ def minimal_edit(old_text: str, new_text: str) -> tuple[str, str, int, int]:
             i2, j2 = i2 + 1, j2 + 1
 
 
-def script(task, solution: dict, rng: random.Random):
-    """Yield the scripted agent's replies (a generator: it may look at nothing but the task)."""
-    yield rng.choice(_OPEN) + "\n" + render_tool_call("run_tests", {})
+def script(task, solution: dict, rng: random.Random, tools=None):
+    """Yield the scripted agent's replies (a generator: it may look at nothing but the task).
+
+    tools: the tool names the agent is offered (None: all); calls of tools not offered are
+    left out, so the transcript teaches only calls the RL agent can make (issue #17)."""
+    offered = (lambda name: True) if tools is None else set(tools).__contains__
+    if offered("run_tests"):
+        yield rng.choice(_OPEN) + "\n" + render_tool_call("run_tests", {})
     for path in sorted(solution):
         new_text = solution[path]
         if path not in task.files:
@@ -96,7 +101,8 @@ def script(task, solution: dict, rng: random.Random):
             + "\n"
             + render_tool_call("edit_file", {"path": path, "old": old, "new": new})
         )
-    yield rng.choice(_TEST) + "\n" + render_tool_call("run_tests", {})
+    if offered("run_tests"):
+        yield rng.choice(_TEST) + "\n" + render_tool_call("run_tests", {})
     yield rng.choice(_DONE) + "\n" + render_tool_call("submit", {})
 
 
