@@ -113,7 +113,8 @@ def transcript(task, solution: dict, seed: int = 0, **episode_kwargs) -> tuple[d
     ep.reset(task)
     info = dict(ep.info)
     try:
-        for text in script(task, solution, random.Random(f"{seed}/{task.id}")):
+        offered = [t.name for t in ep.tools] if episode_kwargs.get("tools") else None
+        for text in script(task, solution, random.Random(f"{seed}/{task.id}"), tools=offered):
             _, done, info = ep.step(text)
             if done:
                 break
@@ -130,21 +131,23 @@ def _one(item):
 
 
 def _transcribe(item):
-    """(task, solution, seed) -> conversation or None (runs in an EpisodePool worker)."""
-    task, solution, seed = item
-    conv, _ = transcript(task, solution, seed)
+    """(task, solution, seed[, episode kwargs]) -> conversation or None (an EpisodePool worker)."""
+    task, solution, seed, *kw = item
+    conv, _ = transcript(task, solution, seed, **(kw[0] if kw else {}))
     return conv
 
 
-def toy_transcripts(n: int, seed: int, workers: int = 2) -> list[dict]:
+def toy_transcripts(n: int, seed: int, workers: int = 2, tools=(), system_preamble=None) -> list[dict]:
     """Conversations solving `n` of the env's toy tasks, with real tool outputs.
 
     Only transcripts whose episode scored reward 1 come back from the env; fewer than half of
-    them is an environment problem worth stopping for.
+    them is an environment problem worth stopping for. tools/system_preamble: the agent RL
+    runs (rl.tools, rl.system_prompt); () / None keep all tools and the default preamble.
     """
     from coder.env.tasks import toy_tasks
 
-    items = [(task, solution, seed) for task, solution in toy_tasks(n, seed)]
+    kw = {"tools": tuple(tools), "system_preamble": system_preamble}
+    items = [(task, solution, seed, kw) for task, solution in toy_tasks(n, seed)]
     with EpisodePool(max(1, min(workers, n)), token_count=len) as pool:
         convs = [c for c in pool.map(_transcribe, items) if c is not None]
     if len(convs) < max(1, n // 2):
