@@ -434,3 +434,42 @@ def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_pa
             uv.should_exit = True
         server.close()
         server.engine.close()
+
+
+def _record(t, cid):
+    ids = [5, 6, 7]
+    return {"time": t, "request_id": "r", "completion_id": cid, "choice": 0, "conversation_id": "c", "client_id": "",
+            "model": "m", "prompt_ids": ids[:2], "completion_ids": ids[2:], "logprobs": [-0.5], "versions": [0],
+            "policy_version": 0, "expert_ids": np.zeros((3, 1, 2), np.uint8).tobytes(), "expert_dtype": "uint8",
+            "moe_layers": 1, "top_k": 2, "temperature": 1.0, "top_p": 1.0, "sampling_top_k": 0, "max_tokens": 8,
+            "finish_reason": "stop", "tool_calls": 0, "broken_calls": 0, "broken_reason": "", "stream": False}
+
+
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_trajectory_log_shards_windows_and_retention(tmp_path, scheme):
+    """Rolling shards at a store URL (a local path, or an fsspec URL such as gs://: memory:// here),
+    a reader of time windows, retention by day, and a record missing a field is refused."""
+    url = str(tmp_path / "log") if scheme == "local" else f"memory://trajlog-{time.time_ns()}"
+    now = time.time()
+    log = trajectory_log.TrajectoryLog(url, flush_seconds=3600)
+    log.log_completion(_record(now - 40 * 86400, "a0"))
+    log.completions.flush()  # a shard sits in the UTC day of its first record
+    for i, t in enumerate([now - 2 * 86400, now - 100]):
+        log.log_completion(_record(t, f"a{i + 1}"))
+    log.completions.flush()
+    for i, t in enumerate([now - 50, now - 10]):
+        log.log_completion(_record(t, f"b{i}"))
+    with pytest.raises(ValueError, match="missing fields"):
+        log.log_completion({"time": now})
+    log.close()
+    got = lambda a, b: [r["completion_id"] for r in trajectory_log.read_completions(url, a, b)]
+    assert got(None, None) == ["a0", "a1", "a2", "b0", "b1"]
+    assert got(now - 60, now) == ["b0", "b1"] and got(now - 3 * 86400, now - 60) == ["a1", "a2"]
+    assert len(trajectory_log.shards(url, "completions", now - 60, now)) == 1
+    # retention: a new writer's first flush deletes the days older than 30 days
+    log = trajectory_log.TrajectoryLog(url, flush_seconds=0, retention_days=30)
+    log.log_completion(_record(now - 5, "c0"))
+    log.close()
+    assert got(None, None) == ["a1", "a2", "b0", "b1", "c0"]  # a0's day is gone
+    rec = next(trajectory_log.read_completions(url, now - 6, now))
+    assert trajectory_log.expert_array(rec).shape == (3, 1, 2)
