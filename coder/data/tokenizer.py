@@ -104,6 +104,17 @@ _MAX_SENTENCE_BYTES = 8192
 _CHUNK_CHARS = 2048
 
 
+RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"  # coder.env.protocol's result tags
+
+
+def _tool_outputs(content: str) -> list[str] | None:
+    """The outputs of a tool message's text (`<tool_result>o</tool_result>` per call), or None
+    for text without the tags."""
+    if not content.startswith(RESULT_OPEN) or not content.endswith(RESULT_CLOSE):
+        return None
+    return content[len(RESULT_OPEN):-len(RESULT_CLOSE)].split(RESULT_CLOSE + RESULT_OPEN)
+
+
 class ChatTemplate:
     """The chat / tool template over a tokenizer's `encode` and its special-token ids
     (`self._special`: SPECIAL_TOKENS string -> id), shared by every kind."""
@@ -137,8 +148,21 @@ class ChatTemplate:
         """What the agent loop appends before sampling an assistant turn."""
         return [self.special_id("assistant")]
 
+    def tool_message_ids(self, outputs: Sequence[str]) -> list[int]:
+        """The tool message of one assistant turn, as SFT, RL and serving all tokenize it:
+        `<|tool|>` + one `<tool_result>` output `</tool_result>` per call + `<|end|>`, each output
+        encoded as plain text (a file holding "<|end|>" cannot forge a control token)."""
+        ids = [self.special_id("tool")]
+        for o in outputs:
+            ids += [self._special[RESULT_OPEN]] + self.encode(o, allow_special=False) + [self._special[RESULT_CLOSE]]
+        return ids + [self.end_id]
+
     def render_conversation(self, messages: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
-        """messages [{"role", "content"}] -> (ids int32 [n], loss_mask float32 [n])."""
+        """messages [{"role", "content"}] -> (ids int32 [n], loss_mask float32 [n]).
+
+        A tool message's content is `<tool_result>...</tool_result>` per call (the text of
+        coder.env.protocol.render_tool_results): it is tokenized by `tool_message_ids`, like the
+        RL agent's observations; other tool content is encoded as plain text."""
         ids: list[int] = []
         mask: list[float] = []
         for i, message in enumerate(messages):
@@ -146,7 +170,13 @@ class ChatTemplate:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content': {message!r}")
             if not isinstance(message["content"], str):
                 raise TypeError(f"message {i} content must be a string")
-            turn = self.turn_ids(message["role"], message["content"])
+            outputs = _tool_outputs(message["content"]) if message["role"] == "tool" else None
+            if outputs is not None:
+                turn = self.tool_message_ids(outputs)
+            elif message["role"] == "tool":
+                turn = [self.special_id("tool")] + self.encode(message["content"], allow_special=False) + [self.end_id]
+            else:
+                turn = self.turn_ids(message["role"], message["content"])
             ids += turn
             mask += self.turn_loss_mask(message["role"], len(turn))
         return np.asarray(ids, np.int32), np.asarray(mask, np.float32)

@@ -405,13 +405,8 @@ class Agent:
         return list(head) + user + list(summary_ids) + [self.tok.end_id] + self.tok.generation_prefix()
 
     def tool_message_ids(self, outputs: Sequence[str]) -> list[int]:
-        """`<|tool|>` + one `<tool_result>...</tool_result>` per output + `<|end|>`: the ids of
-        `protocol.render_tool_results`, with the outputs encoded as plain text so a file holding
-        "<|end|>" cannot forge a control token."""
-        ids = [self.tok.special_id("tool")]
-        for o in outputs:
-            ids += [self.result_open] + self.tok.encode(o, allow_special=False) + [self.result_close]
-        return ids + [self.tok.end_id]
+        """The tool message's ids: the tokenizer's `tool_message_ids`, as SFT renders it."""
+        return self.tok.tool_message_ids(outputs)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of sampled ids, for parsing only. Ids past the tokenizer's vocabulary (the

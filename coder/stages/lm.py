@@ -106,7 +106,9 @@ def _sft_data(config, stage_dir: str) -> str:
         from coder.env import transcripts
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        convs = transcripts.toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1))
+        # the agent RL runs: its tools (rl.tools) and system prompt (rl.system_prompt)
+        convs = transcripts.toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1),
+                                            tools=tuple(config.rl.tools), system_preamble=config.rl.system_prompt or None)
         tmp = path.parent / (path.name + ".tmp")
         tmp.write_text("".join(json.dumps(conv) + "\n" for conv in convs))
         tmp.rename(path)  # a preempted run never leaves half a file behind
