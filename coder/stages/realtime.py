@@ -41,11 +41,11 @@ import copy
 import json
 import logging
 import os
-import shutil
 import time
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 
 STATE = "state.json"
@@ -99,8 +99,7 @@ class Loop:
         self.store = config.serve.weight_store
         self.lag = float(config.serve.flush_seconds)
         self.dtype = config.serve.dtype or None
-        os.makedirs(stage_dir, exist_ok=True)
-        self.state_path = os.path.join(stage_dir, STATE)
+        self.state_path = epath.Path(stage_dir) / STATE
         state = self._read_state()
         learner_dir = os.path.join(stage_dir, "learner")
         if state is not None:
@@ -125,17 +124,17 @@ class Loop:
 
     # ------------------------------------------------------------------ state and store
     def _read_state(self):
-        if not os.path.exists(self.state_path):
-            return None
-        with open(self.state_path) as f:
-            return json.load(f)
+        return json.loads(self.state_path.read_text()) if self.state_path.exists() else None
 
     def _write_state(self, state: dict) -> None:
         if jax.process_index() != 0:
             return
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f, indent=1)
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        if "://" in str(self.state_path):  # an object store's single write is atomic
+            self.state_path.write_text(json.dumps(state, indent=1))
+            return
+        tmp = self.state_path.parent / (STATE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, self.state_path)
 
     def _publish(self, version: int) -> dict:
@@ -251,12 +250,13 @@ def _summary(result: dict) -> dict:
 def _drop_uncommitted(directory: str, step: int) -> None:
     """Deletes trainer checkpoints past the committed step (a cycle interrupted between its
     checkpoint and its state.json was never published)."""
-    if jax.process_index() != 0 or not os.path.isdir(directory):
+    d = epath.Path(directory)
+    if jax.process_index() != 0 or not d.exists():
         return
-    for name in os.listdir(directory):
-        if name.isdigit() and int(name) > step:
-            logging.warning("[realtime] deleting the uncommitted checkpoint %s/%s", directory, name)
-            shutil.rmtree(os.path.join(directory, name))
+    for p in d.iterdir():
+        if p.name.isdigit() and int(p.name) > step:
+            logging.warning("[realtime] deleting the uncommitted checkpoint %s", p)
+            p.rmtree()
 
 
 def train(config, stage_dir: str, init_from: str, *, tokenizer, model_fn=None, held_out=None, make_episode=None,
