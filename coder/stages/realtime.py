@@ -192,14 +192,16 @@ class Loop:
                   "window_start": start, "window_end": end,
                   "reward": float(np.mean([j.reward for j in items])) if items else float("nan"),
                   "loss": float("nan")}
-        t0 = time.perf_counter()
         if len(items) < 2:
             record.update(gate="skipped", gate_reason=f"{len(items)} completion(s) of version {v} with a signal: "
                           "a leave-one-out baseline needs 2")
         else:
             gated = int(cfg.rl.eval_num_tasks) > 0
+            t_eval = time.perf_counter()
             if gated and st["baseline"] is None:  # version v's own eval, once
                 st["baseline"] = _summary(self._evaluate(self.learner.model, cycle, 0))
+            t_eval = time.perf_counter() - t_eval
+            t0 = time.perf_counter()
             snapshot = self.learner.snapshot()
             batches = self.learner.batches(items, v, int(cfg.seed) * 1000003 + cycle)
             metrics = self.learner.train(batches)
@@ -209,13 +211,14 @@ class Loop:
             if gated:
                 t1 = time.perf_counter()
                 cand = _summary(self._evaluate(self.learner.model, cycle, 1))
+                t_eval += time.perf_counter() - t1
                 base = st["baseline"]
                 margin = float(cfg.rl.eval_regression_margin)
                 passed = not eval_lib.is_regression(base, cand, margin)
                 reason = (f"pass@1 {cand['pass@1']:.3f} vs version {v}'s {base['pass@1']:.3f} "
                           f"(margin {margin:.3f})")
                 record.update({"baseline_pass@1": base["pass@1"], "candidate_pass@1": cand["pass@1"],
-                               "eval_time_s": time.perf_counter() - t1})
+                               "eval_time_s": t_eval})
             if passed:
                 self.learner.trainer.save(force=True)
                 self.learner.trainer.ckpt.wait()
