@@ -110,6 +110,7 @@ def realtime_config(tmp_path, cfg):
     return stage_config("realtime", c)  # the stage table's lr override and constant-lr derive
 
 
+@pytest.mark.slow
 def test_cycle_trains_gates_and_publishes_and_refuses_a_regression(tmp_path):
     tok, cfg, model, _ = fitted()
     state = nnx.state(model)
