@@ -71,8 +71,10 @@ from coder.infer.engine import SamplingParams
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4
-# request keys accepted and ignored (they do not change what is sampled)
-IGNORED = {"model", "parallel_tool_calls", "store", "service_tier", "stream_options", "metadata", "user"}
+KEYS = {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "temperature", "top_p", "top_k",
+        "max_tokens", "max_completion_tokens", "stop", "n", "seed", "logprobs", "user", "metadata"}
+IGNORED = {"parallel_tool_calls", "store", "service_tier"}  # accepted; they change nothing here
+# accepted only at their neutral value (anything else is a 400 naming the parameter)
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": 0,
             "response_format": None}
 
@@ -331,6 +333,11 @@ class Server:
         async def api_error(request, exc: APIError):
             return exc.response()
 
+        @app.exception_handler(Exception)
+        async def server_error(request, exc: Exception):  # the engine failed: a 500, still OpenAI's format
+            logging.error("request %s failed: %r", request.url.path, exc)
+            return error_response(500, f"server error: {exc}", kind="server_error")
+
         @app.get("/health")
         async def health():
             return {"status": "ok", "model": self.model_name, "policy_version": int(self.engine.policy_version)}
@@ -381,10 +388,7 @@ class Server:
     # ------------------------------------------------------------------ requests
     def parse(self, body: dict, headers) -> ChatRequest:
         """Validates a chat-completion body; APIError (4xx) naming the parameter otherwise."""
-        known = IGNORED | set(_NEUTRAL) | {"messages", "tools", "tool_choice", "stream", "temperature", "top_p",
-                                           "top_k", "max_tokens", "max_completion_tokens", "stop", "n", "seed",
-                                           "logprobs"}
-        unknown = sorted(set(body) - known)
+        unknown = sorted(set(body) - KEYS - IGNORED - set(_NEUTRAL))
         if unknown:
             raise APIError(f"unrecognized request argument(s): {unknown}", param=unknown[0])
         for key, neutral in _NEUTRAL.items():
