@@ -356,17 +356,18 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             body = await self._json(request)
-            req = self.parse(body, request.headers)
+            loop = asyncio.get_running_loop()  # tokenizing and the engine run in the pool, never here
+            req = await loop.run_in_executor(self._pool, self.parse, body, request.headers)
             if req.stream:
                 return StreamingResponse(self._stream(req), media_type="text/event-stream",
                                          headers={"X-Conversation-Id": req.conversation_id})
-            loop = asyncio.get_running_loop()
             choices = await loop.run_in_executor(self._pool, self._generate, req, None)
             return JSONResponse(self._response(req, choices), headers={"X-Conversation-Id": req.conversation_id})
 
         @app.post("/v1/feedback")
         async def feedback(request: Request):
-            return self.feedback(await self._json(request), request.headers)
+            body = await self._json(request)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.feedback, body, request.headers)
 
         return app
 
