@@ -336,7 +336,7 @@ def test_trajectory_log_holds_the_engine_ids_and_logprobs(served):
             assert b"sk-secret-test-key" not in f.read()
     # the training forward (realtime's batch, GRPO's target_logp) reproduces the logged logprobs
     items = [realtime.Joined(rec, {}, 0.0) for rec in recs]
-    b = realtime.to_batch(items, version=0, seq_len=MAX_LEN, rows=2, normalizer=1.0)
+    b = realtime.completions_batch(items, version=0, seq_len=MAX_LEN, rows=2, normalizer=1.0)
 
     @nnx.jit
     def forward(model, b):

@@ -189,8 +189,8 @@ def leave_one_out(rewards) -> np.ndarray:
     return r - (r.sum() - r) / (n - 1)
 
 
-def to_batch(items: list[Joined], version: int, seq_len: int, rows: int, normalizer: float,
-             routing: bool = False) -> dict:
+def completions_batch(items: list[Joined], version: int, seq_len: int, rows: int, normalizer: float,
+                      routing: bool = False) -> dict:
     """The training batch of `items` (one completion per row, prompt + completion; rows padded
     to `rows`): tokens, positions, segment_ids int32 `[R, T]`; loss_mask (the completion's
     `version` tokens), behaviour_logp = ref_logp (the logged logprob, at the target index)
@@ -229,7 +229,7 @@ def to_batch(items: list[Joined], version: int, seq_len: int, rows: int, normali
 
 def loss_fn(*, clip_low: float, clip_high: float, kl_coef: float, router_replay: bool = False,
             tis_cap: float = 0.0):
-    """The trainer loss of a realtime batch (`to_batch`): GRPO's policy loss with per-row
+    """The trainer loss of a realtime batch (`completions_batch`): GRPO's policy loss with per-row
     temperature and the batch's normaliser (module docstring)."""
 
     def fn(model, batch, rng):
@@ -248,7 +248,7 @@ def loss_fn(*, clip_low: float, clip_high: float, kl_coef: float, router_replay:
     return fn
 
 
-class Learner:
+class RealtimeLearner:
     """The trainer with the realtime loss (the training side of a cycle): minibatches of the
     window, a snapshot to fall back to when the gate refuses, and the weights for the store.
 
@@ -280,7 +280,7 @@ class Learner:
         return self.trainer.model
 
     def batches(self, items: list[Joined], version: int, seed: int) -> list[dict]:
-        """This process's batches of the cycle (module docstring of Learner)."""
+        """This process's batches of the cycle (the class docstring)."""
         order = np.random.default_rng(seed).permutation(len(items))
         steps = max(1, min(int(self.config.realtime.steps), len(items)))
         procs, pid = jax.process_count(), jax.process_index()
@@ -291,7 +291,7 @@ class Learner:
             rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(per_proc, 1)))))
             rows = -(-rows // self.row_multiple) * self.row_multiple
             normalizer = self.tokens_per_completion * len(part) / self.accum
-            out.append(to_batch(mine, version, self.seq_len, rows, normalizer,
+            out.append(completions_batch(mine, version, self.seq_len, rows, normalizer,
                                 routing=bool(self.config.grpo.router_replay)))
         return out
 

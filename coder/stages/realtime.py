@@ -104,7 +104,7 @@ class Loop:
         learner_dir = os.path.join(stage_dir, "learner")
         if state is not None:
             _drop_uncommitted(os.path.join(learner_dir, "checkpoints"), state["step"])
-        self.learner = realtime_lib.Learner(config, learner_dir, init_from, model_fn, tokenizer)
+        self.learner = realtime_lib.RealtimeLearner(config, learner_dir, init_from, model_fn, tokenizer)
         procs, pid = jax.process_count(), jax.process_index()
         self.publisher = weight_sync.WeightPublisher(self.store, shard=(pid, procs))
         if state is None:  # first start: the learner's weights are the first version
