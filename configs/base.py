@@ -119,6 +119,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.engine_dtype = ""  # serving weights' dtype ("" = model.dtype; "bfloat16": bf16 engine, f32 learner)
     c.rl.concurrent = True  # the actor runs all B x G rollouts at once (False: group by group)
     c.rl.env_workers = 0  # env worker processes running the sandboxes' tool calls (0 = one per rollout, at most 16)
+    # Actors and the weight channel (coder/rl/actor_learner.py): 0 actors = one inside the learner's
+    # process (no Ray start-up, no second JAX runtime: tests, quickstart, one small machine).
+    c.rl.num_actors = 0  # actor processes (Ray actors, each an engine + env workers); 0 = in the learner's process
+    c.rl.ray_address = ""  # Ray cluster of the actors ("" = a local Ray instance; "HOST:6379" or "ray://HOST:10001")
+    c.rl.weight_store = ""  # URL of the weight store the learner publishes to ("" = {stage_dir}/weights; gs://...)
+    c.rl.anchor_every = 10  # the store writes every this many versions in full (the others as XOR deltas)
     c.rl.tasks_per_step = 2  # B: tasks per optimizer step (each task used once: single epoch)
     c.rl.temperature = 1.0  # sampling temperature (the learner's logprobs use the same one)
     c.rl.top_p = 1.0  # nucleus sampling (1 = off)
@@ -175,6 +181,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
     c.grpo.max_staleness = 4  # tokens sampled more than this many learner versions ago carry no loss
+    c.grpo["async"] = True  # actors run ahead of the learner (<= max_staleness versions); False: lockstep, one actor
     c.grpo.tis_cap = 0.0  # truncated importance weight min(pi_learner/pi_engine, cap) on the loss (0 = off)
 
     # MTP self-distillation (coder/stages/mtp.py, stage "mtp"): trunk frozen, MTP modules trained.

@@ -1,26 +1,35 @@
-"""Stage `grpo`: synchronous GRPO of the agent in its own harness (docs/rl.md; after Composer 2).
+"""Stage `grpo`: GRPO of the agent in its own harness (docs/rl.md; after Composer 2).
 
-One step:
-    tasks  = the next B tasks (single epoch: each task is used once, in a fixed seeded order)
-    actor  : G rollouts per task (coder.rl.rollout.Agent over the engine and env episodes)
+One learner step:
+    groups = the next B finished groups of G rollouts (coder.rl.actor_learner.Driver.take):
+             actors (an Engine + the agent loops + env workers each) roll out the epoch's tasks
+             in order (single epoch: each task is used once) with the weights of the store
     reward : outcome - length penalty + auxiliary rewards (coder.rl.reward), per group
     adv    : coder.rl.grpo.advantages (infra failures masked out of their group)
-    learner: batch (one generation per row), reference logprobs of the frozen initial policy,
-             the trainer's step with coder.rl.grpo's loss, then the new weights to the engine.
+    learner: batch (one generation per row; each token's staleness from its policy version),
+             reference logprobs of the frozen initial policy, the trainer's step with
+             coder.rl.grpo's loss, then the new version to the weight store (rl.weight_store),
+             which the actors poll and apply between two decode calls.
 
-Seams for the asynchronous version: `Actor.collect` only needs an engine (weights arrive by
-`engine.set_weights(state, version)` and every sampled token records its policy version);
-`Learner.batch` only needs finished rollouts (their tokens, behaviour logprobs, routing); `train`
-connects them through the trainer's `fit` (a batch generator that collects rollouts, an
-`after_step` hook that hands the new weights to the engine), which also gives GRPO the shared
-log / checkpoint cadence and SIGTERM handling. Router replay:
-`grpo.router_replay` feeds the engine's expert ids (prompt and observation tokens included) to
-the learner's forward as `routing=`.
+`grpo.async=True` lets actors run ahead of the learner by up to grpo.max_staleness versions
+(tokens older than that carry no loss); `grpo.async=False` is the same pieces in lockstep: one
+actor, each step's tasks rolled out with the learner's latest weights. `rl.num_actors` actors are
+Ray processes (a local Ray instance, or the cluster at `rl.ray_address`); 0 runs the one actor
+inside this process. The stage connects actors and learner through the trainer's `fit` (a batch
+generator that takes groups from the driver, an `after_step` hook that publishes the new
+weights), which also gives GRPO the shared log / checkpoint cadence and SIGTERM handling; the
+epoch's position (which tasks were used) is the trainer's data state, saved in every checkpoint.
+Router replay: `grpo.router_replay` feeds the engine's expert ids (prompt and observation tokens
+included) to the learner's forward as `routing=`.
 
 Metrics (`{stage_dir}/metrics.jsonl`, one line per step): loss, reward, pass_rate, outcome,
-test_reward, kl, clip_fraction, ratio_mean/max, entropy, broken_call_rate, infra_failures,
-turns, tool_calls, thinking/tool_io/output tokens, summaries, generations, tokens_per_rollout,
-submitted, abs_advantage, rollout_time_s, learner_time_s, plus the trainer's (grad_norm, lr, ...).
+test_reward, kl, clip_fraction, ratio_mean/max, entropy, stale_tokens, staleness_mean/max,
+broken_call_rate, infra_failures, turns, tool_calls, thinking/tool_io/output tokens, summaries,
+generations, tokens_per_rollout, submitted, abs_advantage, rollout_time_s, learner_time_s,
+learner_idle_s, actor_idle_s, rollouts_per_s, dropped_rollouts(_total), mixed_version_rollouts,
+version_lag, sync_bytes / sync_raw_bytes / sync_publish_s (the version this step published),
+sync_read_bytes / sync_apply_s (per version the actors applied), the engine's, plus the
+trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
 
@@ -30,8 +39,9 @@ import time
 import jax
 from flax import nnx
 
+from coder.rl import actor_learner
 from coder.rl import reward as reward_lib
-from coder.rl.actor import Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
+from coder.rl.actor import episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
 from coder.rl.learner import Learner
 
 
@@ -48,6 +58,12 @@ def validate(config) -> None:
     unknown = set(rl.aux_rewards.keys()) - set(reward_lib.AUX_REWARDS)
     if unknown:
         raise ValueError(f"rl.aux_rewards: unknown {sorted(unknown)}; known {sorted(reward_lib.AUX_REWARDS)}")
+    if int(rl.num_actors) < 0 or int(rl.anchor_every) < 1:
+        raise ValueError(f"rl.num_actors={rl.num_actors} must be >= 0 (0 = one actor in the learner's "
+                         f"process) and rl.anchor_every={rl.anchor_every} >= 1")
+    if not config.grpo["async"] and int(rl.num_actors) > 1:
+        raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
+                         f"{rl.num_actors}), or grpo.async=True")
 
 
 def engine_metrics(before: dict, after: dict, seconds: float) -> dict:
@@ -71,8 +87,9 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
           held_out=None, model_fn=None) -> str:
     """The GRPO loop over `tasks` (single epoch). Returns the checkpoint directory.
 
-    `make_episode(task)` builds the env episode of one rollout; `held_out` tasks (optional) are
-    evaluated with coder.rl.eval at the end (and every grpo.eval_every steps).
+    `make_episode(task)` builds the env episode of one rollout (it runs in the actors: with Ray
+    actors it is pickled, closures included); `held_out` tasks (optional) are evaluated with
+    coder.rl.eval at the end (and every grpo.eval_every steps).
     """
     from coder.rl import eval as eval_lib
 
@@ -82,7 +99,7 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
     processes, pid = jax.process_count(), jax.process_index()
     if b % processes:
         raise ValueError(f"rl.tasks_per_step={b} does not split over {processes} processes (each "
-                         "process's actor rolls out its share of every step's tasks)")
+                         "process's actors roll out its share of every step's tasks)")
     local = b // processes
     steps = min(int(config.train.steps), len(tasks) // b)
     if steps < int(config.train.steps):
@@ -90,48 +107,91 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
                         "train.steps=%d", len(tasks), steps, b, config.train.steps)
     learner = Learner(config, stage_dir, init_from, model_fn, tokenizer=tokenizer)
     trainer = learner.trainer
-    engine = make_engine(trainer.model, config)  # its own copy of the weights, on the actor's mesh
-    engine.set_weights(nnx.state(trainer.model), version=trainer.step)
-    actor = Actor(engine, tokenizer, config, make_episode)
-    eval_every = int(config.grpo.eval_every)
-    key = jax.random.key(int(config.seed))
-    rollout_record = {}  # the current step's rollout metrics, logged with its learner metrics
+    # this process's share of the epoch: of every B consecutive tasks, the `local` at its offset
+    order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b]) if (i % b) // local == pid]
+    epoch = actor_learner.Epoch()
+    _restore_epoch(trainer, epoch, local)
+    trainer.data_iterator = epoch  # saved with every checkpoint: a resumed stage takes the next tasks
+    url = actor_learner.store_url(config, stage_dir)
+    weights = actor_learner.LearnerWeights(config, url)
+    start = weights.publish(trainer.model, trainer.step)  # the actors start from this version
+    logging.info("[grpo] weights version %d in %s (%d bytes); %s mode, %s", trainer.step, url,
+                 start["sync_bytes"], "async" if config.grpo["async"] else "sync",
+                 f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else "the actor in this process")
+    actors = actor_learner.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
+                                        model_fn=model_fn, url=url)
+    driver = actor_learner.Driver(config, actors, order, epoch, needed=max(steps - trainer.step, 0) * local,
+                                  local=local, version=trainer.step)
+    eval_every, anchor_every = int(config.grpo.eval_every), int(rl.anchor_every)
+    eval_engine = []  # the learner's own engine for agent evals when the actors are Ray processes
+    step_record = {}  # the current step's rollout metrics, logged with its learner metrics
 
     def batches():
-        """The learner's batches: each step's tasks rolled out by the actor and scored."""
+        """The learner's batches: the next B finished groups, scored."""
         while True:
-            s = trainer.step
-            t0 = time.perf_counter()
-            before = engine.stats()
-            # each process's actor rolls out its share of the step's tasks on its own devices
-            mine = tasks[s * b + pid * local:s * b + (pid + 1) * local]
-            groups = actor.collect(mine, jax.random.fold_in(jax.random.fold_in(key, s), pid))
+            groups, record = driver.take()
+            if groups is None:
+                return  # the epoch's tasks ran out (fit logs it)
             t1 = time.perf_counter()
             score_groups(groups, rl)
-            rollout_record.clear()
-            rollout_record.update(rollout_metrics(groups), **engine_metrics(before, engine.stats(), t1 - t0),
-                                  rollout_time_s=t1 - t0, learner_start=t1)
+            before, after = record.pop("engine_before"), record.pop("engine_after")
+            step_record.clear()
+            step_record.update(rollout_metrics(groups), **record, learner_start=t1)
+            if after:
+                step_record.update(engine_metrics(before, after, record["step_seconds"]))
             yield learner.batch(groups)
 
-    def after_step(trainer, metrics) -> dict:
+    def evaluate(step: int) -> dict:
+        if isinstance(actors, actor_learner.LocalActors):
+            engine = actors.workers[0].engine
+        else:
+            if not eval_engine:
+                eval_engine.append(make_engine(trainer.model, config))
+            engine = eval_engine[0]
         engine.set_weights(nnx.state(trainer.model), version=trainer.step)
+        return eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=step,
+                                       tasks=held_out, make_episode=make_episode, engine=engine)
+
+    def after_step(trainer, metrics) -> dict:
+        sync = weights.publish(trainer.model, trainer.step)  # before the next step's collection
+        driver.published(trainer.step)
+        if trainer.step % anchor_every == 0:  # drop what no actor can still need
+            weights.gc(driver.oldest_actor_version())
         jax.block_until_ready(metrics)
-        record = dict(rollout_record)
+        record = dict(step_record, **sync)
         record["learner_time_s"] = time.perf_counter() - record.pop("learner_start")
         if held_out and eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
-            eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
-                                    tasks=held_out, make_episode=make_episode, engine=engine)
+            evaluate(trainer.step)
         return record
 
     try:
         trainer.fit(batches(), steps, after_step=after_step)  # logging, checkpoints, SIGTERM
         if held_out:
-            res = eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=trainer.step,
-                                          tasks=held_out, make_episode=make_episode, engine=engine)
+            res = evaluate(trainer.step)
             logging.info("[grpo] agent eval at step %d: %s", trainer.step, res)
     finally:
+        for engine in eval_engine:
+            engine.close()
+        driver.close()
         trainer.close()
     return trainer.checkpoint_dir
+
+
+def _restore_epoch(trainer, epoch, local: int) -> None:
+    """The epoch's position saved with the checkpoint the trainer resumed from (a checkpoint
+    without one: the first steps x local tasks, as the synchronous loop used them)."""
+    if trainer.step == 0:
+        return
+    from etils import epath
+
+    from coder.train import checkpoint as ckpt_lib
+
+    state = ckpt_lib.ProcessJsonHandler().restore(epath.Path(trainer.checkpoint_dir) / str(trainer.step) / "data")
+    if state is None:
+        for pos in range(trainer.step * local):
+            epoch.add(pos)
+    else:
+        epoch.set_state(state)
 
 
 def run(config, stage_dir: str, init_from: str) -> str:

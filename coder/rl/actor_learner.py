@@ -1,0 +1,606 @@
+"""The actor-learner system of stage grpo: actors on Ray, the learner in the stage's process,
+weights through the weight store (docs/rl.md, section 7).
+
+    learner  (the stage's process; each process of a multi-controller JAX job runs its own)
+      Driver.take()             the step's B groups of rollouts, as its actors finish them
+      Learner.batch, one step   (tokens more than grpo.max_staleness versions old carry no loss)
+      LearnerWeights.publish()  the new version, in the serving dtype, to the weight store
+      Driver.published(v)       nudges the actors to poll the store now
+    actor    (ActorWorker: a Ray actor process, rl.num_actors of them; or rl.num_actors = 0:
+              threads inside the learner's process, the same class without Ray)
+      an Engine on this process's devices, built from the store's newest version
+      coder.rl.actor.Actor: the agent loops (one thread per rollout), env worker processes
+      run_group(work)           one task's G rollouts, started only once the actor holds weights
+                                of version >= work.min_version (the staleness bound)
+      a poller thread           WeightReader.poll() -> engine.set_weights(state, version): applied
+                                between two decode calls, rows keep their caches, so one rollout
+                                may hold tokens of several versions (each token records its own)
+
+Two modes, the same pieces (`grpo.async`):
+- async: each actor holds up to `capacity` groups at once (its engine's slots / G); the driver
+  keeps at most (grpo.max_staleness + 1) x B groups outstanding (queued or rolling out), so a
+  group handed out while the learner is at version u is trained at about u + (groups ahead of
+  it) / B; it starts only with weights >= that step - grpo.max_staleness (`Work.min_version`),
+  so actors never run further ahead than the learner's mask allows. The learner takes whichever
+  B groups finished first; a group overtaken many times grows stale and the learner masks its
+  old tokens (Learner.batch).
+- sync: one actor; the step's B tasks are handed out only when nothing is outstanding, with
+  min_version = the learner's version (weights synced before the collection), and the learner
+  waits for all B (the queue drained every step), in task order.
+
+Failures: a Ray actor whose process dies is restarted by Ray (MAX_RESTARTS); the groups it was
+rolling out are dropped, never scored, counted (`dropped_rollouts`), and their tasks handed out
+again (a task lost MAX_ATTEMPTS times is skipped, logged). A dead env worker is already an
+InfraError inside a rollout (masked in its group). Any other exception of an actor is a bug and
+stops the run.
+
+Single epoch: each process walks its share of the tasks in order; `Epoch` records which ones
+were used (trained on, or skipped) and travels in every checkpoint as the trainer's data state,
+so a resumed stage continues with the next unused tasks. Groups in flight when a run stopped
+were never trained on: the resumed run generates them again (same sampling key, new weights).
+A group's sampling key is fold_in(fold_in(key(seed), task index), attempt): it depends on the
+task, not on the actor or the timing.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+MAX_RESTARTS = 8  # Ray restarts of one actor process
+MAX_ATTEMPTS = 3  # a task whose group was lost with its actor this many times is skipped
+POLL_S = 0.5  # an actor polls the store this often when nothing nudges it
+
+
+class ActorLost(RuntimeError):
+    """The actor process running a group died (the group is dropped)."""
+
+
+@dataclasses.dataclass
+class Work:
+    """One task's group, as the driver hands it to an actor."""
+
+    index: int  # the task's index in the epoch (global over processes): its sampling key
+    task: object  # coder.env.tasks.Task
+    attempt: int = 0  # 1, 2, ... when earlier groups of it were lost with their actor
+    min_version: int = 0  # the oldest weights version the group may start with
+    seed: int = 0
+
+    def key(self):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), self.index), self.attempt)
+
+
+@dataclasses.dataclass
+class GroupResult:
+    """One finished group: G Rollouts (plain dataclasses, pickled through Ray)."""
+
+    index: int
+    attempt: int
+    rollouts: list
+    actor: int
+    version: int  # the actor's weights version when the group started
+    seconds: float  # the group's wall time on the actor (waiting for weights excluded)
+    stats: dict  # the actor's cumulative counters when it finished (ActorWorker.stats)
+
+
+def capacity(config) -> int:
+    """Groups one actor rolls out at once: its engine's slots over G (coder.rl.actor.make_engine)."""
+    rl = config.rl
+    g = int(rl.group_size)
+    slots = int(rl.engine_slots) or max(int(rl.tasks_per_step) * g, int(rl.eval_samples))
+    return max(1, slots // g)
+
+
+def store_url(config, stage_dir: str) -> str:
+    return config.rl.weight_store or os.path.join(stage_dir, "weights")
+
+
+# --- the actor ---------------------------------------------------------------------------------
+class ActorWorker:
+    """One actor (module docstring): hosted by a Ray actor process (`RayActors`) or by the
+    learner's process (`LocalActors`); every method may be called from several threads.
+
+    Args:
+      config: the run config (rl, model, mesh, env, seed).
+      tokenizer: a coder.data.tokenizer tokenizer, or its `to_record` (through Ray).
+      make_episode: `task -> episode`; an `EpisodeFactory` runs its episodes in env worker
+        processes of this actor (rl.env_workers, 0 = one per rollout of `capacity` groups, at
+        most 16), any other callable (in-process test episodes) in the rollout's thread.
+      model_fn: `() -> nnx.Module` giving the model's structure (default Transformer(config.model));
+        its weights are never used: they come from the store.
+      url: the weight store; the actor starts from its newest complete version (waiting up to
+        `timeout_s` for the first one).
+    """
+
+    def __init__(self, config, tokenizer, make_episode, model_fn, url: str, index: int = 0,
+                 timeout_s: float = 600.0):
+        from flax import nnx
+
+        from coder.data import tokenizer as tokenizer_lib
+        from coder.rl import actor as actor_lib
+        from coder.rl import weight_sync
+
+        if isinstance(tokenizer, dict):
+            tokenizer = tokenizer_lib.from_record(tokenizer)
+        self.index, self.config = int(index), config
+        self.reader = weight_sync.WeightReader(url)
+        self._cond = threading.Condition()
+        self._nudge = threading.Event()
+        self._closed = False
+        deadline = time.monotonic() + timeout_s
+        got = self.reader.poll()
+        while got is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor {index}: no complete version in the weight store {url} "
+                                   f"after {timeout_s:.0f} s")
+            time.sleep(0.1)
+            got = self.reader.poll()
+        version, flat = got
+        if model_fn is None:
+            from coder.model import Transformer
+
+            model_fn = functools.partial(Transformer, config.model, rngs=nnx.Rngs(0))
+        self._graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn))
+        self.engine = actor_lib.make_engine(nnx.merge(self._graphdef, self._state(flat)), config)
+        self.version = version
+        self.pool = None
+        self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
+        # counters (cumulative; the driver diffs them per step)
+        self.versions_applied, self.read_bytes, self.apply_s = 0, 0, 0.0
+        self._active, self._idle_s, self._idle_since = 0, 0.0, time.perf_counter()
+        self._poller = threading.Thread(target=self._poll_loop, name=f"actor{index}-weights", daemon=True)
+        self._poller.start()
+        logging.info("[actor %d] pid %d: engine on %d device(s), weights version %d", index, os.getpid(),
+                     jax.local_device_count(), version)
+
+    def _state(self, flat):
+        from coder.train import checkpoint as ckpt_lib
+
+        return ckpt_lib.flat_to_state(self._abstract, flat)
+
+    def _episodes(self, make_episode):
+        """`task -> episode` for the rollout threads: pooled env workers for an EpisodeFactory."""
+        from coder.env.pool import EpisodePool, PooledEpisode
+        from coder.rl.actor import EpisodeFactory
+
+        rl = self.config.rl
+        if not (isinstance(make_episode, EpisodeFactory) and rl.concurrent):
+            return make_episode
+        n = int(rl.env_workers) or min(16, capacity(self.config) * int(rl.group_size))
+        self.pool = EpisodePool(n, timeout_s=make_episode.harness_timeout_s, **make_episode.kwargs)
+        return functools.partial(PooledEpisode, self.pool)
+
+    # --- weights ---------------------------------------------------------------------------
+    def _poll_loop(self):
+        while not self._closed:
+            self._nudge.wait(POLL_S)
+            self._nudge.clear()
+            if self._closed:
+                return
+            try:
+                self.sync()
+            except Exception:  # noqa: BLE001 - a store hiccup: the next poll tries again
+                logging.exception("[actor %d] weight store poll failed", self.index)
+
+    def sync(self) -> bool:
+        """Applies the store's newest version when it is new; True when it did."""
+        t0 = time.perf_counter()
+        got = self.reader.poll()
+        if got is None:
+            return False
+        version, flat = got
+        self.engine.set_weights(self._state(flat), version=version)  # from the next decode call
+        with self._cond:
+            self.version = version
+            self.versions_applied += 1
+            self.read_bytes += int(self.reader.last_read.get("bytes", 0))
+            self.apply_s += time.perf_counter() - t0
+            self._cond.notify_all()
+        return True
+
+    def notify(self, version: int | None = None) -> None:
+        """The learner published a version: poll now."""
+        del version
+        self._nudge.set()
+
+    # --- rollouts --------------------------------------------------------------------------
+    def run_group(self, work: Work) -> GroupResult:
+        """G rollouts of `work.task`, started once the actor holds version >= work.min_version."""
+        with self._cond:
+            while self.version < work.min_version and not self._closed:
+                self._nudge.set()
+                self._cond.wait(POLL_S)
+            version = self.version
+            if self._active == 0:
+                self._idle_s += time.perf_counter() - self._idle_since
+            self._active += 1
+        t0 = time.perf_counter()
+        try:
+            (group,) = self.actor.collect([work.task], work.key())
+        finally:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle_since = time.perf_counter()
+        return GroupResult(work.index, work.attempt, group, self.index, version,
+                           time.perf_counter() - t0, self.stats())
+
+    def stats(self) -> dict:
+        """Cumulative counters: engine work, idle seconds (no group rolling out: waiting for
+        work or for weights), versions applied, bytes read from the store, seconds applying."""
+        with self._cond:
+            idle = self._idle_s + (time.perf_counter() - self._idle_since if self._active == 0 else 0.0)
+            return dict(pid=os.getpid(), version=self.version, idle_s=idle, versions=self.versions_applied,
+                        read_bytes=self.read_bytes, apply_s=self.apply_s,
+                        engine={k: v for k, v in self.engine.stats().items() if not isinstance(v, float)})
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._nudge.set()
+        self._poller.join(timeout=10)
+        self.actor.close()
+        if self.pool is not None:
+            self.pool.close()
+        self.engine.close()
+
+
+# --- hosts: where the actors live --------------------------------------------------------------
+class LocalActors:
+    """One ActorWorker inside the learner's process (rl.num_actors = 0): no Ray, no second JAX
+    runtime; its groups run in threads. Its engine also serves the agent eval."""
+
+    def __init__(self, worker: ActorWorker, slots: int):
+        self.workers = [worker]
+        self._ex = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="actor-group")
+
+    def __len__(self):
+        return 1
+
+    def submit(self, i: int, work: Work):
+        return self._ex.submit(self.workers[i].run_group, work)
+
+    def wait(self, tokens: list, timeout: float) -> list:
+        done, _ = concurrent.futures.wait(tokens, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, token) -> GroupResult:
+        return token.result()
+
+    def notify(self, version: int) -> None:
+        self.workers[0].notify(version)
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)
+        self.workers[0].close()
+
+
+class RayActors:
+    """`n` ActorWorkers as Ray actor processes (restarted by Ray when they die), on the cluster
+    at `rl.ray_address` or on a local Ray instance started here ("" = local)."""
+
+    def __init__(self, config, n: int, tokenizer, make_episode, model_fn, url: str, slots: int):
+        import ray
+
+        from coder.data import tokenizer as tokenizer_lib
+
+        address = str(config.rl.ray_address)
+        self._started = not ray.is_initialized()
+        if self._started:
+            if address:
+                ray.init(address=address)
+            else:  # a new local instance, even when RAY_ADDRESS names another cluster
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, n + 1), include_dashboard=False)
+        options = dict(max_restarts=MAX_RESTARTS, max_task_retries=0, max_concurrency=slots + 4,
+                       **_placement(local=not address))
+        remote = ray.remote(ActorWorker).options(**options)
+        record = tokenizer_lib.to_record(tokenizer)
+        self.handles = [remote.remote(config, record, make_episode, model_fn, url, i) for i in range(n)]
+
+    def __len__(self):
+        return len(self.handles)
+
+    def submit(self, i: int, work: Work):
+        return self.handles[i].run_group.remote(work)
+
+    def wait(self, tokens: list, timeout: float) -> list:
+        import ray
+
+        ready, _ = ray.wait(tokens, num_returns=1, timeout=timeout)
+        return ready
+
+    def result(self, token) -> GroupResult:
+        import ray
+
+        try:
+            return ray.get(token)
+        except ray.exceptions.RayActorError as e:  # died (restarting) or unreachable
+            if e.actor_init_failed:  # not a lost process: the actor cannot start at all
+                raise RuntimeError(f"[grpo] an actor failed to start: {e}") from None
+            raise ActorLost(str(e).splitlines()[0]) from None
+
+    def notify(self, version: int) -> None:
+        for h in self.handles:
+            h.notify.remote(version)
+
+    def pids(self, timeout: float = 600.0) -> list[int]:
+        import ray
+
+        return ray.get([h.pid.remote() for h in self.handles], timeout=timeout)
+
+    def close(self) -> None:
+        import ray
+
+        for h in self.handles:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._started:
+            ray.shutdown()
+
+
+def _placement(local: bool) -> dict:
+    """Ray resources of one actor: a CPU; on a cluster with accelerators, all of one host's
+    (one actor per TPU / GPU host)."""
+    if local:
+        return {"num_cpus": 1}
+    import ray
+
+    for node in ray.nodes():
+        res = node.get("Resources", {}) if node.get("Alive") else {}
+        if res.get("TPU"):
+            return {"num_cpus": 1, "resources": {"TPU": res["TPU"]}}
+        if res.get("GPU"):
+            return {"num_cpus": 1, "num_gpus": res["GPU"]}
+    return {"num_cpus": 1}
+
+
+def start_actors(config, *, tokenizer, make_episode, model_fn, url: str):
+    """The actors of `config` (rl.num_actors: Ray processes, 0 = in the learner's process)."""
+    n, slots = int(config.rl.num_actors), capacity(config)
+    if n == 0:
+        return LocalActors(ActorWorker(config, tokenizer, make_episode, model_fn, url), slots)
+    return RayActors(config, n, tokenizer, make_episode, model_fn, url, slots)
+
+
+# --- the learner's side ------------------------------------------------------------------------
+class Epoch:
+    """Which of this process's tasks (positions 0, 1, ... in its order) the run has used
+    (trained on, or skipped); the trainer saves `get_state()` with every checkpoint."""
+
+    def __init__(self):
+        self.below, self.extra = 0, set()  # every position < below is used, and those in extra
+
+    def __contains__(self, pos: int) -> bool:
+        return pos < self.below or pos in self.extra
+
+    def add(self, pos: int) -> None:
+        self.extra.add(int(pos))
+        while self.below in self.extra:
+            self.extra.remove(self.below)
+            self.below += 1
+
+    def __len__(self) -> int:
+        return self.below + len(self.extra)
+
+    def get_state(self) -> dict:
+        return {"format": 1, "below": self.below, "extra": sorted(self.extra)}
+
+    def set_state(self, state: dict) -> None:
+        self.below, self.extra = int(state["below"]), {int(p) for p in state["extra"]}
+
+
+class LearnerWeights:
+    """The learner's side of the weight channel: each version of the trainer's model (every
+    variable, floating ones cast to the serving dtype `rl.engine_dtype or model.dtype`) to the
+    store; each process writes its share of the leaves (weight_sync.split_leaves)."""
+
+    def __init__(self, config, url: str):
+        from jax import numpy as jnp
+
+        from coder.rl import weight_sync
+
+        self.url = url
+        self.dtype = jnp.dtype(config.rl.engine_dtype or config.model.dtype)
+        self.publisher = weight_sync.WeightPublisher(url, shard=(jax.process_index(), jax.process_count()),
+                                                     anchor_every=int(config.rl.anchor_every))
+        self._mine = None
+
+    def publish(self, model, version: int) -> dict:
+        from flax import nnx
+        from jax import numpy as jnp
+        from jax.experimental import multihost_utils
+
+        from coder.rl import weight_sync
+        from coder.train import checkpoint as ckpt_lib
+
+        t0 = time.perf_counter()
+        flat = ckpt_lib.state_to_flat(nnx.state(model))
+        if self._mine is None:  # the same split on every process, from names and sizes only
+            sizes = {k: np.broadcast_to(np.zeros((), self._serving(v.dtype)), v.shape) for k, v in flat.items()}
+            self._mine = set(weight_sync.split_leaves(sizes, jax.process_count())[jax.process_index()])
+        out = {}
+        for name in sorted(flat):
+            x = flat[name]
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(self.dtype)
+            if not x.is_fully_addressable:  # spread over hosts: every process takes part
+                x = multihost_utils.process_allgather(x, tiled=True)
+            if name in self._mine:
+                out[name] = np.asarray(x)
+        gathered = time.perf_counter() - t0
+        info = self.publisher.publish(int(version), out)
+        return dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"],
+                    sync_publish_s=gathered + info["seconds"])
+
+    def _serving(self, dtype):
+        from jax import numpy as jnp
+
+        return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+    def gc(self, keep_from: int) -> None:
+        from coder.rl import weight_sync
+
+        if jax.process_index() == 0:
+            weight_sync.gc(self.url, keep_from)
+
+
+class Driver:
+    """Hands this process's tasks to its actors and queues their finished groups (module
+    docstring).
+
+    Args:
+      actors: LocalActors or RayActors.
+      order: [(global task index, Task)] of this process's share of the epoch, in order.
+      epoch: the positions of `order` already used (a resumed run's).
+      needed: groups the run still trains on (steps left x `local`).
+      local: groups per learner step from this process.
+      version: the learner's version (published before the driver starts).
+    """
+
+    def __init__(self, config, actors, order: list, epoch: Epoch, *, needed: int, local: int, version: int):
+        self.actors, self.epoch, self.local = actors, epoch, int(local)
+        self.asynchronous = bool(config.grpo["async"])
+        self.ahead = int(config.grpo.max_staleness) if self.asynchronous else 0
+        self.group_size, self.seed = int(config.rl.group_size), int(config.seed)
+        self.slots = capacity(config)
+        self.position = {index: pos for pos, (index, _) in enumerate(order)}
+        self.todo = collections.deque(Work(index, task, 0, 0, self.seed)
+                                      for pos, (index, task) in enumerate(order) if pos not in epoch)
+        self.needed, self.version = int(needed), int(version)
+        self.pending: dict = {}  # token -> (actor, Work)
+        self.load = [0] * len(actors)
+        self.lost_calls = [0] * len(actors)  # lost in a row (reset by a finished group)
+        self.queue: collections.deque = collections.deque()
+        self.latest: dict = {}  # actor -> its last stats
+        self._mark: dict = {}  # actor -> its stats at the previous take
+        self.dropped = self.skipped = 0
+        self._dropped_step = self._received = 0
+        self._last_take = time.perf_counter()
+
+    # --- handing out ------------------------------------------------------------------------
+    def published(self, version: int) -> None:
+        self.version = int(version)
+        self.actors.notify(self.version)
+
+    def _outstanding(self) -> int:
+        return len(self.pending) + len(self.queue)
+
+    def _fill(self) -> None:
+        """Hands out tasks while an actor has room and the staleness bound allows (sync: ahead
+        is 0, so a step's tasks go out only once the previous step's groups were all taken)."""
+        while self.todo and self._outstanding() < self.needed:
+            ahead = self._outstanding() // self.local  # steps before the one this group is for
+            if ahead > self.ahead:
+                return  # the learner must step first (staleness bound)
+            free = [i for i in range(len(self.load)) if self.load[i] < self.slots and self.lost_calls[i] >= 0]
+            if not free:
+                return
+            i = min(free, key=lambda j: (self.load[j], j))
+            work = self.todo.popleft()
+            work.min_version = self.version + ahead - self.ahead
+            self.pending[self.actors.submit(i, work)] = (i, work)
+            self.load[i] += 1
+
+    def _lost(self, actor: int, work: Work, err: Exception) -> None:
+        self.dropped += self.group_size
+        self._dropped_step += self.group_size
+        self.lost_calls[actor] += 1
+        logging.warning("[grpo] actor %d lost the group of task %d (attempt %d): %s", actor, work.index,
+                        work.attempt, err)
+        if self.lost_calls[actor] > self.slots * (MAX_RESTARTS + 1):
+            self.lost_calls[actor] = -1  # restarts exhausted: no more work for it
+            logging.error("[grpo] actor %d is gone for good", actor)
+            if all(n < 0 for n in self.lost_calls):
+                raise RuntimeError("[grpo] every actor died and Ray will not restart them")
+        if work.attempt + 1 < MAX_ATTEMPTS:
+            self.todo.appendleft(Work(work.index, work.task, work.attempt + 1, 0, self.seed))
+        else:
+            self.skipped += 1
+            self.epoch.add(self.position[work.index])  # the run takes the next task instead
+            logging.error("[grpo] task %d skipped: its group was lost %d times", work.index, MAX_ATTEMPTS)
+
+    def _collect(self, timeout: float) -> None:
+        for token in self.actors.wait(list(self.pending), timeout):
+            actor, work = self.pending.pop(token)
+            self.load[actor] -= 1
+            try:
+                res = self.actors.result(token)
+            except ActorLost as e:
+                self._lost(actor, work, e)
+                continue
+            self.lost_calls[actor] = 0
+            self.latest[actor] = res.stats
+            self._received += len(res.rollouts)
+            self.queue.append(res)
+
+    # --- the learner's end -----------------------------------------------------------------
+    def take(self) -> tuple[list | None, dict]:
+        """The next step's `local` finished groups ([B][G] Rollouts; in task order in sync mode)
+        and the driver's metrics of the step; (None, {}) when the epoch has no tasks left."""
+        t0 = time.perf_counter()
+        while len(self.queue) < self.local:
+            self._fill()
+            if not self.pending:
+                return None, {}
+            self._collect(timeout=1.0)
+        results = [self.queue.popleft() for _ in range(self.local)]
+        if not self.asynchronous:
+            results.sort(key=lambda r: r.index)
+        for r in results:
+            self.epoch.add(self.position[r.index])
+        self.needed -= self.local
+        now = time.perf_counter()
+        groups = [r.rollouts for r in results]
+        versions = [set(v for g in ro.generations for v, p in zip(g.policy_version, g.policy) if p)
+                    for grp in groups for ro in grp]
+        m = dict(learner_idle_s=now - t0, rollouts_per_s=self._received / max(now - self._last_take, 1e-9),
+                 dropped_rollouts=self._dropped_step, dropped_rollouts_total=self.dropped,
+                 skipped_tasks=self.skipped, rollout_time_s=float(np.mean([r.seconds for r in results])),
+                 mixed_version_rollouts=sum(len(v) > 1 for v in versions),
+                 version_lag=float(np.mean([self.version - r.version for r in results])),
+                 step_seconds=now - self._last_take)
+        m.update(self._actor_deltas())
+        self._dropped_step = self._received = 0
+        self._last_take = now
+        return groups, m
+
+    def _actor_deltas(self) -> dict:
+        """Actor counters since the previous take, summed over actors (a restarted actor's
+        counters start again from 0)."""
+        keys = ("idle_s", "versions", "read_bytes", "apply_s")
+        d = dict.fromkeys(keys, 0.0)
+        engine_before, engine_after = collections.Counter(), collections.Counter()
+        for actor, now in self.latest.items():
+            before = self._mark.get(actor)
+            if before is None or before["pid"] != now["pid"]:
+                before = dict.fromkeys(keys, 0.0) | {"engine": {}}
+            for k in keys:
+                d[k] += now[k] - before[k]
+            for k, v in now["engine"].items():
+                engine_before[k] += before["engine"].get(k, 0)
+                engine_after[k] += v
+        self._mark = dict(self.latest)
+        per = max(d["versions"], 1)
+        return dict(actor_idle_s=d["idle_s"], sync_versions=d["versions"], sync_read_bytes=d["read_bytes"] / per,
+                    sync_apply_s=d["apply_s"] / per, engine_before=dict(engine_before),
+                    engine_after=dict(engine_after))
+
+    def oldest_actor_version(self) -> int:
+        return min([s["version"] for s in self.latest.values()] or [self.version])
+
+    def close(self) -> None:
+        self.actors.close()

@@ -1,0 +1,198 @@
+"""The actor-learner system of stage grpo (coder/rl/actor_learner.py) end to end: in-flight weight
+updates, the staleness mask, learning in async and sync mode, a killed actor.
+
+The runs use tests/test_rl_learning.py's in-process toy task ("submit the lucky number", one
+`submit` tool, reward 1 for "3") and its tiny model, SFT-ed once for the module on the call
+format with a random answer. In-process episodes reach Ray actors by cloudpickle (their classes
+by reference to this module, the lambdas by value).
+"""
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from coder.env import protocol
+from coder.model import Transformer
+from coder.rl import actor_learner
+from coder.rl import weight_sync
+from coder.stages import grpo as grpo_stage
+from tests import test_rl_learning as rl_test
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """(tokenizer, stage_len, SFT-ed weights): the model writes well-formed submit calls."""
+    tok = rl_test.tokenizer()
+    head = len(tok.turn_ids("system", protocol.render_system_prompt([rl_test.SUBMIT], rl_test.PREAMBLE))) + 24
+    stage_len = -(-(head + 64) // 16) * 16
+    model, _ = rl_test.sft_format(rl_test.tiny_config(tok, stage_len), tok)
+    return tok, stage_len, nnx.state(model)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    # pytest imports this file as a top-level module the Ray workers cannot import: its episode
+    # classes travel by value (as a script's would)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def config(tok, stage_len, **overrides):
+    cfg = rl_test.tiny_config(tok, stage_len)
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return cfg
+
+
+def model_fn_of(cfg, state):
+    def model_fn():
+        m = Transformer(cfg.model, rngs=nnx.Rngs(1))
+        if state is not None:
+            nnx.update(m, state)
+        return m
+
+    return model_fn
+
+
+def metrics(stage_dir):
+    with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+class HeldEpisode(rl_test.SubmitEpisode):
+    """The first submit is refused and answered only once the weight store holds `version`
+    (and the actor had time to apply it): the rollout's next turn samples with newer weights."""
+
+    def __init__(self, expected, url, version):
+        super().__init__(expected)
+        self.url, self.version, self.calls = url, version, 0
+
+    def call(self, call):
+        self.calls += 1
+        if self.calls > 1:
+            return super().call(call)
+        deadline = time.monotonic() + 120
+        while (weight_sync.latest_version(self.url) or 0) < self.version and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)  # the actor's poller is nudged on publish; this covers a busy machine
+        return "error: not accepted yet, submit again"
+
+
+@pytest.mark.slow
+def test_in_flight_update_mixes_versions_and_stale_tokens_carry_no_loss(tmp_path, toy):
+    """Task 1's rollouts sample their first turn with version 0, wait in the tool call until the
+    learner has published version 2 (it steps on tasks 0 and 2 meanwhile: async), and sample
+    their second turn with version 2: one rollout, tokens of two versions, each recorded. With
+    grpo.max_staleness = 1 the learner (at version >= 2) masks the version-0 tokens."""
+    tok, stage_len, state = toy
+    cfg = config(tok, stage_len + 64, rl__group_size=4, rl__tasks_per_step=1, rl__engine_slots=8,
+                 grpo__max_staleness=1, train__steps=4)  # room for a second turn
+    stage_dir = str(tmp_path / "grpo")
+    url = actor_learner.store_url(cfg, stage_dir)
+    tasks = [t for t, _ in rl_test.make_tasks(5, seed=0)]
+    held = tasks[1].id
+
+    def make_episode(task):
+        if task.id == held:
+            return HeldEpisode(rl_test.LUCKY, url, 2)
+        return rl_test.SubmitEpisode(rl_test.LUCKY)
+
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=make_episode,
+                     model_fn=model_fn_of(cfg, state))
+    m = metrics(stage_dir)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    mixed = [r for r in m if r["mixed_version_rollouts"] > 0]
+    assert mixed, [(r["mixed_version_rollouts"], r["version_lag"]) for r in m]
+    assert all(r["stale_tokens"] > 0 and r["staleness_max"] <= 1 for r in mixed)
+    assert sum(r["stale_tokens"] for r in m) == sum(r["stale_tokens"] for r in mixed)
+    assert all(r["sync_bytes"] > 0 and r["sync_versions"] >= 0 for r in m)
+    assert weight_sync.latest_version(url) == 4
+    with open(os.path.join(stage_dir, "checkpoints", "4", "data", "process_0-of-1.json")) as f:
+        assert json.load(f) == {"format": 1, "below": 4, "extra": []}  # tasks 0-3 used: the epoch's position
+
+
+def learn(tmp_path, toy, **overrides):
+    tok, stage_len, state = toy
+    cfg = config(tok, stage_len, **overrides)
+    steps = cfg.train.steps
+    tasks = rl_test.make_tasks(steps * cfg.rl.tasks_per_step, seed=0)
+    stage_dir = str(tmp_path / "grpo")
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=[t for t, _ in tasks],
+                     make_episode=lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
+                     model_fn=model_fn_of(cfg, state))
+    m = metrics(stage_dir)
+    print("rewards", [round(r["reward"], 2) for r in m], "staleness_max", [r["staleness_max"] for r in m])
+    assert [r["step"] for r in m] == list(range(1, steps + 1))
+    early, late = np.mean([r["reward"] for r in m[:2]]), np.mean([r["reward"] for r in m[-3:]])
+    assert early < 0.3 and late > early + 0.35, (early, late)
+    return m
+
+
+LEARN = dict(rl__tasks_per_step=8, rl__group_size=8, train__steps=12, train__lr=3e-3)
+
+
+@pytest.mark.slow
+def test_sync_mode_learns_the_toy_task(tmp_path, toy):
+    """grpo.async=False, the actor in the learner's process: every token is trained on-policy."""
+    m = learn(tmp_path, toy, grpo__async=False, rl__num_actors=0, **LEARN)
+    assert all(r["staleness_max"] == 0 and r["stale_tokens"] == 0 for r in m)
+    assert all(r["version_lag"] == 0 and r["mixed_version_rollouts"] == 0 for r in m)
+
+
+@pytest.mark.slow
+def test_async_mode_learns_the_toy_task_with_a_ray_actor(tmp_path, toy, ray_local):
+    """grpo.async=True, one Ray actor process: it rolls out while the learner steps."""
+    m = learn(tmp_path, toy, rl__num_actors=1, **LEARN)
+    assert max(r["staleness_max"] for r in m) >= 1  # it did run ahead
+    assert all(r["staleness_max"] <= 4 for r in m)  # grpo.max_staleness
+    assert all(r["engine_tokens_per_s"] > 0 for r in m)
+
+
+class KillerEpisode(rl_test.SubmitEpisode):
+    """Kills the process it runs in (the Ray actor) the first time it is built for its task."""
+
+    def __init__(self, expected, marker):
+        if not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().__init__(expected)
+
+
+@pytest.mark.slow
+def test_a_killed_actor_is_replaced_and_its_rollouts_dropped(tmp_path, ray_local):
+    """The actor process dies mid-run (SIGKILL while it rolls out task 2): Ray restarts it, the
+    groups it held are dropped (counted, never scored), their tasks rolled out again, and the
+    run completes."""
+    tok = rl_test.tokenizer()
+    cfg = config(tok, 256, rl__group_size=2, rl__tasks_per_step=1, rl__num_actors=1, train__steps=4)
+    tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
+    marker = str(tmp_path / "killed")
+    victim = tasks[2].id
+
+    def make_episode(task):
+        if task.id == victim:
+            return KillerEpisode(rl_test.LUCKY, marker)
+        return rl_test.SubmitEpisode(rl_test.LUCKY)
+
+    stage_dir = str(tmp_path / "grpo")
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=make_episode,
+                     model_fn=model_fn_of(cfg, None))
+    m = metrics(stage_dir)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    assert os.path.exists(marker)
+    assert m[-1]["dropped_rollouts_total"] >= 2 and m[-1]["dropped_rollouts_total"] % 2 == 0
+    assert sum(r["dropped_rollouts"] for r in m) == m[-1]["dropped_rollouts_total"]
+    assert all(r["rollouts"] == 2 and r["infra_failures"] == 0 for r in m)  # whole groups, none masked
