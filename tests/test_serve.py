@@ -273,8 +273,8 @@ def test_concurrent_requests_batch_together(served):
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         rs = list(ex.map(ask, range(8)))
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in rs)
-    # rows decoded together: more than one row per decode step on average
-    assert (engine.row_steps - rows0) / (engine.decode_steps - steps0) > 1.5
+    # rows decoded together: more than one row per decode step on average (1.0: one at a time)
+    assert (engine.row_steps - rows0) / (engine.decode_steps - steps0) > 1.2
     # a row's tokens do not depend on its companions: the same seed alone gives the same reply
     alone = ask(3)
     assert alone.choices[0].message.content == rs[3].choices[0].message.content
