@@ -18,7 +18,7 @@ Endpoints (JSON in and out; errors are OpenAI's `{"error": {"message", "type", "
 the preamble; else `system_prompt`, else the protocol's default), built from `protocol.ToolSpec`s
 of the request's function schemas; every turn is the tokenizer's `turn_ids(role, text)`, then
 `generation_prefix()`. Consecutive `tool` messages form one tool turn, one
-`<tool_result>...</tool_result>` per message (the RL agent's tool message); an assistant
+`<tool_result>...</tool_result>` per message (`tool_message_ids`, as SFT and RL); an assistant
 message's `tool_calls` are written back as `protocol.render_tool_call` text. User and tool text
 is encoded as plain text (a message holding "<|end|>" cannot forge a control token).
 
@@ -224,12 +224,7 @@ def render_prompt(tok, messages, tools: dict, preamble: str | None) -> list[int]
             results.append(_text_of(m.get("content"), f"messages[{i}]"))
             if k + 1 < len(rest) and ROLES[rest[k + 1][1]["role"]] == "tool":
                 continue
-            # one tool turn per run of tool messages, outputs as plain text (coder.rl.agent's tool message)
-            ids.append(tok.special_id("tool"))
-            for out in results:
-                ids += ([tok.special_id(protocol.RESULT_OPEN)] + tok.encode(out, allow_special=False)
-                        + [tok.special_id(protocol.RESULT_CLOSE)])
-            ids.append(tok.end_id)
+            ids += tok.tool_message_ids(results)  # one tool turn per run of tool messages, as SFT and RL
             results = []
         elif role == "assistant":
             ids += tok.turn_ids("assistant", _assistant_text(m, i))
