@@ -147,7 +147,8 @@ class ActorWorker:
         if model_fn is None:
             from coder.model import Transformer
 
-            model_fn = functools.partial(Transformer, config.model, rngs=nnx.Rngs(0))
+            def model_fn():
+                return Transformer(config.model, rngs=nnx.Rngs(0))
         self._graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn))
         self.engine = actor_lib.make_engine(nnx.merge(self._graphdef, self._state(flat)), config)
         self.version = version
