@@ -61,7 +61,12 @@ POLL_S = 0.5  # an actor polls the store this often when nothing nudges it
 
 
 class ActorLost(RuntimeError):
-    """The actor process running a group died (the group is dropped)."""
+    """The actor process running a call died or is restarting (a group is dropped); `for_good`:
+    the actor is dead and Ray will not restart it."""
+
+    def __init__(self, message: str, for_good: bool = False):
+        super().__init__(message)
+        self.for_good = for_good
 
 
 @dataclasses.dataclass
@@ -280,6 +285,9 @@ class LocalActors:
     def result(self, token) -> GroupResult:
         return token.result()
 
+    def probe(self, i: int):
+        return self._ex.submit(self.workers[i].pid)
+
     def notify(self, version: int) -> None:
         self.workers[0].notify(version)
 
@@ -330,7 +338,11 @@ class RayActors:
         except ray.exceptions.RayActorError as e:  # died (restarting) or unreachable
             if e.actor_init_failed:  # not a lost process: the actor cannot start at all
                 raise RuntimeError(f"[grpo] an actor failed to start: {e}") from None
-            raise ActorLost(str(e).splitlines()[0]) from None
+            raise ActorLost(str(e).splitlines()[0], isinstance(e, ray.exceptions.ActorDiedError)) from None
+
+    def probe(self, i: int):
+        """A call that returns once actor `i` is up (after a restart)."""
+        return self.handles[i].pid.remote()
 
     def notify(self, version: int) -> None:
         for h in self.handles:
@@ -460,8 +472,8 @@ class LearnerWeights:
 
 
 class Driver:
-    """Hands this process's tasks to its actors and queues their finished groups (module
-    docstring).
+    """Hands this process's tasks to its actors and queues their finished groups, in a thread of
+    its own, so the queue fills while the learner steps (module docstring).
 
     Args:
       actors: LocalActors or RayActors.
@@ -475,58 +487,119 @@ class Driver:
     def __init__(self, config, actors, order: list, epoch: Epoch, *, needed: int, local: int, version: int):
         self.actors, self.epoch, self.local = actors, epoch, int(local)
         self.asynchronous = bool(config.grpo["async"])
-        self.ahead = int(config.grpo.max_staleness) if self.asynchronous else 0
+        self.bound = int(config.grpo.max_staleness) if self.asynchronous else 0
         self.group_size, self.seed = int(config.rl.group_size), int(config.seed)
         self.slots = capacity(config)
         self.position = {index: pos for pos, (index, _) in enumerate(order)}
         self.todo = collections.deque(Work(index, task, 0, 0, self.seed)
                                       for pos, (index, task) in enumerate(order) if pos not in epoch)
         self.needed, self.version = int(needed), int(version)
+        self.taken = self.version * self.local  # groups the learner has trained on (its steps x local)
         self.pending: dict = {}  # token -> (actor, Work)
         self.load = [0] * len(actors)
-        self.lost_calls = [0] * len(actors)  # lost in a row (reset by a finished group)
+        self.down: dict = {}  # actor -> when to probe it next (it lost a group: restarting)
+        self.probes: dict = {}  # token -> actor
+        self.gone: set = set()  # actors Ray will not restart
         self.queue: collections.deque = collections.deque()
         self.latest: dict = {}  # actor -> its last stats
         self._mark: dict = {}  # actor -> its stats at the previous take
         self.dropped = self.skipped = 0
         self._dropped_step = self._received = 0
         self._last_take = time.perf_counter()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="grpo-driver", daemon=True)
+        self._thread.start()
 
-    # --- handing out ------------------------------------------------------------------------
-    def published(self, version: int) -> None:
-        self.version = int(version)
-        self.actors.notify(self.version)
-
-    def _outstanding(self) -> int:
-        return len(self.pending) + len(self.queue)
+    # --- the driver's thread: hand out, collect ---------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._closing:
+                        return
+                    self._fill()
+                    self._probe()
+                    tokens = list(self.pending) + list(self.probes)
+                    if not tokens:
+                        self._cond.wait(1.0)  # until the learner takes a batch or publishes
+                        continue
+                done = self.actors.wait(tokens, 0.5)
+                with self._cond:
+                    for token in done:
+                        self._finished(token)
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the learner by take()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
 
     def _fill(self) -> None:
-        """Hands out tasks while an actor has room and the staleness bound allows (sync: ahead
-        is 0, so a step's tasks go out only once the previous step's groups were all taken)."""
-        while self.todo and self._outstanding() < self.needed:
-            ahead = self._outstanding() // self.local  # steps before the one this group is for
-            if ahead > self.ahead:
-                return  # the learner must step first (staleness bound)
-            free = [i for i in range(len(self.load)) if self.load[i] < self.slots and self.lost_calls[i] >= 0]
+        """Hands out tasks while an actor has room and the staleness bound allows: a group with
+        q groups outstanding ahead of it is trained at step (taken + q) // local, and goes out
+        only once the learner's version is within `bound` of that step (sync: bound 0, so a
+        step's tasks go out once the learner published the weights they are sampled with)."""
+        while self.todo and len(self.pending) + len(self.queue) < self.needed:
+            step = (self.taken + len(self.pending) + len(self.queue)) // self.local
+            if step - self.bound > self.version:
+                return  # the learner must step first
+            free = [i for i, n in enumerate(self.load)
+                    if n < self.slots and i not in self.down and i not in self.gone]
             if not free:
                 return
             i = min(free, key=lambda j: (self.load[j], j))
             work = self.todo.popleft()
-            work.min_version = self.version + ahead - self.ahead
+            work.min_version = step - self.bound
             self.pending[self.actors.submit(i, work)] = (i, work)
             self.load[i] += 1
+
+    def _probe(self) -> None:
+        """Asks each actor that lost a group whether it is back (Ray refuses calls while it
+        restarts)."""
+        now = time.monotonic()
+        for actor, when in list(self.down.items()):
+            if when is not None and when <= now:
+                self.probes[self.actors.probe(actor)] = actor
+                self.down[actor] = None  # a probe is out
+
+    def _probed(self, token) -> None:
+        actor = self.probes.pop(token)
+        try:
+            self.actors.result(token)
+        except ActorLost as e:
+            if not e.for_good:
+                self.down[actor] = time.monotonic() + 1.0
+                return
+            self.gone.add(actor)
+            self.down.pop(actor, None)
+            logging.error("[grpo] actor %d is gone for good (Ray will not restart it): %s", actor, e)
+            if len(self.gone) == len(self.load):
+                raise RuntimeError("[grpo] every actor died and Ray will not restart them") from None
+            return
+        del self.down[actor]
+        logging.info("[grpo] actor %d is back", actor)
+
+    def _finished(self, token) -> None:
+        if token in self.probes:
+            return self._probed(token)
+        actor, work = self.pending.pop(token)
+        self.load[actor] -= 1
+        try:
+            res = self.actors.result(token)
+        except ActorLost as e:
+            self._lost(actor, work, e)
+            return
+        self.latest[actor] = res.stats
+        self._received += len(res.rollouts)
+        self.queue.append(res)
 
     def _lost(self, actor: int, work: Work, err: Exception) -> None:
         self.dropped += self.group_size
         self._dropped_step += self.group_size
-        self.lost_calls[actor] += 1
         logging.warning("[grpo] actor %d lost the group of task %d (attempt %d): %s", actor, work.index,
                         work.attempt, err)
-        if self.lost_calls[actor] > self.slots * (MAX_RESTARTS + 1):
-            self.lost_calls[actor] = -1  # restarts exhausted: no more work for it
-            logging.error("[grpo] actor %d is gone for good", actor)
-            if all(n < 0 for n in self.lost_calls):
-                raise RuntimeError("[grpo] every actor died and Ray will not restart them")
+        self.down.setdefault(actor, time.monotonic())  # no work for it until a probe answers
         if work.attempt + 1 < MAX_ATTEMPTS:
             self.todo.appendleft(Work(work.index, work.task, work.attempt + 1, 0, self.seed))
         else:
@@ -534,48 +607,46 @@ class Driver:
             self.epoch.add(self.position[work.index])  # the run takes the next task instead
             logging.error("[grpo] task %d skipped: its group was lost %d times", work.index, MAX_ATTEMPTS)
 
-    def _collect(self, timeout: float) -> None:
-        for token in self.actors.wait(list(self.pending), timeout):
-            actor, work = self.pending.pop(token)
-            self.load[actor] -= 1
-            try:
-                res = self.actors.result(token)
-            except ActorLost as e:
-                self._lost(actor, work, e)
-                continue
-            self.lost_calls[actor] = 0
-            self.latest[actor] = res.stats
-            self._received += len(res.rollouts)
-            self.queue.append(res)
-
     # --- the learner's end -----------------------------------------------------------------
+    def published(self, version: int) -> None:
+        """The learner published `version`: actors poll now; gates may open."""
+        with self._cond:
+            self.version = int(version)
+            self._cond.notify_all()
+        self.actors.notify(self.version)
+
     def take(self) -> tuple[list | None, dict]:
         """The next step's `local` finished groups ([B][G] Rollouts; in task order in sync mode)
         and the driver's metrics of the step; (None, {}) when the epoch has no tasks left."""
         t0 = time.perf_counter()
-        while len(self.queue) < self.local:
-            self._fill()
-            if not self.pending:
-                return None, {}
-            self._collect(timeout=1.0)
-        results = [self.queue.popleft() for _ in range(self.local)]
+        with self._cond:
+            while len(self.queue) < self.local:
+                if self._error is not None:
+                    raise self._error
+                if not self.pending and not self.todo and not self.down:
+                    return None, {}
+                self._cond.wait(1.0)
+            results = [self.queue.popleft() for _ in range(self.local)]
+            for r in results:
+                self.epoch.add(self.position[r.index])
+            self.taken += self.local
+            self.needed -= self.local
+            received, dropped = self._received, self._dropped_step
+            self._received = self._dropped_step = 0
+            deltas = self._actor_deltas()
+            self._cond.notify_all()  # room for the next tasks
+        now = time.perf_counter()
         if not self.asynchronous:
             results.sort(key=lambda r: r.index)
-        for r in results:
-            self.epoch.add(self.position[r.index])
-        self.needed -= self.local
-        now = time.perf_counter()
         groups = [r.rollouts for r in results]
         versions = [set(v for g in ro.generations for v, p in zip(g.policy_version, g.policy) if p)
                     for grp in groups for ro in grp]
-        m = dict(learner_idle_s=now - t0, rollouts_per_s=self._received / max(now - self._last_take, 1e-9),
-                 dropped_rollouts=self._dropped_step, dropped_rollouts_total=self.dropped,
-                 skipped_tasks=self.skipped, rollout_time_s=float(np.mean([r.seconds for r in results])),
+        m = dict(learner_idle_s=now - t0, rollouts_per_s=received / max(now - self._last_take, 1e-9),
+                 dropped_rollouts=dropped, dropped_rollouts_total=self.dropped, skipped_tasks=self.skipped,
+                 rollout_time_s=float(np.mean([r.seconds for r in results])),
                  mixed_version_rollouts=sum(len(v) > 1 for v in versions),
                  version_lag=float(np.mean([self.version - r.version for r in results])),
-                 step_seconds=now - self._last_take)
-        m.update(self._actor_deltas())
-        self._dropped_step = self._received = 0
+                 step_seconds=now - self._last_take, **deltas)
         self._last_take = now
         return groups, m
 
@@ -601,7 +672,12 @@ class Driver:
                     engine_after=dict(engine_after))
 
     def oldest_actor_version(self) -> int:
-        return min([s["version"] for s in self.latest.values()] or [self.version])
+        with self._cond:
+            return min([s["version"] for s in self.latest.values()] or [self.version])
 
     def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
         self.actors.close()
