@@ -372,7 +372,11 @@ def _placement(local: bool) -> dict:
         return {"num_cpus": 1}
     import ray
 
-    for node in ray.nodes():
+    try:
+        nodes = ray.nodes()
+    except Exception:  # noqa: BLE001 - a client that cannot list nodes: let Ray place it
+        nodes = []
+    for node in nodes:
         res = node.get("Resources", {}) if node.get("Alive") else {}
         if res.get("TPU"):
             return {"num_cpus": 1, "resources": {"TPU": res["TPU"]}}
