@@ -116,11 +116,26 @@ def test_in_flight_update_mixes_versions_and_stale_tokens_carry_no_loss(tmp_path
     mixed = [r for r in m if r["mixed_version_rollouts"] > 0]
     assert mixed, [(r["mixed_version_rollouts"], r["version_lag"]) for r in m]
     assert all(r["stale_tokens"] > 0 and r["staleness_max"] <= 1 for r in mixed)
+    assert all(r["staleness_hist_over"] > 0 for r in mixed)  # the histogram sees the masked tokens
+    assert all(abs(sum(r[f"staleness_hist_{k}"] for k in ("0", "1", "over")) - 1) < 1e-6 for r in m)
     assert sum(r["stale_tokens"] for r in m) == sum(r["stale_tokens"] for r in mixed)
     assert all(r["sync_bytes"] > 0 and r["sync_versions"] >= 0 for r in m)
     assert weight_sync.latest_version(url) == 4
     with open(os.path.join(stage_dir, "checkpoints", "4", "data", "process_0-of-1.json")) as f:
         assert json.load(f) == {"format": 1, "below": 4, "extra": []}  # tasks 0-3 used: the epoch's position
+
+
+def test_staleness_histogram_counts_policy_tokens_by_age():
+    """Learner at version 5, grpo.max_staleness 2: policy tokens of versions 5, 4, 4, 1 fall in
+    bins 0, 1, 1 and over; prompt / tool tokens (policy False, version -1) are not counted."""
+    from coder.rl.trajectory import Generation
+
+    g = Generation(tokens=list(range(6)), policy=[False, True, True, True, False, True],
+                   policy_version=[-1, 5, 4, 4, -1, 1])
+    rollout = type("R", (), {"generations": [g]})()
+    h = actor_learner.staleness_histogram([[rollout]], version=5, bins=2)
+    assert h == {"staleness_hist_0": 0.25, "staleness_hist_1": 0.5, "staleness_hist_2": 0.0,
+                 "staleness_hist_over": 0.25}
 
 
 def learn(tmp_path, toy, **overrides):
@@ -152,6 +167,7 @@ def test_sync_mode_learns_the_toy_task_with_a_ray_actor(tmp_path, toy, ray_local
     m = learn(tmp_path, toy, grpo__async=False, rl__num_actors=1, **LEARN)
     assert all(r["staleness_max"] == 0 and r["stale_tokens"] == 0 for r in m)
     assert all(r["version_lag"] == 0 and r["mixed_version_rollouts"] == 0 for r in m)
+    assert all(r["staleness_hist_0"] == 1.0 for r in m)
 
 
 @pytest.mark.slow

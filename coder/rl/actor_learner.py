@@ -475,6 +475,23 @@ class LearnerWeights:
             weight_sync.gc(self.url, keep_from)
 
 
+def staleness_histogram(groups: list, version: int, bins: int) -> dict:
+    """The staleness of the step's policy tokens (learner `version` minus the version that
+    sampled each), as fractions: `staleness_hist_{k}` for k = 0..bins, `staleness_hist_over`
+    beyond (those tokens carry no loss: grpo.max_staleness = bins)."""
+    counts = np.zeros(bins + 2, np.int64)
+    for group in groups:
+        for rollout in group:
+            for g in rollout.generations:
+                pv = np.asarray(g.policy_version)[np.asarray(g.policy, bool)]
+                s = version - pv[pv >= 0]
+                counts += np.bincount(np.clip(s, 0, bins + 1), minlength=bins + 2)
+    frac = counts / max(int(counts.sum()), 1)
+    out = {f"staleness_hist_{k}": float(frac[k]) for k in range(bins + 1)}
+    out["staleness_hist_over"] = float(frac[bins + 1])
+    return out
+
+
 class Driver:
     """Hands this process's tasks to its actors and queues their finished groups, in a thread of
     its own, so the queue fills while the learner steps (module docstring).
@@ -492,6 +509,7 @@ class Driver:
         self.actors, self.epoch, self.local = actors, epoch, int(local)
         self.asynchronous = bool(config.grpo["async"])
         self.bound = int(config.grpo.max_staleness) if self.asynchronous else 0
+        self.hist_bins = int(config.grpo.max_staleness)
         self.group_size, self.seed = int(config.rl.group_size), int(config.seed)
         self.slots = capacity(config)
         self.position = {index: pos for pos, (index, _) in enumerate(order)}
@@ -645,12 +663,13 @@ class Driver:
         groups = [r.rollouts for r in results]
         versions = [set(v for g in ro.generations for v, p in zip(g.policy_version, g.policy) if p)
                     for grp in groups for ro in grp]
+        hist = staleness_histogram(groups, self.version, int(self.hist_bins))
         m = dict(learner_idle_s=now - t0, rollouts_per_s=received / max(now - self._last_take, 1e-9),
                  dropped_rollouts=dropped, dropped_rollouts_total=self.dropped, skipped_tasks=self.skipped,
                  rollout_time_s=float(np.mean([r.seconds for r in results])),
                  mixed_version_rollouts=sum(len(v) > 1 for v in versions),
                  version_lag=float(np.mean([self.version - r.version for r in results])),
-                 step_seconds=now - self._last_take, **deltas)
+                 step_seconds=now - self._last_take, **hist, **deltas)
         self._last_take = now
         return groups, m
 
