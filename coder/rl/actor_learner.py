@@ -1,5 +1,5 @@
 """The actor-learner system of stage grpo: actors on Ray, the learner in the stage's process,
-weights through the weight store (docs/rl.md, section 7).
+weights through the weight store (docs/rl.md, section 4).
 
     learner  (the stage's process; each process of a multi-controller JAX job runs its own)
       Driver.take()             the step's B groups of rollouts, as its actors finish them
