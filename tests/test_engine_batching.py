@@ -136,6 +136,39 @@ def test_multi_step_loop_stops_on_the_stop_token_on_device(model_and_cfg):
     assert int(out.steps) == first + 1 < 16
 
 
+def test_a_streaming_caller_cancels_its_row_and_the_others_go_on(model_and_cfg):
+    """on_tokens returning True cancels that row after the call's tokens (finish_reason
+    "cancelled", a prefix of its uncancelled tokens); the other row of the same generate decodes
+    to its budget; the cancelled row keeps its cache and a later generate continues it."""
+    cfg, model = model_and_cfg
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    engine = make_engine(model, cfg, decode_steps=4)
+    g = engine.start_group(PROMPTS[0], 2)
+    full = engine.generate(g, greedy, jax.random.key(0), rows=[0])[0].tokens
+    calls = []
+
+    def on_tokens(row, tokens, logprobs):
+        calls.append((row, len(tokens)))
+        return row == 1 and sum(n for r, n in calls if r == 1) >= 6
+
+    before = engine.stats()["decode_steps"]
+    out = engine.generate(g, greedy, jax.random.key(0), rows=[1], on_tokens=on_tokens)[0]
+    assert out.finish_reason == "cancelled"
+    assert 6 <= len(out.tokens) < 20 and out.tokens == full[:len(out.tokens)]
+    assert engine.stats()["decode_steps"] - before < 20  # it left the batch: no decode to the budget
+    rest = engine.generate(g, SamplingParams(temperature=0.0, max_new_tokens=20 - len(out.tokens)),
+                           jax.random.key(0), rows=[1])[0]
+    assert rest.finish_reason == "length" and out.tokens + rest.tokens == full
+    g.close()
+    # two rows in one call: only the cancelled one stops early
+    g = engine.start_group(PROMPTS[0], 2)
+    both = engine.generate(g, greedy, jax.random.key(0), on_tokens=lambda row, t, lp: row == 0)
+    assert both[0].finish_reason == "cancelled" and 0 < len(both[0].tokens) <= 4
+    assert both[1].finish_reason == "length" and both[1].tokens == full
+    g.close()
+    engine.close()
+
+
 def test_all_slots_held_is_an_error_not_a_hang(model_and_cfg):
     cfg, model = model_and_cfg
     engine = make_engine(model, cfg, max_slots=2, admission_timeout_s=1.0)

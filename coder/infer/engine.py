@@ -219,7 +219,10 @@ class Engine:
         """Decode `rows` (default: all unfinished) until each stops; one Generation per row.
 
         on_tokens: `fn(row, tokens, logprobs)`, called from the engine's thread with each decode
-        call's new tokens of a row (streaming); it must be quick and must not call the engine."""
+        call's new tokens of a row (streaming); it must be quick and must not call the engine. A
+        truthy return cancels the row: it leaves the batch after these tokens with finish_reason
+        "cancelled" (a server's stop string, a client that went away), keeping its slot and cache
+        like any finished row, so a later generate of the row continues from there."""
         if rows is None:
             rows = [i for i, r in enumerate(group.rows) if r.finish_reason is None]
         rows = [int(r) for r in rows]

@@ -41,7 +41,7 @@ class Generation:
     tokens: list  # sampled token ids
     logprobs: list  # log_softmax(logits / T)[token] per token
     expert_ids: np.ndarray  # [n_tokens, moe_layers, top_k] uint8/uint16, routing of each token
-    finish_reason: str  # "stop" | "length" | "max_len"
+    finish_reason: str  # "stop" | "length" | "max_len" | "cancelled" (on_tokens)
     policy_version: list  # weights version that produced each token's distribution
 
 
@@ -69,7 +69,7 @@ class Request:
     params: SamplingParams
     rng: np.ndarray  # key data of fold_in(call rng, row): token keys fold in the position
     call: "Call"
-    on_tokens: object = None  # fn(tokens, logprobs) called with each decode call's new tokens
+    on_tokens: object = None  # fn(tokens, logprobs) -> truthy to cancel; each decode call's new tokens
     gen: Generation = None
     stops: frozenset = frozenset()
 
@@ -265,14 +265,16 @@ class Scheduler:
             r.expert_chunks.append(experts)
             r.length += c
             r.logits_version = version
-            if req.on_tokens is not None:
-                req.on_tokens(new, gen.logprobs[-c:])
+            # a streaming caller may cancel the row (stop string seen, client gone): it leaves now
+            halt = req.on_tokens(new, gen.logprobs[-c:]) if req.on_tokens is not None else False
             if bool(out["stopped"][s]):
                 self.finish(r, "stop")
             elif r.length >= self.max_len:
                 self.finish(r, "max_len")
             elif len(gen.tokens) >= req.params.max_new_tokens:
                 self.finish(r, "length")
+            elif halt:
+                self.finish(r, "cancelled")
 
     def finish(self, r: Row, reason: str) -> None:
         req = r.request
