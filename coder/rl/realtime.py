@@ -252,9 +252,11 @@ class RealtimeLearner:
     """The trainer with the realtime loss (the training side of a cycle): minibatches of the
     window, a snapshot to fall back to when the gate refuses, and the weights for the store.
 
-    `config.realtime.steps` optimizer steps per cycle: the window's completions, shuffled with
-    the cycle's seed, split into that many minibatches (each used once: single epoch, the first
-    step exactly on-policy). Each process trains its share of every minibatch's rows.
+    `config.realtime.steps` optimizer steps per cycle: the window's completions, put in a
+    canonical order (by their prompt and completion ids: concurrent requests reach the log in
+    any order, and the split must not depend on it), shuffled with the cycle's seed, split into
+    that many minibatches (each used once: single epoch, the first step exactly on-policy). Each
+    process trains its share of every minibatch's rows.
     """
 
     def __init__(self, config, stage_dir: str, init_from: str, model_fn=None, tokenizer=None):
@@ -281,6 +283,8 @@ class RealtimeLearner:
 
     def batches(self, items: list[Joined], version: int, seed: int) -> list[dict]:
         """This process's batches of the cycle (the class docstring)."""
+        items = sorted(items, key=lambda j: (list(j.record["prompt_ids"]), list(j.record["completion_ids"]),
+                                             j.record["time"]))
         order = np.random.default_rng(seed).permutation(len(items))
         steps = max(1, min(int(self.config.realtime.steps), len(items)))
         procs, pid = jax.process_count(), jax.process_index()

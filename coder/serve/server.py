@@ -295,13 +295,16 @@ class Server:
       signals: the feedback signals accepted (default: every signal of coder.rl.realtime).
       seed: the server's sampling key (a request's `seed` replaces it).
       workers: threads running blocking engine calls (requests decoding at once, at most).
+      clock: the wall clock stamping the log's completion and feedback records (unix seconds;
+        the realtime stage's windows are cut on it; tests move it, as the stage's `clock`).
     """
 
     def __init__(self, engine, tokenizer, *, model_name: str = "coder", log=None, max_tokens: int = 512,
-                 system_prompt: str = "", signals=None, seed: int = 0, workers: int = 64):
+                 system_prompt: str = "", signals=None, seed: int = 0, workers: int = 64,
+                 clock=time.time):
         from coder.rl import realtime
 
-        self.engine, self.tok, self.model_name, self.log = engine, tokenizer, model_name, log
+        self.engine, self.tok, self.model_name, self.log, self.clock = engine, tokenizer, model_name, log, clock
         self.max_tokens, self.preamble = int(max_tokens), system_prompt or None
         self.signals = sorted(realtime.SIGNALS if signals is None else signals)
         self.max_len = int(engine.max_len)
@@ -466,7 +469,7 @@ class Server:
             group.close()
         choices = [self._choice(i, g, e, req) for i, (g, e) in enumerate(zip(gens, experts))]
         if self.log is not None:
-            now = time.time()
+            now = self.clock()
             for c in choices:
                 self.log.log_completion(self._record(req, c, now))
         return choices
@@ -649,7 +652,7 @@ class Server:
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise APIError("value must be a finite number (or a boolean)", param="value")
         choice = _number(body, "choice", -1, self.max_n - 1, -1, integer=True)
-        record = {"time": time.time(), "feedback_id": f"fb-{uuid.uuid4().hex}", "completion_id": _short(cid, 128),
+        record = {"time": self.clock(), "feedback_id": f"fb-{uuid.uuid4().hex}", "completion_id": _short(cid, 128),
                   "conversation_id": _short(conv, 128), "choice": int(choice), "signal": signal, "value": float(value),
                   "client_id": _short(body.get("user") or headers.get("x-client-id") or "")}
         self.log.log_feedback(record)
