@@ -342,8 +342,11 @@ class MoE(nnx.Module):
     def __call__(self, x, valid, expert_ids=None):
         """x `[B,T,D]`, valid `[B,T]` bool (non-padding), expert_ids `[B,T,k]` to replay.
 
-        stats: load `[E]`, expert_ids `[B,T,k]` int32, z (mean logsumexp(router logits)^2),
-        and with model.moe_capacity_factor > 0 `dropped` (fraction of pairs over capacity).
+        stats: load `[E]`, expert_ids `[B,T,k]` int32 (the ids used: the replayed ones when
+        given), router_ids `[B,T,k]` int32 (this router's own top-k on x: equal to expert_ids
+        without replay; with replay, the choice replay overrode, one top-k over `[N, E]` scores
+        already computed, dead code unless read), z (mean logsumexp(router logits)^2), and with
+        model.moe_capacity_factor > 0 `dropped` (fraction of pairs over capacity).
         """
         b, t, d = x.shape
         cfg = self.cfg
@@ -352,8 +355,9 @@ class MoE(nnx.Module):
         weights, ids = route(logits, self.bias[...], cfg, expert_ids)
         validf = valid.reshape(-1).astype(jnp.float32)
         z = (jax.nn.logsumexp(logits, axis=-1) ** 2 * validf).sum() / jnp.maximum(validf.sum(), 1.0)
+        own = ids if expert_ids is None else route(logits, self.bias[...], cfg)[1]
         stats = dict(load=load_fraction(ids, valid, cfg.n_routed_experts),
-                     expert_ids=ids.reshape(b, t, -1), z=z)
+                     expert_ids=ids.reshape(b, t, -1), router_ids=own.reshape(b, t, -1), z=z)
         ctx = sharding.current()
         distributed = ctx is not None and (
             _size(ctx[0], sharding.mesh_axes_of("exp", ctx[1])) > 1

@@ -12,8 +12,9 @@ with h^0 = h_L (the trunk's last hidden state, before the final norm); the embed
 head are shared with the trunk.
 
 MoE statistics in `aux` cover the trunk's MoE layers (`router_load`, `expert_ids`,
-`router_z_loss`, replayed through `routing=`); the MTP modules' own go in `mtp_router_load` /
-`mtp_expert_ids`.
+`router_z_loss`, replayed through `routing=`; `router_ids`, each router's own top-k, which
+differs from `expert_ids` only where `routing=` overrode it); the MTP modules' own go in
+`mtp_router_load` / `mtp_expert_ids`.
 """
 from __future__ import annotations
 
@@ -130,12 +131,13 @@ class Transformer(nnx.Module):
         """
         run_mtp = (cache is None) if mtp is None else mtp
         x = self._embed(tokens)
-        loads, ids, zs, drops, new_layers = [], [], [], [], []  # MoE stats: arrays [layers, ...]
+        loads, ids, own, zs, drops, new_layers = [], [], [], [], [], []  # MoE stats: [layers, ...]
 
         def record(stats, stacked=False):
             expand = (lambda a: a) if stacked else (lambda a: a[None])
             loads.append(expand(stats["load"]))
             ids.append(expand(stats["expert_ids"]))
+            own.append(expand(stats["router_ids"]))
             zs.append(expand(stats["z"]))
             if "dropped" in stats:
                 drops.append(expand(stats["dropped"]))
@@ -164,6 +166,7 @@ class Transformer(nnx.Module):
             hidden=x,
             router_load=jnp.concatenate(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
             expert_ids=jnp.concatenate(ids) if ids else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32),
+            router_ids=jnp.concatenate(own) if own else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32),
             router_z_loss=jnp.mean(jnp.concatenate(zs)) if zs else jnp.zeros(()),
         )
         if drops:  # model.moe_capacity_factor > 0: mean fraction of pairs over capacity

@@ -281,24 +281,64 @@ def target_logp(logits, tokens, segment_ids, temperature: float = 1.0):
     return lp, ent, valid
 
 
+def routing_diagnostics(engine_ids, router_ids, segment_ids):
+    """How far the learner's routing is from the engine's (the case for router replay).
+
+    Args:
+      engine_ids: `[moe_layers, B, T, top_k]` int, the experts the engine chose for each token
+        (`to_batch`'s expert_ids: -1 on tokens it never routed, and on padding).
+      router_ids: `[moe_layers, B, T, top_k]` int, the learner's own top-k for the same tokens
+        (the forward's aux["router_ids"]: its choice even where replay overrode it).
+      segment_ids: `[B, T]` int32, 0 = padding.
+    Returns metrics:
+      routing_mismatch: fraction of routed (token, MoE layer) pairs whose top-k *set* differs
+        between learner and engine; with f32 learner weights against bf16 serving weights,
+        ties broken differently by rounding make it > 0; without replay each such token runs
+        other experts in the learner than in the engine.
+      unrouted_tokens: tokens that predict a next token (not padding, not a row's last) but
+        carry no engine routing; replay feeds them expert 0, so it must be 0 for the learner to
+        reproduce the engine (every token's ids must reach the batch, prompt and tool output
+        included).
+    """
+    engine_ids = engine_ids.astype(jnp.int32)
+    routed = (engine_ids >= 0).all(-1)  # [L, B, T]
+    # same set: every engine expert is among the learner's k (top-k ids are distinct)
+    hit = (engine_ids[..., :, None] == router_ids[..., None, :].astype(jnp.int32)).any(-1).all(-1)
+    n = jnp.maximum(routed.sum(), 1)
+    predicts = (segment_ids[:, 1:] > 0) & (segment_ids[:, 1:] == segment_ids[:, :-1])
+    predicts = jnp.pad(predicts, ((0, 0), (0, 1)))  # position t predicts token t + 1
+    unrouted = predicts & ~routed.all(0) if engine_ids.shape[0] else jnp.zeros_like(predicts)
+    return {"routing_mismatch": (routed & ~hit).sum() / n,
+            "unrouted_tokens": unrouted.sum().astype(jnp.float32)}
+
+
 def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, router_replay=False,
                  max_staleness: int | None = None, tis_cap: float = 0.0, loss: str = "grpo"):
     """A trainer loss `loss_fn(model, batch, rng) -> (loss, metrics)` for GRPO batches.
 
     The batch (docs/contracts.md) holds `tokens, positions, segment_ids, loss_mask` `[B, T]`,
-    `behaviour_logp, ref_logp` `[B, T]` at the target index, `advantages` `[B]`, and with
-    `router_replay` the engine's `expert_ids` `[moe_layers, B, T, top_k]` passed as `routing=`.
-    With `max_staleness` set and a batch key `staleness` `[B, T]` (learner version minus the
-    token's policy version, `coder.rl.learner.Learner.batch`), stale tokens carry no loss
-    (`staleness_mask`). `loss` and `tis_cap` pick the surrogate (`policy_loss`).
+    `behaviour_logp, ref_logp` `[B, T]` at the target index, `advantages` `[B]`, and (MoE) the
+    engine's `expert_ids` `[moe_layers, B, T, top_k]` (-1 where it did not route a token); with
+    `router_replay` they are passed as `routing=` (-1 clamped to expert 0: such a token predicts
+    nothing). With `max_staleness` set and a batch key `staleness` `[B, T]` (learner version
+    minus the token's policy version, `coder.rl.learner.Learner.batch`), stale tokens carry no
+    loss (`staleness_mask`). `loss` and `tis_cap` pick the surrogate (`policy_loss`).
     `normalizer` may be a number or the batch key "normalizer" (a scalar) when it varies.
+
+    Diagnostics of the engine/learner gap, from the training forward itself (it runs before
+    the update, so it is the first on-policy forward of the batch; no extra forward):
+    `behaviour_logp_abs_diff` (mean) and `behaviour_logp_abs_diff_max` of |logp -
+    behaviour_logp| over the loss tokens (`ratio_mean` hides it: ratios above and below 1
+    average out), and with `expert_ids` in the batch `routing_diagnostics`' routing_mismatch
+    and unrouted_tokens (the learner's own top-k is aux["router_ids"] of the same forward).
     """
 
     def loss_fn(model, batch, rng):
         del rng  # the GRPO loss is deterministic given the batch
-        routing = batch["expert_ids"] if router_replay else None
-        logits, _ = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing,
-                          mtp=False)  # GRPO trains the policy head only
+        engine_ids = batch.get("expert_ids")
+        routing = jnp.maximum(engine_ids, 0) if router_replay and engine_ids is not None else None
+        logits, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing,
+                            mtp=False)  # GRPO trains the policy head only
         logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
         mask = batch["loss_mask"] * valid
         stale = {}
@@ -310,6 +350,11 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, normalizer=norm, entropy=ent,
             loss=loss, tis_cap=tis_cap,
         )
-        return value, {**metrics, **stale}
+        gap = jnp.where(mask > 0, jnp.abs(jax.lax.stop_gradient(logp) - batch["behaviour_logp"]), 0.0)
+        diag = {"behaviour_logp_abs_diff": gap.sum() / jnp.maximum(mask.sum(), 1.0),
+                "behaviour_logp_abs_diff_max": gap.max()}
+        if engine_ids is not None and "router_ids" in aux:
+            diag.update(routing_diagnostics(engine_ids, aux["router_ids"], batch["segment_ids"]))
+        return value, {**metrics, **stale, **diag}
 
     return loss_fn

@@ -162,10 +162,8 @@ class Learner:
         # reference logprobs of the global batch (each process's rows on its own devices)
         inputs = self.trainer.device_batch({k: b[k] for k in ("tokens", "positions", "segment_ids")})
         b["ref_logp"] = self._ref_logp(self._ref_state, inputs["tokens"], inputs["positions"], inputs["segment_ids"])
-        if "expert_ids" in b:
-            b["expert_ids"] = np.maximum(b["expert_ids"], 0)  # unrouted tokens predict nothing
-            if not self.config.grpo.router_replay:
-                del b["expert_ids"]
+        # expert_ids stay in the batch with or without replay (-1 = not routed; the loss clamps
+        # them for `routing=`): the loss measures the learner's routing against them
         pv = b.pop("policy_version")
         b["staleness"] = np.where(pv >= 0, version - pv, 0).astype(np.int32)
         return b

@@ -24,6 +24,7 @@ included) to the learner's forward as `routing=`.
 
 Metrics (`{stage_dir}/metrics.jsonl`, one line per step): loss, reward, pass_rate, outcome,
 test_reward, kl, clip_fraction, ratio_mean/max, entropy, stale_tokens, staleness_mean/max,
+behaviour_logp_abs_diff(_max), routing_mismatch, unrouted_tokens (the engine/learner gap),
 broken_call_rate, infra_failures, turns, tool_calls, thinking/tool_io/output tokens, summaries,
 generations, tokens_per_rollout, submitted, abs_advantage, rollout_time_s, learner_time_s,
 learner_idle_s, actor_idle_s, rollouts_per_s, dropped_rollouts(_total), mixed_version_rollouts,
