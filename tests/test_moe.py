@@ -109,8 +109,14 @@ def test_routing_replay_reproduces_forward():
         moe.bias[...] = 0.5 * jax.random.normal(jax.random.key(5), (8,))
     moved, aux3 = fwd(model, None)
     assert (np.asarray(aux3["expert_ids"]) != np.asarray(ids)).any()
-    replay2, _ = fwd(model, ids)  # ... but replay keeps the recorded choice
+    replay2, aux4 = fwd(model, ids)  # ... but replay keeps the recorded choice
     np.testing.assert_allclose(np.asarray(replay2), np.asarray(logits), atol=1e-6)
+    # router_ids: each router's own choice, the one replay overrode (the first MoE layer sees
+    # the same input either way; later ones see the replayed layers' output)
+    np.testing.assert_array_equal(np.asarray(aux3["router_ids"]), np.asarray(aux3["expert_ids"]))
+    np.testing.assert_array_equal(np.asarray(aux4["expert_ids"]), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(aux4["router_ids"][0]), np.asarray(aux3["expert_ids"][0]))
+    assert (np.asarray(aux4["router_ids"]) != np.asarray(ids)).any()
 
 
 @pytest.mark.parametrize("rows", [100, 6])  # padded blocks; per-row gathered weights (decode)
