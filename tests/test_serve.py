@@ -31,7 +31,7 @@ from coder.model import Transformer
 from coder.rl import grpo
 from coder.rl import realtime
 from coder.serve import trajectory_log
-from coder.serve.server import Server
+from coder.serve.server import Server, stop_watch
 from coder.train import losses
 from configs.base import model_config
 
@@ -213,6 +213,48 @@ def test_streamed_completion_matches_the_plain_one(served):
     rec = _records(served)[-1]
     assert served["tok"].decode(rec["completion_ids"]).startswith(GREETING[:GREETING.index("How")])
     assert "How" in served["tok"].decode(rec["completion_ids"]) and rec["finish_reason"] == "stop"
+
+
+def test_stop_watch_sees_stop_strings_across_token_boundaries(served):
+    """The engine-side check of stop strings: True on the call whose tokens complete one, even
+    split over calls; a client gone cancels every row."""
+    tok = served["tok"]
+    ids = tok.encode(GREETING)
+    watch = stop_watch(tok.decode, ["can I"], 1)
+    hits = [watch(0, [t]) for t in ids]  # one token per decode call
+    first = next(k for k in range(len(ids)) if "can I" in tok.decode(ids[:k + 1]))
+    assert first > 0 and hits.index(True) == first
+    gone = threading.Event()
+    watch = stop_watch(tok.decode, [], 2, gone)
+    assert not watch(1, ids)
+    gone.set()
+    assert watch(0, ids[:1]) and watch(1, ids[:1])
+
+
+def test_a_client_that_goes_away_frees_its_row(served, monkeypatch):
+    """A streaming client disconnects after its first content chunk: the engine cancels the row at
+    its next decode call instead of decoding to max_tokens (the end token is switched off here so
+    the reply would otherwise run to max_tokens)."""
+    import httpx
+
+    monkeypatch.setattr(served["server"], "stop_ids", ())
+    spy, n = served["spy"], len(served["spy"].calls)
+    body = dict(model="tiny", messages=[{"role": "user", "content": prompts(1, 7)[0]}], temperature=0,
+                max_tokens=200, stream=True)
+    with httpx.stream("POST", served["url"] + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break
+    deadline = time.time() + 120
+    while len(spy.calls) == n:
+        assert time.time() < deadline, "the engine did not finish the disconnected request"
+        time.sleep(0.05)
+    gen = spy.calls[-1]["gens"][0]
+    assert gen.finish_reason == "cancelled" and len(gen.tokens) < 100, (gen.finish_reason, len(gen.tokens))
+    monkeypatch.undo()  # the end token back; the server keeps serving
+    r = served["client"].chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts(1, 5)[0]}],
+                                                 temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == GREETING
 
 
 def test_tool_call_comes_back_in_tool_calls(served):

@@ -282,6 +282,24 @@ def _held_suffix(text: str, prefixes: list) -> int:
     return best
 
 
+def stop_watch(decode, stops: list, n: int, gone: threading.Event | None = None):
+    """The engine's `on_tokens` check of one request (`n` rows): True (cancel the row) once the
+    row's text holds one of `stops` or the client went away (`gone` set). It decodes only the
+    row's tail that can hold a new stop string: a character takes at most 4 byte tokens."""
+    ids = [[] for _ in range(n)]
+    tail = 4 * max((len(s) for s in stops), default=0)
+
+    def check(row: int, tokens) -> bool:
+        if gone is not None and gone.is_set():
+            return True
+        if not stops:
+            return False
+        ids[row] += tokens
+        return _first_stop(decode(ids[row][-(tail + len(tokens)):]), stops) >= 0
+
+    return check
+
+
 class Server:
     """The FastAPI app over one engine (module docstring). `app` is the ASGI application.
 
@@ -463,6 +481,9 @@ class Server:
         except ValueError as e:  # a prompt the engine cannot hold
             raise APIError(str(e), param="messages", code="context_length_exceeded") from None
         try:
+            if on_tokens is None and req.stop:  # the engine stops a row once its stop string appears
+                watch = stop_watch(self.decode, req.stop, req.n)
+                on_tokens = lambda row, tokens, logprobs: watch(row, tokens)  # noqa: E731
             gens = self.engine.generate(group, req.params, self._rng(req.seed), on_tokens=on_tokens)
             experts = [group.expert_ids(i) for i in range(req.n)]
         finally:
@@ -578,8 +599,12 @@ class Server:
             except RuntimeError:  # the event loop is gone (shutdown): nobody reads the stream
                 pass
 
+        gone = threading.Event()  # the client disconnected: the engine drops the rows
+        watch = stop_watch(self.decode, req.stop, req.n, gone)
+
         def on_tokens(row, tokens, logprobs):  # the engine's thread: quick, and never raises
             put(("tokens", row, list(tokens)))
+            return watch(row, tokens)
 
         def run():
             try:
@@ -599,6 +624,13 @@ class Server:
             return text.rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next bytes
 
         self._pool.submit(run)
+        try:
+            async for chunk in self._stream_chunks(req, queue, ids, sent, live_text):
+                yield chunk
+        finally:  # normal end, or the client went away (the ASGI server cancels this generator)
+            gone.set()
+
+    async def _stream_chunks(self, req: ChatRequest, queue, ids, sent, live_text):
         yield self._chunk(req, [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                                 for i in range(req.n)])
         while True:
