@@ -1,22 +1,25 @@
-"""GRPO learns: the whole stage (real engine, real trainer, rollout loop, reward, GRPO loss).
+"""GRPO's toy environment and the single-epoch resume.
 
-The learning test uses a light in-process environment so it runs in a few minutes on CPU: the
-task is "submit the lucky number from 1 to 4" (in many phrasings, each used once) with one tool,
-`submit(answer)`, and the reward is 1 when the answer is 3. It goes through exactly the code a
-sandboxed run uses (the actor's agent loop, protocol parsing, score_groups, Learner with coder.rl.grpo's
-loss, engine weight updates, metrics.jsonl); only the episode is in-process instead of a bwrap
-sandbox. What it does not test is conditioning on the prompt: a 2-layer, 64-wide model did not
-learn that within a CPU test's budget (tried: copy a number from the prompt; smallest vs
-largest), so the answer is the same for every task.
+The environment (shared with tests/test_actor_learner.py, tests/test_router_replay.py and
+tests/test_grpo_preemption.py, which run the learning tests on it) is light and in-process so a
+learning run takes a few minutes on CPU: the task is "submit the lucky number from 1 to 4" (in
+many phrasings, each used once) with one tool, `submit(answer)`, and the reward is 1 when the
+answer is 3. It goes through exactly the code a sandboxed run uses (the actor's agent loop,
+protocol parsing, score_groups, Learner with coder.rl.grpo's loss, engine weight updates,
+metrics.jsonl); only the episode is in-process instead of a bwrap sandbox. What it does not test
+is conditioning on the prompt: a 2-layer, 64-wide model did not learn that within a CPU test's
+budget (tried: copy a number from the prompt; smallest vs largest), so the answer is the same for
+every task.
 
-Starting point: a tiny model briefly SFT-ed on the call format with a uniformly random answer,
-so its reward starts near 0 (a quarter right, minus the length penalty; wrong answers score
--max_penalty); GRPO must concentrate it on 3 (and on well-formed calls: broken ones are negative
-examples). A wrong loss sign, misaligned targets, masks that miss the sampled tokens, or weights
-that never reach the engine leave the reward at chance or lower: each fails the test.
+Starting point (`sft_format`): a tiny model briefly SFT-ed on the call format with a uniformly
+random answer, so its reward starts near 0 (a quarter right, minus the length penalty; wrong
+answers score -max_penalty); GRPO must concentrate it on 3 (and on well-formed calls: broken ones
+are negative examples). A wrong loss sign, misaligned targets, masks that miss the sampled tokens,
+or weights that never reach the engine leave the reward at chance or lower: each fails the
+learning tests.
 
-The resume test checks that a restarted stage continues the single epoch where it stopped. The
-real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
+The resume test here checks that a restarted stage continues the single epoch where it stopped.
+The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
 """
 import inspect
 import json
@@ -148,41 +151,6 @@ def sft_format(cfg, tok, steps=120, seed=0):
 def _read_metrics(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
-
-
-@pytest.mark.slow
-def test_grpo_raises_reward_on_toy_tasks(tmp_path):
-    tok = tokenizer()
-    head = len(tok.turn_ids("system", protocol.render_system_prompt([SUBMIT], PREAMBLE))) + 24
-    stage_len = -(-(head + 64) // 16) * 16
-    cfg = tiny_config(tok, stage_len)
-    steps = 35
-    cfg.train.steps = steps
-    sft_model, sft_loss = sft_format(cfg, tok)
-    state = nnx.state(sft_model)
-    tasks = make_tasks(steps * cfg.rl.tasks_per_step, seed=0)
-    answer = {t.id: k for t, k in tasks}
-
-    def model_fn():
-        m = Transformer(cfg.model, rngs=nnx.Rngs(1))
-        nnx.update(m, state)
-        return m
-
-    grpo_stage.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
-                    make_episode=lambda task: SubmitEpisode(answer[task.id]), model_fn=model_fn)
-    m = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
-    assert [r["step"] for r in m] == list(range(1, steps + 1))
-    early = np.mean([r["reward"] for r in m[:3]])
-    late = np.mean([r["reward"] for r in m[-5:]])
-    print("sft loss", sft_loss, "rewards", [round(r["reward"], 2) for r in m],
-          "pass", [round(r["pass_rate"], 2) for r in m])
-    assert m[0]["submitted"] > 0.8  # the SFT-ed format works: the test is about the answer
-    assert early < 0.2, early
-    assert late > 0.8, late
-    assert np.isfinite(m[-1]["loss"]) and "kl" in m[-1] and "entropy" in m[-1]
-    # the engine's work is logged: 64 rows of 8 groups decode together in the slot pool
-    assert all(r["engine_tokens_per_s"] > 0 and 0 < r["engine_occupancy"] <= 1 for r in m)
-    assert all(r["engine_prefill_tokens"] > 0 and r["engine_decode_steps"] > 0 for r in m)
 
 
 @pytest.mark.slow
