@@ -357,6 +357,15 @@ def _with_bias(model, value):
     return model
 
 
+def test_batch_sequence_is_bucketed_to_the_longest_generation():
+    from coder.rl.learner import seq_bucket
+
+    assert [seq_bucket(n, 1024) for n in (1, 128, 129, 300, 700, 1024)] == [128, 128, 256, 512, 1024, 1024]
+    assert seq_bucket(900, 1000) == 1000 and seq_bucket(20, 32) == 32  # capped at the budget
+    with pytest.raises(ValueError, match="rl.context_budget=1000"):
+        seq_bucket(1001, 1000)
+
+
 @pytest.mark.slow
 def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from=True):
     """The reference a resumed stage rebuilds = the fresh stage's, every variable (the router

@@ -145,7 +145,9 @@ class Learner:
 
     def batch(self, groups: list[list], version: int | None = None) -> dict:
         """The GRPO batch of the step's rollouts (rows padded to a power of two, multiple of
-        devices x grad_accum, so few shapes compile) with the reference logprobs.
+        devices x grad_accum, and the sequence to `seq_bucket` of the longest generation, so few
+        shapes compile and short rollouts do not pay for rl.context_budget) with the reference
+        logprobs.
 
         `staleness` `[R, T]` int32 = `version` (default: the learner's) minus each token's policy
         version (0 on tokens no policy sampled); the loss drops tokens more than
@@ -153,12 +155,14 @@ class Learner:
         """
         version = self.version if version is None else int(version)
         rollouts = [r for g in groups for r in g]
-        n = sum(len(r.generations) for r in rollouts if not r.infra_error)
-        if jax.process_count() > 1:  # every process feeds the same number of rows: the largest
-            n = int(np.max(multihost_utils.process_allgather(np.int32(n))))
+        gens = [g for r in rollouts if not r.infra_error for g in r.generations]
+        n, longest = len(gens), max((len(g) for g in gens), default=1)
+        if jax.process_count() > 1:  # every process feeds the same shape: the largest
+            n, longest = (int(x) for x in np.max(multihost_utils.process_allgather(
+                np.array([n, longest], np.int32)), axis=0))
         rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
         rows = -(-rows // self.row_multiple) * self.row_multiple
-        b = trajectory.to_batch(rollouts, int(self.config.rl.context_budget), rows)
+        b = trajectory.to_batch(rollouts, seq_bucket(longest, int(self.config.rl.context_budget)), rows)
         # reference logprobs of the global batch (each process's rows on its own devices)
         inputs = self.trainer.device_batch({k: b[k] for k in ("tokens", "positions", "segment_ids")})
         b["ref_logp"] = self._ref_logp(self._ref_state, inputs["tokens"], inputs["positions"], inputs["segment_ids"])
@@ -170,6 +174,15 @@ class Learner:
 
     def update(self, groups: list[list]) -> dict:
         return self.trainer.train_step(self.batch(groups))
+
+
+def seq_bucket(longest: int, budget: int, smallest: int = 128) -> int:
+    """The batch's sequence length for generations of at most `longest` tokens: the next power
+    of two from `smallest` up, capped at `budget` (rl.context_budget, what a generation can hold).
+    The loss does not depend on it (padding carries no loss; the normaliser is a constant)."""
+    if longest > budget:
+        raise ValueError(f"a generation of {longest} tokens exceeds rl.context_budget={budget}")
+    return min(budget, max(smallest, 1 << max(0, math.ceil(math.log2(max(longest, 1))))))
 
 
 def _is_hf(path: str) -> bool:
