@@ -180,6 +180,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.tokens_per_group = 0  # loss normalizer per group (0 = group_size * max_rollout_tokens)
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
+    c.grpo.ckpt_every = 5  # steps between grpo checkpoints (-> train.ckpt_every): an RL step is minutes of rollouts
     c.grpo.max_staleness = 4  # tokens sampled more than this many learner versions ago carry no loss
     c.grpo["async"] = False  # True: actors run ahead of the learner (<= max_staleness versions); False: lockstep, reproducible
     c.grpo.tis_cap = 0.0  # truncated importance weight min(pi_learner/pi_engine, cap) on the loss (0 = off)

@@ -156,7 +156,8 @@ def test_stage_overrides_are_data():
     assert (s.train.lr, s.train.steps) == (5e-4, c.sft.steps)
     assert s.data.seq_len == c.data.seq_len  # 0 keeps the shared value
     assert s.data.batch_size == 4
-    assert stages.stage_config("grpo", c).train.steps == c.grpo.steps
+    g = stages.stage_config("grpo", c)
+    assert (g.train.steps, g.train.ckpt_every) == (c.grpo.steps, c.grpo.ckpt_every)
     assert stages.stage_config("pretrain", c).train.lr == c.train.lr
 
 
