@@ -1,7 +1,7 @@
 """The actor-learner system of stage grpo (coder/rl/actor_learner.py) end to end: in-flight weight
 updates, the staleness mask, learning in async and sync mode, a killed actor.
 
-The runs use tests/test_rl_learning.py's in-process toy task ("submit the lucky number", one
+The runs use tests/rl_toy.py's in-process toy task ("submit the lucky number", one
 `submit` tool, reward 1 for "3") and its tiny model, SFT-ed once for the module on the call
 format with a random answer. In-process episodes reach Ray actors by cloudpickle (their classes
 by reference to this module, the lambdas by value).
@@ -20,7 +20,7 @@ from coder.model import Transformer
 from coder.rl import actor_learner
 from coder.rl import weight_sync
 from coder.stages import grpo as grpo_stage
-from tests import test_rl_learning as rl_test
+from tests import rl_toy as rl_test
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ resumed run (grpo.kl_coef > 0) trains the next steps on the next tasks and ends 
 uninterrupted run ends, metric for metric and weight for weight.
 
 The runs are subprocesses (this file run as a script, like tests/test_checkpoint_resume.py):
-stage grpo's `train` on tests/test_rl_learning.py's in-process toy task ("submit the lucky
+stage grpo's `train` on tests/rl_toy.py's in-process toy task ("submit the lucky
 number", reward 1 for "3") with its tiny MoE model, SFT-ed once by the test on the call format
 with a random answer (so rewards differ within a group, the policy moves, and the KL to the
 frozen reference is > 0 from step 2 on). Sync mode (`grpo.async=False`, lockstep), the actor
@@ -49,7 +49,7 @@ COMPARED = ("loss", "reward", "kl", "ratio_mean", "entropy", "policy_tokens", "g
 
 
 def _config(tok):
-    from tests import test_rl_learning as rl_test
+    from tests import rl_toy as rl_test
 
     cfg = rl_test.tiny_config(tok, STAGE_LEN)
     # one group at a time, its rows decoding together (module docstring: bit-exact engine)
@@ -69,7 +69,7 @@ def _run(stage_dir: str, inputs: str, sleep_s: float) -> None:
     from coder.rl import learner as learner_lib
     from coder.stages import grpo as grpo_stage
     from coder.train import checkpoint as ckpt_lib
-    from tests import test_rl_learning as rl_test
+    from tests import rl_toy as rl_test
 
     with open(os.path.join(inputs, "tokenizer.json")) as f:
         tok = tokenizer_lib.from_record(json.load(f))
@@ -135,7 +135,7 @@ def inputs(tmp_path_factory):
 
     from coder.data import tokenizer as tokenizer_lib
     from coder.train import checkpoint as ckpt_lib
-    from tests import test_rl_learning as rl_test
+    from tests import rl_toy as rl_test
 
     d = tmp_path_factory.mktemp("inputs")
     tok = rl_test.tokenizer()

@@ -198,7 +198,7 @@ def test_two_processes_resume_their_own_data_positions(tmp_path):
 
 
 def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str):
-    """Two GRPO steps and the agent eval of tests/test_rl_learning.py's in-process task: the
+    """Two GRPO steps and the agent eval of tests/rl_toy.py's in-process task: the
     learner on the global mesh (every process's devices), each process's actor (engine) on its
     own devices with its share of the tasks. Prints the metrics and the eval summary."""
     import jax
@@ -210,7 +210,7 @@ def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str):
 
     from coder.model import Transformer
     from coder.stages import grpo as grpo_stage
-    from tests import test_rl_learning as rl_test
+    from tests import rl_toy as rl_test
 
     tok = rl_test.tokenizer()
     cfg = rl_test.tiny_config(tok, 256)

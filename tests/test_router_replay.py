@@ -35,7 +35,7 @@ from coder.model import Transformer
 from coder.model.moe import moe_layers
 from coder.rl import grpo
 from coder.stages import grpo as grpo_stage
-from tests import test_rl_learning as rl_test
+from tests import rl_toy as rl_test
 
 EXPERT_SCALE = 8.0
 ROUTER_SPREAD = 0.01

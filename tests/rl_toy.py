@@ -1,4 +1,4 @@
-"""GRPO's toy environment and the single-epoch resume.
+"""GRPO's toy environment, shared by the GRPO tests (a helper module: no tests of its own).
 
 The environment (shared with tests/test_actor_learner.py, tests/test_router_replay.py and
 tests/test_grpo_preemption.py, which run the learning tests on it) is light and in-process so a
@@ -18,23 +18,20 @@ are negative examples). A wrong loss sign, misaligned targets, masks that miss t
 or weights that never reach the engine leave the reward at chance or lower: each fails the
 learning tests.
 
-The resume test here checks that a restarted stage continues the single epoch where it stopped.
+A resumed stage continuing the single epoch where it stopped is tests/test_grpo_preemption.py.
 The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
 """
 import inspect
-import json
 import random
 
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
 from coder.env import tasks as tasks_lib
 from coder.model import Transformer
-from coder.stages import grpo as grpo_stage
 from coder.train import losses
 from configs import base
 
@@ -146,35 +143,3 @@ def sft_format(cfg, tok, steps=120, seed=0):
     for _ in range(steps):
         loss = step(model, opt, batch())
     return model, float(loss)
-
-
-def _read_metrics(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-@pytest.mark.slow
-def test_resume_continues_the_single_epoch(tmp_path):
-    """A stopped stage resumes from its checkpoint with the next tasks, never repeating one."""
-    tok = tokenizer()
-    cfg = tiny_config(tok, 256)
-    cfg.rl.update(dict(group_size=2, tasks_per_step=1))
-    cfg.train.update(dict(ckpt_every=1))
-    tasks = make_tasks(3, seed=0)
-    answer = {t.id: k for t, k in tasks}
-    seen = []
-
-    def make_episode(task):
-        seen.append(task.id)
-        return SubmitEpisode(answer[task.id])
-
-    def model_fn():
-        return Transformer(cfg.model, rngs=nnx.Rngs(3))
-
-    for steps in (1, 2):
-        cfg.train.steps = steps
-        grpo_stage.train(cfg, str(tmp_path / "grpo"), "", tokenizer=tok, tasks=[t for t, _ in tasks],
-                        make_episode=make_episode, model_fn=model_fn)
-    assert seen == [tasks[0][0].id] * 2 + [tasks[1][0].id] * 2
-    m = _read_metrics(tmp_path / "grpo" / "metrics.jsonl")
-    assert [r["step"] for r in m] == [1, 2]
