@@ -198,10 +198,15 @@ class KillerEpisode(rl_test.SubmitEpisode):
 def test_a_killed_actor_is_replaced_and_its_rollouts_dropped(tmp_path, ray_local):
     """The actor process dies mid-run (SIGKILL while it rolls out task 2): Ray restarts it, the
     groups it held are dropped (counted, never scored), their tasks rolled out again, and the
-    run completes."""
+    run completes. The model_fn carries its weights (as a test's or a script's may): Ray re-runs
+    the actor's constructor with its arguments, which must still be in the object store then."""
+    import pickle
+
     tok = rl_test.tokenizer()
     cfg = config(tok, 256, rl__group_size=2, rl__tasks_per_step=1, rl__num_actors=1, grpo__async=True,
                  train__steps=4)
+    weights = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))
+    assert len(pickle.dumps(weights)) > 200_000  # above what Ray passes inline with a call
     tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
     marker = str(tmp_path / "killed")
     victim = tasks[2].id
@@ -213,7 +218,7 @@ def test_a_killed_actor_is_replaced_and_its_rollouts_dropped(tmp_path, ray_local
 
     stage_dir = str(tmp_path / "grpo")
     grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=make_episode,
-                     model_fn=model_fn_of(cfg, None))
+                     model_fn=model_fn_of(cfg, weights))
     m = metrics(stage_dir)
     assert [r["step"] for r in m] == [1, 2, 3, 4]
     assert os.path.exists(marker)

@@ -315,8 +315,11 @@ class RayActors:
         options = dict(max_restarts=MAX_RESTARTS, max_task_retries=0, max_concurrency=slots + 4,
                        **_placement(local=not address))
         remote = ray.remote(ActorWorker).options(**options)
-        record = tokenizer_lib.to_record(tokenizer)
-        self.handles = [remote.remote(config, record, make_episode, model_fn, url, i) for i in range(n)]
+        # the constructor's arguments in the object store, held here for the run: Ray re-runs the
+        # constructor with them when it restarts a dead actor (arguments it put there itself for
+        # the first call may be freed by then: the restart then fails to start)
+        self._args = [ray.put(a) for a in (config, tokenizer_lib.to_record(tokenizer), make_episode, model_fn)]
+        self.handles = [remote.remote(*self._args, url, i) for i in range(n)]
 
     def __len__(self):
         return len(self.handles)
