@@ -130,10 +130,17 @@ def sft_format(cfg, tok, steps=120, seed=0):
         pos = np.broadcast_to(np.arange(T, dtype=np.int32), (16, T))
         return dict(tokens=toks, positions=pos, segment_ids=seg, loss_mask=masks)
 
+    return model, train_steps(model, opt, batch, steps)
+
+
+def train_steps(model, opt, batch, steps: int, **model_kw) -> float:
+    """`steps` next-token-loss updates of `model` with `opt` on `batch()` each (the tests' small
+    fits of a call format); `model_kw` goes to the model's call. Returns the last loss."""
+
     @nnx.jit
     def step(model, opt, b):
         def loss_fn(m):
-            logits, _ = m(b["tokens"], b["positions"], b["segment_ids"])
+            logits, _ = m(b["tokens"], b["positions"], b["segment_ids"], **model_kw)
             return losses.next_token_loss(logits, b)[0]
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
@@ -142,4 +149,4 @@ def sft_format(cfg, tok, steps=120, seed=0):
 
     for _ in range(steps):
         loss = step(model, opt, batch())
-    return model, float(loss)
+    return float(loss)

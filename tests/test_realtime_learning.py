@@ -56,9 +56,9 @@ from coder.serve import trajectory_log
 from coder.serve.server import Server
 from coder.stages import realtime as realtime_stage
 from coder.stages import stage_config
-from coder.train import losses
 from configs import base, quickstart
 from test_realtime import _post
+from tests.rl_toy import train_steps
 from test_serve import MAX_LEN, NAMES, PREAMBLE, SUBMIT, TOOLS, make_engine, start_uvicorn
 
 openai = pytest.importorskip("openai")
@@ -120,19 +120,7 @@ def fit(cfg, tok, steps, lr, seed=0):
         pos = np.broadcast_to(np.arange(MAX_LEN, dtype=np.int32), (rows, MAX_LEN))
         return dict(tokens=toks, positions=pos, segment_ids=seg, loss_mask=masks)
 
-    @nnx.jit
-    def step(model, opt, b):
-        def loss_fn(m):
-            logits, _ = m(b["tokens"], b["positions"], b["segment_ids"], mtp=False)
-            return losses.next_token_loss(logits, b)[0]
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return loss
-
-    for _ in range(steps):
-        loss = step(model, opt, batch())
-    return model, float(loss)
+    return model, train_steps(model, opt, batch, steps, mtp=False)
 
 
 class EvenEpisode:

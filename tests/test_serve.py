@@ -32,7 +32,7 @@ from coder.rl import grpo
 from coder.rl import realtime
 from coder.serve import trajectory_log
 from coder.serve.server import Server, stop_watch
-from coder.train import losses
+from tests.rl_toy import train_steps
 from configs.base import model_config
 
 openai = pytest.importorskip("openai")
@@ -101,19 +101,7 @@ def fit(cfg, tok, steps=120, seed=0):
         pos = np.broadcast_to(np.arange(MAX_LEN, dtype=np.int32), (rows, MAX_LEN))
         return dict(tokens=toks, positions=pos, segment_ids=seg, loss_mask=masks)
 
-    @nnx.jit
-    def step(model, opt, b):
-        def loss_fn(m):
-            logits, _ = m(b["tokens"], b["positions"], b["segment_ids"])
-            return losses.next_token_loss(logits, b)[0]
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return loss
-
-    for _ in range(steps):
-        loss = step(model, opt, batch())
-    return model, float(loss)
+    return model, train_steps(model, opt, batch, steps)
 
 
 @functools.lru_cache(maxsize=1)
