@@ -35,10 +35,10 @@ def model_config() -> ml_collections.ConfigDict:
     # ~10^5 steps; a short run from scratch needs more (coder.model.moe.balancing_warning,
     # logged at start-up when rate x steps < 1; configs/quickstart.py uses 1e-2)
     m.bias_update_rate = 1e-3
-    # 0 = dropless (DeepSeek-V3). c > 0: each expert takes at most ceil(c * pairs / experts)
-    # (token, expert) pairs of the tokens a device sees, in token order, and drops the rest
-    # (GShard); a fixed [experts, capacity] buffer whose matmuls cost c x the routed work, where
-    # XLA:TPU's dropless ragged_dot gradient costs every local expert x every pair (docs/scale)
+    # 0 = dropless (DeepSeek-V3): grouped matmuls over the routed pairs (megablox gmm/tgmm on
+    # TPU, forward and backward cost the routed work only). c > 0: each expert takes at most
+    # ceil(c * pairs / experts) (token, expert) pairs of the tokens a device sees, in token order,
+    # and drops the rest (GShard): a fixed [experts, capacity] buffer, c x the routed work
     m.moe_capacity_factor = 0.0
     m.rms_norm_eps = 1e-6  # RMSNorm epsilon
     m.rope_theta = 10000.0  # RoPE base

@@ -10,13 +10,14 @@ Routing for token x (DeepSeek-V3 section 2.1.2), N tokens, E experts, k = num_ex
 Balancing (aux-loss-free): after each optimizer step, b += rate * sign(mean load - load).
 
 Dropless dispatch (default): the N*k (token, expert) pairs are sorted by expert and run through a
-grouped matmul over contiguous groups (`jax.lax.ragged_dot` on TPU/GPU; on CPU a block-padded
-einsum, see `grouped_matmul`), then scattered back and summed; no token dropped.
+grouped matmul over contiguous groups (`grouped_matmul`: the Pallas megablox kernels on TPU,
+`jax.lax.ragged_dot` on GPU, a block-padded einsum on CPU), then scattered back and summed; no
+token dropped. megablox's backward is a grouped matmul too (`tgmm` for the weight gradient), so
+forward and backward cost the routed pairs only; XLA:TPU's own ragged_dot gradient w.r.t. the
+expert weights is a dense masked product of every expert with every pair (docs/scale/README.md).
 Capacity dispatch (model.moe_capacity_factor = c > 0, `capacity_ffn`): each expert takes its first
 ceil(c * N*k / E) pairs in token order into a fixed `[experts, capacity, D]` buffer (GShard);
-later pairs are dropped and counted (stats["dropped"]). XLA:TPU differentiates ragged_dot w.r.t.
-the expert weights as a dense masked product over every pair (docs/scale/README.md); the
-capacity buffer's gradient is an ordinary batched matmul.
+later pairs are dropped and counted (stats["dropped"]); its matmuls are ordinary batched ones.
 
 Expert parallelism: inside `coder.model.sharding.activate` with experts split over mesh axes,
 the expert FFN runs in a `shard_map`. Each device holds E/ep experts; it gathers the tokens of
@@ -142,15 +143,55 @@ def block_grouped_matmul(x, w, group_sizes, block: int = GMM_BLOCK):
     return jnp.where(valid[:, None], yp[jnp.minimum(dest, n_blocks * block - 1)], 0).astype(x.dtype)
 
 
+def _tile(dim: int, sizes=(512, 256, 128)) -> int:
+    """The largest of `sizes` dividing dim, else dim itself (a block spanning the whole axis
+    satisfies Mosaic's (8, 128) block rule for any size)."""
+    return next((s for s in sizes if dim % s == 0), dim)
+
+
+def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) for megablox over x `[m, k]`, w `[G, k, n]`: tk / tn divide k / n (megablox
+    masks a ragged k tile but not a ragged n tile); tm <= 512 rows, a multiple of 16 (bf16
+    sublane pairs), and m is padded up to a multiple of it. Each group boundary inside a row
+    tile costs that tile once more, so tm trades per-tile overhead against G * tm wasted rows."""
+    tm = min(512, -(-m // 16) * 16)
+    return tm, _tile(k), _tile(n)
+
+
+def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=None):
+    """Grouped matmul with the Pallas megablox kernels (TPU; `interpret=True` runs them on CPU).
+
+    x `[M, K]` rows sorted by group, w `[G, K, N]`, group_sizes `[G]` (sum <= M) -> `[M, N]`
+    in x.dtype, zero in rows past sum(group_sizes). The custom VJP computes dx with `gmm`
+    against w^T and dw with `tgmm` (each group's rows^T x its output cotangent): both cost the
+    routed rows only, where XLA:TPU's ragged_dot gradient w.r.t. w is a masked dense product
+    of every group with every row. tiling (tm, tk, tn) defaults to `gmm_tiling`.
+
+    megablox leaves rows past the last group uninitialised (forward: output rows; backward: dx
+    rows, written by the same kernel), so both x and the result are masked with `where` (a
+    product with 0 would keep NaN/inf garbage).
+    """
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    m, k = x.shape
+    tm, tk, tn = tiling or gmm_tiling(m, k, w.shape[2])
+    group_sizes = group_sizes.astype(jnp.int32)
+    valid = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
+    xp = jnp.pad(jnp.where(valid, x, 0), ((0, -m % tm), (0, 0)))  # megablox needs tm | M
+    y = gmm(xp, w.astype(x.dtype), group_sizes, preferred_element_type=x.dtype,
+            tiling=(tm, tk, tn), interpret=interpret)[:m]
+    return jnp.where(valid, y, 0)
+
+
 def grouped_matmul(x, w, group_sizes):
-    """`jax.lax.ragged_dot` on TPU/GPU (native grouped matmul); the block-padded form on CPU,
-    where XLA lowers ragged_dot to a dense product with every group.
+    """megablox `gmm` on TPU (`megablox_grouped_matmul`), `jax.lax.ragged_dot` on GPU, the
+    block-padded form on CPU, where XLA lowers ragged_dot to a dense product with every group.
 
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
     """
-    return jax.lax.platform_dependent(x, w, group_sizes, cpu=block_grouped_matmul,
-                                      default=jax.lax.ragged_dot)
+    return jax.lax.platform_dependent(x, w, group_sizes, tpu=megablox_grouped_matmul,
+                                      cpu=block_grouped_matmul, default=jax.lax.ragged_dot)
 
 
 DENSE_FFN_MAX = 512  # tokens x local experts up to which CPU runs every expert on every token
