@@ -9,6 +9,10 @@ dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, dq = dn + dr.
     s_hts  = scale * (q_n . k_n + RoPE(q_r) . RoPE(k_r))
     o      = softmax(s + mask) v W_o
 
+The full forward of the dense backend expands per-head keys and values and runs
+`coder.model.attention_kernels.attention` (splash attention on TPU, a flash kernel on GPU, XLA on
+CPU; chosen at lowering).
+
 Masking: a query attends to keys of its own segment (`segment_ids`) at or before its index
 (full forward), or to cache slots at or before its absolute position (cached call).
 
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from coder.model import attention_kernels
 from coder.model.layers import RMSNorm, dtype_of, param
 from coder.model.rope import apply_rope, rope_frequencies, softmax_scale
 from coder.model.sharding import constrain
@@ -135,14 +140,12 @@ class MLA(nnx.Module):
         elif cache is None:
             kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
             k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
-            scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
-            t = x.shape[1]
-            causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-            same = segment_ids[:, :, None] == segment_ids[:, None, :]
-            mask = (causal[None] & same)[:, None]  # [B,1,T,S]
-            probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
-            o = jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
+            # one RoPE key for all heads: broadcast, so q . k = q_n . k_n + q_r . k_r per head
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :].astype(dt),
+                                                          (*k_rope.shape[:2], self.h, self.dr))], -1)
+            q = jnp.concatenate([q_nope, q_rope.astype(dt)], -1)
+            # splash attention on TPU, the Triton flash kernel on GPU, XLA elsewhere
+            o = attention_kernels.attention(q, k, v, segment_ids, self.scale)
             new_cache = None
         elif self.nsa is not None:
             new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)

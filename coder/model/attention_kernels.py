@@ -1,0 +1,223 @@
+"""The dense backend's softmax attention: one function, three lowerings.
+
+    o = attention(q, k, v, segment_ids, scale)
+    q [B,T,H,dq], k [B,T,H,dq], v [B,T,H,dv] (MLA: dq = dn + dr = 192, dv = 128 for DeepSeek-V3),
+    segment_ids [B,T] int32 -> o [B,T,H,dv] in q's dtype.
+
+A query attends to the keys of its own segment at or before its index (causal self-attention of
+packed documents). The lowering is chosen when the program is lowered, for the platform it is
+lowered for (`jax.lax.platform_dependent`, as the NSA kernels and the MoE grouped matmul are),
+so stage `compile` gets the TPU kernel from a CPU host; a program for CPU devices (`targets_cpu`)
+skips tracing the kernels:
+
+  * TPU: splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`): blockwise
+    online softmax that never materialises the T x T scores and skips the blocks the causal
+    mask removes; segment ids in the kernel; MLA's value width differs from the query's, which
+    the kernel supports (`head_dim_v`). Under a mesh (coder.model.sharding.activate) it runs in
+    a `shard_map`: heads over the `heads` mesh axes, queries over the `seq` axes (the kernel's
+    mask information is split the same way, `make_splash_mha(head_shards, q_seq_shards)`),
+    keys and values whole per device (XLA gathers them over the `seq` axes).
+  * GPU: the Pallas (Triton) flash attention of `jax.experimental.pallas.ops.gpu.attention`,
+    which takes segment ids. It needs one head width for q, k and v, so v is zero-padded to dq
+    (1.5x the P V product for DeepSeek-V3) and the output sliced back. cuDNN
+    (`jax.nn.dot_product_attention`) is not used: it takes no segment ids, only a dense
+    `[B, 1, T, T]` mask, which is what this module exists to avoid. Under a mesh the GPU kernel
+    sees every query of its heads (queries are gathered over the `seq` axes: sequence-parallel
+    GPU meshes repeat attention work; heads split as on TPU).
+  * Anything else (CPU): `reference_attention`, plain XLA with the `[B, H, T, T]` scores.
+
+All three are equal up to float rounding (tests/test_attention_kernels.py, interpret mode).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from coder.model import sharding
+
+NEG_INF = -1e30  # finite, so fully masked rows (padding only) give no NaN
+BLOCKS = (512, 256, 128)  # kernel block lengths tried, largest first (TPU tiles are 128 x 128)
+
+
+def reference_attention(q, k, v, segment_ids, scale: float):
+    """Causal, segment-masked softmax attention in XLA. Shapes in the module docstring.
+
+    The scores `[B, H, T, T]` are float32 (the kernels accumulate in float32 too).
+    """
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    t = q.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = (causal[None] & same)[:, None]  # [B,1,T,S]
+    probs = jax.nn.softmax(jnp.where(mask, scores * scale, NEG_INF), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+
+def block_len(*lengths: int) -> int:
+    """The largest of BLOCKS dividing every length; ValueError if none does."""
+    for b in BLOCKS:
+        if all(n % b == 0 for n in lengths):
+            return b
+    raise ValueError(f"attention kernels need sequence lengths divisible by {BLOCKS[-1]} (per "
+                     f"device), got {lengths}: change data.seq_len or the `seq` mesh axes")
+
+
+# ----------------------------------------------------------------------------- TPU: splash
+@functools.lru_cache(maxsize=32)
+def splash_kernel(heads: int, seq: int, head_shards: int, q_seq_shards: int, interpret: bool):
+    """A causal splash attention kernel for `heads` heads of `seq` tokens, its mask information
+    split into head_shards x q_seq_shards parts (the devices' shares under a mesh)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+        splash_attention_mask as sm,
+    )
+
+    bq = block_len(seq // q_seq_shards)
+    bkv = block_len(seq)
+    blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                           block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    mask = sm.MultiHeadMask([sm.CausalMask((seq, seq)) for _ in range(heads)])
+    with jax.ensure_compile_time_eval():  # concrete mask arrays: the kernel is cached across traces
+        return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
+                                  q_seq_shards=q_seq_shards, interpret=interpret)
+
+
+def _splash_local(kernel, q, k, v, seg_q, seg_kv, scale: float):
+    """One device's splash call: q `[B,Tl,Hl,dq]`, k `[B,T,Hl,dq]`, v `[B,T,Hl,dv]`, seg_q
+    `[B,Tl]`, seg_kv `[B,T]` -> `[B,Tl,Hl,dv]` (the kernel works on `[heads, seq, dim]`)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+    heads_major = lambda a: jnp.swapaxes(a, 1, 2)
+    qs = heads_major(q * jnp.asarray(scale, q.dtype))  # the kernel applies no softmax scale
+
+    def one(q1, k1, v1, sq, skv):
+        return kernel(q1, k1, v1, segment_ids=SegmentIds(q=sq, kv=skv))
+
+    o = jax.vmap(one)(qs, heads_major(k), heads_major(v), seg_q, seg_kv)
+    return heads_major(o)
+
+
+def splash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = False):
+    """`reference_attention` by the TPU splash kernel (module docstring); `interpret=True` runs
+    the kernel in the Pallas interpreter (any backend: the tests)."""
+    b, t, h, _ = q.shape
+    ctx = sharding.current()
+    if ctx is None:
+        kernel = splash_kernel(h, t, 1, 1, interpret)
+        return _splash_local(kernel, q, k, v, segment_ids, segment_ids, scale)
+    mesh, rules = ctx
+    bs, ss, hs = _specs(mesh, rules, b, t, h)
+    kernel = splash_kernel(h, t, _size(mesh, hs), _size(mesh, ss), interpret)
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(hs, ss)))
+    q_spec, kv_spec = P(bs, ss, hs, None), P(bs, None, hs, None)
+    fn = jax.shard_map(functools.partial(_splash_local, scale=scale), mesh=mesh,
+                       in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None)),
+                       out_specs=q_spec, check_vma=False)
+    return fn(kernel, q, k, v, segment_ids, segment_ids)
+
+
+# ----------------------------------------------------------------------------- GPU: Triton flash
+def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = False):
+    """`reference_attention` by the Pallas GPU (Triton) flash kernel (module docstring)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    b, t, h, dq = q.shape
+    dv = v.shape[-1]
+    blk = block_len(t)
+    sizes = gpu_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                                     block_q_dq=blk, block_kv_dq=blk)
+
+    def local(q, k, v, seg):
+        vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dq - dv))) if dv < dq else v
+        o = gpu_attention.mha(q, k, vp, seg, sm_scale=scale, causal=True, block_sizes=sizes,
+                              interpret=interpret)
+        return o[..., :dv]
+
+    ctx = sharding.current()
+    if ctx is None:
+        return local(q, k, v, segment_ids)
+    mesh, rules = ctx
+    bs, ss, hs = _specs(mesh, rules, b, t, h)
+    spec = P(bs, None, hs, None)  # every query of the device's heads (see module docstring)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(bs, None)),
+                       out_specs=spec, check_vma=False)
+    o = fn(q, k, v, segment_ids)
+    return sharding.constrain(o, ("batch", "seq", "heads", None))
+
+
+# ----------------------------------------------------------------------------- dispatch
+def attention(q, k, v, segment_ids, scale: float):
+    """Causal segment-masked attention by the kernel of the platform the program is lowered for
+    (module docstring). Shapes: q `[B,T,H,dq]`, k `[B,T,H,dq]`, v `[B,T,H,dv]` -> `[B,T,H,dv]`."""
+    ref = functools.partial(reference_attention, scale=scale)
+    if targets_cpu():
+        return ref(q, k, v, segment_ids)
+    return jax.lax.platform_dependent(
+        q, k, v, segment_ids,
+        tpu=_padded(functools.partial(splash_attention, scale=scale)),
+        cuda=_padded(functools.partial(gpu_flash_attention, scale=scale)),
+        rocm=ref, default=ref)
+
+
+def targets_cpu() -> bool:
+    """Whether the program being traced runs on CPU: the active mesh's devices (stage `compile`
+    activates a mesh of TPU devices on a CPU host), else the default backend. Tracing the
+    kernels' branches costs ~0.3 s per layer, which CPU programs (the tests) would never use."""
+    ctx = sharding.current()
+    platform = ctx[0].devices.flat[0].platform if ctx is not None else jax.default_backend()
+    return platform == "cpu"
+
+
+def _padded(kernel):
+    """`kernel` on rows padded to a multiple of BLOCKS[-1] tokens (segment 0: the padding's own
+    segment, which no real token attends to), its output cut back to the input's length."""
+    def run(q, k, v, segment_ids):
+        t = q.shape[1]
+        pad = -t % BLOCKS[-1]
+        if not pad:
+            return kernel(q, k, v, segment_ids)
+        widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return kernel(widen(q), widen(k), widen(v), widen(segment_ids))[:, :t]
+    return run
+
+
+def kernel_flops(batch: int, seq: int, heads: int, dq: int, dv: int, *, causal: bool = True,
+                 training: bool = True) -> float:
+    """Matmul FLOPs the attention kernels do for `batch` rows of `seq` tokens: Q K^T and P V,
+    2 * T * S * H * (dq + dv), halved by causal block skipping (up to the diagonal blocks), x3
+    with the backward (dQ, dK, dV: 2x the forward's products; splash recomputes P from the
+    saved log-sum-exp, one more Q K^T: counted as 3.5x). Pallas calls are opaque to XLA's cost
+    analysis, so stage `compile` adds these (coder.train.aot.hlo_stats)."""
+    fwd = 2.0 * batch * seq * seq * heads * (dq + dv) * (0.5 if causal else 1.0)
+    if not training:
+        return fwd
+    return fwd + 2.0 * fwd + fwd * dq / (dq + dv)
+
+
+def _specs(mesh, rules, b: int, t: int, h: int):
+    """Mesh axes (or None) splitting the batch, the sequence and the heads, each kept only
+    when it divides its dimension (and leaves whole kernel blocks for the sequence)."""
+    spec = sharding.logical_to_spec(("batch", "seq", "heads"), rules)
+
+    def keep(axes, n, blocks=False):
+        if axes is None:
+            return None
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+        size = _size(mesh, axes_t)
+        if n % size or (blocks and (n // size) % BLOCKS[-1]):
+            return None
+        return axes
+
+    return keep(spec[0], b), keep(spec[1], t, blocks=True), keep(spec[2], h)
+
+
+def _size(mesh, axes) -> int:
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(math.prod(mesh.shape[a] for a in axes))
+

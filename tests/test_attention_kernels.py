@@ -1,0 +1,89 @@
+"""The dense backend's attention kernels (coder.model.attention_kernels) against the XLA reference,
+forward and backward, in the Pallas interpreter: TPU splash attention (one device, and split over
+heads, queries and rows on 8 fake devices) and the GPU Triton flash kernel. MLA's widths (queries
+and keys 192, values 128), several documents per row and a padded (segment 0) tail."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+
+from coder.model import attention_kernels as ak
+from coder.model import sharding
+
+DQ, DV = 192, 128  # DeepSeek-V3's MLA: dn + dr = 128 + 64, dv = 128
+
+
+def _inputs(b=2, t=256, h=2, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, t, h, DQ), jnp.float32)
+    k = jax.random.normal(kk, (b, t, h, DQ), jnp.float32)
+    v = jax.random.normal(kv, (b, t, h, DV), jnp.float32)
+    seg = np.zeros((b, t), np.int32)
+    seg[0, :100], seg[0, 100:230] = 1, 2  # two documents and a padded tail (26 tokens)
+    seg[1, :] = 1  # one document filling the row
+    seg[1, 130:] = 3  # ... split at a position that is not a block boundary
+    return q, k, v, jnp.asarray(seg)
+
+
+def _loss(fn, q, k, v, seg):
+    o = fn(q, k, v, seg)
+    w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))  # every output counts
+    return jnp.sum(jnp.where((seg > 0)[:, :, None, None], o * w, 0.0))
+
+
+def _check(fn, q, k, v, seg, tol):
+    scale = DQ ** -0.5
+    ref = lambda *a: ak.reference_attention(*a, scale=scale)
+    mine = lambda *a: fn(*a, scale=scale)
+    valid = (seg > 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(valid, mine(q, k, v, seg), 0),
+                               np.where(valid, ref(q, k, v, seg), 0), atol=tol, rtol=tol)
+    g_ref = jax.grad(lambda *a: _loss(ref, *a, seg), argnums=(0, 1, 2))(q, k, v)
+    g = jax.grad(lambda *a: _loss(mine, *a, seg), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g, g_ref):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol, err_msg=f"d{name}")
+
+
+def test_splash_attention_equals_reference_forward_and_backward():
+    _check(lambda *a, scale: ak.splash_attention(*a, scale=scale, interpret=True), *_inputs(), tol=2e-4)
+
+
+def test_splash_attention_split_over_heads_queries_and_rows_on_8_devices():
+    """shard_map with the kernel's mask information split like the queries: heads over
+    `tensor` (2), queries over `sequence` (2), rows over `data` (2)."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 1, 1, 2, 2), sharding.AXES,
+                axis_types=(AxisType.Auto,) * 5)
+    rules = (("batch", "data"), ("seq", "sequence"), ("heads", "tensor"))
+    q, k, v, seg = _inputs(t=512)
+    with sharding.activate(mesh, rules):
+        assert ak._specs(mesh, sharding.rules_dict(rules), 2, 512, 2) == ("data", "sequence", "tensor")
+        _check(lambda *a, scale: jax.jit(lambda *b: ak.splash_attention(*b, scale=scale, interpret=True))(*a),
+               q, k, v, seg, tol=2e-4)
+
+
+def test_gpu_flash_attention_equals_reference_forward_and_backward():
+    _check(lambda *a, scale: ak.gpu_flash_attention(*a, scale=scale, interpret=True), *_inputs(), tol=2e-4)
+
+
+def test_attention_lowers_to_splash_for_tpu_and_to_xla_for_cpu(monkeypatch):
+    q, k, v, seg = _inputs()
+    assert ak.targets_cpu()  # here: the reference alone is traced
+    monkeypatch.setattr(ak, "targets_cpu", lambda: False)  # as under a mesh of TPU devices
+    fn = jax.jit(lambda *a: ak.attention(*a, scale=0.1))
+    tpu = fn.trace(q, k, v, seg).lower(lowering_platforms=("tpu",)).as_text()
+    cpu = fn.trace(q, k, v, seg).lower(lowering_platforms=("cpu",)).as_text()
+    assert "splash_mha_fwd_segmented" in tpu and "tpu_custom_call" in tpu
+    assert "tpu_custom_call" not in cpu and "splash" not in cpu
+
+
+def test_rows_not_a_multiple_of_the_block_are_padded_for_the_kernel():
+    q, k, v, seg = (a[:, :200] for a in _inputs())
+    _check(lambda *a, scale: ak._padded(lambda *b: ak.splash_attention(*b, scale=scale, interpret=True))(*a),
+           q, k, v, seg, tol=2e-4)
+
+
+def test_block_len_refuses_a_sequence_no_kernel_block_divides():
+    assert ak.block_len(4096, 32768) == 512 and ak.block_len(384) == 128
+    with pytest.raises(ValueError, match="divisible by 128"):
+        ak.block_len(200)
