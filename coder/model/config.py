@@ -40,6 +40,13 @@ def model_config() -> ml_collections.ConfigDict:
     # ceil(c * pairs / experts) (token, expert) pairs of the tokens a device sees, in token order,
     # and drops the rest (GShard): a fixed [experts, capacity] buffer, c x the routed work
     m.moe_capacity_factor = 0.0
+    # dropless expert parallelism: "auto" (ragged_all_to_all on TPU/GPU, all-gather on CPU, which
+    # has no ragged-all-to-all) | "all_gather" | "ragged_all_to_all" (coder.model.moe)
+    m.moe_dispatch = "auto"
+    # ragged_all_to_all receive buffer, in units of a device's own pairs (tokens x k): 0 = the
+    # worst case, all of the expert group's pairs on one device (expert-parallel size x the
+    # average: memory-heavy at scale); f > 0 = f x, pairs past it dropped (stats["dropped"])
+    m.moe_a2a_buffer_factor = 0.0
     m.rms_norm_eps = 1e-6  # RMSNorm epsilon
     m.rope_theta = 10000.0  # RoPE base
     m.max_position_embeddings = 1024  # longest sequence the RoPE tables are built for

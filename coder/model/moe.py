@@ -20,11 +20,18 @@ ceil(c * N*k / E) pairs in token order into a fixed `[experts, capacity, D]` buf
 later pairs are dropped and counted (stats["dropped"]); its matmuls are ordinary batched ones.
 
 Expert parallelism: inside `coder.model.sharding.activate` with experts split over mesh axes,
-the expert FFN runs in a `shard_map`. Each device holds E/ep experts; it gathers the tokens of
-its expert group (all-gather over the mesh axes that shard both tokens and experts), computes its
-own experts' share of every pair, and a reduce-scatter (psum_scatter) returns each token's sum
-to its owner. This padded, all-gather form runs on every backend (CPU included); on TPU/GPU
-`jax.lax.ragged_all_to_all` would move only the routed pairs (not implemented here).
+the expert FFN runs in a `shard_map`; each device holds E/ep experts. model.moe_dispatch picks how
+pairs reach them (`_expert_parallel_ffn`; "auto" decides when the program is lowered):
+- ragged_all_to_all (TPU/GPU; `_ragged_dispatch`): each device routes its own share of the
+  tokens, sorts its pairs by destination device, and `jax.lax.ragged_all_to_all` sends only the
+  routed pairs to their experts' devices and the results back. The receive buffer is static:
+  the worst case (every pair of the expert group on one device) unless
+  model.moe_a2a_buffer_factor bounds it (then overflowing pairs are dropped and counted).
+- all_gather (CPU, whose XLA has no ragged-all-to-all; and always with a capacity factor;
+  `_all_gather_dispatch`): each device gathers the tokens of its expert group (all-gather over
+  the mesh axes that shard both tokens and experts), computes its own experts' share of every
+  pair, and a reduce-scatter (psum_scatter) returns each token's sum to its owner: ep x the
+  token traffic and ep x the sort / gather work of the ragged form.
 """
 from __future__ import annotations
 
@@ -143,19 +150,20 @@ def block_grouped_matmul(x, w, group_sizes, block: int = GMM_BLOCK):
     return jnp.where(valid[:, None], yp[jnp.minimum(dest, n_blocks * block - 1)], 0).astype(x.dtype)
 
 
-def _tile(dim: int, sizes=(512, 256, 128)) -> int:
-    """The largest of `sizes` dividing dim, else dim itself (a block spanning the whole axis
-    satisfies Mosaic's (8, 128) block rule for any size)."""
-    return next((s for s in sizes if dim % s == 0), dim)
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """(tm, tk, tn) for megablox over x `[m, k]`, w `[G, k, n]`: tk / tn divide k / n (megablox
-    masks a ragged k tile but not a ragged n tile); tm <= 512 rows, a multiple of 16 (bf16
-    sublane pairs), and m is padded up to a multiple of it. Each group boundary inside a row
-    tile costs that tile once more, so tm trades per-tile overhead against G * tm wasted rows."""
-    tm = min(512, -(-m // 16) * 16)
-    return tm, _tile(k), _tile(n)
+    """(tm, tk, tn) for megablox over x `[m, k]`, w `[G, k, n]`, k and n multiples of 128.
+
+    megablox's backward reuses the tiling with k and n swapped (dx = gmm(dy, w^T): its k is n),
+    so tk = tn: the largest of 512/256/128 dividing both (Mosaic blocks: multiples of 128 in the
+    lane dimension). tm <= 512 rows, a multiple of 16 (bf16 sublane pairs); m is padded up to a
+    multiple of it. Each group boundary inside a row tile costs that tile once more, so tm
+    trades per-tile overhead against up to G * tm extra rows."""
+    t = next(s for s in (512, 256, 128) if k % s == 0 and n % s == 0)
+    return min(512, _round_up(m, 16)), t, t
 
 
 def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=None):
@@ -165,7 +173,11 @@ def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=N
     in x.dtype, zero in rows past sum(group_sizes). The custom VJP computes dx with `gmm`
     against w^T and dw with `tgmm` (each group's rows^T x its output cotangent): both cost the
     routed rows only, where XLA:TPU's ragged_dot gradient w.r.t. w is a masked dense product
-    of every group with every row. tiling (tm, tk, tn) defaults to `gmm_tiling`.
+    of every group with every row.
+
+    tiling None: K and N are zero-padded to multiples of 128 (a no-op for real model widths)
+    and M to a multiple of tm (`gmm_tiling`). An explicit (tm, tk, tn) is used as given, with
+    only M padded (interpret mode accepts any tiling; tests use small tiles).
 
     megablox leaves rows past the last group uninitialised (forward: output rows; backward: dx
     rows, written by the same kernel), so both x and the result are masked with `where` (a
@@ -173,13 +185,15 @@ def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=N
     """
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    m, k = x.shape
-    tm, tk, tn = tiling or gmm_tiling(m, k, w.shape[2])
+    (m, k), n = x.shape, w.shape[2]
+    kp, n_p = (k, n) if tiling else (_round_up(k, 128), _round_up(n, 128))
+    tm, tk, tn = tiling or gmm_tiling(m, kp, n_p)
     group_sizes = group_sizes.astype(jnp.int32)
     valid = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
-    xp = jnp.pad(jnp.where(valid, x, 0), ((0, -m % tm), (0, 0)))  # megablox needs tm | M
-    y = gmm(xp, w.astype(x.dtype), group_sizes, preferred_element_type=x.dtype,
-            tiling=(tm, tk, tn), interpret=interpret)[:m]
+    xp = jnp.pad(jnp.where(valid, x, 0), ((0, -m % tm), (0, kp - k)))
+    wp = jnp.pad(w.astype(x.dtype), ((0, 0), (0, kp - k), (0, n_p - n)))
+    y = gmm(xp, wp, group_sizes, preferred_element_type=x.dtype, tiling=(tm, tk, tn),
+            interpret=interpret)[:m, :n]
     return jnp.where(valid, y, 0)
 
 
@@ -190,7 +204,10 @@ def grouped_matmul(x, w, group_sizes):
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
     """
-    return jax.lax.platform_dependent(x, w, group_sizes, tpu=megablox_grouped_matmul,
+    # megablox's backward reuses the forward's (tk, tn) with K and N swapped, so both must be
+    # multiples of Mosaic's 128 lanes; tiny models (quickstart) keep ragged_dot on TPU
+    tpu = megablox_grouped_matmul if x.shape[1] % 128 == 0 and w.shape[2] % 128 == 0 else jax.lax.ragged_dot
+    return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu,
                                       cpu=block_grouped_matmul, default=jax.lax.ragged_dot)
 
 
@@ -296,13 +313,35 @@ def local_experts_ffn(x, ids, weights, wg, wu, wd, first_expert, capacity_factor
     return y, jnp.zeros(x.shape[:1], jnp.float32)
 
 
-def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_factor=0.0):
+DISPATCHES = ("auto", "all_gather", "ragged_all_to_all")
+
+
+def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_factor=0.0,
+                         dispatch="auto", buffer_factor=0.0, ragged_a2a=jax.lax.ragged_all_to_all):
     """local_experts_ffn over the mesh: experts split on the `exp` axes, F on the `exp_mlp` axes.
 
     x `[B, T, D]`, ids/weights `[B, T, k]`; returns (`[B, T, D]`, dropped pairs per token
-    `[B, T]`). With a capacity, each device's experts take their share of the pairs it sees.
+    `[B, T]`). With a capacity, each device's experts take their share of the pairs it sees
+    (always the all-gather form). Dropless, `dispatch` (model.moe_dispatch) picks the form:
+    "all_gather" (`_all_gather_dispatch`), "ragged_all_to_all" (`_ragged_dispatch`; XLA:CPU
+    cannot compile it) or "auto": ragged on TPU/GPU, all-gather on CPU, chosen when the program
+    is lowered (`platform_dependent`). buffer_factor and ragged_a2a: see `_ragged_dispatch`.
     """
-    b, t = x.shape[:2]
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"model.moe_dispatch={dispatch!r} must be one of {DISPATCHES}")
+    ep = _size(mesh, sharding.mesh_axes_of("exp", rules))
+    if capacity_factor > 0 or ep == 1 or dispatch == "all_gather":
+        return _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_factor)
+    ragged = functools.partial(_ragged_dispatch, mesh=mesh, rules=rules,
+                               buffer_factor=buffer_factor, ragged_a2a=ragged_a2a)
+    if dispatch == "ragged_all_to_all":
+        return ragged(x, ids, weights, wg, wu, wd)
+    gather = functools.partial(_all_gather_dispatch, mesh=mesh, rules=rules)
+    return jax.lax.platform_dependent(x, ids, weights, wg, wu, wd, cpu=gather, default=ragged)
+
+
+def _token_layout(mesh, rules, b: int, t: int):
+    """(token batch axes, token sequence axes, exp axes, exp_mlp-only axes) of x `[B, T, D]`."""
     tok_axes = _dividing(mesh, sharding.mesh_axes_of("batch", rules), b)
     # a decode step's single token (or a batch smaller than the data axes) cannot be split:
     # those axes then hold a replica of the tokens and compute the same expert sums
@@ -310,10 +349,23 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
                                      if a not in tok_axes), t)
     exp_axes = sharding.mesh_axes_of("exp", rules)
     mlp_axes = tuple(a for a in sharding.mesh_axes_of("exp_mlp", rules) if a not in exp_axes)
+    return tok_axes, seq_axes, exp_axes, mlp_axes
+
+
+def _spec(axes):
+    return (axes if len(axes) > 1 else axes[0]) if axes else None
+
+
+def _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_factor=0.0):
+    """Expert parallelism by all-gathering tokens: every device computes its experts' share of
+    every pair of its expert group and psum / psum_scatter return the sums (all backends).
+    Shapes as `_expert_parallel_ffn`."""
+    b, t = x.shape[:2]
+    tok_axes, seq_axes, exp_axes, mlp_axes = _token_layout(mesh, rules, b, t)
     token_sharded = set(tok_axes) | set(seq_axes)
     gather = tuple(a for a in exp_axes if a in token_sharded)  # token shards to collect
     reduce = tuple(a for a in exp_axes if a not in token_sharded) + mlp_axes
-    spec = lambda axes: (axes if len(axes) > 1 else axes[0]) if axes else None
+    spec = _spec
     tok_spec = P(spec(tok_axes), spec(seq_axes), None)
     w_in = P(spec(exp_axes), None, spec(mlp_axes))
     w_out = P(spec(exp_axes), spec(mlp_axes), None)
@@ -347,6 +399,123 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
                        out_specs=(tok_spec, P(*tok_spec[:2])), check_vma=False)
     return fn(x, ids, weights, wg, wu, wd)
+
+
+def _ragged_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, buffer_factor=0.0,
+                     ragged_a2a=jax.lax.ragged_all_to_all):
+    """Dropless expert parallelism moving only the routed pairs (`jax.lax.ragged_all_to_all`).
+
+    Shapes as `_expert_parallel_ffn`. Each device takes its own share of the tokens (its slice
+    along the exp axes that replicate them), sorts its (token, expert) pairs by expert (so by
+    destination device), and all-gathers every device's per-expert pair counts `[ep, E]`
+    (ep * E int32: from them each device derives every send / receive size and offset without
+    a round trip). One ragged_all_to_all sends the pairs' rows; the receiver permutes them into
+    local-expert order, runs the grouped matmuls, permutes back, and a second ragged_all_to_all
+    returns the `[pairs, D]` results, which the owner weights and sums per token; an all-gather
+    over the replicating exp axes restores the replication. exp_mlp (F) shards each compute a
+    partial sum of the same pairs: one psum of the `[tokens, D]` result.
+
+    The receive buffer has a static row count R. buffer_factor = 0 (model.moe_a2a_buffer_factor)
+    makes it the worst case, every pair of the expert group on one device: R = share * k * ep
+    rows for share tokens per device, so x and the FFN activations are ep times the average
+    load (e.g. ep=64, 4096 tokens, k=8, D=7168 bf16: 29 GiB per buffer: too much at scale).
+    f > 0 sets R = min(worst case, ceil(f * share * k)); pairs past a receiver's R rows
+    (sources in device order, experts in order within a source) are not sent and count as
+    dropped (returned per token, stats["dropped"]).
+
+    ragged_a2a: the collective (signature of `jax.lax.ragged_all_to_all`); XLA:CPU has none,
+    so tests pass an emulation with its semantics.
+    """
+    b, t = x.shape[:2]
+    tok_axes, seq_axes, exp_axes, mlp_axes = _token_layout(mesh, rules, b, t)
+    token_sharded = set(tok_axes) | set(seq_axes)
+    rep = tuple(a for a in exp_axes if a not in token_sharded)  # exp axes holding replicas
+    ep, n_rep = _size(mesh, exp_axes), _size(mesh, rep)
+    k = ids.shape[-1]
+    n_dev = b * t // _size(mesh, tok_axes + seq_axes)  # tokens per device (with replicas)
+    share = -(-n_dev // n_rep)
+    worst = share * k * ep
+    rows = worst if buffer_factor <= 0 else min(worst, -(-int(buffer_factor * share * k) // 8) * 8)
+    tok_spec = P(_spec(tok_axes), _spec(seq_axes), None)
+    w_in = P(_spec(exp_axes), None, _spec(mlp_axes))
+    w_out = P(_spec(exp_axes), _spec(mlp_axes), None)
+
+    def local(x, ids, weights, wg, wu, wd):
+        bl, tl, d = x.shape
+        xs, i, w = x.reshape(bl * tl, d), ids.reshape(bl * tl, k), weights.reshape(bl * tl, k)
+        real = jnp.ones((bl * tl,), bool)
+        if rep:  # replicated tokens: each device of the replica group routes its own slice
+            pad = share * n_rep - bl * tl
+            xs, i, w, real = (jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in (xs, i, w, real))
+            start = jax.lax.axis_index(rep) * share
+            xs, i, w, real = (jax.lax.dynamic_slice_in_dim(a, start, share) for a in (xs, i, w, real))
+        y, dropped = _ragged_local(xs, i, w, real, wg, wu, wd, exp_axes, ep, rows, ragged_a2a)
+        if mlp_axes:
+            y = jax.lax.psum(y, mlp_axes)
+        if rep:
+            y = jax.lax.all_gather(y, rep, axis=0, tiled=True)[:bl * tl]
+            dropped = jax.lax.all_gather(dropped, rep, axis=0, tiled=True)[:bl * tl]
+        return y.reshape(bl, tl, d).astype(x.dtype), dropped.reshape(bl, tl)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
+                       out_specs=(tok_spec, P(*tok_spec[:2])), check_vma=False)
+    return fn(x, ids, weights, wg, wu, wd)
+
+
+def _excl_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _ragged_local(x, ids, weights, real, wg, wu, wd, axes, ep: int, rows: int, ragged_a2a):
+    """One device's part of `_ragged_dispatch` (inside the shard_map over `axes`).
+
+    x `[n, D]`, ids/weights `[n, k]`, real `[n]` (False: padding, not routed), wg/wu `[El, D, F]`,
+    wd `[El, F, D]`; rows: the receive buffer's size. Returns (`[n, D]` float32, dropped pairs
+    per token `[n]` float32).
+    """
+    n, k = ids.shape
+    n_local = wg.shape[0]
+    n_exp = n_local * ep
+    me = jax.lax.axis_index(axes)
+    send = jnp.repeat(real, k)
+    key = jnp.where(send, ids.reshape(-1), n_exp)  # padding sorts past every device's segment
+    order = jnp.argsort(key, stable=True)  # [n*k]: by destination device, then expert
+    counts = jnp.bincount(key, length=n_exp + 1)[:n_exp].astype(jnp.int32)
+    c = jax.lax.all_gather(counts, axes).reshape(ep, ep, n_local)  # [src, dst, local expert]
+    seg = c.sum(-1)  # [src, dst] pairs src sends dst
+    seg_off = _excl_cumsum(seg, axis=0)  # where src's segment starts in dst's buffer
+    kept_seg = jnp.clip(rows - seg_off, 0, seg)  # a full buffer keeps the earlier sources
+    kept = jnp.clip(kept_seg[..., None] - _excl_cumsum(c), 0, c)  # [src, dst, expert]
+    in_off = _excl_cumsum(seg)  # [src, dst]: dst's segment in src's sorted pairs
+
+    dt = x.dtype
+    token = order // k
+    buf = ragged_a2a(x[token], jnp.zeros((rows, x.shape[1]), dt), in_off[me], kept_seg[me],
+                     seg_off[me], kept_seg[:, me], axis_name=axes)  # [rows, D]
+    # the buffer holds blocks (src, expert), src-major; the grouped matmul wants expert-major
+    mine = kept[:, me]  # [src, El]
+    b_start = _excl_cumsum(mine.reshape(-1)).reshape(ep, n_local)
+    s_sizes = mine.T.reshape(-1)  # blocks in (expert, src) order
+    s_start = _excl_cumsum(s_sizes).reshape(n_local, ep)
+    r = jnp.arange(rows)
+    blk = jnp.minimum(jnp.searchsorted(jnp.cumsum(s_sizes), r, side="right"), n_exp - 1)
+    e_, s_ = blk // ep, blk % ep
+    xs = buf[jnp.clip(b_start[s_, e_] + r - s_start[e_, s_], 0, rows - 1)]  # expert-major
+    group_sizes = mine.sum(0)  # rows past their sum: zeros from the grouped matmul
+    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes)) * grouped_matmul(
+        xs, wu.astype(dt), group_sizes)
+    ys = grouped_matmul(h, wd.astype(dt), group_sizes)  # [rows, D]
+    blk = jnp.minimum(jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), r, side="right"), n_exp - 1)
+    s_, e_ = blk // n_local, blk % n_local
+    back = jnp.where((r < mine.sum())[:, None], ys[jnp.clip(s_start[e_, s_] + r - b_start[s_, e_], 0, rows - 1)], 0)
+    # rows not returned (padding, dropped pairs) keep the zeros of the output buffer
+    y = ragged_a2a(back, jnp.zeros((n * k, x.shape[1]), dt), seg_off[:, me], kept_seg[:, me],
+                   in_off[:, me], kept_seg[me], axis_name=axes)  # [n*k, D] in `order`
+    w = weights.reshape(-1)[order].astype(jnp.float32)
+    out = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
+    dst = jnp.minimum(key[order] // n_local, ep - 1)
+    lost = send[order] & (jnp.arange(n * k) - in_off[me][dst] >= kept_seg[me][dst])
+    return out, jnp.zeros((n,), jnp.float32).at[token].add(lost.astype(jnp.float32))
 
 
 def _dividing(mesh, axes, n: int) -> tuple:
@@ -387,7 +556,8 @@ class MoE(nnx.Module):
         given), router_ids `[B,T,k]` int32 (this router's own top-k on x: equal to expert_ids
         without replay; with replay, the choice replay overrode, one top-k over `[N, E]` scores
         already computed, dead code unless read), z (mean logsumexp(router logits)^2), and with
-        model.moe_capacity_factor > 0 `dropped` (fraction of pairs over capacity).
+        model.moe_capacity_factor > 0 (or a bounded ragged_all_to_all buffer,
+        model.moe_a2a_buffer_factor > 0) `dropped` (fraction of pairs over capacity / buffer).
         """
         b, t, d = x.shape
         cfg = self.cfg
@@ -400,19 +570,24 @@ class MoE(nnx.Module):
         stats = dict(load=load_fraction(ids, valid, cfg.n_routed_experts),
                      expert_ids=ids.reshape(b, t, -1), router_ids=own.reshape(b, t, -1), z=z)
         ctx = sharding.current()
-        distributed = ctx is not None and (
-            _size(ctx[0], sharding.mesh_axes_of("exp", ctx[1])) > 1
-            or _size(ctx[0], sharding.mesh_axes_of("exp_mlp", ctx[1])) > 1)
+        # under any mesh the experts run in a shard_map, also when they are not split: the TPU
+        # grouped matmul is a Mosaic kernel, which XLA cannot partition by itself
+        distributed = ctx is not None
         cf = float(getattr(cfg, "moe_capacity_factor", 0.0))
+        dispatch = getattr(cfg, "moe_dispatch", "auto")
+        buffer_factor = float(getattr(cfg, "moe_a2a_buffer_factor", 0.0))
         if distributed:
             y, dropped = _expert_parallel_ffn(x, ids.reshape(b, t, -1), weights.reshape(b, t, -1),
                                               self.wg[...], self.wu[...], self.wd[...], *ctx,
-                                              capacity_factor=cf)
+                                              capacity_factor=cf, dispatch=dispatch,
+                                              buffer_factor=buffer_factor)
         else:
             y, dropped = local_experts_ffn(x.reshape(b * t, d), ids, weights, self.wg[...],
                                            self.wu[...], self.wd[...], 0, cf, cfg.n_routed_experts)
             y = y.reshape(b, t, d)
-        if cf > 0:  # fraction of the valid tokens' (token, expert) pairs over capacity
+        # a bounded ragged_all_to_all buffer can drop pairs too (zero on the all-gather path)
+        truncating = distributed and buffer_factor > 0 and dispatch != "all_gather"
+        if cf > 0 or truncating:  # fraction of the valid tokens' (token, expert) pairs dropped
             stats["dropped"] = (dropped.reshape(-1) * validf).sum() / jnp.maximum(
                 validf.sum() * ids.shape[-1], 1.0)
         if self.shared is not None:
