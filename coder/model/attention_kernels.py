@@ -67,7 +67,6 @@ def block_len(*lengths: int) -> int:
 
 
 # ----------------------------------------------------------------------------- TPU: splash
-@functools.lru_cache(maxsize=32)
 def splash_kernel(heads: int, seq: int, head_shards: int, q_seq_shards: int, interpret: bool):
     """A causal splash attention kernel for `heads` heads of `seq` tokens, its mask information
     split into head_shards x q_seq_shards parts (the devices' shares under a mesh)."""
@@ -81,9 +80,10 @@ def splash_kernel(heads: int, seq: int, head_shards: int, q_seq_shards: int, int
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     mask = sm.MultiHeadMask([sm.CausalMask((seq, seq)) for _ in range(heads)])
-    with jax.ensure_compile_time_eval():  # concrete mask arrays: the kernel is cached across traces
-        return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
-                                  q_seq_shards=q_seq_shards, interpret=interpret)
+    # built per trace (its mask arrays become the trace's constants; a kernel cached across
+    # traces would carry one trace's arrays into another)
+    return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
+                              q_seq_shards=q_seq_shards, interpret=interpret)
 
 
 def _splash_local(kernel, q, k, v, seg_q, seg_kv, scale: float):
@@ -183,19 +183,6 @@ def _padded(kernel):
         widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
         return kernel(widen(q), widen(k), widen(v), widen(segment_ids))[:, :t]
     return run
-
-
-def kernel_flops(batch: int, seq: int, heads: int, dq: int, dv: int, *, causal: bool = True,
-                 training: bool = True) -> float:
-    """Matmul FLOPs the attention kernels do for `batch` rows of `seq` tokens: Q K^T and P V,
-    2 * T * S * H * (dq + dv), halved by causal block skipping (up to the diagonal blocks), x3
-    with the backward (dQ, dK, dV: 2x the forward's products; splash recomputes P from the
-    saved log-sum-exp, one more Q K^T: counted as 3.5x). Pallas calls are opaque to XLA's cost
-    analysis, so stage `compile` adds these (coder.train.aot.hlo_stats)."""
-    fwd = 2.0 * batch * seq * seq * heads * (dq + dv) * (0.5 if causal else 1.0)
-    if not training:
-        return fwd
-    return fwd + 2.0 * fwd + fwd * dq / (dq + dv)
 
 
 def _specs(mesh, rules, b: int, t: int, h: int):

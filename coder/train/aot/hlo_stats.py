@@ -26,7 +26,8 @@ _DTYPE_BYTES = {
     "f8e4m3": 1, "f8e3m4": 1, "f4e2m1fn": 0.5, "f8e8m0fnu": 1,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$", re.S)
+_INSTR_START = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+ = ")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 _CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%?([\w.\-]+)")
@@ -82,7 +83,18 @@ def _split_operands(rest: str) -> tuple[str, str]:
 def parse_hlo(text: str) -> HloModule:
     """Computations and instructions of an HLO module's text (compiled.as_text())."""
     comps: dict[str, list[Instr]] = {}
-    entry, current = "", None
+    entry, current, pending = "", None, []
+
+    def flush():
+        # an instruction may span lines: a Mosaic kernel's backend_config holds its serialized
+        # module, whose lines may even start with "}" (they are not the computation's end)
+        if pending:
+            m = _INSTR.match("\n".join(pending))
+            if m:
+                args, attrs = _split_operands(m.group(4))
+                comps[current].append(Instr(m.group(1), m.group(2), m.group(3), args, attrs))
+            pending.clear()
+
     for line in text.splitlines():
         if current is None:
             m = _HEADER.match(line)
@@ -92,13 +104,15 @@ def parse_hlo(text: str) -> HloModule:
                 if m.group(1):
                     entry = current
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":
+            flush()
             current = None
-            continue
-        m = _INSTR.match(line)
-        if m:
-            args, attrs = _split_operands(m.group(4))
-            comps[current].append(Instr(m.group(1), m.group(2), m.group(3), args, attrs))
+        elif _INSTR_START.match(line):
+            flush()
+            pending.append(line)
+        elif pending:
+            pending.append(line)
+    flush()
     if not entry and comps:
         entry = list(comps)[-1]
     return HloModule(comps, entry)
@@ -395,10 +409,72 @@ def per_computation_costs(module: HloModule) -> dict[str, tuple[float, float]]:
     return out
 
 
+_SPLASH = re.compile(r"splash_mh?q?a_(fwd|dq|dkv)")
+# matmul widths per (query, key) pair of each splash kernel, in units of (dq, dv): the forward
+# Q K^T and P V; dq recomputes Q K^T, dP = dO V^T, dQ = dS K; dkv recomputes Q K^T and does
+# dV = P^T dO, dP = dO V^T, dK = dS^T Q
+_SPLASH_WIDTHS = {"fwd": (1, 1), "dq": (2, 1), "dkv": (2, 2)}
+
+
+def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
+    """(matmul FLOPs, HBM bytes XLA does not see) of one splash attention kernel call.
+
+    Pallas kernels are opaque custom calls to XLA's cost analysis (their FLOPs count as zero;
+    their operands are read once). Operands q `[.., Tq, dq]`, k `[.., S, dq]`, v `[.., S, dv]`
+    (leading dims: rows x heads). The kernels here are causal (coder.model.attention_kernels):
+    blocks above the diagonal are skipped, and the busiest device is the one holding the last
+    Tq of S queries, which visits 1 - Tq / 2S of its keys (1/2 without sequence sharding).
+    Bytes: the kernel streams K and V once per query block (Q and dO once per key block for
+    dkv), read again beyond the one read XLA counts.
+    """
+    from coder.model.attention_kernels import block_len
+
+    kind = _SPLASH.search(ins.name).group(1)
+    floats = [arrays(shapes.get(o, "")) for o in ins.operands]
+    floats = [(dt, d) for a in floats for dt, d in a if dt in ("bf16", "f32", "f16") and len(d) >= 3]
+    if len(floats) < 3:
+        return 0.0, 0.0
+    (qt, q), (kt, k), (vt, v) = floats[:3]
+    lead, tq, dq = math.prod(q[:-2]), q[-2], q[-1]
+    s, dv = k[-2], v[-1]
+    frac = 1.0 - tq / (2.0 * s)
+    wq, wv = _SPLASH_WIDTHS[kind]
+    flops = 2.0 * lead * tq * s * (wq * dq + wv * dv) * frac
+    q_bytes = math.prod(q) * _DTYPE_BYTES[qt]
+    kv_bytes = math.prod(k) * _DTYPE_BYTES[kt] + math.prod(v) * _DTYPE_BYTES[vt]
+    try:
+        if kind == "dkv":  # Q and dO (v's width) per key block
+            rereads = (s // block_len(s) - 1) * (q_bytes + q_bytes * dv / dq)
+        else:
+            rereads = (tq // block_len(tq) - 1) * kv_bytes
+    except ValueError:
+        rereads = 0.0
+    return flops, rereads * frac
+
+
+def kernel_costs(module: HloModule) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes) XLA's cost analysis misses in each computation's Pallas kernel calls, run
+    once (splash attention: `splash_cost`; megablox carries its own cost estimate, which XLA
+    counts)."""
+    out = {}
+    for comp, instrs in module.computations.items():
+        shapes = {i.name: i.shape for i in instrs}
+        f = b = 0.0
+        for i in instrs:
+            if i.opcode == "custom-call" and _SPLASH.search(i.name):
+                df, db = splash_cost(i, shapes)
+                f, b = f + df, b + db
+        if f or b:
+            out[comp] = (f, b)
+    return out
+
+
 def loop_corrected_cost(module: HloModule, xla_flops: float,
                         xla_bytes: float) -> tuple[float, float]:
     """XLA's per-step FLOPs and bytes, plus each computation's own matmul FLOPs and bytes times
-    the runs XLA's cost analysis misses: it counts a loop body once, not once per trip."""
+    the runs XLA's cost analysis misses (it counts a loop body once, not once per trip), plus
+    the Pallas kernels' FLOPs and re-read bytes it does not see at all (`kernel_costs`) times
+    every run."""
     runs, _ = multiplicities(module, loops=True)
     counted, _ = multiplicities(module, loops=False)
     flops, traffic = xla_flops, xla_bytes
@@ -407,4 +483,7 @@ def loop_corrected_cost(module: HloModule, xla_flops: float,
         if extra > 0:
             flops += extra * f
             traffic += extra * b
+    for comp, (f, b) in kernel_costs(module).items():
+        flops += runs.get(comp, 0.0) * f
+        traffic += runs.get(comp, 0.0) * b
     return flops, traffic
