@@ -1,7 +1,8 @@
 """stage=compile: AOT compilation for TPU topologies on this CPU (libtpu) and its report.
 
-The HLO-analysis tests use a small stand-in sharded function; the stage test compiles the
-quickstart model's real training step for a TPU v5e 2x2 slice.
+The HLO-analysis tests use a small stand-in sharded function; the stage tests compile the
+quickstart model's real training step, RL engine programs and GRPO learner step for a TPU v5e
+2x2 slice.
 """
 import collections
 import json
@@ -193,6 +194,10 @@ def quickstart_report(tmp_path_factory):
     config = quickstart.get_config()
     config.compile.topology = "v5e-4"
     config.model.dtype = "bfloat16"  # as on a TPU
+    # the GRPO step: replay the engine's routing (off by default), and a batch shape of its own
+    # (8 rows: not data.batch_size's 4; 256 tokens: rl.context_budget's 2048 only compiles slower)
+    config.grpo.router_replay = True
+    config.compile.grpo_batch, config.compile.grpo_seq_len = 8, 256
     out = str(tmp_path_factory.mktemp("compile"))
     assert C.run(config, out, "prev/ckpt") == "prev/ckpt"  # passes init_from on to a next stage
     with open(os.path.join(out, "report.json")) as f:
@@ -267,3 +272,116 @@ def test_quickstart_engine_programs_compile_for_v5e_2x2(quickstart_report):
     assert e["prefill"]["cost"]["flops"] > 20 * e["decode"]["cost"]["flops"]
     assert e["decode"]["roofline"]["bound"] == "hbm"  # decoding a few rows reads every weight
     assert "## RL engine: prefill and decode programs" in md
+
+
+def test_grpo_shape_defaults_to_the_rollout_context():
+    from configs import base
+
+    config = base.get_config()
+    config.data.batch_size, config.data.seq_len, config.rl.context_budget = 8, 256, 1024
+    assert C.grpo_shape(config) == (8, 1024)  # a generation holds up to rl.context_budget tokens
+    config.rl.context_budget = 0
+    assert C.grpo_shape(config) == (8, 256)
+    config.compile.grpo_batch, config.compile.grpo_seq_len = 16, 512
+    assert C.grpo_shape(config) == (16, 512)
+
+
+def test_grpo_model_flops_leave_out_the_mtp_modules():
+    from configs import quickstart
+
+    from coder.train import metrics
+
+    m = quickstart.get_config().model
+    assert m.num_mtp_layers > 0
+    trunk = 6 * metrics.active_matmul_params(m, mtp_modules=0) + 3 * metrics.attention_flops_per_token(
+        m, 256, layers=m.num_hidden_layers)
+    assert C.grpo_model_flops(m, 8, 256) == pytest.approx(8 * 256 * trunk)
+    assert C.grpo_model_flops(m, 8, 256) < C.model_flops_per_step(m, 8, 256)  # pretraining: + MTP
+
+
+@pytest.mark.slow
+def test_quickstart_grpo_step_compiles_for_v5e_2x2(quickstart_report):
+    """The GRPO learner's step (GRPO loss and batch, router replay) is compiled beside it."""
+    from coder.train.aot.hlo_stats import arrays
+
+    config, r, md = quickstart_report
+    g = r["grpo"]
+    assert g["status"] == "fits", g.get("error")
+    st = g["setup"]
+    m = config.model
+    layers, k = m.num_hidden_layers - m.first_k_dense_replace, m.num_experts_per_tok
+    assert (st["rows"], st["seq_len"], st["moe_layers"], st["top_k"]) == (8, 256, layers, k)
+    assert st["router_replay"] and layers > 0
+
+    mem = g["memory"]
+    assert mem["params_bytes"] == r["memory"]["params_bytes"]  # the same trainer state
+    assert mem["optimizer_bytes"] == r["memory"]["optimizer_bytes"]
+    rows, t = 8 // 4, 256  # rows split over the 4 data-parallel chips
+    # 7 int32/f32 [B, T] arrays, advantages [B], expert_ids int32 [layers, B, T, k]
+    assert mem["batch_bytes"] == 4 * (7 * rows * t + rows + layers * rows * t * k)
+    # working memory beyond the step's inputs (XLA may book it as peak rather than temp here)
+    assert mem["total_bytes"] > mem["params_bytes"] + mem["optimizer_bytes"] + mem["batch_bytes"]
+    assert mem["fits"] and mem["total_bytes"] < mem["hbm_bytes"]
+
+    # the engine's expert ids are an input of the compiled program (not pruned as unused)
+    with open(g["hlo_file"]) as f:
+        module = C.parse_hlo(f.read())
+    params = [arrays(i.shape) for i in module.computations[module.entry] if i.opcode == "parameter"]
+    assert [("s32", (layers, rows, t, k))] in params
+
+    # compiled work vs model FLOPs without MTP: ~1.75 (full-width attention scores and the
+    # loss's softmax / entropy over the vocabulary on top of 6N + 3A); counting the MTP module
+    # gives ~1.0 and forward-only model FLOPs (2N + A) ~5.2
+    f = g["roofline"]
+    assert f["model_flops"] == pytest.approx(C.grpo_model_flops(m, 8, 256))
+    assert g["cost"]["flops"] > 0
+    assert 1.3 < f["hlo_to_model_flops"] < 3
+    assert 0 < f["mfu_lower"] <= f["mfu_upper"] < 1
+    assert f["step_time_lower_s"] > 0
+    # data parallel: the gradients are all-reduced (or reduce-scattered)
+    reduced = g["collectives"]["all-reduce"]["executed"] + g["collectives"]["reduce-scatter"]["executed"]
+    assert reduced > 0
+    assert "## RL learner: GRPO step" in md and "router replay on" in md
+
+
+def test_grpo_step_replays_the_engine_routing_with_router_replay():
+    """grpo.router_replay reaches the lowered program: the expert ids are an input either way
+    (the loss measures routing_mismatch against them), and with replay the MoE layers also
+    dispatch by them, which changes the program."""
+    from configs import quickstart
+
+    from coder.model import sharding
+
+    config = quickstart.get_config()
+    config.compile.grpo_seq_len = 128
+    mesh = sharding.make_mesh(config.mesh, hw.topology_devices(hw.parse_topology("v5e-4")))
+    texts = {}
+    for replay in (False, True):
+        config.grpo.router_replay = replay
+        lowered, _, setup = C.lower_grpo_step(config, mesh)
+        assert setup["router_replay"] is replay and setup["moe_layers"] == 1
+        texts[replay] = lowered.as_text()
+        # global [moe_layers, B, T, top_k] int32 argument
+        assert "tensor<1x4x128x2xi32>" in texts[replay]
+    assert texts[True] != texts[False]
+
+
+def test_grpo_step_failure_is_recorded_not_raised():
+    """A GRPO batch the mesh cannot split (3 rows over 4 data-parallel chips) is a report entry."""
+    from configs import quickstart
+
+    from coder.model import sharding
+
+    config = quickstart.get_config()
+    config.compile.grpo_batch, config.compile.grpo_seq_len = 3, 128
+    topo = hw.parse_topology("v5e-4")
+    mesh = sharding.make_mesh(config.mesh, hw.topology_devices(topo))
+    g = C.compile_grpo(config, mesh, topo)
+    assert g["status"] == "compile_error" and "size is 3" in g["error"] and "memory" not in g
+    md = "\n".join(C.grpo_markdown(g))
+    assert "## RL learner: GRPO step" in md and "**compile_error**" in md
+
+    gib = 2**30
+    oom = dict(status="does_not_fit", error="Ran out of memory", compile_seconds=9.0,
+               memory_overflow=dict(used_bytes=20 * gib, hbm_bytes=16 * gib, fraction_of_hbm=1.25))
+    assert "needs 20 GiB of 16 GiB HBM (125%)" in "\n".join(C.grpo_markdown(oom))

@@ -28,13 +28,19 @@ The step compiled is the trainer's own (coder.train.trainer.make_train_step, wit
 loss), with the optimizer moments sharded like their parameters
 (coder.train.state.opt_state_shardings). `compile.offload_optimizer` keeps them in pinned host
 memory between steps (moved in and out around the update). With `compile.engine` the RL engine's
-prefill and decode programs are compiled beside it on the same mesh (`lower_engine`).
+prefill and decode programs are compiled beside it on the same mesh (`lower_engine`), and with
+`compile.grpo` the GRPO learner's step (`lower_grpo_step`): the same trainer step with
+coder.rl.grpo.grpo_loss_fn as coder.rl.learner.Learner configures it (router replay, staleness
+mask) on the GRPO batch (behaviour / reference logprobs, staleness, advantages, the engine's
+expert ids), `compile.grpo_batch` x `compile.grpo_seq_len` tokens; its model FLOPs leave out
+the MTP modules, which the GRPO loss does not run.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+from typing import Any, NamedTuple
 
 from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report's building blocks)
     collective_stats,
@@ -183,6 +189,8 @@ def to_markdown(r: dict) -> str:
                   f"| compiled FLOPs / model FLOPs | {f['hlo_to_model_flops']:.2f} |"]
     if r.get("engine"):
         lines += engine_markdown(r["engine"])
+    if r.get("grpo"):
+        lines += grpo_markdown(r["grpo"])
     if r.get("advice"):
         lines += ["", "## What would make it fit / run faster", ""]
         lines += [f"- {a}" for a in r["advice"]]
@@ -235,6 +243,43 @@ def engine_markdown(e: dict) -> list[str]:
     return lines
 
 
+def grpo_markdown(g: dict) -> list[str]:
+    """The GRPO learner section of report.md (compile_grpo's entry)."""
+    lines = ["", "## RL learner: GRPO step", ""]
+    st = g.get("setup")
+    if st:
+        lines.append(f"{st['rows']} rows x {st['seq_len']} tokens, grad_accum={st['grad_accum']}, "
+                     f"{st['moe_layers']} MoE layers x top-{st['top_k']} expert ids in the batch, "
+                     f"router replay {'on' if st['router_replay'] else 'off'}, "
+                     f"max_staleness={st['max_staleness']}; no MTP (the GRPO loss trains the "
+                     "policy head only); reference logprobs are an input.")
+        lines.append("")
+    lines.append(f"Status: **{g['status']}**" + (f" — {g['error']}" if g.get("error") else ""))
+    if "memory_overflow" in g:
+        o = g["memory_overflow"]
+        lines += ["", f"XLA:TPU stopped compiling: the step needs {_gib(o['used_bytes'])} GiB of "
+                  f"{_gib(o['hbm_bytes'])} GiB HBM ({100 * o['fraction_of_hbm']:.0f}%)."]
+    if "memory" in g:
+        m, c, f = g["memory"], g["cost"], g["roofline"]
+        executed = ", ".join(f"{k} {v['executed']:.0f}" for k, v in g["collectives"].items()
+                             if v["executed"]) or "none"
+        lines += ["", "| | value |", "|---|---|",
+                  f"| parameters GiB per chip | {_gib(m['params_bytes'])} |",
+                  f"| optimizer state GiB per chip | {_gib(m['optimizer_bytes'])} |",
+                  f"| batch GiB per chip | {_gib(m['batch_bytes'])} |",
+                  f"| temporaries GiB per chip | {_gib(m['activations_temp_bytes'])} |",
+                  f"| total / HBM GiB per chip | {_gib(m['total_bytes'])} / {_gib(m['hbm_bytes'])} "
+                  f"({100 * m['fraction_of_hbm']:.1f}%) |",
+                  f"| FLOPs per chip (loop-corrected) | {c['flops']:.4g} |",
+                  f"| compiled FLOPs / model FLOPs | {f['hlo_to_model_flops']:.2f} |",
+                  f"| collectives (executed) | {executed} |",
+                  f"| step s (overlap-serial) | {f['step_time_lower_s']:.3g}-{f['step_time_serial_s']:.3g} |",
+                  f"| MFU | {100 * f['mfu_lower']:.1f}-{100 * f['mfu_upper']:.1f}% |",
+                  f"| bound | {f['bound']} |"]
+    lines += ["", f"Compile: {g.get('compile_seconds', 0):.0f} s."]
+    return lines
+
+
 def write_report(report: dict, out_dir: str) -> str:
     """report.json + report.md in `out_dir`; returns the JSON path."""
     import os
@@ -263,42 +308,69 @@ def _memory_kind(shardings, kind: str):
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 
-def lower_train_step(config, mesh):
-    """Lower the trainer's step over `mesh` with abstract state; returns (lowered, sizes).
+class AbstractState(NamedTuple):
+    """The trainer's model state over a mesh, never allocated: `nnx.split(model, nnx.Param, ...)`
+    as jax.ShapeDtypeStruct leaves carrying their NamedShardings (p_sh / r_sh: those shardings)."""
 
-    sizes: per-chip bytes of params (+ non-trained variables), optimizer state and batch.
-    """
-    import jax
-    import jax.numpy as jnp
+    graphdef: Any
+    params: Any
+    rest: Any
+    p_sh: Any
+    r_sh: Any
+
+
+def abstract_state(config, mesh) -> AbstractState:
+    """The model of `config.model` split and sharded by `config.mesh.rules` over `mesh`, abstract."""
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from coder.model import Transformer, sharding
-    from coder.train.losses import lm_loss_fn
-    from coder.train.optim import lr_schedule, make_optimizer
-    from coder.train.state import opt_state_shardings
-    from coder.train.trainer import make_train_step
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     p_sh = sharding.state_shardings(params, mesh, rules)
     r_sh = sharding.state_shardings(rest, mesh, rules)
-    params, rest = _with_shardings(params, p_sh), _with_shardings(rest, r_sh)
+    return AbstractState(graphdef, _with_shardings(params, p_sh), _with_shardings(rest, r_sh), p_sh, r_sh)
 
+
+def _rows(mesh, rules, shape: tuple, dtype, axis: int = 0):
+    """An abstract batch array whose `axis` (its rows) splits over the "batch" mesh axes, as the
+    trainer's device_batch places it (coder.train.trainer.BATCH_AXIS names the axis-1 keys)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from coder.model import sharding
+
+    spec = [None] * len(shape)
+    spec[axis] = sharding.mesh_axes_of("batch", rules) or None
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
+    """The trainer's step (coder.train.trainer.make_train_step) with `loss_fn`, the optimizer of
+    config.train (moments sharded like their parameters, or offloaded to host memory with
+    compile.offload_optimizer), lowered over `mesh` on `state` and the abstract `batch`.
+
+    Returns (lowered, sizes): per-chip bytes of params (+ non-trained variables), optimizer
+    state (0 when offloaded) and batch.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from coder.model import sharding
+    from coder.train.optim import lr_schedule, make_optimizer
+    from coder.train.state import opt_state_shardings
+    from coder.train.trainer import make_train_step
+
+    rules = tuple(tuple(r) for r in config.mesh.rules)
+    params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
     tx = make_optimizer(config.train)
-    step_fn = make_train_step(graphdef, lm_loss_fn(config.train), tx, key=jax.random.key(int(config.seed)),
+    step_fn = make_train_step(state.graphdef, loss_fn, tx, key=jax.random.key(int(config.seed)),
                               grad_accum=int(config.train.grad_accum),
                               bias_rate=float(config.model.bias_update_rate), schedule=lr_schedule(config.train))
     o_sh = opt_state_shardings(tx, params, mesh)
     opt = _with_shardings(jax.eval_shape(tx.init, params), o_sh)
-
-    b, t = int(config.data.batch_size), int(config.data.seq_len)
-    batch_axes = sharding.mesh_axes_of("batch", rules)
-    b_sh = NamedSharding(mesh, PartitionSpec(batch_axes or None, None))
-    batch = {k: jax.ShapeDtypeStruct((b, t), dt, sharding=b_sh) for k, dt in (
-        ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
-        ("loss_mask", jnp.float32))}
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
     fn = step_fn
@@ -320,6 +392,153 @@ def lower_train_step(config, mesh):
                  optimizer=0.0 if config.compile.offload_optimizer else bytes_per_chip(opt),
                  batch=bytes_per_chip(batch))
     return lowered, sizes
+
+
+def lower_train_step(config, mesh):
+    """Lower the trainer's pretraining step over `mesh` with abstract state; returns (lowered, sizes).
+
+    batch: tokens, positions, segment_ids int32, loss_mask float32 `[data.batch_size,
+    data.seq_len]`; sizes as `_lower_step`.
+    """
+    import jax.numpy as jnp
+
+    from coder.train.losses import lm_loss_fn
+
+    rules = tuple(tuple(r) for r in config.mesh.rules)
+    b, t = int(config.data.batch_size), int(config.data.seq_len)
+    batch = {k: _rows(mesh, rules, (b, t), dt) for k, dt in (
+        ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
+        ("loss_mask", jnp.float32))}
+    return _lower_step(config, mesh, abstract_state(config, mesh), lm_loss_fn(config.train), batch)
+
+
+# ============================================================================= the GRPO learner step
+
+def grpo_shape(config) -> tuple[int, int]:
+    """(rows, sequence) of the compiled GRPO batch: compile.grpo_batch (0 = data.batch_size) and
+    compile.grpo_seq_len (0 = rl.context_budget, the longest generation a row can hold, the
+    learner's largest seq_bucket; data.seq_len when that is unset)."""
+    cc = config.compile
+    rows = int(cc.grpo_batch) or int(config.data.batch_size)
+    seq = int(cc.grpo_seq_len) or int(config.rl.context_budget) or int(config.data.seq_len)
+    return rows, seq
+
+
+def grpo_loss_from_config(config):
+    """coder.rl.grpo.grpo_loss_fn with the hyperparameters coder.rl.learner.Learner gives it:
+    config.grpo's clip / KL / router replay / staleness / TIS and the constant normalizer
+    (tokens per group budget x groups per step / grad_accum: each micro-batch's share)."""
+    from coder.rl import grpo
+
+    g, acc = config.grpo, int(config.train.grad_accum)
+    tokens_per_group = int(g.tokens_per_group) or int(config.rl.group_size) * int(config.rl.max_rollout_tokens)
+    return grpo.grpo_loss_fn(clip_low=float(g.clip_low), clip_high=float(g.clip_high),
+                             kl_coef=float(g.kl_coef),
+                             normalizer=tokens_per_group * int(config.rl.tasks_per_step) / acc,
+                             temperature=float(config.rl.temperature),
+                             router_replay=bool(g.router_replay),
+                             max_staleness=int(g.max_staleness), tis_cap=float(g.tis_cap))
+
+
+def routing_shape(state: AbstractState, mesh, rules, b: int, t: int) -> tuple[int, int]:
+    """(moe_layers, top_k) of aux["expert_ids"] `[moe_layers, B, T, top_k]` of the model's
+    forward (traced abstractly: the model's own count, dense-first layers and stacking included)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from coder.model import sharding
+
+    tok = _rows(mesh, rules, (b, t), jnp.int32)
+
+    def ids(params, rest, tok):
+        return nnx.merge(state.graphdef, params, rest)(tok, tok, tok, mtp=False)[1]["expert_ids"]
+
+    with sharding.activate(mesh, rules):
+        shape = jax.eval_shape(ids, state.params, state.rest, tok).shape
+    return int(shape[0]), int(shape[-1])
+
+
+def lower_grpo_step(config, mesh):
+    """Lower the GRPO learner's step over `mesh` with abstract state; returns (lowered, sizes, setup).
+
+    The trainer's step (`_lower_step`, shared with `lower_train_step`) with
+    `grpo_loss_from_config`'s loss on the batch coder.rl.learner.Learner.batch feeds it, rows x
+    seq from `grpo_shape`: tokens, positions, segment_ids int32, loss_mask, behaviour_logp,
+    ref_logp float32, staleness int32 `[B, T]`; advantages float32 `[B]`; for a model with MoE
+    layers the engine's expert_ids int32 `[moe_layers, B, T, top_k]` (rows on axis 1), which the
+    loss replays with grpo.router_replay and otherwise measures routing_mismatch against. The
+    reference logprobs are an input: the learner computes them with a separate forward.
+    setup: rows, seq_len, grad_accum, moe_layers, top_k, router_replay, max_staleness.
+    """
+    import jax.numpy as jnp
+
+    rules = tuple(tuple(r) for r in config.mesh.rules)
+    state = abstract_state(config, mesh)
+    b, t = grpo_shape(config)
+    batch = {k: _rows(mesh, rules, (b, t), dt) for k, dt in (
+        ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
+        ("loss_mask", jnp.float32), ("behaviour_logp", jnp.float32), ("ref_logp", jnp.float32),
+        ("staleness", jnp.int32))}
+    batch["advantages"] = _rows(mesh, rules, (b,), jnp.float32)
+    layers, k = routing_shape(state, mesh, rules, b, t)
+    if layers:
+        batch["expert_ids"] = _rows(mesh, rules, (layers, b, t, k), jnp.int32, axis=1)
+    lowered, sizes = _lower_step(config, mesh, state, grpo_loss_from_config(config), batch)
+    setup = dict(rows=b, seq_len=t, tokens_per_step=b * t, grad_accum=int(config.train.grad_accum),
+                 moe_layers=layers, top_k=k, router_replay=bool(config.grpo.router_replay and layers),
+                 max_staleness=int(config.grpo.max_staleness))
+    return lowered, sizes, setup
+
+
+def grpo_model_flops(model_cfg, rows: int, seq: int) -> float:
+    """Model FLOPs of one GRPO step: rows x seq tokens x (6 N + 3 A) of the trunk alone
+    (coder.train.metrics.model_flops_per_token with mtp_modules=0): grpo_loss_fn runs the model
+    with mtp=False, so the MTP modules do no work in this step."""
+    from coder.train import metrics
+
+    return rows * seq * metrics.model_flops_per_token(model_cfg, seq, mtp_modules=0)
+
+
+def _failure(e: Exception) -> dict:
+    """A report entry for a failed lowering / compilation: does_not_fit (with memory_overflow)
+    when XLA:TPU ran out of HBM, else compile_error; the message whitespace-collapsed."""
+    msg = " ".join(str(e).split())
+    oom = hbm_overflow(msg)
+    entry = dict(status="does_not_fit" if oom else "compile_error", error=msg[:2000] or type(e).__name__)
+    if oom:
+        entry["memory_overflow"] = dict(used_bytes=oom[0], hbm_bytes=oom[1],
+                                        fraction_of_hbm=oom[0] / oom[1])
+    return entry
+
+
+def compile_grpo(config, mesh, topo, hlo_dir: str = "") -> dict:
+    """Compile and analyse the GRPO learner's step (`lower_grpo_step`) like the training step;
+    a failure is recorded, not raised. Model FLOPs: `grpo_model_flops`. `hlo_dir`: where the
+    compiled HLO goes (grpo_step.hlo.txt; "" = not saved)."""
+    import logging
+    import time
+    import traceback
+
+    t0 = time.perf_counter()
+    setup = None
+    try:
+        lowered, sizes, setup = lower_grpo_step(config, mesh)
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 (a report, not a crash, is the point of this stage)
+        logging.error("compiling the GRPO step failed:\n%s", traceback.format_exc())
+        out = _failure(e)
+    else:
+        out = analyse(compiled, topo, params=sizes["params"], optimizer=sizes["optimizer"],
+                      batch=sizes["batch"],
+                      model_flops=grpo_model_flops(config.model, setup["rows"], setup["seq_len"]))
+        out["status"] = "fits" if out["memory"]["fits"] else "does_not_fit"
+        if hlo_dir:
+            out["hlo_file"] = _save_hlo(compiled, hlo_dir, "grpo_step")
+    if setup is not None:
+        out["setup"] = setup
+    out["compile_seconds"] = time.perf_counter() - t0
+    return out
 
 
 def lower_engine(config, mesh) -> tuple[dict, dict]:
@@ -402,12 +621,7 @@ def compile_engine(config, mesh, topo) -> dict:
             compiled = low.compile()
         except Exception as e:  # noqa: BLE001
             logging.error("compiling the engine's %s failed:\n%s", name, traceback.format_exc())
-            msg = " ".join(str(e).split())
-            oom = hbm_overflow(msg)
-            entry = dict(status="does_not_fit" if oom else "compile_error", error=msg[:2000])
-            if oom:
-                entry["memory_overflow"] = dict(used_bytes=oom[0], hbm_bytes=oom[1],
-                                                fraction_of_hbm=oom[0] / oom[1])
+            entry = _failure(e)
         else:
             entry = analyse(compiled, topo, params=setup["params_bytes_per_chip"], optimizer=0.0,
                             batch=setup["cache_bytes_per_chip"],
@@ -541,14 +755,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
         compiled = lowered.compile()
     except Exception as e:
         logging.error("compile for %s failed:\n%s", topo.name, traceback.format_exc())
-        msg = " ".join(str(e).split())
-        oom = hbm_overflow(msg)
-        report.update(status="does_not_fit" if oom else "compile_error",
-                      error=msg[:2000] or type(e).__name__,
-                      compile_seconds=time.perf_counter() - t0)
-        if oom:
-            report["memory_overflow"] = dict(used_bytes=oom[0], hbm_bytes=oom[1],
-                                             fraction_of_hbm=oom[0] / oom[1])
+        report.update(_failure(e), compile_seconds=time.perf_counter() - t0)
     else:
         report["compile_seconds"] = time.perf_counter() - t0
         report["hlo_file"] = _save_hlo(compiled, stage_dir, "train_step")
@@ -559,6 +766,8 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     report["advice"] = advice(report, config)
     if config.compile.engine and report["status"] != "compile_error":
         report["engine"] = compile_engine(config, mesh, topo)
+    if config.compile.grpo and report["status"] != "compile_error":
+        report["grpo"] = compile_grpo(config, mesh, topo, hlo_dir=stage_dir)
     path = write_report(report, out_dir)
     logging.info("compile report (%s): %s", report["status"], path)
     if report.get("memory"):
@@ -566,4 +775,11 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
         logging.info("%s: %.2f / %.2f GiB per chip, %s-bound, MFU %.1f-%.1f%%", topo.name,
                      m["total_bytes"] / 2**30, m["hbm_bytes"] / 2**30, report["roofline"]["bound"],
                      100 * report["roofline"]["mfu_lower"], 100 * report["roofline"]["mfu_upper"])
+    g = report.get("grpo") or {}
+    if g.get("memory"):
+        logging.info("%s GRPO step (%s): %.2f / %.2f GiB per chip, %s-bound, MFU %.1f-%.1f%%", topo.name,
+                     g["status"], g["memory"]["total_bytes"] / 2**30, g["memory"]["hbm_bytes"] / 2**30,
+                     g["roofline"]["bound"], 100 * g["roofline"]["mfu_lower"], 100 * g["roofline"]["mfu_upper"])
+    elif g:
+        logging.info("%s GRPO step: %s", topo.name, g["status"])
     return init_from
