@@ -329,13 +329,13 @@ def test_quickstart_grpo_step_compiles_for_v5e_2x2(quickstart_report):
     params = [arrays(i.shape) for i in module.computations[module.entry] if i.opcode == "parameter"]
     assert [("s32", (layers, rows, t, k))] in params
 
-    # compiled work vs model FLOPs without MTP: ~1.75 (full-width attention scores and the
-    # loss's softmax / entropy over the vocabulary on top of 6N + 3A); counting the MTP module
-    # gives ~1.0 and forward-only model FLOPs (2N + A) ~5.2
+    # compiled work vs model FLOPs without MTP: ~1.17 with splash attention (~1.75 with XLA's
+    # full-width attention scores); counting the MTP module, which the GRPO loss does not run,
+    # would give ~0.68 (~1.0), and forward-only model FLOPs (2N + A) ~3.5 (~5.2)
     f = g["roofline"]
     assert f["model_flops"] == pytest.approx(C.grpo_model_flops(m, 8, 256))
     assert g["cost"]["flops"] > 0
-    assert 1.3 < f["hlo_to_model_flops"] < 3
+    assert 0.9 < f["hlo_to_model_flops"] < 2.5
     assert 0 < f["mfu_lower"] <= f["mfu_upper"] < 1
     assert f["step_time_lower_s"] > 0
     # data parallel: the gradients are all-reduced (or reduce-scattered)
