@@ -68,11 +68,13 @@ def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
 
 
-def test_grouped_matmul_lowers_megablox_for_tpu():
+@pytest.mark.parametrize("k,n", [(256, 128), (16, 8)])  # tiny widths: padded to 128 lanes
+def test_grouped_matmul_lowers_megablox_for_tpu(k, n):
     """grouped_matmul picks megablox (a Mosaic custom call) when lowered for TPU, from this CPU
-    host (as stage compile does), forward and backward; the CPU program has none."""
-    x = jnp.ones((64, 256), jnp.bfloat16)
-    w = jnp.ones((4, 256, 128), jnp.bfloat16)
+    host (as stage compile does), forward and backward, with block shapes Mosaic accepts (it
+    checks them while lowering); the CPU program has none."""
+    x = jnp.ones((64, k), jnp.bfloat16)
+    w = jnp.ones((4, k, n), jnp.bfloat16)
     gs = jnp.array([10, 0, 30, 4], jnp.int32)
     loss = lambda x, w: jnp.sum(moe_lib.grouped_matmul(x, w, gs).astype(jnp.float32) ** 2)
     step = jax.jit(jax.grad(loss, (0, 1)))

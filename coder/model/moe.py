@@ -204,10 +204,8 @@ def grouped_matmul(x, w, group_sizes):
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
     """
-    # megablox's backward reuses the forward's (tk, tn) with K and N swapped, so both must be
-    # multiples of Mosaic's 128 lanes; tiny models (quickstart) keep ragged_dot on TPU
-    tpu = megablox_grouped_matmul if x.shape[1] % 128 == 0 and w.shape[2] % 128 == 0 else jax.lax.ragged_dot
-    return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu,
+    # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
+    return jax.lax.platform_dependent(x, w, group_sizes, tpu=megablox_grouped_matmul,
                                       cpu=block_grouped_matmul, default=jax.lax.ragged_dot)
 
 
