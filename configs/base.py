@@ -77,6 +77,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.weight_decay = 0.1  # decoupled weight decay
     c.train.grad_clip = 1.0  # global-norm gradient clipping (0 = off)
     c.train.grad_accum = 1  # micro-batches per optimizer step
+    # dtype of the micro-batch gradient sum: "float32" | "bfloat16" (half the accumulator's
+    # memory, a parameter-sized buffer; each micro-batch's gradient is rounded once when added)
+    c.train.grad_accum_dtype = "float32"
+    # also shard the optimizer moments over the `data` mesh axis (ZeRO-1 across data-parallel
+    # replicas, e.g. TPU slices over DCN): each replica updates its share of the parameters and
+    # the new parameters are all-gathered over `data` once per step
+    c.train.optimizer_over_data = False
     c.train.mtp_loss_weight = 0.3  # weight of the MTP cross-entropy in the loss
     c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
     c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run

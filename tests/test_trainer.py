@@ -238,6 +238,47 @@ class ShardedToy(nnx.Module):
         return h @ self.lm_head[...], {}
 
 
+def test_bfloat16_grad_accumulation_is_close_to_float32_and_rejects_other_dtypes(tmp_path):
+    batch = make_batch(4)
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        tr = make_trainer(tmp_path / dt, make_config(grad_accum=4, grad_accum_dtype=dt))
+        m = tr.train_step(batch)
+        out[dt] = (float(m["grad_norm"]), jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
+        tr.close()
+    (g32, p32), (g16, p16) = out["float32"], out["bfloat16"]
+    assert g16 != g32  # the sums were rounded to bfloat16 ...
+    np.testing.assert_allclose(g16, g32, rtol=2e-2)  # ... to its precision
+    # Adam moves each weight by about lr whatever the gradient's size: a near-zero gradient
+    # element may flip sign when rounded; the rest agree
+    diff = np.concatenate([np.abs(a - b).ravel() for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p16))])
+    assert (diff > 1e-3).mean() < 0.01 and diff.max() <= 2.05e-2
+    with pytest.raises(ValueError, match="train.grad_accum_dtype='float16'"):
+        make_trainer(tmp_path / "bad", make_config(grad_accum_dtype="float16"))
+
+
+def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_path):
+    """train.optimizer_over_data (ZeRO-1 over `data`): moments split over data x fsdp, the step
+    equal to the replicated optimizer's."""
+    out = {}
+    for over in (False, True):
+        cfg = make_config(optimizer_over_data=over)
+        cfg.mesh.data, cfg.mesh.fsdp = 2, 4
+        tr = make_trainer(tmp_path / str(over), cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+        tr.train_step(make_batch(0))
+        tr.train_step(make_batch(1))
+        from coder.train.checkpoint import tree_to_flat
+
+        specs = {n: leaf.sharding.spec for n, leaf in tree_to_flat(tr.opt_state).items()
+                 if n.endswith(".w.value") and leaf.ndim == 2}
+        out[over] = (specs, jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
+        tr.close()
+    assert set(out[False][0].values()) == {jax.sharding.PartitionSpec("fsdp", "tensor")}
+    assert set(out[True][0].values()) == {jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 out[False][1], out[True][1])
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_optimizer_state_shards_like_params(tmp_path, optimizer):
     cfg = make_config(optimizer=optimizer)

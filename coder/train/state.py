@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -139,13 +140,39 @@ class TrainState:
         }
 
 
-def init_state(model: nnx.Module, tx, trainable, mesh, *, seed: int) -> TrainState:
+def split_further(sh, shape, axes: tuple[str, ...]):
+    """NamedSharding `sh` of an array of `shape` with mesh `axes` it does not use yet added to
+    its first dimension they divide (ZeRO across those axes); `sh` itself when none does."""
+    axes = tuple(a for a in axes if a not in _used_axes(sh.spec) and sh.mesh.shape[a] > 1)
+    if not axes:
+        return sh
+    spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
+    extra = math.prod(sh.mesh.shape[a] for a in axes)
+    for i, (n, entry) in enumerate(zip(shape, spec)):
+        have = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        if n % (math.prod(sh.mesh.shape[a] for a in have) * extra) == 0:
+            spec[i] = (*axes, *have)  # the new axes outermost: a DCN axis splits into slices
+            return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec),
+                                              memory_kind=sh.memory_kind)
+    return sh
+
+
+def _used_axes(spec) -> set[str]:
+    out = set()
+    for entry in spec:
+        if entry is not None:
+            out.update((entry,) if isinstance(entry, str) else entry)
+    return out
+
+
+def init_state(model: nnx.Module, tx, trainable, mesh, *, seed: int,
+               optimizer_over: tuple[str, ...] = ()) -> TrainState:
     """Step-0 TrainState of `model`: its `trainable` params, the rest, and `tx`'s state sharded
-    like the params (opt_state_shardings)."""
+    like the params, and further over `optimizer_over` mesh axes (opt_state_shardings)."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
     if not jax.tree.leaves(params):
         raise ValueError(f"the trainable filter {trainable} selects no parameters")
-    opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))(params)
+    opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh, optimizer_over))(params)
     return TrainState(graphdef, params, rest, opt_state, 0, jax.random.key(int(seed)))
 
 
@@ -164,10 +191,11 @@ def restore_state(state: TrainState, arrays: dict, meta: dict) -> TrainState:
     )
 
 
-def opt_state_shardings(tx, params, mesh):
+def opt_state_shardings(tx, params, mesh, over: tuple[str, ...] = ()):
     """Optimizer-state shardings for `tx.init(params)`: every moment shards like its parameter,
     counters and other non-parameter leaves are replicated. `params` may be abstract
-    (ShapeDtypeStruct with shardings) or arrays.
+    (ShapeDtypeStruct with shardings) or arrays. `over`: mesh axes (e.g. ("data",),
+    train.optimizer_over_data) the moments are split over too (`split_further`).
 
     jit's own propagation does not do this: zeros_like(p) does not depend on p's values, so
     `jit(tx.init)` returns the moments unsharded (a 671B model's whole Adam state on each chip).
@@ -176,7 +204,7 @@ def opt_state_shardings(tx, params, mesh):
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.eval_shape(tx.init, params)
-    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    param_sh = jax.tree.map(lambda x: split_further(x.sharding, x.shape, over), params)
     masked = lambda x: isinstance(x, optax.MaskedNode)
     return optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract, param_sh,
                                  transform_non_params=lambda _: replicated, is_leaf=masked)

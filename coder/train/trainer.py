@@ -107,7 +107,8 @@ def _weighted_loss(loss_fn, graphdef, params, rest, batch, rng):
 
 
 def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1, bias_rate: float = 0.0,
-                    trainable=nnx.Param, schedule: Callable | None = None) -> Callable:
+                    trainable=nnx.Param, schedule: Callable | None = None,
+                    accum_dtype=jnp.float32) -> Callable:
     """The optimizer step every stage runs, as a pure function (the trainer jits it; stage
     `compile` lowers the same function for a TPU slice):
 
@@ -116,8 +117,8 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
     params / rest: `nnx.split(model, trainable, ...)` of the model built from `graphdef`;
     batch: dict of `[grad_accum * micro_batch, ...]` arrays (BATCH_AXIS for the exceptions);
     key: the run's base key, folded with the step and the micro-batch index.
-    Micro-batch grads (lax.scan) are averaged with the loss_fn's `weight`s, clipped and applied
-    by `tx`; a non-finite loss or gradient norm keeps params, optimizer state and router bias
+    Micro-batch grads (lax.scan) are summed in `accum_dtype` (train.grad_accum_dtype), averaged
+    with the loss_fn's `weight`s in float32, clipped and applied by `tx`; a non-finite loss or gradient norm keeps params, optimizer state and router bias
     (metrics["skipped"] = 1); MoE router biases get the aux-loss-free update after the step.
     """
     grad_fn = jax.value_and_grad(functools.partial(_weighted_loss, loss_fn, graphdef), has_aux=True)
@@ -129,13 +130,14 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
         def body(grad_sum, xs):
             mb, i = xs
             (loss, (metrics, w)), g = grad_fn(params, rest, mb, jax.random.fold_in(step_key, i))
-            grad_sum = jax.tree.map(lambda s, x: s + w * x, grad_sum, g)
+            grad_sum = jax.tree.map(lambda s, x: s + (w * x).astype(s.dtype), grad_sum, g)
             return grad_sum, (loss, metrics, w)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
         grad_sum, (losses, metrics, ws) = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
         total_w = jnp.sum(ws)
-        grads = jax.tree.map(lambda g: g / jnp.where(total_w > 0, total_w, 1.0), grad_sum)
+        grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / jnp.where(total_w > 0, total_w, 1.0)
+                                           ).astype(p.dtype), grad_sum, params)
         loss = _weighted_mean(ws, losses)
         metrics = {k: _weighted_mean(ws, v) for k, v in metrics.items()}
         grad_norm = optax.tree.norm(grads)
@@ -167,6 +169,19 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
         return new_params, new_rest, new_opt, out
 
     return train_step
+
+
+def accum_dtype(train_cfg):
+    """train.grad_accum_dtype as a dtype (ValueError naming the key otherwise)."""
+    name = str(train_cfg.get("grad_accum_dtype", "float32"))
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"train.grad_accum_dtype={name!r}: choose 'float32' or 'bfloat16'")
+    return jnp.dtype(name)
+
+
+def optimizer_axes(train_cfg) -> tuple[str, ...]:
+    """Mesh axes the optimizer moments are split over beyond their parameter's sharding."""
+    return ("data",) if train_cfg.get("optimizer_over_data", False) else ()
 
 
 class Trainer:
@@ -231,7 +246,8 @@ class Trainer:
         self.tx = make_optimizer(tc)
         self._schedule = lr_schedule(tc)
         try:
-            self.state = state_lib.init_state(model, self.tx, trainable, self.mesh, seed=int(config.seed))
+            self.state = state_lib.init_state(model, self.tx, trainable, self.mesh, seed=int(config.seed),
+                                              optimizer_over=optimizer_axes(tc))
         except ValueError as e:
             raise ValueError(f"stage {self.stage}: {e}") from None
         self._saved_step = None
@@ -242,7 +258,8 @@ class Trainer:
         st = self.state
         self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key,
                                      grad_accum=self.grad_accum, bias_rate=self.bias_rate,
-                                     trainable=trainable, schedule=self._schedule)
+                                     trainable=trainable, schedule=self._schedule,
+                                     accum_dtype=accum_dtype(tc))
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),
