@@ -151,6 +151,7 @@ LAYOUTS = {  # name: (mesh axes, batch rule override, batch, seq)
     "expert8_4tokens": (dict(expert=8), None, 1, 4),  # fewer tokens than replicas: padded slices
     "data2_expert4_tokens": (dict(data=2, expert=4), ("data", "fsdp", "expert"), 8, 4),
     "expert4_tensor2": (dict(expert=4, tensor=2), None, 8, 4),  # F split: psum of partial sums
+    "expert4_seq2_tokens": (dict(expert=4, sequence=2), ("data", "fsdp", "expert"), 4, 4),
 }
 
 
@@ -159,7 +160,8 @@ def test_ragged_dispatch_equals_all_gather(layout):
     """Output and gradients (x, routing weights, every expert weight) of the ragged_all_to_all
     dispatch (emulated collective) equal the all-gather dispatch's: tokens replicated over the
     expert axis (each device routes its slice, an all-gather restores replication), tokens split
-    over data x expert, and F split over tensor (psum of the partial sums)."""
+    over data x expert (and over expert x sequence), and F split over tensor (psum of the
+    partial sums)."""
     axes, batch_rule, b, t = LAYOUTS[layout]
     mesh, rules = _mesh({"batch": batch_rule} if batch_rule else None, **axes)
     x, ids, w, wg, wu, wd = _routing(b, t)

@@ -483,6 +483,7 @@ def _ragged_local(x, ids, weights, real, wg, wu, wd, axes, ep: int, rows: int, r
     seg = c.sum(-1)  # [src, dst] pairs src sends dst
     seg_off = _excl_cumsum(seg, axis=0)  # where src's segment starts in dst's buffer
     kept_seg = jnp.clip(rows - seg_off, 0, seg)  # a full buffer keeps the earlier sources
+    seg_off = jnp.where(kept_seg > 0, seg_off, 0)  # an empty send's offset stays in bounds
     kept = jnp.clip(kept_seg[..., None] - _excl_cumsum(c), 0, c)  # [src, dst, expert]
     in_off = _excl_cumsum(seg)  # [src, dst]: dst's segment in src's sorted pairs
 
