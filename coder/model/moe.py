@@ -416,7 +416,7 @@ def _ragged_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, buffer_factor=0.0
     The receive buffer has a static row count R. buffer_factor = 0 (model.moe_a2a_buffer_factor)
     makes it the worst case, every pair of the expert group on one device: R = share * k * ep
     rows for share tokens per device, so x and the FFN activations are ep times the average
-    load (e.g. ep=64, 4096 tokens, k=8, D=7168 bf16: 29 GiB per buffer: too much at scale).
+    load (e.g. ep=64, 4096 tokens, k=8, D=7168 bf16: 28 GiB per buffer: too much at scale).
     f > 0 sets R = min(worst case, ceil(f * share * k)); pairs past a receiver's R rows
     (sources in device order, experts in order within a source) are not sent and count as
     dropped (returned per token, stats["dropped"]).
