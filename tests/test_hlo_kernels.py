@@ -1,5 +1,6 @@
 """coder.train.aot.hlo_stats on Pallas kernels: instructions spanning lines (a Mosaic kernel's
-backend_config) and the splash attention FLOPs XLA's cost analysis does not count."""
+backend_config), the splash attention FLOPs XLA's cost analysis does not count and the megablox
+FLOPs it counts for every row of the kernel's input."""
 from coder.train.aot import hlo_stats
 
 HLO = """HloModule m, entry_computation_layout={()->f32[]}
@@ -15,6 +16,10 @@ ENTRY %main (p0: bf16[2,256,24], p1: bf16[2,256,24], p2: bf16[2,256,16], p3: bf1
   %kq = bf16[2,1024,24]{2,1,0} parameter(3)
   %kv = bf16[2,1024,16]{2,1,0} broadcast(%v), dimensions={0,1,2}
   %splash_mha_dq_segmented_no_residuals.3 = bf16[2,256,24]{2,1,0} custom-call(%m, %m, %q, %kq, %kv), custom_call_target="tpu_custom_call"
+  %x = bf16[512,128]{1,0} parameter(4)
+  %w = bf16[4,128,256]{2,1,0} parameter(5)
+  %gs = s32[4]{0} parameter(6)
+  %gmm.7 = bf16[512,256]{1,0} custom-call(%gs, %x, %w), custom_call_target="tpu_custom_call"
   ROOT %r = f32[] constant(0)
 }
 """
@@ -32,7 +37,9 @@ def test_splash_kernel_flops_count_the_causal_pairs_the_busiest_device_visits():
     module = hlo_stats.parse_hlo(HLO)
     shapes = {i.name: i.shape for i in module.computations["main"]}
     cost = {i.name.split("_segmented")[0]: hlo_stats.splash_cost(i, shapes)
-            for i in module.computations["main"] if i.opcode == "custom-call"}
+            for i in module.computations["main"] if i.opcode == "custom-call" and "splash" in i.name}
+    gmm_call = next(i for i in module.computations["main"] if i.name == "gmm.7")
+    cost["gmm.7"] = (hlo_stats.megablox_flops(gmm_call, shapes), 0.0)
     half = 256 * 256 / 2  # causal pairs of a 256-token row (one device holds every query)
     assert cost["splash_mha_fwd"][0] == 2 * 2 * half * (24 + 16)  # Q K^T and P V, 2 heads
     assert cost["splash_mha_dkv"][0] == 2 * 2 * half * (2 * 24 + 2 * 16)
@@ -40,5 +47,36 @@ def test_splash_kernel_flops_count_the_causal_pairs_the_busiest_device_visits():
     assert cost["splash_mha_dq"][0] == 2 * 2 * 256 * 1024 * (2 * 24 + 16) * (7 / 8)
     assert cost["splash_mha_fwd"][1] == 0  # one 256-row query block: K and V read once
     assert cost["splash_mha_dq"][1] == 0  # 256 queries: one block
-    total, _ = hlo_stats.loop_corrected_cost(module, 0.0, 0.0)
-    assert total == sum(f for f, _ in cost.values())
+    splash = sum(f for name, (f, _) in cost.items() if name.startswith("splash"))
+    gmm = 2 * 512 * 128 * 256  # megablox's own estimate, every row: what XLA counts
+    assert cost["gmm.7"][0] == gmm
+    total, _ = hlo_stats.loop_corrected_cost(module, gmm, 0.0)
+    assert total == splash + gmm
+    # a quarter of the rows routed: the kernel's dynamic grid visits a quarter of the tiles
+    total, _ = hlo_stats.loop_corrected_cost(module, gmm, 0.0, gmm_scale=0.25)
+    assert total == splash + gmm / 4
+
+
+def test_grouped_rows_fraction_is_the_routed_share_of_the_kernel_rows():
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from coder.model import moe, sharding
+    from configs import base
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 1, 8, 1, 1), sharding.AXES,
+                axis_types=(AxisType.Auto,) * 5)
+    rules = (("batch", ("data", "fsdp")), ("exp", "expert"))
+    cfg = base.get_config().model
+    cfg.n_routed_experts, cfg.num_experts_per_tok = 16, 2
+    # tokens replicated over the 8 expert devices: each routes 64 / 8 of them; the worst-case
+    # receive buffer holds all 8 devices' pairs
+    assert moe.ragged_buffer(mesh, rules, 1, 64, 2, 0.0) == (8, 8 * 2 * 8)
+    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
+    cfg.moe_a2a_buffer_factor = 2.0
+    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 2
+    cfg.moe_dispatch = "all_gather"  # every gathered pair, 1/8 of them local
+    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
+    cfg.moe_capacity_factor = 2.0  # no grouped matmul kernel
+    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1.0

@@ -430,10 +430,7 @@ def _ragged_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, buffer_factor=0.0
     rep = tuple(a for a in exp_axes if a not in token_sharded)  # exp axes holding replicas
     ep, n_rep = _size(mesh, exp_axes), _size(mesh, rep)
     k = ids.shape[-1]
-    n_dev = b * t // _size(mesh, tok_axes + seq_axes)  # tokens per device (with replicas)
-    share = -(-n_dev // n_rep)
-    worst = share * k * ep
-    rows = worst if buffer_factor <= 0 else min(worst, -(-int(buffer_factor * share * k) // 8) * 8)
+    share, rows = ragged_buffer(mesh, rules, b, t, k, buffer_factor)
     tok_spec = P(_spec(tok_axes), _spec(seq_axes), None)
     w_in = P(_spec(exp_axes), None, _spec(mlp_axes))
     w_out = P(_spec(exp_axes), _spec(mlp_axes), None)
@@ -458,6 +455,35 @@ def _ragged_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, buffer_factor=0.0
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
                        out_specs=(tok_spec, P(*tok_spec[:2])), check_vma=False)
     return fn(x, ids, weights, wg, wu, wd)
+
+
+def ragged_buffer(mesh, rules, b: int, t: int, k: int, buffer_factor: float) -> tuple[int, int]:
+    """(tokens each device routes, receive buffer rows) of `_ragged_dispatch` for x `[b, t, D]`
+    and top-k routing: the buffer is share * k * ep rows (worst case) or
+    min(worst case, ceil8(buffer_factor * share * k))."""
+    tok_axes, seq_axes, exp_axes, _ = _token_layout(mesh, rules, b, t)
+    rep = tuple(a for a in exp_axes if a not in set(tok_axes) | set(seq_axes))
+    n_dev = b * t // _size(mesh, tok_axes + seq_axes)  # tokens per device (with replicas)
+    share = -(-n_dev // _size(mesh, rep))
+    worst = share * k * _size(mesh, exp_axes)
+    rows = worst if buffer_factor <= 0 else min(worst, -(-int(buffer_factor * share * k) // 8) * 8)
+    return share, rows
+
+
+def grouped_rows_fraction(cfg, mesh, rules, b: int, t: int) -> float:
+    """The fraction of the TPU grouped matmuls' rows a balanced routing fills, for a dropless
+    expert-parallel MoE on x `[b, t, D]` under (mesh, rules): routed pairs per device over the
+    rows the kernels are given (the ragged dispatch's receive buffer, or every gathered pair
+    with the all-gather dispatch). megablox visits only the tiles of its groups (a dynamic
+    grid), but its cost estimate counts every row: stage `compile` scales it by this."""
+    ep = _size(mesh, sharding.mesh_axes_of("exp", rules))
+    if float(cfg.moe_capacity_factor) > 0 or ep == 1:
+        return 1.0
+    if cfg.moe_dispatch == "all_gather":
+        return 1.0 / ep
+    share, rows = ragged_buffer(mesh, rules, b, t, int(cfg.num_experts_per_tok),
+                                float(cfg.moe_a2a_buffer_factor))
+    return share * int(cfg.num_experts_per_tok) / rows
 
 
 def _excl_cumsum(a, axis=-1):

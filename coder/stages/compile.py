@@ -101,9 +101,22 @@ def model_flops_per_step(model_cfg, batch: int, seq: int) -> float:
     return batch * seq * metrics.model_flops_per_token(model_cfg, seq)
 
 
+def gmm_scale(config, mesh, b: int, t: int) -> float:
+    """The fraction of the TPU grouped matmuls' rows a balanced routing fills when the MoE layers
+    see `[b, t]` tokens (coder.model.moe.grouped_rows_fraction); 1 without routed experts."""
+    from coder.model import moe
+
+    if not int(config.model.n_routed_experts):
+        return 1.0
+    return moe.grouped_rows_fraction(config.model, mesh, tuple(tuple(r) for r in config.mesh.rules), b, t)
+
+
 def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
-            model_flops: float) -> dict:
-    """Memory, cost, collectives and roofline of a compiled step for topology `topo`."""
+            model_flops: float, gmm_scale: float = 1.0) -> dict:
+    """Memory, cost, collectives and roofline of a compiled step for topology `topo`.
+
+    gmm_scale: the fraction of the grouped matmul kernels' rows the routing fills
+    (`grouped_rows_fraction`; coder.train.aot.hlo_stats.kernel_costs)."""
     from coder.train.aot import hardware
 
     text = compiled.as_text()
@@ -113,13 +126,13 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_flops = float(cost.get("flops", 0.0))
     xla_bytes = float(cost.get("bytes accessed", 0.0))
-    flops, traffic = loop_corrected_cost(module, xla_flops, xla_bytes)
+    flops, traffic = loop_corrected_cost(module, xla_flops, xla_bytes, gmm_scale)
     colls = collective_stats(module, runs, topo.num_chips, topo.num_slices)
     mem = memory_report(compiled.memory_analysis(), topo.chip.hbm_bytes, params=params,
                         optimizer=optimizer, batch=batch)
     return dict(
         memory=mem,
-        cost=dict(xla_flops=xla_flops, xla_bytes_accessed=xla_bytes, flops=flops,
+        cost=dict(xla_flops=xla_flops, xla_bytes_accessed=xla_bytes, flops=flops, gmm_scale=gmm_scale,
                   bytes_accessed=traffic, loops_with_unknown_trip_count=unknown,
                   hlo_instructions=sum(len(v) for v in module.computations.values())),
         collectives=colls,
@@ -361,15 +374,16 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     from coder.model import sharding
     from coder.train.optim import lr_schedule, make_optimizer
     from coder.train.state import opt_state_shardings
-    from coder.train.trainer import make_train_step
+    from coder.train.trainer import accum_dtype, make_train_step, optimizer_axes
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
     tx = make_optimizer(config.train)
     step_fn = make_train_step(state.graphdef, loss_fn, tx, key=jax.random.key(int(config.seed)),
                               grad_accum=int(config.train.grad_accum),
-                              bias_rate=float(config.model.bias_update_rate), schedule=lr_schedule(config.train))
-    o_sh = opt_state_shardings(tx, params, mesh)
+                              bias_rate=float(config.model.bias_update_rate), schedule=lr_schedule(config.train),
+                              accum_dtype=accum_dtype(config.train))
+    o_sh = opt_state_shardings(tx, params, mesh, optimizer_axes(config.train))
     opt = _with_shardings(jax.eval_shape(tx.init, params), o_sh)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
@@ -531,7 +545,9 @@ def compile_grpo(config, mesh, topo, hlo_dir: str = "") -> dict:
     else:
         out = analyse(compiled, topo, params=sizes["params"], optimizer=sizes["optimizer"],
                       batch=sizes["batch"],
-                      model_flops=grpo_model_flops(config.model, setup["rows"], setup["seq_len"]))
+                      model_flops=grpo_model_flops(config.model, setup["rows"], setup["seq_len"]),
+                      gmm_scale=gmm_scale(config, mesh, setup["rows"] // int(config.train.grad_accum),
+                                          setup["seq_len"]))
         out["status"] = "fits" if out["memory"]["fits"] else "does_not_fit"
         if hlo_dir:
             out["hlo_file"] = _save_hlo(compiled, hlo_dir, "grpo_step")
@@ -623,9 +639,10 @@ def compile_engine(config, mesh, topo) -> dict:
             logging.error("compiling the engine's %s failed:\n%s", name, traceback.format_exc())
             entry = _failure(e)
         else:
+            shape = (setup["rows"], setup["prefill_len"] if name == "prefill" else k + 1)
             entry = analyse(compiled, topo, params=setup["params_bytes_per_chip"], optimizer=0.0,
                             batch=setup["cache_bytes_per_chip"],
-                            model_flops=model_flops[name])
+                            model_flops=model_flops[name], gmm_scale=gmm_scale(config, mesh, *shape))
             entry["status"] = "fits" if entry["memory"]["fits"] else "does_not_fit"
             lower_s = entry["roofline"]["step_time_lower_s"]
             entry["tokens_per_s_upper"] = tokens[name] / lower_s if lower_s else 0.0
@@ -745,6 +762,10 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
             params_total=counts["total"], params_mtp=counts.get("mtp", 0),
             params_active_matmul=active, attention_backend=config.model.attention_backend,
             moe_capacity_factor=float(config.model.moe_capacity_factor),
+            moe_dispatch=config.model.moe_dispatch,
+            moe_a2a_buffer_factor=float(config.model.moe_a2a_buffer_factor),
+            grad_accum_dtype=config.train.grad_accum_dtype,
+            optimizer_over_data=bool(config.train.optimizer_over_data),
         ),
     )
     t0 = time.perf_counter()
@@ -761,7 +782,8 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
         report["hlo_file"] = _save_hlo(compiled, stage_dir, "train_step")
         report.update(analyse(compiled, topo, params=part_sizes["params"],
                               optimizer=part_sizes["optimizer"], batch=part_sizes["batch"],
-                              model_flops=model_flops_per_step(config.model, b, t)))
+                              model_flops=model_flops_per_step(config.model, b, t),
+                              gmm_scale=gmm_scale(config, mesh, b // int(config.train.grad_accum), t)))
         report["status"] = "fits" if report["memory"]["fits"] else "does_not_fit"
     report["advice"] = advice(report, config)
     if config.compile.engine and report["status"] != "compile_error":

@@ -452,29 +452,52 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     return flops, rereads * frac
 
 
-def kernel_costs(module: HloModule) -> dict[str, tuple[float, float]]:
-    """(FLOPs, bytes) XLA's cost analysis misses in each computation's Pallas kernel calls, run
-    once (splash attention: `splash_cost`; megablox carries its own cost estimate, which XLA
-    counts)."""
+_MEGABLOX = re.compile(r"^t?gmm(\.\d+)?$")
+
+
+def megablox_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """2 m k n of one megablox call, as its cost estimate states it (every row of its input):
+    gmm x `[m, k]` -> `[m, n]`; tgmm x `[m, k]`, dy `[m, n]` -> `[G, k, n]`."""
+    mats = [d for o in ins.operands for _, d in arrays(shapes.get(o, "")) if len(d) == 2]
+    out = arrays(ins.shape)
+    if not mats or not out:
+        return 0.0
+    m, k = mats[0]
+    return 2.0 * m * k * out[0][1][-1]
+
+
+def kernel_costs(module: HloModule, gmm_scale: float = 1.0) -> dict[str, tuple[float, float, float]]:
+    """Per computation, run once: (FLOPs of its Pallas kernel calls, bytes XLA's cost analysis
+    does not see, FLOPs XLA's cost analysis does count for them).
+
+    splash attention (`splash_cost`): counted by XLA as zero. megablox (gmm / tgmm): XLA counts
+    its cost estimate, 2 m k n over every row of its input; the kernel's grid only visits the
+    row tiles of its groups, so its FLOPs are the estimate x gmm_scale, the fraction of rows
+    the routing fills (coder.model.moe.grouped_rows_fraction)."""
     out = {}
     for comp, instrs in module.computations.items():
         shapes = {i.name: i.shape for i in instrs}
-        f = b = 0.0
+        f = b = seen = 0.0
         for i in instrs:
-            if i.opcode == "custom-call" and _SPLASH.search(i.name):
+            if i.opcode != "custom-call":
+                continue
+            if _SPLASH.search(i.name):
                 df, db = splash_cost(i, shapes)
                 f, b = f + df, b + db
-        if f or b:
-            out[comp] = (f, b)
+            elif _MEGABLOX.match(i.name):
+                est = megablox_flops(i, shapes)
+                f, seen = f + gmm_scale * est, seen + est
+        if f or b or seen:
+            out[comp] = (f, b, seen)
     return out
 
 
-def loop_corrected_cost(module: HloModule, xla_flops: float,
-                        xla_bytes: float) -> tuple[float, float]:
+def loop_corrected_cost(module: HloModule, xla_flops: float, xla_bytes: float,
+                        gmm_scale: float = 1.0) -> tuple[float, float]:
     """XLA's per-step FLOPs and bytes, plus each computation's own matmul FLOPs and bytes times
-    the runs XLA's cost analysis misses (it counts a loop body once, not once per trip), plus
-    the Pallas kernels' FLOPs and re-read bytes it does not see at all (`kernel_costs`) times
-    every run."""
+    the runs XLA's cost analysis misses (it counts a loop body once, not once per trip), with
+    the Pallas kernels' FLOPs and bytes put in for every run in place of what XLA counted of
+    them (`kernel_costs`)."""
     runs, _ = multiplicities(module, loops=True)
     counted, _ = multiplicities(module, loops=False)
     flops, traffic = xla_flops, xla_bytes
@@ -483,7 +506,7 @@ def loop_corrected_cost(module: HloModule, xla_flops: float,
         if extra > 0:
             flops += extra * f
             traffic += extra * b
-    for comp, (f, b) in kernel_costs(module).items():
-        flops += runs.get(comp, 0.0) * f
+    for comp, (f, b, seen) in kernel_costs(module, gmm_scale).items():
+        flops += runs.get(comp, 0.0) * f - counted.get(comp, 0.0) * seen
         traffic += runs.get(comp, 0.0) * b
     return flops, traffic
