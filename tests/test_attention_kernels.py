@@ -49,10 +49,12 @@ def test_splash_attention_equals_reference_forward_and_backward():
     _check(lambda *a, scale: ak.splash_attention(*a, scale=scale, interpret=True), *_inputs(), tol=2e-4)
 
 
-def test_splash_attention_split_over_heads_queries_and_rows_on_8_devices():
+@pytest.mark.parametrize("data,seq", [(2, 2), (1, 4)])
+def test_splash_attention_split_over_heads_queries_and_rows_on_8_devices(data, seq):
     """shard_map with the kernel's mask information split like the queries: heads over
-    `tensor` (2), queries over `sequence` (2), rows over `data` (2)."""
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 1, 1, 2, 2), sharding.AXES,
+    `tensor` (2), queries over `sequence` (2 or 4, exchanged into zigzag order), rows over
+    `data`."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(data, 1, 1, 2, seq), sharding.AXES,
                 axis_types=(AxisType.Auto,) * 5)
     rules = (("batch", "data"), ("seq", "sequence"), ("heads", "tensor"))
     q, k, v, seg = _inputs(t=512)
@@ -60,6 +62,16 @@ def test_splash_attention_split_over_heads_queries_and_rows_on_8_devices():
         assert ak._specs(mesh, sharding.rules_dict(rules), 2, 512, 2) == ("data", "sequence", "tensor")
         _check(lambda *a, scale: jax.jit(lambda *b: ak.splash_attention(*b, scale=scale, interpret=True))(*a),
                q, k, v, seg, tol=2e-4)
+
+
+def test_zigzag_order_gives_every_query_shard_the_same_causal_work():
+    n, t = 4, 64
+    pos = ak.zigzag_positions(t, n)
+    assert sorted(pos) == list(range(t))
+    work = [int((pos[s * t // n:(s + 1) * t // n] + 1).sum()) for s in range(n)]  # keys at or before
+    assert len(set(work)) == 1
+    contiguous = [int(np.arange(s * t // n, (s + 1) * t // n).sum() + t // n) for s in range(n)]
+    assert max(contiguous) / np.mean(contiguous) > 1.7  # what zigzag removes: (2n-1)/n
 
 
 def test_gpu_flash_attention_equals_reference_forward_and_backward():

@@ -16,7 +16,9 @@ skips tracing the kernels:
     the kernel supports (`head_dim_v`). Under a mesh (coder.model.sharding.activate) it runs in
     a `shard_map`: heads over the `heads` mesh axes, queries over the `seq` axes (the kernel's
     mask information is split the same way, `make_splash_mha(head_shards, q_seq_shards)`),
-    keys and values whole per device (XLA gathers them over the `seq` axes).
+    keys and values whole per device (XLA gathers them over the `seq` axes). Split queries are
+    exchanged into zigzag order for the kernel (`zigzag_positions`), so every query shard does
+    the same causal work, and back.
   * GPU: the Pallas (Triton) flash attention of `jax.experimental.pallas.ops.gpu.attention`,
     which takes segment ids. It needs one head width for q, k and v, so v is zero-padded to dq
     (1.5x the P V product for DeepSeek-V3) and the output sliced back. cuDNN
@@ -79,11 +81,51 @@ def splash_kernel(heads: int, seq: int, head_shards: int, q_seq_shards: int, int
     bkv = block_len(seq)
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    mask = sm.MultiHeadMask([sm.CausalMask((seq, seq)) for _ in range(heads)])
+    causal = sm.CausalMask((seq, seq))
+    if q_seq_shards > 1:
+        # the queries arrive in zigzag order (`zigzag_positions`): the kernel's mask compares
+        # each query's original position (its q_sequence entry) with the key's
+        causal.q_sequence = zigzag_positions(seq, q_seq_shards)
+    mask = sm.MultiHeadMask([causal for _ in range(heads)])
     # built per trace (its mask arrays become the trace's constants; a kernel cached across
     # traces would carry one trace's arrays into another)
     return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
                               q_seq_shards=q_seq_shards, interpret=interpret)
+
+
+def zigzag_positions(seq: int, shards: int):
+    """`[seq]` int32: the original position of each query in zigzag order, where shard s holds
+    half-chunks s and 2*shards-1-s of the row (2*shards half-chunks of seq / (2*shards)).
+
+    Under a causal mask the query shard holding the row's end does ~(2n-1)/n times the
+    average work when shards hold contiguous chunks; in zigzag order every shard pairs an early
+    half-chunk with a late one and does the average (Brandon et al. 2023, striped attention;
+    Llama-3's context parallelism)."""
+    import numpy as np
+
+    half = seq // (2 * shards)
+    chunks = [c for s in range(shards) for c in (s, 2 * shards - 1 - s)]
+    return np.concatenate([np.arange(c * half, (c + 1) * half) for c in chunks]).astype(np.int32)
+
+
+def _zigzag(x, axes, n: int, inverse: bool = False):
+    """x `[B, Tl, ...]`, this device's queries along the `axes` (n shards) in row order (shard s:
+    half-chunks 2s, 2s+1) -> the same device's queries in zigzag order (half-chunks s,
+    2n-1-s), by two collective permutes of half a shard each; `inverse` undoes it."""
+    dest = lambda j: j if j < n else 2 * n - 1 - j  # the zigzag shard holding half-chunk j
+    me = jax.lax.axis_index(axes)
+    half = x.shape[1] // 2
+    lo, hi = x[:, :half], x[:, half:]
+    if not inverse:
+        even = jax.lax.ppermute(lo, axes, [(s, dest(2 * s)) for s in range(n)])
+        odd = jax.lax.ppermute(hi, axes, [(s, dest(2 * s + 1)) for s in range(n)])
+        # zigzag shard s holds half-chunks s and 2n-1-s: the even one first when s is even
+        return jnp.where(me % 2 == 0, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
+    even = jnp.where(me % 2 == 0, lo, hi)
+    odd = jnp.where(me % 2 == 0, hi, lo)
+    lo = jax.lax.ppermute(even, axes, [(dest(2 * s), s) for s in range(n)])
+    hi = jax.lax.ppermute(odd, axes, [(dest(2 * s + 1), s) for s in range(n)])
+    return jnp.concatenate([lo, hi], 1)
 
 
 def _splash_local(kernel, q, k, v, seg_q, seg_kv, scale: float):
@@ -114,7 +156,15 @@ def splash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = Fa
     kernel = splash_kernel(h, t, _size(mesh, hs), _size(mesh, ss), interpret)
     kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(hs, ss)))
     q_spec, kv_spec = P(bs, ss, hs, None), P(bs, None, hs, None)
-    fn = jax.shard_map(functools.partial(_splash_local, scale=scale), mesh=mesh,
+    n = _size(mesh, ss)
+
+    def local(kernel, q, k, v, seg_q, seg_kv):
+        if n == 1:
+            return _splash_local(kernel, q, k, v, seg_q, seg_kv, scale)
+        o = _splash_local(kernel, _zigzag(q, ss, n), k, v, _zigzag(seg_q, ss, n), seg_kv, scale)
+        return _zigzag(o, ss, n, inverse=True)
+
+    fn = jax.shard_map(local, mesh=mesh,
                        in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None)),
                        out_specs=q_spec, check_vma=False)
     return fn(kernel, q, k, v, segment_ids, segment_ids)
