@@ -1,6 +1,7 @@
 """coder.train.aot.hlo_stats on Pallas kernels: instructions spanning lines (a Mosaic kernel's
 backend_config), the splash attention FLOPs XLA's cost analysis does not count and the megablox
 FLOPs it counts for every row of the kernel's input."""
+from coder.model import attention_kernels as ak
 from coder.train.aot import hlo_stats
 
 HLO = """HloModule m, entry_computation_layout={()->f32[]}
@@ -40,11 +41,13 @@ def test_splash_kernel_flops_count_the_causal_pairs_the_busiest_device_visits():
             for i in module.computations["main"] if i.opcode == "custom-call" and "splash" in i.name}
     gmm_call = next(i for i in module.computations["main"] if i.name == "gmm.7")
     cost["gmm.7"] = (hlo_stats.megablox_flops(gmm_call, shapes), 0.0)
-    half = 256 * 256 / 2  # causal pairs of a 256-token row (one device holds every query)
-    assert cost["splash_mha_fwd"][0] == 2 * 2 * half * (24 + 16)  # Q K^T and P V, 2 heads
-    assert cost["splash_mha_dkv"][0] == 2 * 2 * half * (2 * 24 + 2 * 16)
-    # queries 256 of 1024 keys (sequence split 4 ways): the last shard visits 7/8 of its keys
-    assert cost["splash_mha_dq"][0] == 2 * 2 * 256 * 1024 * (2 * 24 + 16) * (7 / 8)
+    pairs = 256 * 256  # one 256 x 256 block: computed whole (masked inside the kernel)
+    assert cost["splash_mha_fwd"][0] == 2 * 2 * pairs * (24 + 16)  # Q K^T and P V, 2 heads
+    assert cost["splash_mha_dkv"][0] == 2 * 2 * pairs * (2 * 24 + 2 * 16)
+    # 256 queries of 1024 keys (4 shards, zigzag): half-chunks 128 wide; the busiest shard's
+    # query block reaches key block 2 of 2 (blocks of 512)
+    assert cost["splash_mha_dq"][0] == 2 * 2 * 256 * 1024 * (2 * 24 + 16) * ak.visited_fraction(256, 1024)
+    assert ak.visited_fraction(256, 1024) == 1.0
     assert cost["splash_mha_fwd"][1] == 0  # one 256-row query block: K and V read once
     assert cost["splash_mha_dq"][1] == 0  # 256 queries: one block
     splash = sum(f for name, (f, _) in cost.items() if name.startswith("splash"))
@@ -55,6 +58,12 @@ def test_splash_kernel_flops_count_the_causal_pairs_the_busiest_device_visits():
     # a quarter of the rows routed: the kernel's dynamic grid visits a quarter of the tiles
     total, _ = hlo_stats.loop_corrected_cost(module, gmm, 0.0, gmm_scale=0.25)
     assert total == splash + gmm / 4
+
+
+def test_causal_block_skipping_at_32k_visits_half_the_pairs_on_every_shard():
+    # 64 blocks of 512: sum(1..64) / 64^2 of the pairs, with or without 8 zigzag query shards
+    assert ak.visited_fraction(32768, 32768) == 2080 / 4096
+    assert ak.visited_fraction(4096, 32768) == 2080 / 4096
 
 
 def test_grouped_rows_fraction_is_the_routed_share_of_the_kernel_rows():

@@ -108,6 +108,20 @@ def zigzag_positions(seq: int, shards: int):
     return np.concatenate([np.arange(c * half, (c + 1) * half) for c in chunks]).astype(np.int32)
 
 
+def visited_fraction(tq: int, seq: int) -> float:
+    """The fraction of its (query, key) block pairs the busiest device's splash kernel computes
+    for `tq` of `seq` queries (seq / tq query shards, zigzag order when split): causal block
+    skipping visits, for each block of queries, the key blocks up to its last position."""
+    import numpy as np
+
+    n = seq // tq
+    bq, bkv = block_len(tq), block_len(seq)
+    pos = zigzag_positions(seq, n) if n > 1 else np.arange(seq)
+    last = pos.reshape(n, tq // bq, bq).max(-1)  # [shard, query block]
+    visited = ((last // bkv) + 1).sum(-1)  # key blocks per shard
+    return float(visited.max() * bq * bkv) / (tq * seq)
+
+
 def _zigzag(x, axes, n: int, inverse: bool = False):
     """x `[B, Tl, ...]`, this device's queries along the `axes` (n shards) in row order (shard s:
     half-chunks 2s, 2s+1) -> the same device's queries in zigzag order (half-chunks s,

@@ -422,12 +422,12 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     Pallas kernels are opaque custom calls to XLA's cost analysis (their FLOPs count as zero;
     their operands are read once). Operands q `[.., Tq, dq]`, k `[.., S, dq]`, v `[.., S, dv]`
     (leading dims: rows x heads). The kernels here are causal (coder.model.attention_kernels):
-    blocks above the diagonal are skipped, and the busiest device is the one holding the last
-    Tq of S queries, which visits 1 - Tq / 2S of its keys (1/2 without sequence sharding).
+    key blocks past a query block's last position are skipped; the busiest device's share
+    of the pairs is `visited_fraction` (queries split over S / Tq shards in zigzag order: ~1/2).
     Bytes: the kernel streams K and V once per query block (Q and dO once per key block for
     dkv), read again beyond the one read XLA counts.
     """
-    from coder.model.attention_kernels import block_len
+    from coder.model.attention_kernels import block_len, visited_fraction
 
     kind = _SPLASH.search(ins.name).group(1)
     floats = [arrays(shapes.get(o, "")) for o in ins.operands]
@@ -437,7 +437,10 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     (qt, q), (kt, k), (vt, v) = floats[:3]
     lead, tq, dq = math.prod(q[:-2]), q[-2], q[-1]
     s, dv = k[-2], v[-1]
-    frac = 1.0 - tq / (2.0 * s)
+    try:
+        frac = visited_fraction(tq, s)
+    except ValueError:  # lengths no kernel block divides: not one of coder's kernels
+        frac = 1.0
     wq, wv = _SPLASH_WIDTHS[kind]
     flops = 2.0 * lead * tq * s * (wq * dq + wv * dv) * frac
     q_bytes = math.prod(q) * _DTYPE_BYTES[qt]
