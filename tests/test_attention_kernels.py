@@ -99,3 +99,22 @@ def test_block_len_refuses_a_sequence_no_kernel_block_divides():
     assert ak.block_len(4096, 32768) == 512 and ak.block_len(384) == 128
     with pytest.raises(ValueError, match="divisible by 128"):
         ak.block_len(200)
+
+
+def test_save_attention_remat_keeps_the_kernel_output_instead_of_rerunning_it(monkeypatch):
+    """Lowered for TPU: under remat "full" the backward pass reruns the forward kernel, under
+    "save_attention" (its output and log-sum-exp kept) it does not."""
+    from coder.model.transformer import REMAT_POLICIES
+
+    monkeypatch.setattr(ak, "targets_cpu", lambda: False)
+    q, k, v, seg = _inputs()
+
+    def kernel_calls(policy):
+        block = jax.checkpoint(lambda q, k, v: ak.attention(q, k, v, seg, scale=0.1), policy=policy)
+        f = lambda q, k, v: (block(q, k, v) ** 2).sum()  # the output is used: forward runs first
+        text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("tpu",)).as_text()
+        return text.count("tpu_custom_call(")  # forward (+ rerun), dq, dkv
+
+    assert kernel_calls(REMAT_POLICIES["full"]) == 4
+    assert kernel_calls(REMAT_POLICIES["save_attention"]) == 3

@@ -41,6 +41,9 @@ from jax.sharding import PartitionSpec as P
 
 from coder.model import sharding
 
+# checkpoint name of the splash kernel's output and log-sum-exp (the residuals its backward
+# needs): model.remat="save_attention" keeps them, so remat never reruns the forward kernel
+RESIDUALS = "attention_residuals"
 NEG_INF = -1e30  # finite, so fully masked rows (padding only) give no NaN
 BLOCKS = (512, 256, 128)  # kernel block lengths tried, largest first (TPU tiles are 128 x 128)
 
@@ -90,7 +93,8 @@ def splash_kernel(heads: int, seq: int, head_shards: int, q_seq_shards: int, int
     # built per trace (its mask arrays become the trace's constants; a kernel cached across
     # traces would carry one trace's arrays into another)
     return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
-                              q_seq_shards=q_seq_shards, interpret=interpret)
+                              q_seq_shards=q_seq_shards, interpret=interpret,
+                              residual_checkpoint_name=RESIDUALS)
 
 
 def zigzag_positions(seq: int, shards: int):

@@ -75,7 +75,9 @@ def model_config() -> ml_collections.ConfigDict:
     )
     m.dtype = "bfloat16"  # compute dtype of activations and matmuls
     m.param_dtype = "float32"  # master weights
-    m.remat = "none"  # activation rematerialisation: "none" | "full" | "save_dots" | "save_qkv_proj"
+    # activation rematerialisation: "none" | "full" | "save_dots" | "save_qkv_proj" |
+    # "save_attention" (full, keeping the attention kernel's output: coder.model.transformer)
+    m.remat = "none"
     # run the MoE layers as one lax.scan over stacked weights ([layers, ...] leaves named
     # moe_stack.*): XLA compiles one layer instead of ~60 (minutes, not an hour, for a full-size
     # config); same numbers as the unrolled loop, a different checkpoint layout

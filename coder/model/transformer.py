@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coder.model import attention_kernels
 from coder.model.attention import MLA, init_layer_cache
 from coder.model.layers import MLP, RMSNorm, dtype_of, param
 from coder.model.moe import MoE
@@ -31,6 +32,9 @@ REMAT_POLICIES = {
     "full": None,  # save nothing inside a block, recompute everything
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("q_proj", "kv_proj"),
+    # as "full", but the attention kernel's output and log-sum-exp are kept (TPU splash; a few
+    # MB per layer and row at 32k), so the backward pass does not rerun the forward kernel
+    "save_attention": jax.checkpoint_policies.save_only_these_names(attention_kernels.RESIDUALS),
 }
 HIDDEN = ("batch", "seq", None)
 
