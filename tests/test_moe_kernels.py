@@ -147,11 +147,12 @@ def _routing(b, t, k=2, n_experts=8, seed=0):
 
 
 LAYOUTS = {  # name: (mesh axes, batch rule override, batch, seq)
-    "expert8": (dict(expert=8), None, 8, 4),  # tokens replicated over expert: sliced, re-gathered
-    "expert8_4tokens": (dict(expert=8), None, 1, 4),  # fewer tokens than replicas: padded slices
-    "data2_expert4_tokens": (dict(data=2, expert=4), ("data", "fsdp", "expert"), 8, 4),
+    # tokens replicated over expert, each device routes its slice and an all-gather restores
+    # the replication; 20 tokens over 8 replicas: slices of 3, the 7th padded, the 8th all padding
+    "expert8_padded": (dict(expert=8), None, 5, 4),
+    # tokens split over data x expert (batch) and over sequence
+    "data2_expert2_seq2_tokens": (dict(data=2, expert=2, sequence=2), ("data", "fsdp", "expert"), 4, 8),
     "expert4_tensor2": (dict(expert=4, tensor=2), None, 8, 4),  # F split: psum of partial sums
-    "expert4_seq2_tokens": (dict(expert=4, sequence=2), ("data", "fsdp", "expert"), 4, 4),
 }
 
 
@@ -159,13 +160,20 @@ LAYOUTS = {  # name: (mesh axes, batch rule override, batch, seq)
 def test_ragged_dispatch_equals_all_gather(layout):
     """Output and gradients (x, routing weights, every expert weight) of the ragged_all_to_all
     dispatch (emulated collective) equal the all-gather dispatch's: tokens replicated over the
-    expert axis (each device routes its slice, an all-gather restores replication), tokens split
-    over data x expert (and over expert x sequence), and F split over tensor (psum of the
-    partial sums)."""
+    expert axis (each device routes its slice, padded past the tokens; an all-gather restores
+    replication), tokens split over data x expert x sequence, and F split over tensor (psum of
+    the partial sums)."""
     axes, batch_rule, b, t = LAYOUTS[layout]
     mesh, rules = _mesh({"batch": batch_rule} if batch_rule else None, **axes)
     x, ids, w, wg, wu, wd = _routing(b, t)
     assert not ((ids == 2) | (ids == 3)).any()
+    split = tuple(tuple(a for a in axes if mesh.shape[a] > 1)
+                  for axes in moe_lib._token_layout(mesh, rules, b, t))  # tokens, seq, exp, exp_mlp
+    share, _ = moe_lib.ragged_buffer(mesh, rules, b, t, 2, 0.0)
+    want = {"expert8_padded": ((), (), ("expert",), (), 3),
+            "data2_expert2_seq2_tokens": (("data", "expert"), ("sequence",), ("expert",), (), 4),
+            "expert4_tensor2": ((), (), ("expert",), ("tensor",), 8)}[layout]
+    assert (*split, share) == want  # the layout the case names (share: tokens each device routes)
 
     def run(dispatch):
         def loss(x, w, wg, wu, wd):
@@ -173,10 +181,11 @@ def test_ragged_dispatch_equals_all_gather(layout):
                 x, ids, w, wg, wu, wd, mesh, rules, dispatch=dispatch,
                 ragged_a2a=emulated_ragged_all_to_all)
             return jnp.sum(y ** 2), (y, dropped)
-        return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True))(x, w, wg, wu, wd)
+        return jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True)
 
-    (l_ref, (y_ref, _)), g_ref = run("all_gather")
-    (l, (y, dropped)), g = run("ragged_all_to_all")
+    # one compile for both dispatches
+    ((l_ref, (y_ref, _)), g_ref), ((l, (y, dropped)), g) = jax.jit(
+        lambda *a: (run("all_gather")(*a), run("ragged_all_to_all")(*a)))(x, w, wg, wu, wd)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)
     assert not np.asarray(dropped).any()
     for a, b in zip(g, g_ref, strict=True):
