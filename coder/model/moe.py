@@ -77,27 +77,30 @@ def balancing_warning(cfg, steps: int) -> str:
 
 
 def route(logits, bias, cfg, expert_ids=None):
-    """Top-k expert choice. logits `[N, E]` float32, bias `[E]`.
+    """Top-k expert choice. logits `[..., E]` float32 (e.g. `[B, T, E]`), bias `[E]`.
 
-    Returns (weights `[N, k]` float32, ids `[N, k]` int32). With `expert_ids` given (router
-    replay) the choice is taken from them and only the weights are recomputed.
+    Returns (weights `[..., k]` float32, ids `[..., k]` int32). With `expert_ids` given (router
+    replay) the choice is taken from them and only the weights are recomputed. Every op keeps
+    the leading axes, so tokens split over a mesh stay split (flattening `[B, T]` with T split
+    would make XLA replicate the routing on every device).
     """
-    n, e = logits.shape
+    lead, e = logits.shape[:-1], logits.shape[-1]
     scores = jax.nn.sigmoid(logits)
     if expert_ids is None:
-        choice = scores + bias.astype(jnp.float32)[None]
+        choice = scores + bias.astype(jnp.float32)
         if cfg.n_group > 1:
-            grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, n_group]
+            g = cfg.n_group
+            grouped = choice.reshape(*lead, g, e // g)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [..., n_group]
             _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-            keep = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
-            keep = jnp.repeat(keep, e // cfg.n_group, axis=1)
+            keep = jax.nn.one_hot(top_groups, g, dtype=jnp.bool_).any(-2)  # [..., n_group]
+            keep = jnp.repeat(keep, e // g, axis=-1)
             choice = jnp.where(keep, choice, -jnp.inf)
         _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     else:
-        ids = expert_ids.reshape(n, -1)
+        ids = expert_ids.reshape(*lead, -1)
     ids = ids.astype(jnp.int32)
-    weights = jnp.take_along_axis(scores, ids, axis=1)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, ids
@@ -105,8 +108,8 @@ def route(logits, bias, cfg, expert_ids=None):
 
 def load_fraction(ids, valid, n_experts: int):
     """Fraction of the valid tokens' top-k assignments per expert `[E]` (sums to 1)."""
-    counts = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(
-        jnp.repeat(valid.reshape(-1).astype(jnp.float32), ids.shape[-1]))
+    weight = jnp.broadcast_to(valid.reshape(*ids.shape[:-1], 1), ids.shape).astype(jnp.float32)
+    counts = jnp.zeros((n_experts,), jnp.float32).at[ids].add(weight)
     return counts / jnp.maximum(counts.sum(), 1.0)
 
 
@@ -587,13 +590,14 @@ class MoE(nnx.Module):
         b, t, d = x.shape
         cfg = self.cfg
         x = x.astype(self.dtype)
-        logits = x.reshape(b * t, d).astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-        weights, ids = route(logits, self.bias[...], cfg, expert_ids)
-        validf = valid.reshape(-1).astype(jnp.float32)
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        logits = sharding.constrain(logits, ("batch", "seq", None))
+        weights, ids = route(logits, self.bias[...], cfg, expert_ids)  # [B, T, k]
+        validf = valid.astype(jnp.float32)
         z = (jax.nn.logsumexp(logits, axis=-1) ** 2 * validf).sum() / jnp.maximum(validf.sum(), 1.0)
         own = ids if expert_ids is None else route(logits, self.bias[...], cfg)[1]
         stats = dict(load=load_fraction(ids, valid, cfg.n_routed_experts),
-                     expert_ids=ids.reshape(b, t, -1), router_ids=own.reshape(b, t, -1), z=z)
+                     expert_ids=ids, router_ids=own, z=z)
         ctx = sharding.current()
         # under any mesh the experts run in a shard_map, also when they are not split: the TPU
         # grouped matmul is a Mosaic kernel, which XLA cannot partition by itself
@@ -602,18 +606,19 @@ class MoE(nnx.Module):
         dispatch = getattr(cfg, "moe_dispatch", "auto")
         buffer_factor = float(getattr(cfg, "moe_a2a_buffer_factor", 0.0))
         if distributed:
-            y, dropped = _expert_parallel_ffn(x, ids.reshape(b, t, -1), weights.reshape(b, t, -1),
+            y, dropped = _expert_parallel_ffn(x, ids, weights,
                                               self.wg[...], self.wu[...], self.wd[...], *ctx,
                                               capacity_factor=cf, dispatch=dispatch,
                                               buffer_factor=buffer_factor)
         else:
-            y, dropped = local_experts_ffn(x.reshape(b * t, d), ids, weights, self.wg[...],
+            y, dropped = local_experts_ffn(x.reshape(b * t, d), ids.reshape(b * t, -1),
+                                           weights.reshape(b * t, -1), self.wg[...],
                                            self.wu[...], self.wd[...], 0, cf, cfg.n_routed_experts)
             y = y.reshape(b, t, d)
         # a bounded ragged_all_to_all buffer can drop pairs too (zero on the all-gather path)
         truncating = distributed and buffer_factor > 0 and dispatch != "all_gather"
         if cf > 0 or truncating:  # fraction of the valid tokens' (token, expert) pairs dropped
-            stats["dropped"] = (dropped.reshape(-1) * validf).sum() / jnp.maximum(
+            stats["dropped"] = (dropped.reshape(b, t) * validf).sum() / jnp.maximum(
                 validf.sum() * ids.shape[-1], 1.0)
         if self.shared is not None:
             y = y + self.shared(x)
