@@ -5,19 +5,21 @@
 `get_config("MODEL,TOPOLOGY")` takes configs/MODEL.py unchanged (the architecture) and sets what
 a 32k-token training step on that slice needs; docs/scale/regenerate.sh runs every pair and
 writes docs/scale/MODEL_TOPOLOGY/report.{json,md}. Only the parallelism table, the batch shape,
-remat, the experts' capacity (MOE_CAPACITY_FACTOR) and the engine's shapes change here,
-never the architecture.
+remat, the MoE dispatch buffer, the optimizer placement and the engine's and GRPO step's
+shapes change here, never the architecture.
 
 Layout for the full-size MoE models (why, in numbers, in docs/scale/README.md):
-  * every parameter and its optimizer state is sharded over all chips: experts over `expert`
-    (32-way) x the embedding dimension over `fsdp` x `sequence` (ZeRO-3 / FSDP, also over the
-    sequence-parallel groups, which otherwise would hold copies);
+  * every parameter is sharded over all chips of a slice: experts over `expert` (32-way) x the
+    embedding dimension over `sequence` (FSDP; on v6e also over the slices, `data`); the Adam
+    moments like their parameter, or also over the slices (train.optimizer_over_data) or in
+    host memory (compile.offload_optimizer);
   * attention heads, the dense layers' hidden units and the vocabulary are tensor-parallel over
     the same `expert` axis, so no chip repeats attention or dense work while experts are split;
-  * a 32k row is split over `sequence` (queries; keys/values are gathered), which with the head
-    split bounds the dense attention's per-chip T x T scores;
-  * tokens are split over data x fsdp (x sequence); the micro-batch is one row per
-    data x fsdp group, and grad_accum micro-batches make the step's batch.
+  * a 32k row is split over `sequence` (queries in zigzag order for the splash kernel; keys
+    and values are gathered);
+  * the MoE layers route each chip's share of the tokens and move the routed pairs with
+    ragged_all_to_all (dropless, megablox grouped matmuls);
+  * a micro-batch is batch / grad_accum rows; the gradient sum is bfloat16.
 """
 import importlib
 
@@ -39,16 +41,20 @@ MOE_RULES = (
     ("layers", None),
 )
 
-# remat "full": only each block's input is kept for the backward pass (what a 32k step of these
-# models needs; the remat=none compiles of the first session needed several times the HBM).
-REMAT = "full"
+# remat "save_attention": only each block's input and the attention kernel's output and
+# log-sum-exp are kept for the backward pass (what a 32k step of these models needs; the
+# remat=none compiles of the first session needed several times the HBM); the backward pass
+# reruns the block's projections and FFN but not the attention kernel.
+REMAT = "save_attention"
 
-# Each expert takes at most 2x its balanced share of the (token, expert) pairs a chip sees
-# (model.moe_capacity_factor; the released models are dropless). XLA:TPU's gradient of the
-# dropless grouped matmul (ragged_dot) w.r.t. the expert weights is a masked dense product of
-# every local expert with every pair the chip sees: 80% of the step's FLOPs for DeepSeek-V3 on
-# v5p-512 (docs/scale/README.md); the capacity buffer costs 2x the routed work instead.
-MOE_CAPACITY_FACTOR = 2.0
+# Dropless MoE (model.moe_capacity_factor = 0, as the released models): megablox grouped
+# matmuls over the routed pairs, dispatched with ragged_all_to_all. The receive buffer of a
+# device holds A2A_BUFFER_FACTOR x its balanced share of pairs (model.moe_a2a_buffer_factor):
+# the worst case (every pair of the expert group on one device, 32x the share here) makes every
+# elementwise op over the buffer 16x costlier in HBM traffic; pairs past 2x are dropped and
+# counted (stats["dropped"]), which balanced routing (aux-loss-free bias) keeps at zero.
+MOE_CAPACITY_FACTOR = 0.0
+A2A_BUFFER_FACTOR = 2.0
 
 # The RL engine's programs compiled beside the step (coder.stages.compile.lower_engine): rows
 # decoded together, cache slots (a 32k context), tokens per prefill chunk.
@@ -61,20 +67,25 @@ def _mesh(slices: int, expert: int = 32) -> dict:
     return dict(data=slices, fsdp=1, expert=expert, tensor=1, sequence=8, num_slices=slices)
 
 
-# topology -> slices, batch (rows of SEQ_LEN tokens per step), micro-batches, optimizer offload
+# topology -> slices, batch (rows of SEQ_LEN tokens per step), micro-batches, optimizer
+# placement. 128 rows of 32k = 4.2M tokens per step (DeepSeek-V3 trained with 15M-token steps);
+# a micro-batch is batch / grad_accum rows, each row split over the `sequence` axis
 SETTINGS = {
-    "v5p-512": dict(slices=1, batch_size=16, grad_accum=16, offload_optimizer=False),
-    # Kimi K2's parameters, gradients and Adam moments (20 bytes per parameter with the gradient
-    # accumulator) are 75 GiB per chip over 256 chips. A second slice does not divide them (the
-    # slices are data-parallel replicas: 118 GiB per chip); one 512-chip slice with experts and
-    # heads over 64 chips does
-    "v5p-512x2": dict(slices=2, batch_size=16, grad_accum=8, offload_optimizer=False),
-    "v5p-1024": dict(slices=1, batch_size=16, grad_accum=16, offload_optimizer=False, expert=64),
-    # 32 GB chips: the f32 parameters, gradient and accumulator alone are 12 bytes per parameter
-    # (31 GiB per chip for DeepSeek-V3 over 256 chips), so two slices (512 chips) and the Adam
-    # moments in host memory between steps
-    "v6e-256x2": dict(slices=2, batch_size=16, grad_accum=8, offload_optimizer=True),
+    # 4 rows per micro-batch: every micro-batch re-gathers each layer's weights over `sequence`
+    # (FSDP) and reduce-scatters its gradient; 4 rows amortise that over 4x the tokens of one
+    "v5p-512": dict(slices=1, batch_size=128, grad_accum=32),
+    # Kimi K2 over two slices: parameters shard within a slice, the Adam moments over both
+    # (train.optimizer_over_data, ZeRO-1 across DCN), a bf16 gradient sum
+    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=32, optimizer_over_data=True),
+    "v5p-1024": dict(slices=1, batch_size=128, grad_accum=32, expert=64),
+    # 32 GB chips: parameters, gradients and the gradient sum shard over both slices too
+    # (`embed` over data x fsdp x sequence: ZeRO-3 across DCN, whose weight gathers then cross
+    # DCN every micro-batch) and the Adam moments live in host memory between steps
+    "v6e-256x2": dict(slices=2, batch_size=128, grad_accum=64, offload_optimizer=True,
+                      embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
 }
+# the GRPO learner's step compiled beside the training step: rows of SEQ_LEN-token rollouts
+GRPO_BATCH = 32
 
 
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
@@ -89,13 +100,22 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         return c
     s = SETTINGS[setting]
     c.mesh.update(_mesh(s["slices"], s.get("expert", 32)))
-    c.mesh.rules = MOE_RULES
+    rules = dict(MOE_RULES)
+    rules["embed"] = s.get("embed", rules["embed"])
+    c.mesh.rules = tuple(rules.items())
     c.data.seq_len = SEQ_LEN
     c.data.batch_size = s["batch_size"]
     c.train.grad_accum = s["grad_accum"]
+    c.train.grad_accum_dtype = "bfloat16"
+    c.train.optimizer_over_data = s.get("optimizer_over_data", False)
     c.model.remat = REMAT
     c.model.moe_capacity_factor = MOE_CAPACITY_FACTOR
+    c.model.moe_a2a_buffer_factor = A2A_BUFFER_FACTOR
     c.model.scan_layers = True  # one compiled MoE layer (an unrolled 61-layer step: ~45 min here)
-    c.compile.offload_optimizer = s["offload_optimizer"]
+    c.compile.offload_optimizer = s.get("offload_optimizer", False)
     c.compile.update(ENGINE)
+    c.compile.engine = s.get("engine", True)
+    c.compile.grpo = s.get("grpo", True)
+    c.compile.grpo_batch = GRPO_BATCH
+    c.compile.grpo_seq_len = SEQ_LEN
     return c
