@@ -4,10 +4,11 @@ Both models come from one seed (stack_blocks stacks the same per-layer initialis
 comparison is between the same numbers computed two ways: forward, gradients, remat, routing
 replay, cached decoding, the trainer's step with its router-bias update, and the shardings.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from coder.model import Transformer, init_cache, sharding
@@ -34,8 +35,21 @@ def _batch(b=2, t=12, seed=0):
     return tok, pos, seg
 
 
+@functools.cache
+def _init(scan: bool):
+    """The seed-0 variables of _cfg(scan), initialised once for the module (eager init is slow)."""
+    return nnx.state(Transformer(_cfg(scan), rngs=nnx.Rngs(0)))
+
+
+def _model(scan: bool, **kw):
+    """A new Transformer(_cfg(scan, **kw)) holding a copy of the seed-0 variables (kw: keys that
+    change no variable, e.g. remat)."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(_cfg(scan, **kw), rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, jax.tree.map(jnp.copy, _init(scan)))
+
+
 def _pair(**kw):
-    return Transformer(_cfg(False, **kw), rngs=nnx.Rngs(0)), Transformer(_cfg(True, **kw), rngs=nnx.Rngs(0))
+    return _model(False, **kw), _model(True, **kw)
 
 
 def test_stacked_weights_are_the_unrolled_layers():
@@ -48,40 +62,46 @@ def test_stacked_weights_are_the_unrolled_layers():
                                       np.asarray(unrolled.layers[1 + i].self_attn.kv_b_proj[...]))
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_forward_and_gradients_equal_the_unrolled_loop(remat):
-    unrolled, scanned = _pair(remat=remat)
+def _forward_and_grads(model, tok, pos, seg):
+    """One jitted function: the forward's logits and aux, and the gradients of a loss of both."""
+    def loss(m):
+        logits, aux = m(tok, pos, seg)
+        return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux["router_z_loss"], (logits, aux)
+
+    (_, (logits, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+    return logits, aux, grads
+
+
+def test_forward_and_gradients_equal_the_unrolled_loop():
+    """The scan without remat and with remat "full" (jax.checkpoint around the scanned layer)
+    against the unrolled loop without remat: remat changes no value (the unrolled model's remat
+    policies give the same gradients: tests/test_model.py::test_remat_policies_same_gradients)."""
     tok, pos, seg = _batch()
-    (la, aa), (lb, ab) = unrolled(tok, pos, seg), scanned(tok, pos, seg)
-    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(ab["mtp_logits"]), np.asarray(aa["mtp_logits"]), atol=2e-5)
-    np.testing.assert_array_equal(np.asarray(ab["expert_ids"]), np.asarray(aa["expert_ids"]))
-    np.testing.assert_allclose(np.asarray(ab["router_load"]), np.asarray(aa["router_load"]), atol=1e-6)
-    assert ab["router_load"].shape == (3, 4)
-
-    def grads(model):
-        def loss(m):
-            logits, aux = m(tok, pos, seg)
-            return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux["router_z_loss"]
-        return nnx.grad(loss)(model)
-
-    ga, gb = grads(unrolled), grads(scanned)
-    np.testing.assert_allclose(np.asarray(gb.moe_stack.mlp.wg[...][1]),
-                               np.asarray(ga.layers[2].mlp.wg[...]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(gb.moe_stack.self_attn.q_proj[...][2]),
-                               np.asarray(ga.layers[3].self_attn.q_proj[...]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(gb.embed[...]), np.asarray(ga.embed[...]), atol=1e-5)
+    la, aa, ga = _forward_and_grads(_model(False), tok, pos, seg)
+    for remat in ("none", "full"):
+        lb, ab, gb = _forward_and_grads(_model(True, remat=remat), tok, pos, seg)
+        np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(ab["mtp_logits"]), np.asarray(aa["mtp_logits"]), atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(ab["expert_ids"]), np.asarray(aa["expert_ids"]))
+        np.testing.assert_allclose(np.asarray(ab["router_load"]), np.asarray(aa["router_load"]), atol=1e-6)
+        assert ab["router_load"].shape == (3, 4)
+        np.testing.assert_allclose(np.asarray(gb.moe_stack.mlp.wg[...][1]),
+                                   np.asarray(ga.layers[2].mlp.wg[...]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gb.moe_stack.self_attn.q_proj[...][2]),
+                                   np.asarray(ga.layers[3].self_attn.q_proj[...]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gb.embed[...]), np.asarray(ga.embed[...]), atol=1e-5)
 
 
 def test_routing_replay_through_the_scan():
     _, scanned = _pair()
     tok, pos, seg = _batch()
-    logits, aux = scanned(tok, pos, seg)
+    call = nnx.jit(lambda m, routing: m(tok, pos, seg, routing=routing))
+    logits, aux = call(scanned, None)
     for moe in moe_layers(scanned):  # a moved bias routes differently, replay does not
         moe.bias[...] = moe.bias[...] + 0.5 * jax.random.normal(jax.random.key(5), moe.bias[...].shape)
-    _, moved = scanned(tok, pos, seg)
+    _, moved = call(scanned, None)
     assert (np.asarray(moved["expert_ids"]) != np.asarray(aux["expert_ids"])).any()
-    replay, aux2 = scanned(tok, pos, seg, routing=aux["expert_ids"])
+    replay, aux2 = call(scanned, aux["expert_ids"])
     np.testing.assert_array_equal(np.asarray(aux2["expert_ids"]), np.asarray(aux["expert_ids"]))
     np.testing.assert_allclose(np.asarray(replay), np.asarray(logits), atol=1e-5)
 
@@ -90,18 +110,18 @@ def test_cached_decoding_equals_the_unrolled_model():
     unrolled, scanned = _pair()
     tok, pos, _ = _batch()
     seg = jnp.ones_like(tok)
+    call = nnx.jit(lambda m, t, p, s, c: m(t, p, s, cache=c)[0] if c is None else m(t, p, s, cache=c))
     outs = []
     for model in (unrolled, scanned):
         cache = init_cache(model.cfg, 2, 16, jnp.float32)
-        logits, aux = model(tok[:, :8], pos[:, :8], seg[:, :8], cache=cache)
+        logits, aux = call(model, tok[:, :8], pos[:, :8], seg[:, :8], cache)
         steps = [logits[:, -1]]
-        cache = aux["cache"]
         for t in range(8, 12):
-            lg, aux = model(tok[:, t:t + 1], pos[:, t:t + 1], seg[:, t:t + 1], cache=aux["cache"])
+            lg, aux = call(model, tok[:, t:t + 1], pos[:, t:t + 1], seg[:, t:t + 1], aux["cache"])
             steps.append(lg[:, 0])
         outs.append(np.stack(steps))
     np.testing.assert_allclose(outs[1], outs[0], atol=2e-5)
-    full, _ = scanned(tok, pos, seg)
+    full = call(scanned, tok, pos, seg, None)
     np.testing.assert_allclose(outs[1][1:], np.asarray(full[:, 8:12]).transpose(1, 0, 2), atol=2e-5)
 
 
@@ -121,7 +141,9 @@ def test_trainer_step_and_router_bias_update_match(tmp_path):
         c.model = _cfg(scan, bias_update_rate=1e-3)
         c.mesh.update(dict(data=1, fsdp=-1))
         c.train.update(dict(grad_accum=2, lr=1e-2, warmup_steps=0))
-        tr = Trainer(c, str(tmp_path / f"scan{scan}"), lm_loss_fn(c.train))
+        # the module's seed-0 variables (Trainer's own init would compile the model's init again)
+        tr = Trainer(c, str(tmp_path / f"scan{scan}"), lm_loss_fn(c.train),
+                     model_fn=lambda scan=scan: _model(scan, bias_update_rate=1e-3))
         metrics.append([tr.train_step(batch) for _ in range(2)])
         model = tr.model
         biases.append(np.concatenate([np.atleast_2d(np.asarray(m.bias[...])) for m in moe_layers(model)]))
