@@ -76,6 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.b2 = 0.95  # Adam beta2
     c.train.weight_decay = 0.1  # decoupled weight decay
     c.train.grad_clip = 1.0  # global-norm gradient clipping (0 = off)
+    # dtype of the optimizer's first moment (Adam's m, Muon's momentum): "float32" | "bfloat16"
+    # (DeepSeek-V3 keeps its AdamW moments in bf16: a quarter less optimizer memory here)
+    c.train.mu_dtype = "float32"
     c.train.grad_accum = 1  # micro-batches per optimizer step
     # dtype of the micro-batch gradient sum: "float32" | "bfloat16" (half the accumulator's
     # memory, a parameter-sized buffer; each micro-batch's gradient is rounded once when added)

@@ -280,6 +280,22 @@ def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_pa
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_bfloat16_first_moment(tmp_path, optimizer):
+    from coder.train.checkpoint import tree_to_flat
+
+    tr = make_trainer(tmp_path, make_config(optimizer=optimizer, mu_dtype="bfloat16"))
+    m = tr.train_step(make_batch(0))
+    assert np.isfinite(float(m["loss"]))
+    dtypes = {n: leaf.dtype for n, leaf in tree_to_flat(tr.opt_state).items() if leaf.ndim == 2}
+    mu = [d for n, d in dtypes.items() if ".mu." in n]
+    assert mu and all(d == jnp.bfloat16 for d in mu)  # the first moment ...
+    assert any(d == jnp.float32 for n, d in dtypes.items() if ".nu." in n)  # ... only
+    tr.close()
+    with pytest.raises(ValueError, match="train.mu_dtype='float16'"):
+        make_trainer(tmp_path / "bad", make_config(mu_dtype="float16"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_optimizer_state_shards_like_params(tmp_path, optimizer):
     cfg = make_config(optimizer=optimizer)
     cfg.mesh.data, cfg.mesh.fsdp = 2, 4  # embed -> fsdp (4 ways), batch -> data x fsdp

@@ -35,6 +35,7 @@ a new kind must be given its axes here rather than fall back to AdamW unnoticed.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 MuonDims = optax.contrib.MuonDimensionNumbers
@@ -148,6 +149,9 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """The optimizer of `train_cfg.optimizer`, preceded by global-norm clipping when grad_clip > 0."""
     schedule = lr_schedule(train_cfg)
     name = train_cfg.optimizer
+    mu_dtype = str(train_cfg.get("mu_dtype", "float32"))
+    if mu_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"train.mu_dtype={mu_dtype!r}: choose 'float32' or 'bfloat16'")
     if name == "adamw":
         tx = optax.adamw(
             learning_rate=schedule,
@@ -155,6 +159,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
             b2=float(train_cfg.b2),
             weight_decay=float(train_cfg.weight_decay),
             mask=decay_mask,
+            mu_dtype=jnp.dtype(mu_dtype),
         )
     elif name == "muon":
         tx = optax.contrib.muon(
@@ -167,6 +172,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
             adam_weight_decay=float(train_cfg.weight_decay),
             muon_weight_dimension_numbers=muon_dimension_numbers,
             consistent_rms=_MUON_RMS,
+            mu_dtype=jnp.dtype(mu_dtype),
         )
     else:
         raise ValueError(f"train.optimizer={name!r}: expected 'adamw' or 'muon'")
