@@ -107,6 +107,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.data.batch_size = s["batch_size"]
     c.train.grad_accum = s["grad_accum"]
     c.train.grad_accum_dtype = "bfloat16"
+    c.train.mu_dtype = "bfloat16"  # as DeepSeek-V3 trained (its report, section 3.3)
     c.train.optimizer_over_data = s.get("optimizer_over_data", False)
     c.model.remat = REMAT
     c.model.moe_capacity_factor = MOE_CAPACITY_FACTOR
