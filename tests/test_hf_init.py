@@ -146,10 +146,13 @@ def _logits_ours(model, tokens):
     return np.asarray(logits), aux
 
 
-def test_stage_model_from_hf_equals_transformers(hf_dir, caplog):
+def test_stage_model_from_hf_equals_transformers(hf_dir, caplog, tmp_path):
     """The stage's own path (inherit_model_config -> stage_config -> stage_tokenizer ->
     build_model -> load_into): before any step, transformers' logits on the checkpoint's rows;
-    the chat tokens added after them; the MTP module fresh."""
+    the chat tokens added after them; the MTP module fresh. Then, for each tokenizer kind, the
+    tokenizer's checkpoint record (to_record -> JSON -> from_record) and export with save_hf:
+    transformers loads the weights (same logits as ours) and the tokenizer (same ids, same chat
+    rendering). The sft stage run through main.py is test_sft_from_hf_dir_with_main_then_export."""
     path, hf_model, vocab, kind = hf_dir
     caplog.set_level("INFO")
     config = _config(path, kind)
@@ -192,6 +195,31 @@ def test_stage_model_from_hf_equals_transformers(hf_dir, caplog):
     chat_ids = np.asarray([[tok.special_id("assistant"), tok.end_id]], np.int32)
     assert np.isfinite(_logits_ours(model, chat_ids)[0]).all()
 
+    # the checkpoint's record of this tokenizer kind (what Trainer.save writes) and back
+    record = json.loads(json.dumps(tk.to_record(tok)))
+    assert record["kind"] == kind
+    tok = tk.from_record(record)
+    assert tok.vocab_size == vocab + N_CHAT and tk.fingerprint(tok) == record["sha256"]
+    _check_export(c, model, tok, str(tmp_path / "export"), vocab)
+
+
+def _check_export(c, model, tok, out, vocab):
+    """save_hf with the tokenizer: transformers loads the weights (same logits as ours) and the
+    tokenizer (same ids, same chat rendering)."""
+    hf_import.save_hf(c.model, model, out, tokenizer=tok)
+    names = set(json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"])
+    assert "model.layers.2.eh_proj.weight" in names  # the MTP module goes back too
+    hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokens = np.asarray(tok.render_conversation(MESSAGES)[0][:48], np.int32)[None]
+    np.testing.assert_allclose(_logits_theirs(hf2, tokens), _logits_ours(model, tokens)[0], atol=1e-4, rtol=0)
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(auto) == vocab + N_CHAT
+    for text in (CODE, MESSAGES[2]["content"]):
+        assert auto.encode(text, add_special_tokens=False) == tok.encode(text)
+    rendered = auto.apply_chat_template(MESSAGES, tokenize=True, return_dict=False)
+    assert list(rendered) == tok.render_conversation(MESSAGES)[0].tolist()
+    assert auto.decode(tok.encode(CODE)) == CODE
+
 
 def test_sharded_import_equals_unsharded(hf_dir):
     """On a mesh (8 devices: experts over 4, the rest over 2) each process reads only its blocks;
@@ -228,8 +256,15 @@ def test_sft_from_hf_dir_with_main_then_export(hf_dir, tmp_path):
     """`main.py --config.init_from=DIR --config.stage=sft` a few steps: the log reports the fresh
     MTP module, the grown vocabulary and the model keys taken from config.json; the checkpoint
     holds the pretrained tokenizer. Then export: transformers loads the weights (same logits as
-    ours) and the tokenizer (same ids, same chat rendering)."""
+    ours) and the tokenizer (same ids, same chat rendering).
+
+    One tokenizer kind: the stage run does not depend on it (the tokenizer is loaded, written into
+    the checkpoint and exported by the functions test_stage_model_from_hf_equals_transformers runs
+    for both kinds: stage_tokenizer, to_record / from_record, save_hf)."""
     path, _, vocab, kind = hf_dir
+    if kind != "hf_tokenizers":
+        pytest.skip("the stage run does not depend on the tokenizer kind (both kinds' tokenizer "
+                    "record and export: test_stage_model_from_hf_equals_transformers)")
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"messages": MESSAGES}) + "\n" for _ in range(8)))
     workdir = tmp_path / "run"
@@ -237,8 +272,6 @@ def test_sft_from_hf_dir_with_main_then_export(hf_dir, tmp_path):
             "--config.stages=()", f"--config.sft.data={data}", "--config.sft.steps=3",
             "--config.sft.seq_len=256", "--config.sft.batch_size=2", "--config.train.log_every=1",
             "--config.train.warmup_steps=1", "--config.model.dtype=float32"]
-    if kind == "tiktoken":
-        args.append(f"--config.data.tiktoken_pattern={GPT2_PATTERN}")
     p = _run_main(workdir, *args)
     assert p.returncode == 0, p.stderr[-4000:]
     log = p.stderr
@@ -261,20 +294,7 @@ def test_sft_from_hf_dir_with_main_then_export(hf_dir, tmp_path):
     assert tk.fingerprint(ckpt_lib.stage_tokenizer(c, ckpt, "")) == record["sha256"]
     model = state_lib.load_model(c, ckpt)
 
-    out = tmp_path / "export"
-    hf_import.save_hf(c.model, model, str(out), tokenizer=tok)
-    names = set(json.load(open(out / "model.safetensors.index.json"))["weight_map"])
-    assert "model.layers.2.eh_proj.weight" in names  # the MTP module goes back too
-    hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
-    tokens = np.asarray(tok.render_conversation(MESSAGES)[0][:48], np.int32)[None]
-    np.testing.assert_allclose(_logits_theirs(hf2, tokens), _logits_ours(model, tokens)[0], atol=1e-4, rtol=0)
-    auto = transformers.AutoTokenizer.from_pretrained(str(out))
-    assert len(auto) == vocab + N_CHAT
-    for text in (CODE, MESSAGES[2]["content"]):
-        assert auto.encode(text, add_special_tokens=False) == tok.encode(text)
-    rendered = auto.apply_chat_template(MESSAGES, tokenize=True, return_dict=False)
-    assert list(rendered) == tok.render_conversation(MESSAGES)[0].tolist()
-    assert auto.decode(tok.encode(CODE)) == CODE
+    _check_export(c, model, tok, str(tmp_path / "export"), vocab)
 
 
 def test_import_without_torch(hf_dir, tmp_path):
