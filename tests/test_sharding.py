@@ -41,6 +41,10 @@ LAYOUTS = {
     "expert4_fsdp2_tokens": mesh_cfg(TOKENS_OVER_EXPERT, fsdp=2, expert=4),  # gather / scatter
     "tensor2_expert2_fsdp2": mesh_cfg(fsdp=2, expert=2, tensor=2),
     "tensor4_seq2": mesh_cfg(tensor=4, sequence=2),
+    # sequence parallelism: the residual stream split over sequence x tensor, attention's
+    # queries over sequence and its heads over tensor (the docs/scale layout, smaller)
+    "seq2_tensor2_expert2_sp": mesh_cfg({"res_seq": ("sequence", "tensor")}, sequence=2, tensor=2,
+                                        expert=2),
 }
 
 

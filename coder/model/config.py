@@ -90,7 +90,11 @@ def default_rules() -> tuple:
     """Logical axis name -> mesh axes. Changing parallelism is a change of this table."""
     return (
         ("batch", ("data", "fsdp")),
-        ("seq", "sequence"),
+        ("seq", "sequence"),  # attention's queries (and the MLPs' tokens)
+        # the residual stream between blocks (norms, residual adds, the router, the MoE's tokens,
+        # the activations remat keeps): splitting it over more axes than `seq` (e.g. the axes of
+        # `heads`) is sequence parallelism: XLA gathers it for attention and scatters it back
+        ("res_seq", "sequence"),
         ("embed", "fsdp"),
         ("heads", "tensor"),
         ("kv_lora", None),

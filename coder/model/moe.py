@@ -331,6 +331,9 @@ def _expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
     if dispatch not in DISPATCHES:
         raise ValueError(f"model.moe_dispatch={dispatch!r} must be one of {DISPATCHES}")
     ep = _size(mesh, sharding.mesh_axes_of("exp", rules))
+    tok_axes, seq_axes, exp_axes, mlp_axes = _token_layout(mesh, rules, *x.shape[:2])
+    if set(mlp_axes) & (set(tok_axes) | set(seq_axes)):
+        dispatch = "all_gather"  # F split over axes that split the tokens too: gathered there
     if capacity_factor > 0 or ep == 1 or dispatch == "all_gather":
         return _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_factor)
     ragged = functools.partial(_ragged_dispatch, mesh=mesh, rules=rules,
@@ -346,7 +349,7 @@ def _token_layout(mesh, rules, b: int, t: int):
     tok_axes = _dividing(mesh, sharding.mesh_axes_of("batch", rules), b)
     # a decode step's single token (or a batch smaller than the data axes) cannot be split:
     # those axes then hold a replica of the tokens and compute the same expert sums
-    seq_axes = _dividing(mesh, tuple(a for a in sharding.mesh_axes_of("seq", rules)
+    seq_axes = _dividing(mesh, tuple(a for a in sharding.mesh_axes_of("res_seq", rules)
                                      if a not in tok_axes), t)
     exp_axes = sharding.mesh_axes_of("exp", rules)
     mlp_axes = tuple(a for a in sharding.mesh_axes_of("exp_mlp", rules) if a not in exp_axes)
@@ -364,8 +367,10 @@ def _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
     b, t = x.shape[:2]
     tok_axes, seq_axes, exp_axes, mlp_axes = _token_layout(mesh, rules, b, t)
     token_sharded = set(tok_axes) | set(seq_axes)
-    gather = tuple(a for a in exp_axes if a in token_sharded)  # token shards to collect
-    reduce = tuple(a for a in exp_axes if a not in token_sharded) + mlp_axes
+    # axes splitting both the tokens and the experts (or their F): collect those token shards,
+    # and return each shard's sum with psum_scatter; axes splitting only the weights: psum
+    gather = tuple(a for a in exp_axes + mlp_axes if a in token_sharded)
+    reduce = tuple(a for a in exp_axes + mlp_axes if a not in token_sharded)
     spec = _spec
     tok_spec = P(spec(tok_axes), spec(seq_axes), None)
     w_in = P(spec(exp_axes), None, spec(mlp_axes))
@@ -591,7 +596,7 @@ class MoE(nnx.Module):
         cfg = self.cfg
         x = x.astype(self.dtype)
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        logits = sharding.constrain(logits, ("batch", "seq", None))
+        logits = sharding.constrain(logits, ("batch", "res_seq", None))
         weights, ids = route(logits, self.bias[...], cfg, expert_ids)  # [B, T, k]
         validf = valid.astype(jnp.float32)
         z = (jax.nn.logsumexp(logits, axis=-1) ** 2 * validf).sum() / jnp.maximum(validf.sum(), 1.0)

@@ -93,7 +93,12 @@ def _tpu_device_mesh(shape, devices, num_slices: int) -> np.ndarray:
 
 
 def rules_dict(rules) -> dict[str, Any]:
-    return {name: target for name, target in rules}
+    """{logical name: mesh axes}. `res_seq` (the residual stream's sequence axis) defaults to the
+    `seq` rule when a table does not name it."""
+    out = {name: target for name, target in rules}
+    if "res_seq" not in out and "seq" in out:
+        out["res_seq"] = out["seq"]
+    return out
 
 
 def validate(model_cfg, mesh_cfg, n_devices: int) -> dict[str, int]:
@@ -136,7 +141,7 @@ def validate(model_cfg, mesh_cfg, n_devices: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------- rules
 def logical_to_spec(axes, rules) -> PartitionSpec:
     """PartitionSpec for logical `axes` under `rules`; a mesh axis is used at most once."""
-    rules = rules if isinstance(rules, dict) else rules_dict(rules)
+    rules = rules_dict(rules.items() if isinstance(rules, dict) else rules)
     used: set[str] = set()
     out = []
     for name in axes:
@@ -152,7 +157,7 @@ def logical_to_spec(axes, rules) -> PartitionSpec:
 
 
 def mesh_axes_of(logical: str, rules) -> tuple[str, ...]:
-    rules = rules if isinstance(rules, dict) else rules_dict(rules)
+    rules = rules_dict(rules.items() if isinstance(rules, dict) else rules)
     target = rules.get(logical)
     if target is None:
         return ()

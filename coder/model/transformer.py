@@ -36,7 +36,7 @@ REMAT_POLICIES = {
     # MB per layer and row at 32k), so the backward pass does not rerun the forward kernel
     "save_attention": jax.checkpoint_policies.save_only_these_names(attention_kernels.RESIDUALS),
 }
-HIDDEN = ("batch", "seq", None)
+HIDDEN = ("batch", "res_seq", None)  # the residual stream (coder.model.config.default_rules)
 
 
 class Block(nnx.Module):

@@ -29,6 +29,7 @@ SEQ_LEN = 32768
 MOE_RULES = (
     ("batch", ("data", "fsdp")),
     ("seq", "sequence"),
+    ("res_seq", ("sequence", "expert")),  # sequence parallelism between blocks
     ("embed", ("fsdp", "sequence")),
     ("heads", "expert"),
     ("kv_lora", None),
