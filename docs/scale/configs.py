@@ -29,7 +29,6 @@ SEQ_LEN = 32768
 MOE_RULES = (
     ("batch", ("data", "fsdp")),
     ("seq", "sequence"),
-    ("res_seq", ("sequence", "expert")),  # sequence parallelism between blocks
     ("embed", ("fsdp", "sequence")),
     ("heads", "expert"),
     ("kv_lora", None),
@@ -86,7 +85,7 @@ SETTINGS = {
                       embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
 }
 # the GRPO learner's step compiled beside the training step: rows of SEQ_LEN-token rollouts
-GRPO_BATCH = 32
+GRPO_BATCH = 64
 
 
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
