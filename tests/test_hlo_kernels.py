@@ -14,6 +14,7 @@ ENTRY %main (p0: bf16[2,256,24], p1: bf16[2,256,24], p2: bf16[2,256,16], p3: bf1
   %splash_mha_fwd_segmented_residuals.1 = (bf16[2,256,16]{2,1,0}, f32[2,256,128]{2,1,0}) custom-call(%m, %m, %q, %k, %v), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "module {
 }}", "x": 1}
   %splash_mha_dkv_segmented_no_residuals.2 = (bf16[2,256,24]{2,1,0}, bf16[2,256,16]{2,1,0}) custom-call(%m, %m, %q, %k, %v), custom_call_target="tpu_custom_call"
+  %splash_mha_dkv_segmented_no_residuals.4 = (bf16[2,256,24]{2,1,0}, bf16[2,256,24]{2,1,0}, bf16[2,256,16]{2,1,0}) custom-call(%m, %m, %q, %k, %v), custom_call_target="tpu_custom_call"
   %kq = bf16[2,1024,24]{2,1,0} parameter(3)
   %kv = bf16[2,1024,16]{2,1,0} broadcast(%v), dimensions={0,1,2}
   %splash_mha_dq_segmented_no_residuals.3 = bf16[2,256,24]{2,1,0} custom-call(%m, %m, %q, %kq, %kv), custom_call_target="tpu_custom_call"
@@ -37,13 +38,16 @@ def test_an_instruction_spanning_lines_does_not_end_its_computation():
 def test_splash_kernel_flops_count_the_causal_pairs_the_busiest_device_visits():
     module = hlo_stats.parse_hlo(HLO)
     shapes = {i.name: i.shape for i in module.computations["main"]}
-    cost = {i.name.split("_segmented")[0]: hlo_stats.splash_cost(i, shapes)
+    cost = {i.name.split("_segmented")[0] + ("_fused" if i.name.endswith(".4") else ""):
+            hlo_stats.splash_cost(i, shapes)
             for i in module.computations["main"] if i.opcode == "custom-call" and "splash" in i.name}
     gmm_call = next(i for i in module.computations["main"] if i.name == "gmm.7")
     cost["gmm.7"] = (hlo_stats.megablox_flops(gmm_call, shapes), 0.0)
     pairs = 256 * 256  # one 256 x 256 block: computed whole (masked inside the kernel)
     assert cost["splash_mha_fwd"][0] == 2 * 2 * pairs * (24 + 16)  # Q K^T and P V, 2 heads
     assert cost["splash_mha_dkv"][0] == 2 * 2 * pairs * (2 * 24 + 2 * 16)
+    # the fused backward (dq, dk, dv out of one kernel): one Q K^T recompute for all three
+    assert cost["splash_mha_dkv_fused"][0] == 2 * 2 * pairs * (3 * 24 + 2 * 16)
     # 256 queries of 1024 keys (4 shards, zigzag): half-chunks 128 wide; the busiest shard's
     # query block reaches key block 2 of 2 (blocks of 512)
     assert cost["splash_mha_dq"][0] == 2 * 2 * 256 * 1024 * (2 * 24 + 16) * ak.visited_fraction(256, 1024)

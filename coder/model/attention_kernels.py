@@ -82,8 +82,9 @@ def splash_kernel(heads: int, seq: int, head_shards: int, q_seq_shards: int, int
 
     bq = block_len(seq // q_seq_shards)
     bkv = block_len(seq)
+    # one backward kernel for dq, dk and dv: Q K^T is recomputed once, not in a dq and a dkv pass
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                           block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+                           block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
     causal = sm.CausalMask((seq, seq))
     if q_seq_shards > 1:
         # the queries arrive in zigzag order (`zigzag_positions`): the kernel's mask compares

@@ -412,8 +412,8 @@ def per_computation_costs(module: HloModule) -> dict[str, tuple[float, float]]:
 _SPLASH = re.compile(r"splash_mh?q?a_(fwd|dq|dkv)")
 # matmul widths per (query, key) pair of each splash kernel, in units of (dq, dv): the forward
 # Q K^T and P V; dq recomputes Q K^T, dP = dO V^T, dQ = dS K; dkv recomputes Q K^T and does
-# dV = P^T dO, dP = dO V^T, dK = dS^T Q
-_SPLASH_WIDTHS = {"fwd": (1, 1), "dq": (2, 1), "dkv": (2, 2)}
+# dV = P^T dO, dP = dO V^T, dK = dS^T Q; the fused backward (dkv returning dq too) adds dQ = dS K
+_SPLASH_WIDTHS = {"fwd": (1, 1), "dq": (2, 1), "dkv": (2, 2), "fused": (3, 2)}
 
 
 def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
@@ -430,6 +430,8 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     from coder.model.attention_kernels import block_len, visited_fraction
 
     kind = _SPLASH.search(ins.name).group(1)
+    if kind == "dkv" and sum(len(d) >= 3 for _, d in arrays(ins.shape)) >= 3:
+        kind = "fused"  # dq, dk and dv out of one kernel
     floats = [arrays(shapes.get(o, "")) for o in ins.operands]
     floats = [(dt, d) for a in floats for dt, d in a if dt in ("bf16", "f32", "f16") and len(d) >= 3]
     if len(floats) < 3:
@@ -446,7 +448,7 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     q_bytes = math.prod(q) * _DTYPE_BYTES[qt]
     kv_bytes = math.prod(k) * _DTYPE_BYTES[kt] + math.prod(v) * _DTYPE_BYTES[vt]
     try:
-        if kind == "dkv":  # Q and dO (v's width) per key block
+        if kind in ("dkv", "fused"):  # Q and dO (v's width) per key block
             rereads = (s // block_len(s) - 1) * (q_bytes + q_bytes * dv / dq)
         else:
             rereads = (tq // block_len(tq) - 1) * kv_bytes
