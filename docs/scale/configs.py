@@ -85,6 +85,10 @@ SETTINGS = {
     # DCN every micro-batch) and the Adam moments live in host memory between steps
     "v6e-256x2": dict(slices=2, batch_size=128, grad_accum=64, offload_optimizer=True,
                       embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
+    # the same over four slices (1024 chips): parameters, gradients and the update's moments
+    # (brought in from host memory) are a quarter of a slice's share each
+    "v6e-256x4": dict(slices=4, batch_size=128, grad_accum=32, offload_optimizer=True,
+                      embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
 }
 # the GRPO learner's step compiled beside the training step (and the engine's programs; the
 # DeepSeek-V3 v5p-512 report has both, the others compile the training step only, for time):
