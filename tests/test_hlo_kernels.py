@@ -6,6 +6,12 @@ from coder.train.aot import hlo_stats
 
 HLO = """HloModule m, entry_computation_layout={()->f32[]}
 
+%sparse_add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}, execution_thread="sparsecore"
+
 ENTRY %main (p0: bf16[2,256,24], p1: bf16[2,256,24], p2: bf16[2,256,16], p3: bf16[2,1024,24]) -> f32[] {
   %q = bf16[2,256,24]{2,1,0} parameter(0)
   %k = bf16[2,256,24]{2,1,0} parameter(1)
@@ -29,6 +35,8 @@ ENTRY %main (p0: bf16[2,256,24], p1: bf16[2,256,24], p2: bf16[2,256,16], p3: bf1
 
 def test_an_instruction_spanning_lines_does_not_end_its_computation():
     module = hlo_stats.parse_hlo(HLO)
+    # a SparseCore computation ends with `}, execution_thread=...`: the next one is its own
+    assert [i.name for i in module.computations["sparse_add"]] == ["a", "b", "s"]
     names = [i.name for i in module.computations["main"]]
     assert "splash_mha_dkv_segmented_no_residuals.2" in names and names[-1] == "r"
     fwd = next(i for i in module.computations["main"] if i.name.startswith("splash_mha_fwd"))

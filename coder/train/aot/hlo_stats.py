@@ -27,6 +27,9 @@ _DTYPE_BYTES = {
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$", re.S)
+# a computation's last line: "}", or "}, execution_thread=..." (SparseCore computations of v5p /
+# v6e); a Mosaic kernel's backend_config lines may start with "}" too, but never look like this
+_END = re.compile(r"^\}(,\s*execution_thread=\S+)?\s*$")
 _INSTR_START = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+ = ")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 _CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
@@ -104,7 +107,7 @@ def parse_hlo(text: str) -> HloModule:
                 if m.group(1):
                     entry = current
             continue
-        if line.rstrip() == "}":
+        if _END.match(line):
             flush()
             current = None
         elif _INSTR_START.match(line):
