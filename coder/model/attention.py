@@ -140,12 +140,24 @@ class MLA(nnx.Module):
         elif cache is None:
             kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
             k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
-            # one RoPE key for all heads: broadcast, so q . k = q_n . k_n + q_r . k_r per head
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :].astype(dt),
-                                                          (*k_rope.shape[:2], self.h, self.dr))], -1)
-            q = jnp.concatenate([q_nope, q_rope.astype(dt)], -1)
-            # splash attention on TPU, the Triton flash kernel on GPU, XLA elsewhere
-            o = attention_kernels.attention(q, k, v, segment_ids, self.scale)
+            if attention_kernels.targets_cpu():
+                # XLA: the RoPE half of the scores in the precision RoPE returns (as the cached
+                # path's, so the engine and the learner agree), no per-head key copies
+                scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+                          + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
+                t = x.shape[1]
+                causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+                same = segment_ids[:, :, None] == segment_ids[:, None, :]
+                mask = (causal[None] & same)[:, None]  # [B,1,T,S]
+                probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
+                o = jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
+            else:
+                # one RoPE key for all heads: broadcast, so q . k = q_n . k_n + q_r . k_r per head
+                k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :].astype(dt),
+                                                              (*k_rope.shape[:2], self.h, self.dr))], -1)
+                q = jnp.concatenate([q_nope, q_rope.astype(dt)], -1)
+                # splash attention on TPU, the Triton flash kernel on GPU (chosen at lowering)
+                o = attention_kernels.attention(q, k, v, segment_ids, self.scale)
             new_cache = None
         elif self.nsa is not None:
             new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)
