@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
     # replicas, e.g. TPU slices over DCN): each replica updates its share of the parameters and
     # the new parameters are all-gathered over `data` once per step
     c.train.optimizer_over_data = False
+    # sum each data-parallel replica's micro-batch gradients on its own devices and reduce them
+    # over `data` once per step (else once per micro-batch inside the accumulation loop: across
+    # DCN when replicas are TPU slices); parameters must not be sharded over `data`
+    c.train.reduce_grads_once = False
     c.train.mtp_loss_weight = 0.3  # weight of the MTP cross-entropy in the loss
     c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
     c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run

@@ -336,3 +336,38 @@ def test_transformer_with_remat_trains_under_accumulation(tmp_path, remat):
     else:
         np.testing.assert_allclose(losses_seen, expected, rtol=1e-5)
     assert all(np.isfinite(losses_seen))
+
+
+def _tiny_moe(c, **extra):
+    c.model.update(dict(vocab_size=V, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                        num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
+                        qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, n_group=1, topk_group=1,
+                        num_experts_per_tok=2, num_mtp_layers=1, dtype="float32", **extra))
+    return c
+
+
+def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
+    """train.reduce_grads_once: the real MoE model on data 2 x fsdp 2 x expert 2 (its sharding
+    constraints and the MoE's shard_map run inside the vmap over `data`) takes the same steps
+    as the default reduction; parameters sharded over `data` are refused by name."""
+    from coder.model import Transformer
+
+    out = {}
+    for once in (False, True):
+        c = _tiny_moe(make_config(grad_accum=2, reduce_grads_once=once))
+        c.mesh.update(dict(data=2, fsdp=2, expert=2))
+        tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+        ms = [tr.train_step(make_batch(i)) for i in range(2)]
+        out[once] = ([(float(m["loss"]), float(m["grad_norm"]), float(m["load_imbalance"])) for m in ms],
+                     jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
+        tr.close()
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), out[False][1], out[True][1])
+
+    c = make_config(grad_accum=2, reduce_grads_once=True)
+    c.mesh.update(dict(data=2, fsdp=4))
+    c.mesh.rules = tuple((k, ("data", "fsdp") if k == "embed" else v) for k, v in c.mesh.rules)
+    tr = make_trainer(tmp_path / "bad", c, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="parameter sharded over mesh.data"):
+        tr.train_step(make_batch(0))
+    tr.close()

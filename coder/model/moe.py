@@ -207,9 +207,12 @@ def grouped_matmul(x, w, group_sizes):
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
     """
-    # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
+    # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included);
+    # ragged_dot has no vmap rule for an unbatched weight, so under the trainer's per-replica
+    # vmap (train.reduce_grads_once) GPU takes the block-padded form
+    gpu = block_grouped_matmul if sharding.vmapped_axis() else jax.lax.ragged_dot
     return jax.lax.platform_dependent(x, w, group_sizes, tpu=megablox_grouped_matmul,
-                                      cpu=block_grouped_matmul, default=jax.lax.ragged_dot)
+                                      cpu=block_grouped_matmul, default=gpu)
 
 
 DENSE_FFN_MAX = 512  # tokens x local experts up to which CPU runs every expert on every token

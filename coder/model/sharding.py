@@ -164,6 +164,17 @@ def mesh_axes_of(logical: str, rules) -> tuple[str, ...]:
     return (target,) if isinstance(target, str) else tuple(target)
 
 
+def without_axis(rules, axis: str) -> tuple:
+    """`rules` with mesh `axis` dropped from every target: the rules of code that runs under
+    `jax.vmap(..., spmd_axis_name=axis)`, where the vmapped dimension owns that axis."""
+    out = []
+    for name, target in rules_dict(rules.items() if isinstance(rules, dict) else rules).items():
+        targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        kept = tuple(t for t in targets if t != axis)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------- context
 _CTX = threading.local()
 
@@ -178,6 +189,28 @@ def activate(mesh: Mesh, rules):
             yield
     finally:
         _CTX.value = prev
+
+
+@contextlib.contextmanager
+def replica_vmap(axis: str):
+    """Tracing code that runs under `jax.vmap(..., spmd_axis_name=axis)` inside an `activate`
+    block: the rules stop naming `axis` (the vmapped dimension owns it) and `vmapped_axis()`
+    tells layers whose primitives have no batching rule (ragged_dot) to take another form."""
+    prev = current()
+    if prev is None:
+        raise RuntimeError("sharding.replica_vmap outside sharding.activate")
+    _CTX.value = (prev[0], rules_dict(without_axis(prev[1], axis)))
+    _CTX.vmapped = axis
+    try:
+        yield
+    finally:
+        _CTX.value = prev
+        _CTX.vmapped = None
+
+
+def vmapped_axis() -> str | None:
+    """The mesh axis of an enclosing `replica_vmap` (while tracing), else None."""
+    return getattr(_CTX, "vmapped", None)
 
 
 def current():

@@ -93,7 +93,11 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ pieces
     def _embed(self, tokens):
-        return constrain(jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype), HIDDEN)
+        # the table whole along `embed` (vocabulary-parallel lookup): left split over the axes
+        # that also split the tokens (FSDP), XLA:TPU gathered the looked-up rows across the
+        # data-parallel replicas instead (a DCN transfer per micro-batch between TPU slices)
+        table = constrain(self.embed[...], ("vocab", None))
+        return constrain(jnp.take(table, tokens, axis=0).astype(self.dtype), HIDDEN)
 
     def _head(self, h):
         """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32."""

@@ -106,9 +106,33 @@ def _weighted_loss(loss_fn, graphdef, params, rest, batch, rng):
     return jnp.asarray(loss, jnp.float32), (metrics, weight)
 
 
+def _split_rows(mb: dict, n: int) -> tuple[dict, dict]:
+    """Micro-batch arrays `[b, ...]` -> `[n, b/n, ...]` on their batch axis (BATCH_AXIS), and the
+    axis of `n` per array (vmap's in_axes). Rows are sharded over `data` in contiguous blocks
+    and micro-batch j holds rows j, j+accum, ... (split_microbatches), so block r of a
+    micro-batch lives on replica r: the reshape moves no data."""
+    out, axes = {}, {}
+    for name, x in mb.items():
+        ax = BATCH_AXIS.get(name, 0)
+        out[name] = x.reshape(x.shape[:ax] + (n, x.shape[ax] // n) + x.shape[ax + 1:])
+        axes[name] = ax
+    return out, axes
+
+
+def _replicas(axis: str | None):
+    """(mesh, rules, size) of mesh `axis` in the active sharding context, or None when the step
+    runs without one, `axis` is None or of size 1 (nothing to reduce across)."""
+    ctx = sharding.current()
+    if axis is None or ctx is None:
+        return None
+    mesh, rules = ctx
+    n = int(mesh.shape.get(axis, 1))
+    return (mesh, rules, n) if n > 1 else None
+
+
 def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1, bias_rate: float = 0.0,
                     trainable=nnx.Param, schedule: Callable | None = None,
-                    accum_dtype=jnp.float32) -> Callable:
+                    accum_dtype=jnp.float32, replica_axis: str | None = None) -> Callable:
     """The optimizer step every stage runs, as a pure function (the trainer jits it; stage
     `compile` lowers the same function for a TPU slice):
 
@@ -120,21 +144,71 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
     Micro-batch grads (lax.scan) are summed in `accum_dtype` (train.grad_accum_dtype), averaged
     with the loss_fn's `weight`s in float32, clipped and applied by `tx`; a non-finite loss or gradient norm keeps params, optimizer state and router bias
     (metrics["skipped"] = 1); MoE router biases get the aux-loss-free update after the step.
+
+    replica_axis (train.reduce_grads_once: "data"): left to the partitioner, every micro-batch's
+    gradient is all-reduced over the data-parallel replicas inside the loop (across DCN when
+    they are TPU slices: grad_accum reductions of a parameter-sized gradient per step). With
+    it, each replica's rows of a micro-batch go through a `jax.vmap` over that mesh axis
+    (`spmd_axis_name`; inside it the model's rules do not name the axis), the gradient sum
+    keeps a leading replica dimension `[replicas, ...]` split over the axis (each device holds
+    what it held before), and one reduction over the axis per step follows the loop. Equal to
+    the default up to float rounding; the loss_fn's rng is split per replica.
     """
     grad_fn = jax.value_and_grad(functools.partial(_weighted_loss, loss_fn, graphdef), has_aux=True)
 
     def train_step(params, rest, opt_state, step, batch):
         step_key = jax.random.fold_in(key, step)
         micro = split_microbatches(batch, grad_accum)
+        replicas = _replicas(replica_axis)
+        if replicas is None:
+            def micro_grad(mb, rng):
+                return grad_fn(params, rest, mb, rng)
+
+            def weighted(w, g):
+                return w * g
+
+            zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
+        else:
+            mesh, rules, n = replicas
+            name = next(iter(micro))
+            rows = micro[name].shape[BATCH_AXIS.get(name, 0) + 1]
+            if rows % n:
+                raise ValueError(f"train.reduce_grads_once: a micro-batch of {rows} rows does not split "
+                                 f"over mesh.{replica_axis}={n}: make data.batch_size / train.grad_accum "
+                                 f"a multiple of {n}")
+
+            def micro_grad(mb, rng):
+                mb, axes = _split_rows(mb, n)
+                with sharding.replica_vmap(replica_axis):
+                    f = jax.vmap(grad_fn, in_axes=(None, None, axes, 0), spmd_axis_name=replica_axis)
+                    return f(params, rest, mb, jax.random.split(rng, n))
+
+            def weighted(w, g):  # w [n], g [n, ...]
+                return w.reshape(w.shape + (1,) * (g.ndim - 1)) * g
+
+            def replica_zeros(p, spec):
+                if replica_axis in jax.tree.leaves(tuple(spec)):
+                    raise ValueError(f"train.reduce_grads_once: parameter sharded over mesh.{replica_axis} "
+                                     f"({spec}); the per-replica gradient sum needs parameters whole on "
+                                     f"each replica (drop {replica_axis!r} from the parameter rules)")
+                z = jnp.zeros((n,) + p.shape, accum_dtype)
+                return jax.lax.with_sharding_constraint(
+                    z, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(replica_axis, *spec)))
+
+            specs = sharding.state_specs(params, rules)
+            zeros = jax.tree.map(replica_zeros, params, specs)
 
         def body(grad_sum, xs):
             mb, i = xs
-            (loss, (metrics, w)), g = grad_fn(params, rest, mb, jax.random.fold_in(step_key, i))
-            grad_sum = jax.tree.map(lambda s, x: s + (w * x).astype(s.dtype), grad_sum, g)
+            (loss, (metrics, w)), g = micro_grad(mb, jax.random.fold_in(step_key, i))
+            grad_sum = jax.tree.map(lambda s, x: s + weighted(w, x).astype(s.dtype), grad_sum, g)
             return grad_sum, (loss, metrics, w)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
         grad_sum, (losses, metrics, ws) = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
+        if replicas is not None:  # [accum, n, ...] -> [accum * n, ...]; the one reduction over replicas
+            flat = lambda x: x.reshape((-1,) + x.shape[2:])
+            losses, ws, metrics = flat(losses), flat(ws), jax.tree.map(flat, metrics)
+            grad_sum = jax.tree.map(lambda g: g.astype(jnp.float32).sum(0), grad_sum)
         total_w = jnp.sum(ws)
         grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / jnp.where(total_w > 0, total_w, 1.0)
                                            ).astype(p.dtype), grad_sum, params)
@@ -177,6 +251,11 @@ def accum_dtype(train_cfg):
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"train.grad_accum_dtype={name!r}: choose 'float32' or 'bfloat16'")
     return jnp.dtype(name)
+
+
+def replica_axis(train_cfg) -> str | None:
+    """The mesh axis whose micro-batch gradients are summed per replica (train.reduce_grads_once)."""
+    return "data" if train_cfg.get("reduce_grads_once", False) else None
 
 
 def optimizer_axes(train_cfg) -> tuple[str, ...]:
@@ -259,7 +338,7 @@ class Trainer:
         self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key,
                                      grad_accum=self.grad_accum, bias_rate=self.bias_rate,
                                      trainable=trainable, schedule=self._schedule,
-                                     accum_dtype=accum_dtype(tc))
+                                     accum_dtype=accum_dtype(tc), replica_axis=replica_axis(tc))
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),

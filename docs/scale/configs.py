@@ -76,9 +76,10 @@ SETTINGS = {
     # that; 4 rows need 95.7 GiB per chip (XLA compiles it, 0.7 GiB over the 95 GiB here)
     "v5p-512": dict(slices=1, batch_size=132, grad_accum=44, grpo_batch=88),
     # Kimi K2 over two slices: parameters shard within a slice, the Adam moments over both
-    # (train.optimizer_over_data, ZeRO-1 across DCN), a bf16 gradient sum
+    # (train.optimizer_over_data, ZeRO-1 across DCN), a bf16 gradient sum per slice reduced
+    # across the slices once per step (train.reduce_grads_once)
     "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=32, optimizer_over_data=True,
-                      engine=False, grpo=False),
+                      reduce_grads_once=True, engine=False, grpo=False),
     "v5p-1024": dict(slices=1, batch_size=128, grad_accum=32, expert=64),
     # 32 GB chips: parameters, gradients and the gradient sum shard over both slices too
     # (`embed` over data x fsdp x sequence: ZeRO-3 across DCN, whose weight gathers then cross
@@ -117,6 +118,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.train.grad_accum_dtype = "bfloat16"
     c.train.mu_dtype = "bfloat16"  # as DeepSeek-V3 trained (its report, section 3.3)
     c.train.optimizer_over_data = s.get("optimizer_over_data", False)
+    c.train.reduce_grads_once = s.get("reduce_grads_once", False)
     c.model.remat = REMAT
     c.model.moe_capacity_factor = MOE_CAPACITY_FACTOR
     c.model.moe_a2a_buffer_factor = A2A_BUFFER_FACTOR
