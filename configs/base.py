@@ -49,7 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
     # tiktoken) tokenizer, by name: a string the base tokenizer has as a special token is used
     # (e.g. --config.data.chat_tokens.user='<｜User｜>'), a missing one is added as a new token
     # (the embedding and output head grow; new rows = mean of the checkpoint's). Defaults:
-    # coder's own tokens (coder.data.tokenizer.SPECIAL_TOKENS). Read when a stage starts from a
+    # coder's own tokens (coder.data.chat_template.SPECIAL_TOKENS). Read when a stage starts from a
     # Hugging Face checkpoint; later stages take the tokenizer stored in the checkpoint.
     c.data.chat_tokens = ml_collections.ConfigDict(dict(
         system="<|system|>", user="<|user|>", assistant="<|assistant|>", tool="<|tool|>",

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from coder.stages import compile as C
+from coder.stages import compile_report
 from coder.train.aot import hardware as hw
 
 libtpu = pytest.importorskip("libtpu", reason="the tpu extra (libtpu) is needed for TPU topologies")
@@ -378,13 +379,13 @@ def test_grpo_step_failure_is_recorded_not_raised():
     mesh = sharding.make_mesh(config.mesh, hw.topology_devices(topo))
     g = C.compile_grpo(config, mesh, topo)
     assert g["status"] == "compile_error" and "size is 3" in g["error"] and "memory" not in g
-    md = "\n".join(C.grpo_markdown(g))
+    md = "\n".join(compile_report.grpo_markdown(g))
     assert "## RL learner: GRPO step" in md and "**compile_error**" in md
 
     gib = 2**30
     oom = dict(status="does_not_fit", error="Ran out of memory", compile_seconds=9.0,
                memory_overflow=dict(used_bytes=20 * gib, hbm_bytes=16 * gib, fraction_of_hbm=1.25))
-    assert "needs 20 GiB of 16 GiB HBM (125%)" in "\n".join(C.grpo_markdown(oom))
+    assert "needs 20 GiB of 16 GiB HBM (125%)" in "\n".join(compile_report.grpo_markdown(oom))
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from coder.data import sft
+from coder.data import chat_template, sft
 from coder.data import tokenizer as tk
 from configs import base
 
@@ -82,7 +82,7 @@ def test_conversations_packed_whole_with_template_masks(tok, tmp_path):
         assert b["tokens"].shape == (4, 256)
     # Loss on assistant text + <|end|> only: never on role tokens or other turns.
     ids, mask = np.concatenate([s[0] for s in segs]), np.concatenate([s[1] for s in segs])
-    for role in tk.ROLES:
+    for role in chat_template.ROLES:
         assert not mask[ids == tok.special_id(role)].any()
     assert mask[ids == tok.special_id("<tool_call>")].all()
     assert not mask[ids == tok.special_id("<tool_result>")].any()

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from coder import stages  # noqa: E402
+from coder.data import chat_template  # noqa: E402
 from coder.data import tokenizer as tk  # noqa: E402
 from coder.model import hf_import  # noqa: E402
 from coder.model import sharding  # noqa: E402
@@ -33,7 +34,7 @@ from coder.train import state as state_lib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.abspath(sys.executable)
-N_CHAT = len(tk.SPECIAL_TOKENS)
+N_CHAT = len(chat_template.SPECIAL_TOKENS)
 # GPT-2's pre-tokenizer for the test's tiktoken file (Kimi K2's is the default of the key)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 CODE = "def f(x):\n    if x:\n\t\treturn 12345  # caf\u00e9 \U0001F600\n\n\n    return None   \r\n"

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from coder.data import corpus
+from coder.data import chat_template, corpus
 from coder.data import tokenizer as tk
 from coder.train import checkpoint as ckpt_lib
 from configs import base
@@ -33,7 +33,7 @@ def tok():
 
 def test_special_tokens_are_single_fixed_ids(tok):
     assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)
-    for i, token in enumerate(tk.SPECIAL_TOKENS):
+    for i, token in enumerate(chat_template.SPECIAL_TOKENS):
         assert tok.encode(token) == [4 + i]
         assert tok.special_id(token) == 4 + i
         assert tok.decode([4 + i]) == token
@@ -49,7 +49,7 @@ def test_special_tokens_are_single_fixed_ids(tok):
 def test_special_strings_can_be_encoded_as_plain_text(tok):
     text = 'print("<|end|>")  # </tool_call> <tool_call'
     plain = tok.encode(text, allow_special=False)
-    assert not set(plain) & {tok.special_id(t) for t in tk.SPECIAL_TOKENS}
+    assert not set(plain) & {tok.special_id(t) for t in chat_template.SPECIAL_TOKENS}
     assert tok.decode(plain) == text
     assert tok.end_id in tok.encode(text)
     assert tok.encode("no specials", allow_special=False) == tok.encode("no specials")
@@ -338,7 +338,7 @@ def test_hf_tokenizers_kind_uses_the_base_tokens_and_adds_the_others(tmp_path):
     assert tok.kind == "hf_tokenizers" and (tok.bos_id, tok.eos_id) == (0, 1)
     assert tok.special_id("user") == 2 and tok.end_id == 3
     added = tok.added_tokens
-    assert "<|user|>" not in added and "<|end|>" not in added and len(added) == len(tk.SPECIAL_TOKENS) - 2
+    assert "<|user|>" not in added and "<|end|>" not in added and len(added) == len(chat_template.SPECIAL_TOKENS) - 2
     assert sorted(added.values()) == list(range(size + 5, size + 5 + len(added)))  # after the rows
     assert tok.vocab_size == tok.padded_vocab_size == size + 5 + len(added)
     assert tok.decode(tok.encode(CODE)) == CODE

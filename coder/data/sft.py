@@ -32,8 +32,7 @@ import threading
 
 import numpy as np
 
-from coder.data import pretrain, sources
-from coder.data import tokenizer as tokenizer_lib
+from coder.data import chat_template, pretrain, sources
 from coder.data.pretrain import bad_doc
 
 
@@ -42,7 +41,7 @@ def validate_messages(messages) -> bool:
     if not isinstance(messages, list) or not messages:
         return False
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in tokenizer_lib.ROLES:
+        if not isinstance(m, dict) or m.get("role") not in chat_template.ROLES:
             return False
         if not isinstance(m.get("content"), str):
             return False

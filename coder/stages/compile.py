@@ -34,6 +34,8 @@ coder.rl.grpo.grpo_loss_fn as coder.rl.learner.Learner configures it (router rep
 mask) on the GRPO batch (behaviour / reference logprobs, staleness, advantages, the engine's
 expert ids), `compile.grpo_batch` x `compile.grpo_seq_len` tokens; its model FLOPs leave out
 the MTP modules, which the GRPO loss does not run.
+
+report.md is rendered from the report by coder.stages.compile_report.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import math
 import re
 from typing import Any, NamedTuple
 
+from coder.stages.compile_report import _count, _gib, to_markdown
 from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report's building blocks)
     collective_stats,
     group_size,
@@ -138,159 +141,6 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
         collectives=colls,
         roofline=hardware.roofline(topo.chip, topo.num_chips, flops, traffic, colls, model_flops),
     )
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.3g}"
-
-
-def _count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def to_markdown(r: dict) -> str:
-    """The report as a page for docs/scale/ (every number comes from the JSON beside it)."""
-    hw = r["hardware"]
-    title = f"{_count(r['setup']['params_total'])}-parameter model"
-    lines = [f"# {title} training step on {hw['name']} ({hw['chips']} chips)", ""]
-    lines.append(f"Status: **{r['status']}**" + (f" — {r['error']}" if r.get("error") else ""))
-    lines.append("")
-    lines.append(f"Regenerate: `{r['command']}`")
-    lines += ["", "## Setup", "", "| key | value |", "|---|---|"]
-    for k, v in r["setup"].items():
-        lines.append(f"| {k} | {v} |")
-    if "memory_overflow" in r:
-        o = r["memory_overflow"]
-        lines += ["", "## Memory per chip", "",
-                  f"XLA:TPU stopped compiling: the step needs {_gib(o['used_bytes'])} GiB of "
-                  f"{_gib(o['hbm_bytes'])} GiB HBM ({100 * o['fraction_of_hbm']:.0f}%)."]
-    if "memory" in r:
-        m = r["memory"]
-        lines += ["", "## Memory per chip (GiB)", "", "| part | GiB |", "|---|---|"]
-        for key, label in [("params_bytes", "parameters"), ("optimizer_bytes", "optimizer state"),
-                           ("batch_bytes", "batch"),
-                           ("activations_temp_bytes", "activations / temporaries (XLA temp)"),
-                           ("generated_code_bytes", "generated code"),
-                           ("total_bytes", "**total**"), ("hbm_bytes", "HBM")]:
-            lines.append(f"| {label} | {_gib(m[key])} |")
-        host = sum(m["host_bytes"].values())
-        lines.append(f"| host memory (offloaded) | {_gib(host)} |")
-        lines += ["", f"{100 * m['fraction_of_hbm']:.1f}% of HBM: "
-                  f"{'fits' if m['fits'] else 'does not fit'}."]
-        c = r["cost"]
-        lines += ["", "## Cost per chip per step", "", "| | value |", "|---|---|",
-                  f"| FLOPs (loop-corrected) | {c['flops']:.4g} |",
-                  f"| bytes accessed (loop-corrected) | {c['bytes_accessed']:.4g} |",
-                  f"| FLOPs (XLA cost_analysis, loop bodies once) | {c['xla_flops']:.4g} |",
-                  f"| bytes accessed (XLA cost_analysis) | {c['xla_bytes_accessed']:.4g} |"]
-        lines += ["", "## Collectives per step (per chip)", "",
-                  "| kind | in HLO | executed | result GiB | wire GiB |", "|---|---|---|---|---|"]
-        for k, v in r["collectives"].items():
-            lines.append(f"| {k} | {v['count']} | {v['executed']:.0f} | {_gib(v['bytes'])} | "
-                         f"{_gib(v['wire_bytes'])} |")
-        f = r["roofline"]
-        lines += ["", "## Roofline", "", "| | value |", "|---|---|"]
-        for k in ("compute_s", "hbm_s", "ici_s", "dcn_s", "step_time_lower_s",
-                  "step_time_serial_s"):
-            lines.append(f"| {k} | {f[k]:.4g} |")
-        lines += [f"| bound | {f['bound']} |", f"| model FLOPs per step | {f['model_flops']:.4g} |",
-                  f"| MFU (perfect overlap) | {100 * f['mfu_upper']:.1f}% |",
-                  f"| MFU (no overlap) | {100 * f['mfu_lower']:.1f}% |",
-                  f"| compiled FLOPs / model FLOPs | {f['hlo_to_model_flops']:.2f} |"]
-    if r.get("engine"):
-        lines += engine_markdown(r["engine"])
-    if r.get("grpo"):
-        lines += grpo_markdown(r["grpo"])
-    if r.get("advice"):
-        lines += ["", "## What would make it fit / run faster", ""]
-        lines += [f"- {a}" for a in r["advice"]]
-    chip = hw["chip"]
-    lines += ["", "## Hardware figures used", "",
-              f"{chip['name']}: {chip['peak_bf16_flops']:.3g} bf16 FLOP/s, "
-              f"{_gib(chip['hbm_bytes'])} GiB HBM at {chip['hbm_bandwidth']:.3g} B/s, ICI "
-              f"{chip['ici_bandwidth']:.3g} B/s, DCN {chip['dcn_bandwidth']:.3g} B/s per chip"
-              + (f" (assumed: {', '.join(chip['assumed'])})" if chip["assumed"] else "")
-              + "; sources in coder/train/aot/hardware.py.", ""]
-    return "\n".join(lines)
-
-
-def engine_markdown(e: dict) -> list[str]:
-    """The engine section of report.md: one column per program."""
-    lines = ["", "## RL engine: prefill and decode programs", ""]
-    if "setup" not in e:
-        return lines + [f"Status: **{e['status']}** — {e.get('error', '')}"]
-    st = e["setup"]
-    lines.append(f"{st['rows']} rows, {st['cache_slots']} cache slots, prefill chunks of {st['prefill_len']} "
-                 f"tokens, speculative_k={st['speculative_k']}; rows split over mesh axes "
-                 f"{st['rows_split_over'] or 'none (replicated)'}.")
-    progs = [p for p in ("prefill", "decode") if p in e]
-    lines += ["", "| | " + " | ".join(progs) + " |", "|---|" + "---|" * len(progs)]
-
-    def row(label, fn):
-        vals = []
-        for p in progs:
-            try:
-                vals.append(fn(e[p]))
-            except (KeyError, TypeError):
-                vals.append("-")
-        lines.append(f"| {label} | " + " | ".join(vals) + " |")
-
-    row("status", lambda x: f"**{x['status']}**")
-    row("weights GiB per chip", lambda x: _gib(x["memory"]["params_bytes"]))
-    row("cache + logits GiB per chip", lambda x: _gib(x["memory"]["batch_bytes"]))
-    row("temporaries GiB per chip", lambda x: _gib(x["memory"]["activations_temp_bytes"]))
-    row("total GiB per chip (HBM)", lambda x: f"{_gib(x['memory']['total_bytes'])} ({_gib(x['memory']['hbm_bytes'])})")
-    row("needs GiB (XLA stopped)", lambda x: _gib(x["memory_overflow"]["used_bytes"]))
-    row("FLOPs per chip", lambda x: f"{x['cost']['flops']:.4g}")
-    row("bytes accessed per chip", lambda x: f"{x['cost']['bytes_accessed']:.4g}")
-    row("collectives (executed)", lambda x: ", ".join(
-        f"{k} {v['executed']:.0f}" for k, v in x["collectives"].items() if v["executed"]) or "none")
-    row("step s (overlap-serial)", lambda x: f"{x['roofline']['step_time_lower_s']:.3g}-"
-        f"{x['roofline']['step_time_serial_s']:.3g}")
-    row("bound", lambda x: x["roofline"]["bound"])
-    row("tokens/s, slice (upper)", lambda x: f"{x['tokens_per_s_upper']:.4g}")
-    row("compile s", lambda x: f"{x['compile_seconds']:.0f}")
-    return lines
-
-
-def grpo_markdown(g: dict) -> list[str]:
-    """The GRPO learner section of report.md (compile_grpo's entry)."""
-    lines = ["", "## RL learner: GRPO step", ""]
-    st = g.get("setup")
-    if st:
-        lines.append(f"{st['rows']} rows x {st['seq_len']} tokens, grad_accum={st['grad_accum']}, "
-                     f"{st['moe_layers']} MoE layers x top-{st['top_k']} expert ids in the batch, "
-                     f"router replay {'on' if st['router_replay'] else 'off'}, "
-                     f"max_staleness={st['max_staleness']}; no MTP (the GRPO loss trains the "
-                     "policy head only); reference logprobs are an input.")
-        lines.append("")
-    lines.append(f"Status: **{g['status']}**" + (f" — {g['error']}" if g.get("error") else ""))
-    if "memory_overflow" in g:
-        o = g["memory_overflow"]
-        lines += ["", f"XLA:TPU stopped compiling: the step needs {_gib(o['used_bytes'])} GiB of "
-                  f"{_gib(o['hbm_bytes'])} GiB HBM ({100 * o['fraction_of_hbm']:.0f}%)."]
-    if "memory" in g:
-        m, c, f = g["memory"], g["cost"], g["roofline"]
-        executed = ", ".join(f"{k} {v['executed']:.0f}" for k, v in g["collectives"].items()
-                             if v["executed"]) or "none"
-        lines += ["", "| | value |", "|---|---|",
-                  f"| parameters GiB per chip | {_gib(m['params_bytes'])} |",
-                  f"| optimizer state GiB per chip | {_gib(m['optimizer_bytes'])} |",
-                  f"| batch GiB per chip | {_gib(m['batch_bytes'])} |",
-                  f"| temporaries GiB per chip | {_gib(m['activations_temp_bytes'])} |",
-                  f"| total / HBM GiB per chip | {_gib(m['total_bytes'])} / {_gib(m['hbm_bytes'])} "
-                  f"({100 * m['fraction_of_hbm']:.1f}%) |",
-                  f"| FLOPs per chip (loop-corrected) | {c['flops']:.4g} |",
-                  f"| compiled FLOPs / model FLOPs | {f['hlo_to_model_flops']:.2f} |",
-                  f"| collectives (executed) | {executed} |",
-                  f"| step s (overlap-serial) | {f['step_time_lower_s']:.3g}-{f['step_time_serial_s']:.3g} |",
-                  f"| MFU | {100 * f['mfu_lower']:.1f}-{100 * f['mfu_upper']:.1f}% |",
-                  f"| bound | {f['bound']} |"]
-    lines += ["", f"Compile: {g.get('compile_seconds', 0):.0f} s."]
-    return lines
 
 
 def write_report(report: dict, out_dir: str) -> str:
