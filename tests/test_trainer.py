@@ -350,7 +350,7 @@ def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
     """train.reduce_grads_once: the real MoE model on data 2 x fsdp 2 x expert 2 (its sharding
     constraints and the MoE's shard_map run inside the vmap over `data`) takes the same steps
     as the default reduction; parameters sharded over `data` are refused by name."""
-    from coder.model import Transformer
+    from coder.model import Transformer, sharding
 
     out = {}
     for once in (False, True):
@@ -358,6 +358,10 @@ def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
         c.mesh.update(dict(data=2, fsdp=2, expert=2))
         tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
         ms = [tr.train_step(make_batch(i)) for i in range(2)]
+        with sharding.activate(tr.mesh, tr.rules):
+            hlo = tr._jit_step.lower(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),
+                                     tr.device_batch(make_batch(0))).as_text(debug_info=True)
+        assert ("vmap(" in hlo) == once  # the per-replica gradients were traced
         out[once] = ([(float(m["loss"]), float(m["grad_norm"]), float(m["load_imbalance"])) for m in ms],
                      jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
         tr.close()

@@ -3,7 +3,7 @@
     python docs/scale/summarize.py docs/scale
 
 Rewrites the part of README.md between the TABLE markers (everything else is prose), and each
-report.md from its report.json with coder.stages.compile.to_markdown, so the pages follow the
+report.md from its report.json with coder.stages.compile_report.to_markdown, so the pages follow the
 current report format without recompiling.
 """
 import glob
@@ -83,7 +83,7 @@ def table(root: str) -> str:
 
 def main(root: str):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(root))))
-    from coder.stages.compile import to_markdown
+    from coder.stages.compile_report import to_markdown
 
     for report in glob.glob(os.path.join(root, "*", "report.json")):
         with open(report) as f:
