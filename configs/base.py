@@ -91,6 +91,11 @@ def get_config() -> ml_collections.ConfigDict:
     # over `data` once per step (else once per micro-batch inside the accumulation loop: across
     # DCN when replicas are TPU slices); parameters must not be sharded over `data`
     c.train.reduce_grads_once = False
+    # cast the matrices the model multiplies in model.dtype to it once per step, before the
+    # micro-batch loop, and take gradients w.r.t. that copy: weight gathers, gradient reductions
+    # and the gradient sum move model.dtype (no per-micro-batch float32 round trip); costs a
+    # model.dtype copy of those parameters
+    c.train.cast_params_once = False
     c.train.mtp_loss_weight = 0.3  # weight of the MTP cross-entropy in the loss
     c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
     c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run

@@ -375,3 +375,35 @@ def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
     with pytest.raises(ValueError, match="parameter sharded over mesh.data"):
         tr.train_step(make_batch(0))
     tr.close()
+
+
+def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
+    """train.cast_params_once: the bf16 model's matrices are cast once per step (router, embedding
+    and norm scales stay float32), the micro-batch loop differentiates the bf16 copy, and on one
+    device the steps equal the default's."""
+    from coder.model import Transformer
+    from coder.train.trainer import compute_copy
+
+    out = {}
+    for once in (False, True):
+        c = _tiny_moe(make_config(grad_accum=2, cast_params_once=once))
+        c.model.dtype = "bfloat16"
+        tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+        out[once] = [float(tr.train_step(make_batch(i))["loss"]) for i in range(2)]
+        jaxpr = jax.make_jaxpr(tr._step)(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),
+                                         tr.device_batch(make_batch(0)))
+        (loop,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        # the micro-batch loop takes the bf16 copy of lm_head [16, 32] (or the float32 parameter)
+        assert ("bfloat16[16,32]" in str([v.aval for v in loop.invars])) == once
+        if once:
+            copy = dict(nnx.to_flat_state(compute_copy(tr.params, jnp.bfloat16)))
+            dtypes = {".".join(map(str, k)): v[...].dtype for k, v in copy.items()}
+            grads = jax.grad(lambda p: jnp.sum(p["lm_head"][...].astype(jnp.float32)))(
+                compute_copy(tr.params, jnp.bfloat16))
+            assert grads["lm_head"][...].dtype == jnp.bfloat16
+        tr.close()
+    assert dtypes["embed"] == dtypes["layers.1.mlp.router"] == jnp.float32  # float32_compute
+    assert dtypes["norm.weight"] == jnp.float32  # vectors
+    assert dtypes["lm_head"] == dtypes["layers.1.mlp.wg"] == dtypes["layers.0.self_attn.o_proj"] == jnp.bfloat16
+    # on one device the float32 gradient of a cast is the bf16 one, converted: the same sums
+    assert out[True] == out[False]

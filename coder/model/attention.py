@@ -48,6 +48,7 @@ from coder.model.sharding import constrain
 BACKENDS = ("dense", "nsa")
 NEG_INF = -1e30  # finite, so fully masked rows (never produced by valid inputs) give no NaN
 NSA_QUERY_CHUNK = 16  # nsa backend, cached calls: queries per vmapped decode step
+LATENT = ("batch", "seq", None)  # the q / kv low-rank projections' outputs
 
 
 def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
@@ -115,13 +116,16 @@ class MLA(nnx.Module):
         """x [B,T,D] -> q_nope [B,T,H,dn], q_rope [B,T,H,dr], latent [B,T,r], k_rope [B,T,dr]."""
         dt = self.dtype
         x = x.astype(dt)
+        # the low-rank latents are what a residual stream split further than `seq` (the
+        # `res_seq` rule: sequence parallelism) gathers for the head-parallel projections:
+        # q_lora / r + dr wide, not D
         if self.q_lora > 0:
-            qa = self.q_a_layernorm(x @ self.q_a_proj[...].astype(dt))
+            qa = self.q_a_layernorm(constrain(x @ self.q_a_proj[...].astype(dt), LATENT))
             q = jnp.einsum("btl,lhd->bthd", qa, self.q_b_proj[...].astype(dt))
         else:
             q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
         q = checkpoint_name(constrain(q, ("batch", "seq", "heads", None)), "q_proj")
-        kv = checkpoint_name(x @ self.kv_a_proj[...].astype(dt), "kv_proj")
+        kv = checkpoint_name(constrain(x @ self.kv_a_proj[...].astype(dt), LATENT), "kv_proj")
         latent = self.kv_a_layernorm(kv[..., : self.r])
         inv = jnp.asarray(self.inv_freq, jnp.float32)
         k_rope = apply_rope(kv[..., self.r:], positions, inv, self.attention_factor)
@@ -175,7 +179,9 @@ class MLA(nnx.Module):
             o_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(dt), c_all)
             o = jnp.einsum("bthr,rhd->bthd", o_lat, w_kvb[..., self.dn:])
         o = constrain(o, ("batch", "seq", "heads", None))
-        out = jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(dt))
+        # summed over heads straight into the residual stream's layout (a reduce-scatter over
+        # the head axes when `res_seq` splits tokens over them)
+        out = constrain(jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(dt)), ("batch", "res_seq", None))
         return out, new_cache
 
     def _nsa(self, x, q_nope, q_rope, latent, k_rope, w_kvb, positions, segment_ids):

@@ -17,8 +17,11 @@ def dtype_of(name) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal") -> nnx.Param:
-    """A parameter of `shape` with logical `axes`; "normal" draws N(0, initializer_range^2)."""
+def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal", float32_compute: bool = False) -> nnx.Param:
+    """A parameter of `shape` with logical `axes`; "normal" draws N(0, initializer_range^2).
+
+    float32_compute: the model uses it in float32 whatever model.dtype (the router's logits,
+    the embedding lookup); train.cast_params_once leaves such parameters in param_dtype."""
     assert len(shape) == len(axes), (shape, axes)
     pdt = dtype_of(cfg.param_dtype)
     if init == "ones":
@@ -27,6 +30,8 @@ def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal") -> nnx.
         value = jnp.zeros(shape, pdt)
     else:
         value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, pdt)
+    if float32_compute:
+        return nnx.Param(value, logical_axes=tuple(axes), float32_compute=True)
     return nnx.Param(value, logical_axes=tuple(axes))
 
 

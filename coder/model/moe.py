@@ -577,7 +577,7 @@ class MoE(nnx.Module):
         if errors:
             raise ValueError("; ".join(errors))
         self.cfg = cfg
-        self.router = param(rngs, (d, e), ("embed", None), cfg)
+        self.router = param(rngs, (d, e), ("embed", None), cfg, float32_compute=True)
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
         self.wg = param(rngs, (e, d, f), ("exp", "embed", "exp_mlp"), cfg)
         self.wu = param(rngs, (e, d, f), ("exp", "embed", "exp_mlp"), cfg)

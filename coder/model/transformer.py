@@ -76,7 +76,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
         v, d = cfg.vocab_size, cfg.hidden_size
-        self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg)
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg, float32_compute=True)  # the lookup
         blocks = [Block(cfg, i, rngs) for i in range(cfg.num_hidden_layers)]
         n_dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
         self.moe_stack = nnx.data(None)

@@ -224,7 +224,7 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     from coder.model import sharding
     from coder.train.optim import lr_schedule, make_optimizer
     from coder.train.state import opt_state_shardings
-    from coder.train.trainer import accum_dtype, make_train_step, optimizer_axes, replica_axis
+    from coder.train.trainer import accum_dtype, cast_params_dtype, make_train_step, optimizer_axes, replica_axis
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
@@ -233,7 +233,8 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
                               grad_accum=int(config.train.grad_accum),
                               bias_rate=float(config.model.bias_update_rate), schedule=lr_schedule(config.train),
                               accum_dtype=accum_dtype(config.train),
-                              replica_axis=replica_axis(config.train))
+                              replica_axis=replica_axis(config.train),
+                              compute_dtype=cast_params_dtype(config.train, config.model))
     o_sh = opt_state_shardings(tx, params, mesh, optimizer_axes(config.train))
     opt = _with_shardings(jax.eval_shape(tx.init, params), o_sh)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
@@ -618,6 +619,7 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
             grad_accum_dtype=config.train.grad_accum_dtype,
             optimizer_over_data=bool(config.train.optimizer_over_data),
             reduce_grads_once=bool(config.train.get("reduce_grads_once", False)),
+            cast_params_once=bool(config.train.get("cast_params_once", False)),
         ),
     )
     t0 = time.perf_counter()

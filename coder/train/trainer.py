@@ -130,9 +130,22 @@ def _replicas(axis: str | None):
     return (mesh, rules, n) if n > 1 else None
 
 
+def compute_copy(params, dtype):
+    """`params` (an nnx.State) with every matrix the model multiplies in `dtype` cast to it: the
+    parameters of ndim >= 2 not marked `float32_compute` (coder.model.layers.param); vectors
+    (norm scales) and float32-compute ones (router, embedding table) keep their dtype."""
+    def cast(v):
+        if v.ndim < 2 or v.get_metadata().get("float32_compute", False) or v.dtype == dtype:
+            return v
+        return v.replace(v[...].astype(dtype))
+
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1, bias_rate: float = 0.0,
                     trainable=nnx.Param, schedule: Callable | None = None,
-                    accum_dtype=jnp.float32, replica_axis: str | None = None) -> Callable:
+                    accum_dtype=jnp.float32, replica_axis: str | None = None,
+                    compute_dtype=None) -> Callable:
     """The optimizer step every stage runs, as a pure function (the trainer jits it; stage
     `compile` lowers the same function for a TPU slice):
 
@@ -153,6 +166,13 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
     keeps a leading replica dimension `[replicas, ...]` split over the axis (each device holds
     what it held before), and one reduction over the axis per step follows the loop. Equal to
     the default up to float rounding; the loss_fn's rng is split per replica.
+
+    compute_dtype (train.cast_params_once: model.dtype): the matrices the model multiplies in
+    that dtype are cast once per step, before the micro-batch loop (`compute_copy`), and the
+    gradients are taken w.r.t. the copy: FSDP gathers, the weight-gradient reductions and the
+    gradient sum move that dtype, where a cast inside the loop made XLA convert every
+    micro-batch's weight gradients to float32 and back. Costs a copy of those parameters in
+    that dtype for the step.
     """
     grad_fn = jax.value_and_grad(functools.partial(_weighted_loss, loss_fn, graphdef), has_aux=True)
 
@@ -160,9 +180,10 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
         step_key = jax.random.fold_in(key, step)
         micro = split_microbatches(batch, grad_accum)
         replicas = _replicas(replica_axis)
+        wparams = params if compute_dtype is None else compute_copy(params, compute_dtype)
         if replicas is None:
             def micro_grad(mb, rng):
-                return grad_fn(params, rest, mb, rng)
+                return grad_fn(wparams, rest, mb, rng)
 
             def weighted(w, g):
                 return w * g
@@ -181,7 +202,7 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
                 mb, axes = _split_rows(mb, n)
                 with sharding.replica_vmap(replica_axis):
                     f = jax.vmap(grad_fn, in_axes=(None, None, axes, 0), spmd_axis_name=replica_axis)
-                    return f(params, rest, mb, jax.random.split(rng, n))
+                    return f(wparams, rest, mb, jax.random.split(rng, n))
 
             def weighted(w, g):  # w [n], g [n, ...]
                 return w.reshape(w.shape + (1,) * (g.ndim - 1)) * g
@@ -251,6 +272,11 @@ def accum_dtype(train_cfg):
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"train.grad_accum_dtype={name!r}: choose 'float32' or 'bfloat16'")
     return jnp.dtype(name)
+
+
+def cast_params_dtype(train_cfg, model_cfg):
+    """model.dtype when train.cast_params_once, else None (coder.train.trainer.compute_copy)."""
+    return jnp.dtype(model_cfg.dtype) if train_cfg.get("cast_params_once", False) else None
 
 
 def replica_axis(train_cfg) -> str | None:
@@ -338,7 +364,8 @@ class Trainer:
         self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key,
                                      grad_accum=self.grad_accum, bias_rate=self.bias_rate,
                                      trainable=trainable, schedule=self._schedule,
-                                     accum_dtype=accum_dtype(tc), replica_axis=replica_axis(tc))
+                                     accum_dtype=accum_dtype(tc), replica_axis=replica_axis(tc),
+                                     compute_dtype=cast_params_dtype(tc, config.model))
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),

@@ -41,10 +41,12 @@ from coder.pallas.nsa.decode import gather_slots, parts
 from coder.pallas.nsa.reference import NSAConfig, num_compressed
 
 
-def _param(rngs, shape, axes, cfg, std=None):
+def _param(rngs, shape, axes, cfg, std=None, float32_compute=False):
     """nnx.Param with logical axis names (as coder.model.layers.param); std=None -> zeros."""
     pdt = jnp.dtype(cfg.param_dtype)
     value = jnp.zeros(shape, pdt) if std is None else std * jax.random.normal(rngs.params(), shape, pdt)
+    if float32_compute:
+        return nnx.Param(value, logical_axes=tuple(axes), float32_compute=True)
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
@@ -84,8 +86,9 @@ class NSA(nnx.Module):
         self.key_dim, self.value_dim, self.num_heads = dk, dv, h
         self.compress_k = Compressor(dk, self.cfg, model_cfg, rngs)
         self.compress_v = Compressor(dv, self.cfg, model_cfg, rngs)
-        self.gate_w = _param(rngs, (d, h, 3), ("embed", "heads", None), model_cfg, float(model_cfg.initializer_range))
-        self.gate_b = _param(rngs, (h, 3), ("heads", None), model_cfg)
+        self.gate_w = _param(rngs, (d, h, 3), ("embed", "heads", None), model_cfg,
+                             float(model_cfg.initializer_range), float32_compute=True)
+        self.gate_b = _param(rngs, (h, 3), ("heads", None), model_cfg, float32_compute=True)
 
     def gates(self, x):
         """x [B,T,D] -> [B,T,H,3] in [0, 1], float32."""

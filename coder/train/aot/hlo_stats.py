@@ -370,46 +370,92 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float | None]
     return reads, written
 
 
-def per_computation_costs(module: HloModule) -> dict[str, tuple[float, float]]:
-    """(matmul FLOPs, HBM bytes) of each computation's own instructions, run once.
-
-    Bytes: each top-level instruction of a non-fused computation reads its operands and writes
-    its result (a fusion is one instruction: its internals stay on chip), with slices read for
-    their size and in-place updates written for the update's size, as XLA's cost analysis
-    does. Matmul FLOPs count dots and convolutions wherever they sit, fused or not.
-    """
+def _fused_access(module: HloModule) -> dict[str, tuple[dict[int, float], float | None]]:
+    """`_fusion_access` of every computation a fusion calls."""
     fused = {}
     for instrs in module.computations.values():
         for ins in instrs:
             if ins.opcode == "fusion":
                 for role, c in callees(ins):
-                    if role == "calls" and c in module.computations:
-                        fused[c] = None
-    for c in fused:
-        fused[c] = _fusion_access(module.computations[c])
+                    if role == "calls" and c in module.computations and c not in fused:
+                        fused[c] = _fusion_access(module.computations[c])
+    return fused
+
+
+def instruction_traffic(module: HloModule):
+    """Yields (computation, instruction, HBM bytes of one run) for every top-level instruction
+    of the non-fused computations: it reads its operands and writes its result (a fusion is one
+    instruction: its internals stay on chip), with slices read for their size and in-place
+    updates written for the update's size, as XLA's cost analysis does."""
+    fused = _fused_access(module)
+    for comp, instrs in module.computations.items():
+        if comp in fused:
+            continue
+        shapes = {i.name: i.shape for i in instrs}
+        for i in instrs:
+            if i.opcode in _NO_TRAFFIC:
+                continue
+            operand_bytes = [nbytes(shapes.get(o, "")) for o in i.operands]
+            written = nbytes(i.shape)
+            if i.opcode == "fusion" and dict(callees(i)).get("calls") in fused:
+                reads, w = fused[dict(callees(i))["calls"]]
+                operand_bytes = [min(b, reads.get(k, b)) for k, b in enumerate(operand_bytes)]
+                written = written if w is None else w
+            elif i.opcode in _SLICING:
+                operand_bytes = [written] + operand_bytes[1:]
+            elif i.opcode == "dynamic-update-slice" and len(operand_bytes) > 1:
+                written, operand_bytes = operand_bytes[1], operand_bytes[1:]
+            yield comp, i, written + sum(operand_bytes)
+
+
+def per_computation_costs(module: HloModule) -> dict[str, tuple[float, float]]:
+    """(matmul FLOPs, HBM bytes) of each computation's own instructions, run once: bytes as
+    `instruction_traffic`; matmul FLOPs count dots and convolutions wherever they sit, fused or
+    not."""
     out = {}
     for comp, instrs in module.computations.items():
         shapes = {i.name: i.shape for i in instrs}
-        flops = sum(dot_flops(module, i, shapes) for i in instrs
-                    if i.opcode in ("dot", "convolution"))
-        traffic = 0.0
-        if comp not in fused:
-            for i in instrs:
-                if i.opcode in _NO_TRAFFIC:
-                    continue
-                operand_bytes = [nbytes(shapes.get(o, "")) for o in i.operands]
-                written = nbytes(i.shape)
-                if i.opcode == "fusion" and dict(callees(i)).get("calls") in fused:
-                    reads, w = fused[dict(callees(i))["calls"]]
-                    operand_bytes = [min(b, reads.get(k, b)) for k, b in enumerate(operand_bytes)]
-                    written = written if w is None else w
-                elif i.opcode in _SLICING:
-                    operand_bytes = [written] + operand_bytes[1:]
-                elif i.opcode == "dynamic-update-slice" and len(operand_bytes) > 1:
-                    written, operand_bytes = operand_bytes[1], operand_bytes[1:]
-                traffic += written + sum(operand_bytes)
-        out[comp] = (flops, traffic)
+        flops = sum(dot_flops(module, i, shapes) for i in instrs if i.opcode in ("dot", "convolution"))
+        out[comp] = (flops, 0.0)
+    for comp, _, b in instruction_traffic(module):
+        out[comp] = (out[comp][0], out[comp][1] + b)
     return out
+
+
+_WRAPPER = re.compile(r"(?:vmap|jvp|transpose)\(")
+# op_name path components that say where code ran, not what it is
+_WHERE = re.compile(r"^(?:jit\(\w*step\w*\)|while|body|closed_call|cond|branch_\d+_fun|shard_map|checkpoint|"
+                    r"rematted_computation|)$")
+
+
+def source_op(ins: Instr) -> str:
+    """What JAX op an HLO instruction came from, from its op_name metadata: "forward" or
+    "backward" (a transpose), "(remat)" when recomputed, and the op with its enclosing named
+    function or einsum spec (e.g. "backward: bthd,hde->bte/dot_general"); else its opcode."""
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    if not m:
+        return ins.opcode
+    name = m.group(1)
+    phase = ("backward" if "transpose(" in name else "forward") + (
+        " (remat)" if "rematted_computation" in name else "")
+    kept = []
+    for part in name.split("/"):
+        n = 0
+        while m := _WRAPPER.match(part):  # vmap(jvp(f)) -> f
+            part, n = part[m.end():], n + 1
+        part = part[: len(part) - n] if n else part
+        if not _WHERE.match(part):
+            kept.append(part)
+    return f"{phase}: " + "/".join(kept[-2:])
+
+
+def traffic_by_source(module: HloModule, runs: dict[str, float], top: int = 12) -> list[tuple[str, float]]:
+    """HBM bytes per step of the XLA-visible instructions (`instruction_traffic` x runs), summed
+    per `source_op`, largest first: what the HBM time of a step is spent on."""
+    totals: dict[str, float] = defaultdict(float)
+    for comp, ins, b in instruction_traffic(module):
+        totals[source_op(ins)] += runs.get(comp, 0.0) * b
+    return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
 
 
 _SPLASH = re.compile(r"splash_mh?q?a_(fwd|dq|dkv)")
