@@ -111,6 +111,28 @@ def test_loop_trip_counts_restore_the_flops_xla_counts_once(v5e_mesh):
     assert traffic > scanned.cost_analysis()["bytes accessed"]
 
 
+def test_hbm_traffic_is_attributed_to_its_source_ops(v5e_mesh):
+    """traffic_by_source: the scanned stand-in's bytes per step, by JAX op, forward / backward."""
+    from coder.train.aot.hlo_stats import instruction_traffic, source_op, traffic_by_source
+
+    compiled = _stand_in(v5e_mesh, 4, scan=True)
+    module = C.parse_hlo(compiled.as_text())
+    runs, _ = C.multiplicities(module)
+    top = traffic_by_source(module, runs, top=100)
+    total = sum(runs.get(c, 0) * b for c, _, b in instruction_traffic(module))
+    assert sum(b for _, b in top) == pytest.approx(total) and total > 0
+    assert [b for _, b in top] == sorted((b for _, b in top), reverse=True)
+    labels = {src for src, _ in top}
+    assert any(s.startswith("forward: ") for s in labels) and any(s.startswith("backward: ") for s in labels)
+    ins = C.parse_hlo("""HloModule m
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(train_step)/while/body/closed_call/vmap(transpose(jvp(btd,de->bte)))/checkpoint/rematted_computation/dot_general"}
+}
+""").computations["main"][-1]
+    assert source_op(ins) == "backward (remat): btd,de->bte/dot_general"
+
+
 def test_batched_matmul_weight_gradient_counts_one_tap_per_output(v5e_mesh):
     # XLA:TPU writes the weight gradient of a batched matmul as a convolution whose window spans
     # the batch over an lhs-dilated input: only one tap per output meets real data

@@ -51,6 +51,7 @@ from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report'
     loop_corrected_cost,
     multiplicities,
     parse_hlo,
+    traffic_by_source,
 )
 
 # ============================================================================= report
@@ -137,6 +138,7 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
         memory=mem,
         cost=dict(xla_flops=xla_flops, xla_bytes_accessed=xla_bytes, flops=flops, gmm_scale=gmm_scale,
                   bytes_accessed=traffic, loops_with_unknown_trip_count=unknown,
+                  top_traffic=traffic_by_source(module, runs),
                   hlo_instructions=sum(len(v) for v in module.computations.values())),
         collectives=colls,
         roofline=hardware.roofline(topo.chip, topo.num_chips, flops, traffic, colls, model_flops),

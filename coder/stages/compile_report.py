@@ -63,6 +63,11 @@ def to_markdown(r: dict) -> str:
                   f"| MFU (perfect overlap) | {100 * f['mfu_upper']:.1f}% |",
                   f"| MFU (no overlap) | {100 * f['mfu_lower']:.1f}% |",
                   f"| compiled FLOPs / model FLOPs | {f['hlo_to_model_flops']:.2f} |"]
+        if c.get("top_traffic"):
+            lines += ["", "## HBM traffic by source op (XLA-visible, per chip per step)", "",
+                      "| source op | GiB | share of bytes accessed |", "|---|---|---|"]
+            lines += [f"| `{src}` | {_gib(b)} | {100 * b / c['bytes_accessed']:.1f}% |"
+                      for src, b in c["top_traffic"]]
     if r.get("engine"):
         lines += engine_markdown(r["engine"])
     if r.get("grpo"):
