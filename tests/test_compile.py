@@ -111,6 +111,23 @@ def test_loop_trip_counts_restore_the_flops_xla_counts_once(v5e_mesh):
     assert traffic > scanned.cost_analysis()["bytes accessed"]
 
 
+def test_padded_convolution_counts_the_taps_that_meet_data():
+    """XLA:TPU's input gradient of a matmul over heads: a window of 4 slid over one element
+    padded 3 on each side meets data once per output (as the forward's dot), not 4 times."""
+    from coder.train.aot.hlo_stats import dot_flops
+
+    module = C.parse_hlo("""HloModule m
+ENTRY %main (a: bf16[3,64,256,1], b: bf16[4,32,256,1]) -> bf16[3,64,4,32] {
+  %a = bf16[3,64,256,1]{2,1,3,0} parameter(0)
+  %b = bf16[4,32,256,1]{2,1,0,3} parameter(1)
+  ROOT %c = bf16[3,64,4,32]{3,1,2,0} convolution(%a, %b), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
+}
+""")
+    ins = module.computations["main"]
+    shapes = {i.name: i.shape for i in ins}
+    assert dot_flops(module, ins[-1], shapes) == 2 * (3 * 64 * 4 * 32) * 256
+
+
 def test_hbm_traffic_is_attributed_to_its_source_ops(v5e_mesh):
     """traffic_by_source: the scanned stand-in's bytes per step, by JAX op, forward / backward."""
     from coder.train.aot.hlo_stats import instruction_traffic, source_op, traffic_by_source

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from coder.model import attention_kernels
-from coder.model.layers import RMSNorm, dtype_of, param
+from coder.model.layers import RMSNorm, dtype_of, param, weight
 from coder.model.rope import apply_rope, rope_frequencies, softmax_scale
 from coder.model.sharding import constrain
 
@@ -49,6 +49,14 @@ BACKENDS = ("dense", "nsa")
 NEG_INF = -1e30  # finite, so fully masked rows (never produced by valid inputs) give no NaN
 NSA_QUERY_CHUNK = 16  # nsa backend, cached calls: queries per vmapped decode step
 LATENT = ("batch", "seq", None)  # the q / kv low-rank projections' outputs
+
+
+def _gather_latent(y):
+    """A low-rank projection of the residual stream `[B,T,r]`, computed on the stream's own
+    token split (`res_seq`) and then gathered to the head-parallel layout's (`seq`): pinning the
+    first layout keeps the weight gradient x^T dy on each chip's own tokens (left free, XLA
+    gathered x whole on every chip for it)."""
+    return constrain(constrain(y, ("batch", "res_seq", None)), LATENT)
 
 
 def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
@@ -120,12 +128,12 @@ class MLA(nnx.Module):
         # `res_seq` rule: sequence parallelism) gathers for the head-parallel projections:
         # q_lora / r + dr wide, not D
         if self.q_lora > 0:
-            qa = self.q_a_layernorm(constrain(x @ self.q_a_proj[...].astype(dt), LATENT))
-            q = jnp.einsum("btl,lhd->bthd", qa, self.q_b_proj[...].astype(dt))
+            qa = self.q_a_layernorm(_gather_latent(x @ weight(self.q_a_proj, dt)))
+            q = jnp.einsum("btl,lhd->bthd", qa, weight(self.q_b_proj, dt))
         else:
-            q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
+            q = jnp.einsum("btd,dhk->bthk", x, weight(self.q_proj, dt))
         q = checkpoint_name(constrain(q, ("batch", "seq", "heads", None)), "q_proj")
-        kv = checkpoint_name(constrain(x @ self.kv_a_proj[...].astype(dt), LATENT), "kv_proj")
+        kv = checkpoint_name(_gather_latent(x @ weight(self.kv_a_proj, dt)), "kv_proj")
         latent = self.kv_a_layernorm(kv[..., : self.r])
         inv = jnp.asarray(self.inv_freq, jnp.float32)
         k_rope = apply_rope(kv[..., self.r:], positions, inv, self.attention_factor)
@@ -137,7 +145,7 @@ class MLA(nnx.Module):
         """x `[B,T,D]`, positions/segment_ids `[B,T]` -> (out `[B,T,D]`, updated layer cache)."""
         dt = self.dtype
         q_nope, q_rope, latent, k_rope = self._project(x, positions)
-        w_kvb = self.kv_b_proj[...].astype(dt)
+        w_kvb = weight(self.kv_b_proj, dt)
         if cache is None and self.nsa is not None:
             o = self._nsa(x, q_nope, q_rope, latent, k_rope, w_kvb, positions, segment_ids)
             new_cache = None
@@ -181,7 +189,7 @@ class MLA(nnx.Module):
         o = constrain(o, ("batch", "seq", "heads", None))
         # summed over heads straight into the residual stream's layout (a reduce-scatter over
         # the head axes when `res_seq` splits tokens over them)
-        out = constrain(jnp.einsum("bthd,hde->bte", o, self.o_proj[...].astype(dt)), ("batch", "res_seq", None))
+        out = constrain(jnp.einsum("bthd,hde->bte", o, weight(self.o_proj, dt)), ("batch", "res_seq", None))
         return out, new_cache
 
     def _nsa(self, x, q_nope, q_rope, latent, k_rope, w_kvb, positions, segment_ids):

@@ -35,6 +35,19 @@ def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal", float32
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
+def weight(v: nnx.Variable, dtype=None) -> jnp.ndarray:
+    """A parameter's value as its layer multiplies it: cast to `dtype` (on the stored shard, so
+    the gather moves `dtype`), then whole along `embed` (the FSDP dimension) and split along its
+    other axes as the rules say. Left implicit, XLA may instead move the activations to the
+    weight's FSDP split (it did when tokens and `embed` split over the same mesh axis)."""
+    w = v[...] if dtype is None else v[...].astype(dtype)
+    axes = v.get_metadata().get("logical_axes")
+    if not axes:
+        return w
+    axes = tuple(axes)[len(axes) - w.ndim:]  # inside the layer scan: a slice of a stacked variable
+    return constrain(w, tuple(None if a == "embed" else a for a in axes))
+
+
 class RMSNorm(nnx.Module):
     """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as HF DeepseekV3RMSNorm)."""
 
@@ -62,7 +75,7 @@ class MLP(nnx.Module):
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         dt = self.dtype
         x = x.astype(dt)
-        g = x @ self.gate_proj[...].astype(dt)
-        u = x @ self.up_proj[...].astype(dt)
+        g = x @ weight(self.gate_proj, dt)
+        u = x @ weight(self.up_proj, dt)
         h = constrain(jax.nn.silu(g) * u, ("batch", "seq", self.axis))
-        return h @ self.down_proj[...].astype(dt)
+        return h @ weight(self.down_proj, dt)

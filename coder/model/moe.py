@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from coder.model import sharding
 from coder.model.config import routing_errors
-from coder.model.layers import MLP, dtype_of, param
+from coder.model.layers import MLP, dtype_of, param, weight
 
 
 class RouterBias(nnx.Variable):
@@ -598,7 +598,7 @@ class MoE(nnx.Module):
         b, t, d = x.shape
         cfg = self.cfg
         x = x.astype(self.dtype)
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), weight(self.router, jnp.float32))
         logits = sharding.constrain(logits, ("batch", "res_seq", None))
         weights, ids = route(logits, self.bias[...], cfg, expert_ids)  # [B, T, k]
         validf = valid.astype(jnp.float32)

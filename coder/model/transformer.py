@@ -24,7 +24,7 @@ from flax import nnx
 
 from coder.model import attention_kernels
 from coder.model.attention import MLA, init_layer_cache
-from coder.model.layers import MLP, RMSNorm, dtype_of, param
+from coder.model.layers import MLP, RMSNorm, dtype_of, param, weight
 from coder.model.moe import MoE
 from coder.model.sharding import constrain
 
@@ -96,13 +96,13 @@ class Transformer(nnx.Module):
         # the table whole along `embed` (vocabulary-parallel lookup): left split over the axes
         # that also split the tokens (FSDP), XLA:TPU gathered the looked-up rows across the
         # data-parallel replicas instead (a DCN transfer per micro-batch between TPU slices)
-        table = constrain(self.embed[...], ("vocab", None))
+        table = weight(self.embed)
         return constrain(jnp.take(table, tokens, axis=0).astype(self.dtype), HIDDEN)
 
     def _head(self, h):
         """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", h.astype(self.dtype), w.astype(self.dtype),
+        w = weight(self.embed, self.dtype).T if self.lm_head is None else weight(self.lm_head, self.dtype)
+        logits = jnp.einsum("btd,dv->btv", h.astype(self.dtype), w,
                             preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "seq", "vocab"))
 
@@ -202,7 +202,7 @@ class Transformer(nnx.Module):
         mod = self.mtp[k]
         e = mod.enorm(self._embed(next_tokens))
         h = mod.hnorm(hidden.astype(self.dtype))
-        x = jnp.concatenate([e, h], axis=-1) @ mod.eh_proj[...].astype(self.dtype)
+        x = jnp.concatenate([e, h], axis=-1) @ weight(mod.eh_proj, self.dtype)
         layer_cache = None if cache is None else cache["mtp"][k]
         x, layer_cache, stats = self._block(mod.block, constrain(x, HIDDEN), positions, segment_ids,
                                             layer_cache, None)

@@ -17,6 +17,8 @@ import math
 import re
 from collections import defaultdict
 
+import numpy as np
+
 # ============================================================================= HLO text parsing
 
 _DTYPE_BYTES = {
@@ -290,39 +292,58 @@ def dot_flops(module: HloModule, ins: Instr, shapes: dict[str, str]) -> float:
         k = math.prod(dims[int(d)] for d in m.group(1).split(",") if d)
         return 2.0 * n_out * k
     if ins.opcode == "convolution":
+        lhs = arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
         rhs = arrays(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-        m = re.search(r"dim_labels=\w*_(\w+)->", ins.attrs)
-        if not rhs or not m:
+        m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+        if not lhs or not rhs or not m:
             return 0.0
-        labels, dims = m.group(1), rhs[0][1]
-        # kernel: 'i' input features, 'o' output features, digits spatial window dims. A window
-        # over an lhs-dilated input meets a real input element every `lhs_dilate` taps only:
-        # XLA:TPU writes a batched matmul's weight gradient as a convolution whose window spans
-        # the batch with lhs_dilate = window size, i.e. one tap per output.
+        in_labels, labels, out_labels = m.groups()
+        # kernel: 'i' input features, 'o' output features, digits spatial window dims. Only the
+        # taps of a window that land on a real input element multiply anything: XLA:TPU writes
+        # a batched matmul's gradients as convolutions whose window spans the batch over an
+        # lhs-dilated input (one tap per output) or a zero-padded one (e.g. `pad=3_3` around
+        # one element with a window of 4: one tap per output)
         window = _window_fields(ins.attrs)
-        k, spatial = 1.0, 0
-        for lab, d in zip(labels, dims):
+        k = 1.0
+        for lab, d in zip(labels, rhs[0][1]):
             if lab == "i":
                 k *= d
             elif lab.isdigit():
-                dil = window.get("lhs_dilate", [])
-                step = dil[spatial] if spatial < len(dil) else 1
-                k *= -(-d // step)
-                spatial += 1
+                s = int(lab)
+                field = lambda name, default: (window.get(name) or [default] * (s + 1))[s]
+                n_in = lhs[0][1][in_labels.index(lab)]
+                n_o = out[0][1][out_labels.index(lab)]
+                lo = (window.get("pad") or [(0, 0)] * (s + 1))[s][0]
+                k *= _mean_taps(n_in, n_o, d, field("stride", 1), lo, field("lhs_dilate", 1),
+                                field("rhs_dilate", 1))
         return 2.0 * n_out * k
     return 0.0
 
 
+def _mean_taps(n_in: int, n_out: int, size: int, stride: int, pad_lo: int, lhs_dilate: int,
+               rhs_dilate: int) -> float:
+    """Window taps per output position that land on an input element (not padding, not a hole
+    of lhs dilation), averaged over the outputs of one spatial dimension."""
+    span = (n_in - 1) * lhs_dilate + 1
+    o = np.arange(n_out)[:, None] * stride
+    idx = o + np.arange(size)[None, :] * rhs_dilate - pad_lo
+    hits = (idx >= 0) & (idx < span) & (idx % lhs_dilate == 0)
+    return float(hits.sum()) / max(n_out, 1)
+
+
 def _window_fields(attrs: str) -> dict[str, list[int]]:
     """A convolution's window attribute, e.g. "window={size=264 stride=263 lhs_dilate=264}"
-    -> {"size": [264], "stride": [263], "lhs_dilate": [264]} (one entry per spatial dim)."""
+    -> {"size": [264], "stride": [263], "lhs_dilate": [264]} (one entry per spatial dim;
+    "pad=0_0x3_3" -> {"pad": [(0, 0), (3, 3)]})."""
     m = re.search(r"window=\{([^}]*)\}", attrs)
     if not m:
         return {}
     out = {}
     for field in m.group(1).split():
         key, _, val = field.partition("=")
-        if re.fullmatch(r"[\dx]+", val):
+        if key == "pad" and re.fullmatch(r"[\d_x-]+", val):  # low_high per dim: "0_0x3_3"
+            out[key] = [tuple(int(v) for v in p.split("_")) for p in val.split("x")]
+        elif re.fullmatch(r"[\dx]+", val):
             out[key] = [int(v) for v in val.split("x")]
     return out
 
