@@ -19,7 +19,12 @@ Layout for the full-size MoE models (why, in numbers, in docs/scale/README.md):
     and values are gathered);
   * the MoE layers route each chip's share of the tokens and move the routed pairs with
     ragged_all_to_all (dropless, megablox grouped matmuls);
-  * a micro-batch is batch / grad_accum rows; the gradient sum is bfloat16.
+  * the residual stream between blocks splits its tokens over expert x sequence (sequence
+    parallelism), so no chip repeats another's norms, router or residual adds, and remat keeps
+    1/256 of each layer's input per chip;
+  * the weights are cast to bf16 once per step and differentiated as that copy
+    (train.cast_params_once); a micro-batch is batch / grad_accum rows; the gradient sum is
+    bfloat16.
 """
 import importlib
 
@@ -29,6 +34,11 @@ SEQ_LEN = 32768
 MOE_RULES = (
     ("batch", ("data", "fsdp")),
     ("seq", "sequence"),
+    # sequence parallelism: the residual stream (norms, residual adds, router, the MoE's
+    # tokens, the layer inputs remat keeps) splits its tokens over every chip of a slice; MLA
+    # gathers its low-rank q / kv latents over `expert` for the head-parallel attention and
+    # reduce-scatters its output back (coder.model.attention._gather_latent)
+    ("res_seq", ("sequence", "expert")),
     ("embed", ("fsdp", "sequence")),
     ("heads", "expert"),
     ("kv_lora", None),
@@ -71,24 +81,24 @@ def _mesh(slices: int, expert: int = 32) -> dict:
 # placement. 128 rows of 32k = 4.2M tokens per step (DeepSeek-V3 trained with 15M-token steps);
 # a micro-batch is batch / grad_accum rows, each row split over the `sequence` axis
 SETTINGS = {
-    # 3 rows per micro-batch (132 rows: 4.3M tokens): every micro-batch re-gathers each layer's
+    # 11 rows per micro-batch (132 rows: 4.3M tokens): every micro-batch re-gathers each layer's
     # weights over `sequence` (FSDP) and reduce-scatters its gradient, so more rows amortise
-    # that; 4 rows need 95.7 GiB per chip (XLA compiles it, 0.7 GiB over the 95 GiB here)
-    "v5p-512": dict(slices=1, batch_size=132, grad_accum=44, grpo_batch=88),
+    # that (sequence parallelism left the memory for them: 3 rows needed 85.1 GiB without it)
+    "v5p-512": dict(slices=1, batch_size=132, grad_accum=12, grpo_batch=96),
     # Kimi K2 over two slices: parameters shard within a slice, the Adam moments over both
     # (train.optimizer_over_data, ZeRO-1 across DCN), a bf16 gradient sum per slice reduced
     # across the slices once per step (train.reduce_grads_once)
-    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=32, optimizer_over_data=True,
+    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=16, optimizer_over_data=True,
                       reduce_grads_once=True, engine=False, grpo=False),
     "v5p-1024": dict(slices=1, batch_size=128, grad_accum=32, expert=64),
     # 32 GB chips: parameters, gradients and the gradient sum shard over both slices too
     # (`embed` over data x fsdp x sequence: ZeRO-3 across DCN, whose weight gathers then cross
     # DCN every micro-batch) and the Adam moments live in host memory between steps
-    "v6e-256x2": dict(slices=2, batch_size=128, grad_accum=64, offload_optimizer=True,
+    "v6e-256x2": dict(slices=2, batch_size=128, grad_accum=16, offload_optimizer=True,
                       embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
     # the same over four slices (1024 chips): parameters, gradients and the update's moments
     # (brought in from host memory) are a quarter of a slice's share each
-    "v6e-256x4": dict(slices=4, batch_size=128, grad_accum=32, offload_optimizer=True,
+    "v6e-256x4": dict(slices=4, batch_size=128, grad_accum=16, offload_optimizer=True,
                       embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
 }
 # the GRPO learner's step compiled beside the training step (and the engine's programs; the
@@ -119,6 +129,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.train.mu_dtype = "bfloat16"  # as DeepSeek-V3 trained (its report, section 3.3)
     c.train.optimizer_over_data = s.get("optimizer_over_data", False)
     c.train.reduce_grads_once = s.get("reduce_grads_once", False)
+    c.train.cast_params_once = True
     c.model.remat = REMAT
     c.model.moe_capacity_factor = MOE_CAPACITY_FACTOR
     c.model.moe_a2a_buffer_factor = A2A_BUFFER_FACTOR
@@ -129,4 +140,5 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.compile.grpo = s.get("grpo", True)
     c.compile.grpo_batch = s.get("grpo_batch", GRPO_BATCH)
     c.compile.grpo_seq_len = SEQ_LEN
+    c.grpo.router_replay = True  # the learner routes by the engine's expert ids
     return c
