@@ -357,7 +357,7 @@ def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
         c = _tiny_moe(make_config(grad_accum=2, reduce_grads_once=once))
         c.mesh.update(dict(data=2, fsdp=2, expert=2))
         tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
-        ms = [tr.train_step(make_batch(i)) for i in range(2)]
+        ms = [tr.train_step(make_batch(0))]
         with sharding.activate(tr.mesh, tr.rules):
             hlo = tr._jit_step.lower(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),
                                      tr.device_batch(make_batch(0))).as_text(debug_info=True)
@@ -389,7 +389,8 @@ def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
         c = _tiny_moe(make_config(grad_accum=2, cast_params_once=once))
         c.model.dtype = "bfloat16"
         tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
-        out[once] = [float(tr.train_step(make_batch(i))["loss"]) for i in range(2)]
+        tr.train_step(make_batch(0))
+        out[once] = jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params))  # after the update
         jaxpr = jax.make_jaxpr(tr._step)(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),
                                          tr.device_batch(make_batch(0)))
         (loop,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
@@ -406,4 +407,4 @@ def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
     assert dtypes["norm.weight"] == jnp.float32  # vectors
     assert dtypes["lm_head"] == dtypes["layers.1.mlp.wg"] == dtypes["layers.0.self_attn.o_proj"] == jnp.bfloat16
     # on one device the float32 gradient of a cast is the bf16 one, converted: the same sums
-    assert out[True] == out[False]
+    jax.tree.map(np.testing.assert_array_equal, out[True], out[False])
