@@ -88,7 +88,7 @@ SETTINGS = {
     # Kimi K2 over two slices: parameters shard within a slice, the Adam moments over both
     # (train.optimizer_over_data, ZeRO-1 across DCN), a bf16 gradient sum per slice reduced
     # across the slices once per step (train.reduce_grads_once)
-    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=16, optimizer_over_data=True,
+    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=8, optimizer_over_data=True,
                       reduce_grads_once=True, engine=False, grpo=False),
     "v5p-1024": dict(slices=1, batch_size=128, grad_accum=32, expert=64),
     # 32 GB chips: parameters, gradients and the gradient sum shard over both slices too
