@@ -339,10 +339,12 @@ def test_transformer_with_remat_trains_under_accumulation(tmp_path, remat):
 
 
 def _tiny_moe(c, **extra):
+    """Two layers (the first dense unless model.first_k_dense_replace says otherwise), no MTP module
+    (compiling is most of these tests' cost)."""
     c.model.update(dict(vocab_size=V, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                         num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
                         qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, n_group=1, topk_group=1,
-                        num_experts_per_tok=2, num_mtp_layers=1, dtype="float32", **extra))
+                        num_experts_per_tok=2, num_mtp_layers=0, dtype="float32", **extra))
     return c
 
 
