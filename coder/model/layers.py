@@ -30,9 +30,8 @@ def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal", float32
         value = jnp.zeros(shape, pdt)
     else:
         value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, pdt)
-    if float32_compute:
-        return nnx.Param(value, logical_axes=tuple(axes), float32_compute=True)
-    return nnx.Param(value, logical_axes=tuple(axes))
+    meta = {"float32_compute": True} if float32_compute else {}
+    return nnx.Param(value, logical_axes=tuple(axes), **meta)
 
 
 def weight(v: nnx.Variable, dtype=None) -> jnp.ndarray:

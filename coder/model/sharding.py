@@ -196,7 +196,7 @@ def replica_vmap(axis: str):
     """Tracing code that runs under `jax.vmap(..., spmd_axis_name=axis)` inside an `activate`
     block: the rules stop naming `axis` (the vmapped dimension owns it) and `vmapped_axis()`
     tells layers whose primitives have no batching rule (ragged_dot) to take another form."""
-    prev = current()
+    prev, prev_axis = current(), vmapped_axis()
     if prev is None:
         raise RuntimeError("sharding.replica_vmap outside sharding.activate")
     _CTX.value = (prev[0], rules_dict(without_axis(prev[1], axis)))
@@ -204,8 +204,7 @@ def replica_vmap(axis: str):
     try:
         yield
     finally:
-        _CTX.value = prev
-        _CTX.vmapped = None
+        _CTX.value, _CTX.vmapped = prev, prev_axis
 
 
 def vmapped_axis() -> str | None:

@@ -230,7 +230,7 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
             flat = lambda x: x.reshape((-1,) + x.shape[2:])
             losses, ws, metrics = flat(losses), flat(ws), jax.tree.map(flat, metrics)
             # summed in the accumulator's dtype: the one reduction crosses DCN between slices
-            grad_sum = jax.tree.map(lambda g: g.sum(0).astype(jnp.float32), grad_sum)
+            grad_sum = jax.tree.map(lambda g: g.sum(0), grad_sum)
         total_w = jnp.sum(ws)
         grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / jnp.where(total_w > 0, total_w, 1.0)
                                            ).astype(p.dtype), grad_sum, params)

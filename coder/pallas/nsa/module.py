@@ -45,9 +45,8 @@ def _param(rngs, shape, axes, cfg, std=None, float32_compute=False):
     """nnx.Param with logical axis names (as coder.model.layers.param); std=None -> zeros."""
     pdt = jnp.dtype(cfg.param_dtype)
     value = jnp.zeros(shape, pdt) if std is None else std * jax.random.normal(rngs.params(), shape, pdt)
-    if float32_compute:
-        return nnx.Param(value, logical_axes=tuple(axes), float32_compute=True)
-    return nnx.Param(value, logical_axes=tuple(axes))
+    meta = {"float32_compute": True} if float32_compute else {}
+    return nnx.Param(value, logical_axes=tuple(axes), **meta)
 
 
 def blocks(x, cfg: NSAConfig):
