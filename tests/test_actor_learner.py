@@ -150,9 +150,13 @@ def learn(tmp_path, toy, **overrides):
     m = metrics(stage_dir)
     print("rewards", [round(r["reward"], 2) for r in m], "staleness_max", [r["staleness_max"] for r in m])
     assert [r["step"] for r in m] == list(range(1, steps + 1))
-    # the second half's mean: single steps swing by +-0.2 (64 rollouts, lr 3e-3, stale batches)
+    # the second half's mean: single steps swing by +-0.15 (64 rollouts, stale batches in async
+    # mode). Faster learning rates are not stable on this toy: at 3e-3 an async run, and at 2e-3
+    # the (deterministic) sync run, learn to 0.45-0.55 and then lose the call format (long
+    # thinking cut at max_turn_tokens, reward -0.3). At 1.5e-3 the second-half mean is 0.35 in
+    # sync mode and 0.32-0.36 in async runs, from 0.03
     early, late = np.mean([r["reward"] for r in m[:2]]), np.mean([r["reward"] for r in m[len(m) // 2:]])
-    assert early < 0.3 and late > early + 0.25, (early, late)
+    assert early < 0.3 and late > early + 0.2, (early, late)
     assert m[0]["submitted"] > 0.8  # the SFT-ed format works: learning is about the answer
     assert np.isfinite(m[-1]["loss"]) and "kl" in m[-1] and "entropy" in m[-1]
     # the engine's work is logged: the step's 64 rows decode together in the slot pool
@@ -161,7 +165,7 @@ def learn(tmp_path, toy, **overrides):
     return m
 
 
-LEARN = dict(rl__tasks_per_step=8, rl__group_size=8, train__steps=12, train__lr=3e-3)
+LEARN = dict(rl__tasks_per_step=8, rl__group_size=8, train__steps=12)  # tests/rl_toy.py's lr 1.5e-3
 
 
 @pytest.mark.slow
