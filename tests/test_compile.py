@@ -22,6 +22,13 @@ from coder.train.aot import hardware as hw
 libtpu = pytest.importorskip("libtpu", reason="the tpu extra (libtpu) is needed for TPU topologies")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compile_only_executables_not_cached():
+    """This module's own TPU compiles (stand-ins, the DCN test) too (see the stage's run)."""
+    with hw.without_persistent_cache():
+        yield
+
+
 # ----------------------------------------------------------------------------- topologies
 @pytest.mark.parametrize("spec, slices, libtpu_name, chips, name", [
     ("v5e-4", 1, "v5e:2x2", 4, "v5e-4"),

@@ -320,14 +320,13 @@ def test_optimizer_state_shards_like_params(tmp_path, optimizer):
 def test_transformer_with_remat_trains_under_accumulation(tmp_path, remat):
     """The real MoE model through the trainer's scanned micro-batch step, with and without
     rematerialisation: same losses (remat changes memory, never the maths)."""
-    from coder.model import Transformer
 
     c = make_config(grad_accum=2, steps=2)
     c.model.update(dict(vocab_size=V, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                         num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
                         qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, n_group=1, topk_group=1,
                         num_experts_per_tok=2, num_mtp_layers=1, dtype="float32", remat=remat))
-    trainer = make_trainer(tmp_path / remat, c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+    trainer = make_trainer(tmp_path / remat, c, model_fn=None)  # config.seed 0
     losses_seen = [float(trainer.train_step(make_batch(i))["loss"]) for i in range(2)]
     trainer.close()
     expected = getattr(test_transformer_with_remat_trains_under_accumulation, "losses", None)
@@ -352,13 +351,13 @@ def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
     """train.reduce_grads_once: the real MoE model on data 2 x fsdp 2 x expert 2 (its sharding
     constraints and the MoE's shard_map run inside the vmap over `data`) takes the same steps
     as the default reduction; parameters sharded over `data` are refused by name."""
-    from coder.model import Transformer, sharding
+    from coder.model import sharding
 
     out = {}
     for once in (False, True):
         c = _tiny_moe(make_config(grad_accum=2, reduce_grads_once=once))
         c.mesh.update(dict(data=2, fsdp=2, expert=2))
-        tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+        tr = make_trainer(tmp_path / str(once), c, model_fn=None)  # config.seed 0
         ms = [tr.train_step(make_batch(0))]
         with sharding.activate(tr.mesh, tr.rules):
             hlo = tr._jit_step.lower(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),
@@ -383,14 +382,13 @@ def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
     """train.cast_params_once: the bf16 model's matrices are cast once per step (router, embedding
     and norm scales stay float32), the micro-batch loop differentiates the bf16 copy, and on one
     device the steps equal the default's."""
-    from coder.model import Transformer
     from coder.train.trainer import compute_copy
 
     out = {}
     for once in (False, True):
         c = _tiny_moe(make_config(grad_accum=2, cast_params_once=once))
         c.model.dtype = "bfloat16"
-        tr = make_trainer(tmp_path / str(once), c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+        tr = make_trainer(tmp_path / str(once), c, model_fn=None)  # config.seed 0
         tr.train_step(make_batch(0))
         out[once] = jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params))  # after the update
         jaxpr = jax.make_jaxpr(tr._step)(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),

@@ -588,6 +588,13 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     No checkpoint is read or written (the step is compiled from shapes only), so a following
     stage starts from the same `init_from` as this one.
     """
+    from coder.train.aot import hardware
+
+    with hardware.without_persistent_cache():
+        return _run(config, stage_dir, init_from)
+
+
+def _run(config, stage_dir: str, init_from: str) -> str:
     import logging
     import sys
     import time

@@ -13,6 +13,8 @@ the key to change. `path` may be a Hugging Face checkpoint directory too (coder.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import logging
 import math
@@ -33,14 +35,43 @@ def rules_of(config) -> tuple:
 def build_model(config, mesh=None, *, seed: int | None = None, model_fn=None) -> nnx.Module:
     """`Transformer(config.model)` (or `model_fn()`), created directly in its sharding on `mesh`
     (default: a mesh of config.mesh over all devices), initialised from `seed` (default config.seed)."""
-    from coder.model import Transformer
-
     mesh = sharding.make_mesh(config.mesh) if mesh is None else mesh
     seed = int(config.seed) if seed is None else int(seed)
-    if model_fn is None:
-        def model_fn():
-            return Transformer(config.model, rngs=nnx.Rngs(seed))
-    return sharding.create_sharded(model_fn, mesh, rules_of(config))
+    if model_fn is not None:
+        return sharding.create_sharded(model_fn, mesh, rules_of(config))
+    graphdef, init = _transformer_init(config.model, mesh, rules_of(config))
+    with sharding.activate(mesh, rules_of(config)):
+        state = init(jnp.asarray(seed, jnp.int32))
+    return nnx.merge(graphdef, state)
+
+
+_INITS: collections.OrderedDict = collections.OrderedDict()
+_MAX_INITS = 8
+
+
+def _transformer_init(model_config, mesh, rules):
+    """(graphdef, jitted `seed -> state` in its shardings) of one model config's Transformer.
+
+    Compiled once per (config, mesh, rules) in a process: a run builds the same model several
+    times (the trainer's, GRPO's reference, the MTP stage's fresh heads, a restore's target), and
+    a jit of a fresh closure would compile its initialiser (seconds on CPU) every time. The seed
+    is an argument, not a constant, so other seeds reuse the program too."""
+    key = (model_config.to_json(sort_keys=True), mesh, rules)
+    if key not in _INITS:
+        from coder.model import Transformer
+
+        frozen = copy.deepcopy(model_config)  # the caller may change its config afterwards
+
+        def make(seed):
+            return Transformer(frozen, rngs=nnx.Rngs(jax.random.key(seed)))  # = nnx.Rngs(int seed)
+
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(0)))
+        shardings = sharding.state_shardings(abstract, mesh, rules)
+        _INITS[key] = graphdef, jax.jit(lambda seed: nnx.state(make(seed)), out_shardings=shardings)
+        if len(_INITS) > _MAX_INITS:
+            _INITS.popitem(last=False)
+    _INITS.move_to_end(key)
+    return _INITS[key]
 
 
 def abstract_flat(state) -> dict:

@@ -22,6 +22,7 @@ A chip is one JAX device on every generation here: v4 and v5p run their two Tens
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -165,6 +166,21 @@ def topology_devices(topo: Topology) -> list:
         raise RuntimeError(f"libtpu gave {len(devices)} devices for {topo.name}, expected "
                            f"{topo.num_chips}")
     return devices
+
+
+@contextlib.contextmanager
+def without_persistent_cache():
+    """Compiles for compile-only devices stay out of JAX's persistent compilation cache
+    (JAX_COMPILATION_CACHE_DIR): an executable without a client cannot be loaded back from it,
+    so every later read would warn and compile again."""
+    import jax
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def describe(topo) -> dict:
