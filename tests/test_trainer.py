@@ -408,3 +408,25 @@ def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
     assert dtypes["lm_head"] == dtypes["layers.1.mlp.wg"] == dtypes["layers.0.self_attn.o_proj"] == jnp.bfloat16
     # on one device the float32 gradient of a cast is the bf16 one, converted: the same sums
     jax.tree.map(np.testing.assert_array_equal, out[True], out[False])
+
+
+def test_build_model_compiles_a_configs_initialiser_once():
+    """state.build_model: one compiled initialiser per (model config, mesh, rules), the seed its
+    argument; the parameters are those of Transformer(config.model, nnx.Rngs(seed)) bit for bit,
+    and a config changed after a build gets a program of its own."""
+    from coder.model import Transformer
+    from coder.train import state as state_lib
+
+    c = _tiny_moe(make_config())
+    flat = lambda m: {"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(m))}
+    a, b = state_lib.build_model(c, seed=3), state_lib.build_model(c, seed=4)
+    _, init = state_lib._transformer_init(c.model, state_lib.sharding.make_mesh(c.mesh), state_lib.rules_of(c))
+    assert init._cache_size() == 1  # both seeds ran one program
+    want = flat(state_lib.build_model(c, model_fn=lambda: Transformer(c.model, rngs=nnx.Rngs(3))))
+    got, other = flat(a), flat(b)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert not np.array_equal(got["lm_head"], other["lm_head"])
+    c.model.hidden_size = 24
+    assert state_lib.build_model(c, seed=3).lm_head[...].shape == (24, V)
