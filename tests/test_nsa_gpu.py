@@ -211,7 +211,7 @@ def test_full_layer_batch2_short_mla_layout_matches_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("branch,t,dk,dv,head_tile", [("selected", 60, 192, 128, 64), ("window", 130, 192, 128, 64),
+@pytest.mark.parametrize("branch,t,dk,dv,head_tile", [("selected", 40, 192, 128, 64), ("window", 130, 192, 128, 64),
                                                       ("window", 40, 576, 512, None)])
 def test_wide_heads_match_reference_in_gpu_interpret_mode(branch, t, dk, dv, head_tile):
     """The head-width split (gpu.py, "Widths") in interpret mode, forward and gradients w.r.t. q, k, v,
