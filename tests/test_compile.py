@@ -461,3 +461,39 @@ def test_reduce_grads_once_crosses_the_dcn_once_per_step_not_per_micro_batch():
     assert dcn[True]["executed"] == dcn[True]["count"] > 0  # each once per step
     assert dcn[False]["executed"] > dcn[False]["count"]  # some inside the loop: per micro-batch
     assert dcn[False]["executed"] > 2 * dcn[True]["executed"]
+
+
+_CACHE_SCRIPT = """
+import os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from coder.train.aot import hardware as hw
+cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+count = lambda: len(os.listdir(cache))
+jax.jit(lambda x: x * 2 + 1)(jnp.ones(3))  # the process decides the cache is in use
+counts = [count()]
+with hw.without_persistent_cache():
+    mesh = Mesh(np.array(hw.topology_devices(hw.parse_topology("v5e-4"))), ("fsdp",))
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    jax.jit(lambda a: a @ a.T).lower(x).compile()
+counts.append(count())
+jax.jit(lambda x: x * 3 - 1)(jnp.ones(3))
+counts.append(count())
+print(counts)
+"""
+
+
+def test_compile_only_executables_stay_out_of_the_persistent_cache(tmp_path):
+    """hardware.without_persistent_cache in a process already using JAX_COMPILATION_CACHE_DIR: the
+    TPU compile writes no entry (reading one back fails: no client), CPU compiles after it do."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    before, after_tpu, after_cpu = json.loads(p.stdout.strip().splitlines()[-1])
+    assert before > 0 and after_tpu == before and after_cpu == before + 1

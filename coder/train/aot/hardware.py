@@ -174,13 +174,17 @@ def without_persistent_cache():
     (JAX_COMPILATION_CACHE_DIR): an executable without a client cannot be loaded back from it,
     so every later read would warn and compile again."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
+    # JAX decides once per process whether the cache is in use: reset that decision both ways
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def describe(topo) -> dict:
