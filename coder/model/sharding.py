@@ -254,17 +254,19 @@ def state_shardings(state, mesh: Mesh, rules):
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def sharded_init(make_model, mesh: Mesh, rules, *example_args):
+    """(graphdef, jitted `*args -> state`) that creates `make_model(*args)` directly in its
+    shardings (call it inside `activate(mesh, rules)`); `example_args` give the abstract init its
+    shapes. No device ever holds the whole model."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make_model(*example_args)))
+    shardings = state_shardings(abstract, mesh, rules)
+    return graphdef, jax.jit(lambda *args: nnx.state(make_model(*args)), out_shardings=shardings)
+
+
 def create_sharded(make_model, mesh: Mesh, rules):
-    """Build `make_model()` directly sharded: abstract init, then a jit with out_shardings.
-
-    No device ever holds the whole model; each parameter is created in its final sharding.
-    """
-    abstract = nnx.eval_shape(make_model)
-    graphdef, abs_state = nnx.split(abstract)
-    shardings = state_shardings(abs_state, mesh, rules)
-
+    """Build `make_model()` directly sharded: abstract init, then a jit with out_shardings."""
+    graphdef, init = sharded_init(make_model, mesh, rules)
     with activate(mesh, rules):
-        init = jax.jit(lambda: nnx.state(make_model()), out_shardings=shardings)
         state = init()
     return nnx.merge(graphdef, state)
 

@@ -65,9 +65,7 @@ def _transformer_init(model_config, mesh, rules):
         def make(seed):
             return Transformer(frozen, rngs=nnx.Rngs(jax.random.key(seed)))  # = nnx.Rngs(int seed)
 
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(0)))
-        shardings = sharding.state_shardings(abstract, mesh, rules)
-        _INITS[key] = graphdef, jax.jit(lambda seed: nnx.state(make(seed)), out_shardings=shardings)
+        _INITS[key] = sharding.sharded_init(make, mesh, rules, 0)
         if len(_INITS) > _MAX_INITS:
             _INITS.popitem(last=False)
     _INITS.move_to_end(key)
