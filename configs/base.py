@@ -87,6 +87,11 @@ def get_config() -> ml_collections.ConfigDict:
     # replicas, e.g. TPU slices over DCN): each replica updates its share of the parameters and
     # the new parameters are all-gathered over `data` once per step
     c.train.optimizer_over_data = False
+    # also shard the float32 parameters over `data` (with their optimizer moments): each step
+    # gathers the copy the micro-batches differentiate over `data` once, before the loop, in
+    # model.dtype with cast_params_once (half the bytes across DCN of ZeRO-1's float32 gather
+    # after the update, and half the float32 parameter memory per chip)
+    c.train.params_over_data = False
     # sum each data-parallel replica's micro-batch gradients on its own devices and reduce them
     # over `data` once per step (else once per micro-batch inside the accumulation loop: across
     # DCN when replicas are TPU slices); parameters must not be sharded over `data`

@@ -97,6 +97,26 @@ def test_same_logits_and_grads(layout, reference):
         np.testing.assert_allclose(g.get_value(), grads0[p].get_value(), atol=2e-5, err_msg=str(p))
 
 
+def test_data_parallel_shared_experts_equal_tensor_parallel(reference):
+    """model.moe_shared_data_parallel: the shared experts run on the residual stream's own
+    tokens with whole weights (the sequence-parallel layout, as docs/scale runs them); same
+    logits and gradients as the tensor-parallel reference."""
+    _, state, (loss0, logits0, grads0), _ = reference
+    cfg = tiny(moe_shared_data_parallel=True)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    assert model.layers[1].mlp.shared.data_parallel
+    mcfg = LAYOUTS["seq2_tensor2_expert2_sp"]
+    mesh = sharding.make_mesh(mcfg)
+    sharding.shard_model(model, mesh, mcfg.rules)
+    with sharding.activate(mesh, mcfg.rules):
+        loss, logits, grads = nnx.jit(run)(model)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-5)
+    np.testing.assert_allclose(logits, logits0, atol=2e-5)
+    for p, g in nnx.to_flat_state(grads):
+        np.testing.assert_allclose(g.get_value(), grads0[p].get_value(), atol=2e-5, err_msg=str(p))
+
+
 def test_expert_weights_are_split(reference):
     cfg, mcfg = tiny(), LAYOUTS["expert4_fsdp2_tokens"]
     mesh = sharding.make_mesh(mcfg)

@@ -93,6 +93,17 @@ def test_lm_loss_is_mean_nll_over_weighted_targets():
     np.testing.assert_allclose(mean, np.mean(expected), rtol=1e-6)
 
 
+def test_pick_targets_is_take_along_axis_forward_and_backward():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(2, 5, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (2, 5)), jnp.int32)
+    cot = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
+    gather = lambda x: jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    np.testing.assert_array_equal(losses.pick_targets(logits, targets), gather(logits))
+    grad = lambda f: jax.grad(lambda x: jnp.sum(f(x) * cot))(logits)
+    np.testing.assert_array_equal(grad(lambda x: losses.pick_targets(x, targets)), grad(gather))
+
+
 def test_lm_loss_adds_weighted_mtp_and_z_loss():
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.normal(size=(1, 6, V)), jnp.float32)
@@ -277,6 +288,37 @@ def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_pa
     assert set(out[True][0].values()) == {jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  out[False][1], out[True][1])
+
+
+def test_params_over_data_splits_the_parameters_and_gathers_the_bf16_copy_once(tmp_path):
+    """train.params_over_data (Kimi K2's two-slice setting, with reduce_grads_once and
+    cast_params_once): the float32 parameters split over data x fsdp like their moments, the
+    bf16 copy constrained back to the rules' shardings (gathered over data) before the
+    micro-batch loop, and the steps equal ZeRO-1's (optimizer_over_data alone)."""
+    from coder.model import sharding
+    from coder.train.checkpoint import tree_to_flat
+
+    out = {}
+    for over in (False, True):
+        cfg = make_config(grad_accum=2, reduce_grads_once=True, cast_params_once=True,
+                          optimizer_over_data=True, params_over_data=over)
+        cfg.model.dtype = "bfloat16"
+        cfg.mesh.data, cfg.mesh.fsdp = 2, 4
+        tr = make_trainer(tmp_path / str(over), cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+        losses_seen = [float(tr.train_step(make_batch(i))["loss"]) for i in range(2)]
+        specs = {n: leaf.sharding.spec for n, leaf in tree_to_flat(tr.params).items()}
+        with sharding.activate(tr.mesh, tr.rules):
+            text = tr._jit_step.lower(tr.params, tr.rest, tr.opt_state, jnp.asarray(0, jnp.int32),
+                                      tr.device_batch(make_batch(0))).as_text()
+        gathered = [ln for ln in text.splitlines() if "sharding_constraint" in ln and "16xbf16>" in ln]
+        out[over] = (losses_seen, specs, gathered, jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
+        tr.close()
+    assert out[False][1]["w.value"] == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert out[True][1]["w.value"] == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")
+    assert not out[False][2]
+    assert any('[{"fsdp"}, {"tensor"}]> : tensor<16x16xbf16>' in ln for ln in out[True][2])
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out[False][3], out[True][3])
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

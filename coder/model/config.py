@@ -47,6 +47,11 @@ def model_config() -> ml_collections.ConfigDict:
     # worst case, all of the expert group's pairs on one device (expert-parallel size x the
     # average: memory-heavy at scale); f > 0 = f x, pairs past it dropped (stats["dropped"])
     m.moe_a2a_buffer_factor = 0.0
+    # the shared experts: False = tensor-parallel over `mlp` (each chip gathers its sequence
+    # shard's tokens and reduce-scatters the output); True = on the residual stream's own tokens
+    # (`res_seq`) with the weights gathered whole at use, far fewer bytes when the stream is
+    # split over the mlp axis too and the experts are small (DeepSeek-V3, Kimi K2: 2048 units)
+    m.moe_shared_data_parallel = False
     m.rms_norm_eps = 1e-6  # RMSNorm epsilon
     m.rope_theta = 10000.0  # RoPE base
     m.max_position_embeddings = 1024  # longest sequence the RoPE tables are built for

@@ -34,17 +34,18 @@ def param(rngs: nnx.Rngs | None, shape, axes, cfg, init: str = "normal", float32
     return nnx.Param(value, logical_axes=tuple(axes), **meta)
 
 
-def weight(v: nnx.Variable, dtype=None) -> jnp.ndarray:
+def weight(v: nnx.Variable, dtype=None, whole: bool = False) -> jnp.ndarray:
     """A parameter's value as its layer multiplies it: cast to `dtype` (on the stored shard, so
     the gather moves `dtype`), then whole along `embed` (the FSDP dimension) and split along its
-    other axes as the rules say. Left implicit, XLA may instead move the activations to the
-    weight's FSDP split (it did when tokens and `embed` split over the same mesh axis)."""
+    other axes as the rules say, or whole on every device (`whole`: a data-parallel layer).
+    Left implicit, XLA may instead move the activations to the weight's FSDP split (it did when
+    tokens and `embed` split over the same mesh axis)."""
     w = v[...] if dtype is None else v[...].astype(dtype)
     axes = v.get_metadata().get("logical_axes")
     if not axes:
         return w
     axes = tuple(axes)[len(axes) - w.ndim:]  # inside the layer scan: a slice of a stacked variable
-    return constrain(w, tuple(None if a == "embed" else a for a in axes))
+    return constrain(w, tuple(None if whole or a == "embed" else a for a in axes))
 
 
 class RMSNorm(nnx.Module):
@@ -61,20 +62,31 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up)). x `[B, T, D]` -> `[B, T, D]`."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)). x `[B, T, D]` -> `[B, T, D]`.
 
-    def __init__(self, cfg, hidden: int, rngs: nnx.Rngs, axis: str = "mlp"):
+    Tensor-parallel by default: the hidden units split as the rules of `axis` say, the tokens
+    as `seq`. data_parallel: on the residual stream's own tokens (`res_seq`), the weights (stored
+    split as the rules say) gathered whole at use; model.moe_shared_data_parallel picks it for a
+    MoE layer's shared experts, whose weights are a few times smaller than a sequence shard's
+    hidden states (Kimi K2 at 32k: 88 MB per layer against 470 MB gathered and 470 MB
+    reduce-scattered per chip, forward and again in the backward pass).
+    """
+
+    def __init__(self, cfg, hidden: int, rngs: nnx.Rngs, axis: str = "mlp", data_parallel: bool = False):
         d = cfg.hidden_size
         self.gate_proj = param(rngs, (d, hidden), ("embed", axis), cfg)
         self.up_proj = param(rngs, (d, hidden), ("embed", axis), cfg)
         self.down_proj = param(rngs, (hidden, d), (axis, "embed"), cfg)
         self.dtype = dtype_of(cfg.dtype)
         self.axis = axis
+        self.data_parallel = data_parallel
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        dt = self.dtype
+        dt, whole = self.dtype, self.data_parallel
         x = x.astype(dt)
-        g = x @ weight(self.gate_proj, dt)
-        u = x @ weight(self.up_proj, dt)
-        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", self.axis))
-        return h @ weight(self.down_proj, dt)
+        if whole:
+            x = constrain(x, ("batch", "res_seq", None))
+        g = x @ weight(self.gate_proj, dt, whole)
+        u = x @ weight(self.up_proj, dt, whole)
+        h = constrain(jax.nn.silu(g) * u, ("batch", "res_seq", None) if whole else ("batch", "seq", self.axis))
+        return h @ weight(self.down_proj, dt, whole)

@@ -582,7 +582,9 @@ class MoE(nnx.Module):
         self.wg = param(rngs, (e, d, f), ("exp", "embed", "exp_mlp"), cfg)
         self.wu = param(rngs, (e, d, f), ("exp", "embed", "exp_mlp"), cfg)
         self.wd = param(rngs, (e, f, d), ("exp", "exp_mlp", "embed"), cfg)
-        self.shared = MLP(cfg, f * cfg.n_shared_experts, rngs, axis="mlp") if cfg.n_shared_experts else None
+        self.shared = MLP(cfg, f * cfg.n_shared_experts, rngs, axis="mlp",
+                          data_parallel=bool(getattr(cfg, "moe_shared_data_parallel", False))
+                          ) if cfg.n_shared_experts else None
         self.dtype = dtype_of(cfg.dtype)
 
     def __call__(self, x, valid, expert_ids=None):

@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coder.train.losses import pick_targets
+
 
 def valid_mask(infra_error: np.ndarray) -> np.ndarray:
     """Rollouts that count in their group: `[N, G]` bool, False where the infrastructure failed."""
@@ -271,7 +273,7 @@ def target_logp(logits, tokens, segment_ids, temperature: float = 1.0):
     """
     logz = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
     tgt = tokens[:, 1:]
-    lp = jnp.take_along_axis(logz, tgt[..., None], axis=-1)[..., 0]
+    lp = pick_targets(logz, tgt)
     ent = -(jnp.exp(logz) * logz).sum(-1)
     valid = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
     pad = jnp.zeros(tokens.shape[:1] + (1,), jnp.float32)

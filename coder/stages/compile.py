@@ -186,14 +186,19 @@ class AbstractState(NamedTuple):
 
 def abstract_state(config, mesh) -> AbstractState:
     """The model of `config.model` split and sharded by `config.mesh.rules` over `mesh`, abstract."""
+    import jax
     from flax import nnx
 
     from coder.model import Transformer, sharding
+    from coder.train.state import split_further
+    from coder.train.trainer import params_axes
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     p_sh = sharding.state_shardings(params, mesh, rules)
+    over = params_axes(config.train)  # train.params_over_data, as coder.train.state.init_state
+    p_sh = jax.tree.map(lambda sh, x: split_further(sh, x.shape, over), p_sh, params)
     r_sh = sharding.state_shardings(rest, mesh, rules)
     return AbstractState(graphdef, _with_shardings(params, p_sh), _with_shardings(rest, r_sh), p_sh, r_sh)
 
@@ -226,7 +231,8 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     from coder.model import sharding
     from coder.train.optim import lr_schedule, make_optimizer
     from coder.train.state import opt_state_shardings
-    from coder.train.trainer import accum_dtype, cast_params_dtype, make_train_step, optimizer_axes, replica_axis
+    from coder.train.trainer import (accum_dtype, cast_params_dtype, make_train_step, optimizer_axes,
+                                     params_axes, replica_axis)
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
@@ -236,7 +242,8 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
                               bias_rate=float(config.model.bias_update_rate), schedule=lr_schedule(config.train),
                               accum_dtype=accum_dtype(config.train),
                               replica_axis=replica_axis(config.train),
-                              compute_dtype=cast_params_dtype(config.train, config.model))
+                              compute_dtype=cast_params_dtype(config.train, config.model),
+                              gather_params=params_axes(config.train))
     o_sh = opt_state_shardings(tx, params, mesh, optimizer_axes(config.train))
     opt = _with_shardings(jax.eval_shape(tx.init, params), o_sh)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
@@ -627,6 +634,7 @@ def _run(config, stage_dir: str, init_from: str) -> str:
             moe_a2a_buffer_factor=float(config.model.moe_a2a_buffer_factor),
             grad_accum_dtype=config.train.grad_accum_dtype,
             optimizer_over_data=bool(config.train.optimizer_over_data),
+            params_over_data=bool(config.train.get("params_over_data", False)),
             reduce_grads_once=bool(config.train.get("reduce_grads_once", False)),
             cast_params_once=bool(config.train.get("cast_params_once", False)),
         ),

@@ -32,6 +32,20 @@ def shifted_targets(tokens, segment_ids, loss_mask, shift: int):
     return targets, weights
 
 
+def pick_targets(values, targets):
+    """`values[..., targets]` along the last (vocabulary) axis. values `[..., V]`, targets
+    int32 `[...]` -> `[...]`.
+
+    A compare-and-sum over the vocabulary, not `take_along_axis`: the logits are split over
+    the vocabulary on a mesh, and a gather along a split axis makes XLA's partitioner reshard
+    the whole `[rows, T, V]` float32 tensor first (for Kimi K2 on two v5p-512 slices, an
+    all-to-all across DCN every micro-batch: 10.7 GB per chip per step). The masked sum is
+    elementwise on each shard plus a reduction of one number per token.
+    """
+    vocab = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    return jnp.sum(jnp.where(vocab == targets[..., None], values, 0), axis=-1)
+
+
 def cross_entropy_sum(logits, targets, weights):
     """Weighted sum of -log p(target) and the sum of weights.
 
@@ -40,7 +54,7 @@ def cross_entropy_sum(logits, targets, weights):
     """
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    target_logit = pick_targets(logits, targets)
     nll = log_z - target_logit
     return jnp.sum(nll * weights), jnp.sum(weights)
 

@@ -195,12 +195,16 @@ def _used_axes(spec) -> set[str]:
 
 
 def init_state(model: nnx.Module, tx, trainable, mesh, *, seed: int,
-               optimizer_over: tuple[str, ...] = ()) -> TrainState:
-    """Step-0 TrainState of `model`: its `trainable` params, the rest, and `tx`'s state sharded
-    like the params, and further over `optimizer_over` mesh axes (opt_state_shardings)."""
+               optimizer_over: tuple[str, ...] = (), params_over: tuple[str, ...] = ()) -> TrainState:
+    """Step-0 TrainState of `model`: its `trainable` params (split further over `params_over`
+    mesh axes, train.params_over_data), the rest, and `tx`'s state sharded like the params, and
+    further over `optimizer_over` mesh axes (opt_state_shardings)."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
     if not jax.tree.leaves(params):
         raise ValueError(f"the trainable filter {trainable} selects no parameters")
+    if params_over:
+        params = jax.device_put(params, jax.tree.map(
+            lambda x: split_further(x.sharding, x.shape, params_over), params))
     opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh, optimizer_over))(params)
     return TrainState(graphdef, params, rest, opt_state, 0, jax.random.key(int(seed)))
 

@@ -142,10 +142,26 @@ def compute_copy(params, dtype):
     return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _gathered_to_rules(params, mesh, rules, split_axes: tuple[str, ...]):
+    """`params`, split further over `split_axes` than their logical axes' `rules` say
+    (state.split_further), gathered to the rules' shardings. Each leaf is pinned to its split
+    sharding first, so a cast before this (compute_copy) runs on the shards and the gather
+    moves the cast dtype: left to sharding propagation, XLA:TPU gathered the float32
+    parameters across DCN and cast after."""
+    specs = sharding.state_specs(params, rules)
+
+    def gather(x, spec):
+        full = jax.sharding.NamedSharding(mesh, spec)
+        x = jax.lax.with_sharding_constraint(x, state_lib.split_further(full, x.shape, split_axes))
+        return jax.lax.with_sharding_constraint(x, full)
+
+    return jax.tree.map(gather, params, specs)
+
+
 def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1, bias_rate: float = 0.0,
                     trainable=nnx.Param, schedule: Callable | None = None,
                     accum_dtype=jnp.float32, replica_axis: str | None = None,
-                    compute_dtype=None) -> Callable:
+                    compute_dtype=None, gather_params: tuple[str, ...] = ()) -> Callable:
     """The optimizer step every stage runs, as a pure function (the trainer jits it; stage
     `compile` lowers the same function for a TPU slice):
 
@@ -173,6 +189,13 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
     gradient sum move that dtype, where a cast inside the loop made XLA convert every
     micro-batch's weight gradients to float32 and back. Costs a copy of those parameters in
     that dtype for the step.
+
+    gather_params (train.params_over_data: ("data",)): mesh axes the parameters are split over
+    beyond their rules (state.split_further; ZeRO over `data`, i.e. across slices); the copy the
+    micro-batch loop differentiates is gathered to the rules' shardings once per step, before
+    the loop: in compute_dtype when it is set, so the gather across DCN moves bf16 where
+    ZeRO-1 (optimizer_over_data alone) gathers the float32 parameters after the update. The
+    gradients are reduce-scattered back to the parameters' split for the update.
     """
     grad_fn = jax.value_and_grad(functools.partial(_weighted_loss, loss_fn, graphdef), has_aux=True)
 
@@ -181,6 +204,8 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
         micro = split_microbatches(batch, grad_accum)
         replicas = _replicas(replica_axis)
         wparams = params if compute_dtype is None else compute_copy(params, compute_dtype)
+        if gather_params and sharding.current() is not None:
+            wparams = _gathered_to_rules(wparams, *sharding.current(), gather_params)
         if replicas is None:
             def micro_grad(mb, rng):
                 return grad_fn(wparams, rest, mb, rng)
@@ -286,8 +311,15 @@ def replica_axis(train_cfg) -> str | None:
 
 
 def optimizer_axes(train_cfg) -> tuple[str, ...]:
-    """Mesh axes the optimizer moments are split over beyond their parameter's sharding."""
-    return ("data",) if train_cfg.get("optimizer_over_data", False) else ()
+    """Mesh axes the optimizer moments are split over beyond their parameter's sharding
+    (train.optimizer_over_data; train.params_over_data splits the moments with the parameters)."""
+    over = train_cfg.get("optimizer_over_data", False) or train_cfg.get("params_over_data", False)
+    return ("data",) if over else ()
+
+
+def params_axes(train_cfg) -> tuple[str, ...]:
+    """Mesh axes the parameters are split over beyond their rules (train.params_over_data)."""
+    return ("data",) if train_cfg.get("params_over_data", False) else ()
 
 
 class Trainer:
@@ -353,7 +385,7 @@ class Trainer:
         self._schedule = lr_schedule(tc)
         try:
             self.state = state_lib.init_state(model, self.tx, trainable, self.mesh, seed=int(config.seed),
-                                              optimizer_over=optimizer_axes(tc))
+                                              optimizer_over=optimizer_axes(tc), params_over=params_axes(tc))
         except ValueError as e:
             raise ValueError(f"stage {self.stage}: {e}") from None
         self._saved_step = None
@@ -366,7 +398,8 @@ class Trainer:
                                      grad_accum=self.grad_accum, bias_rate=self.bias_rate,
                                      trainable=trainable, schedule=self._schedule,
                                      accum_dtype=accum_dtype(tc), replica_axis=replica_axis(tc),
-                                     compute_dtype=cast_params_dtype(tc, config.model))
+                                     compute_dtype=cast_params_dtype(tc, config.model),
+                                     gather_params=params_axes(tc))
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),
