@@ -50,7 +50,9 @@ def model_config() -> ml_collections.ConfigDict:
     # the shared experts: False = tensor-parallel over `mlp` (each chip gathers its sequence
     # shard's tokens and reduce-scatters the output); True = on the residual stream's own tokens
     # (`res_seq`) with the weights gathered whole at use, far fewer bytes when the stream is
-    # split over the mlp axis too and the experts are small (DeepSeek-V3, Kimi K2: 2048 units)
+    # split over the mlp axis too and the experts are small (DeepSeek-V3, Kimi K2: 2048 units).
+    # A training layout: decoding a few tokens per row, the whole-weight gathers cost more
+    # (stage compile's engine programs are lowered without it)
     m.moe_shared_data_parallel = False
     m.rms_norm_eps = 1e-6  # RMSNorm epsilon
     m.rope_theta = 10000.0  # RoPE base

@@ -436,8 +436,11 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
     rows = int(cc.engine_batch or rl.group_size)
     slots = int(cc.engine_max_len or rl.context_budget)
     prefill = int(cc.engine_prefill_len or min(2048, slots))
-    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
-    engine = Engine(abstract, config.model, max_len=slots, speculative_k=int(rl.speculative_k))
+    model_cfg = config.model.copy_and_resolve_references()
+    with model_cfg.unlocked():  # a training layout (whole-weight gathers for a few tokens per row)
+        model_cfg.moe_shared_data_parallel = False
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(int(config.seed))))
+    engine = Engine(abstract, model_cfg, max_len=slots, speculative_k=int(rl.speculative_k))
     state_sh = sharding.state_shardings(nnx.state(abstract), mesh, rules)
     axes = sharding.mesh_axes_of("batch", rules)
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())

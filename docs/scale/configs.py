@@ -22,6 +22,10 @@ Layout for the full-size MoE models (why, in numbers, in docs/scale/README.md):
   * the residual stream between blocks splits its tokens over expert x sequence (sequence
     parallelism), so no chip repeats another's norms, router or residual adds, and remat keeps
     1/256 of each layer's input per chip;
+  * the MoE layers' shared expert (2048 units) runs on each chip's own residual-stream
+    tokens with its weights gathered whole (model.moe_shared_data_parallel): tensor-parallel
+    over `expert` it gathered a sequence shard's hidden states onto every chip and
+    reduce-scattered its output, forward and backward, 5x the bytes of its weights;
   * the weights are cast to bf16 once per step and differentiated as that copy
     (train.cast_params_once); a micro-batch is batch / grad_accum rows; the gradient sum is
     bfloat16.
@@ -85,10 +89,12 @@ SETTINGS = {
     # weights over `sequence` (FSDP) and reduce-scatters its gradient, so more rows amortise
     # that (sequence parallelism left the memory for them: 3 rows needed 85.1 GiB without it)
     "v5p-512": dict(slices=1, batch_size=132, grad_accum=12, grpo_batch=96),
-    # Kimi K2 over two slices: parameters shard within a slice, the Adam moments over both
-    # (train.optimizer_over_data, ZeRO-1 across DCN), a bf16 gradient sum per slice reduced
-    # across the slices once per step (train.reduce_grads_once)
-    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=8, optimizer_over_data=True,
+    # Kimi K2 over two slices: the float32 parameters and their Adam moments split over both
+    # (train.params_over_data: ZeRO across DCN, the bf16 copy gathered across slices once per
+    # step), a bf16 gradient sum per slice reduced across the slices once per step
+    # (train.reduce_grads_once); the memory that frees pays for 16 rows per slice per
+    # micro-batch (4 micro-batches: each re-gathers the expert weights over `sequence`)
+    "v5p-512x2": dict(slices=2, batch_size=128, grad_accum=4, params_over_data=True,
                       reduce_grads_once=True, engine=False, grpo=False),
     "v5p-1024": dict(slices=1, batch_size=128, grad_accum=32, expert=64),
     # 32 GB chips: parameters, gradients and the gradient sum shard over both slices too
@@ -128,11 +134,13 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.train.grad_accum_dtype = "bfloat16"
     c.train.mu_dtype = "bfloat16"  # as DeepSeek-V3 trained (its report, section 3.3)
     c.train.optimizer_over_data = s.get("optimizer_over_data", False)
+    c.train.params_over_data = s.get("params_over_data", False)
     c.train.reduce_grads_once = s.get("reduce_grads_once", False)
     c.train.cast_params_once = True
     c.model.remat = REMAT
     c.model.moe_capacity_factor = MOE_CAPACITY_FACTOR
     c.model.moe_a2a_buffer_factor = A2A_BUFFER_FACTOR
+    c.model.moe_shared_data_parallel = True  # the shared expert on each chip's own tokens
     c.model.scan_layers = True  # one compiled MoE layer (an unrolled 61-layer step: ~45 min here)
     c.compile.offload_optimizer = s.get("offload_optimizer", False)
     c.compile.update(ENGINE)

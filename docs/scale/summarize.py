@@ -24,6 +24,8 @@ def _moe(s: dict) -> str:
 def _optimizer(s: dict) -> str:
     if s["offload_optimizer"]:
         return "host"
+    if s.get("params_over_data"):  # the float32 parameters too
+        return "over slices (+ params)"
     return "over slices" if s.get("optimizer_over_data") else "chip"
 
 
