@@ -54,8 +54,9 @@ def test_gmm_tiling_divides_shapes():
 
 
 def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
-    """The dropless FFN with megablox as its grouped matmul (interpret mode) against ragged_dot:
-    pairs of non-local experts sort past the last group (expert parallelism's layout)."""
+    """The dropless FFN with megablox as its grouped matmul (interpret mode, its row masks left to
+    sorted_ffn: NaN in the rows it leaves unwritten) against ragged_dot: pairs of non-local
+    experts sort past the last group (expert parallelism's layout)."""
     k = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(k[0], (24, 16))
     ids = jax.random.randint(k[1], (24, 2), 0, 8).at[:, 0].set(jnp.arange(24) % 3)  # expert 3: none
@@ -66,7 +67,7 @@ def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
     mb = functools.partial(megablox_grouped_matmul, interpret=True, tiling=(16, 16, 8))
     run = lambda: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(ffn(*a) ** 2), (0, 1, 2, 3)))(x, wg, wu, wd)
     with monkeypatch.context() as m:
-        m.setattr(moe_lib, "grouped_matmul", jax.lax.ragged_dot)
+        m.setattr(moe_lib, "grouped_matmul", lambda x, w, gs, mask_rows=True: jax.lax.ragged_dot(x, w, gs))
         want = run()
     monkeypatch.setattr(moe_lib, "grouped_matmul", mb)
     got = run()
@@ -198,6 +199,38 @@ def test_ragged_dispatch_equals_all_gather(layout):
     for a, b in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
     assert np.abs(np.asarray(g[2][2:4])).max() == 0  # experts without pairs: no gradient
+
+
+def test_ragged_dispatch_with_megablox_unmasked_equals_all_gather(monkeypatch):
+    """The ragged dispatch's grouped matmuls as TPU runs them: megablox without its row masks
+    (mask_rows=False; interpret mode fills the rows the kernels leave unwritten, forward output
+    and dx, with NaN), in the worst-case receive buffer (mostly past the groups). Output and
+    every gradient are finite and equal the all-gather dispatch's."""
+    mesh, rules = _mesh(data=2, expert=4)
+    x, ids, w, wg, wu, wd = _routing(8, 4)
+
+    def run(dispatch):
+        def loss(x, w, wg, wu, wd):
+            y, _ = moe_lib._expert_parallel_ffn(x, ids, w, wg, wu, wd, mesh, rules, dispatch=dispatch,
+                                                ragged_a2a=emulated_ragged_all_to_all)
+            return jnp.sum(y ** 2), y
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True))(x, w, wg, wu, wd)
+
+    (_, y_ref), g_ref = run("all_gather")
+    calls = []
+
+    def unmasked_megablox(x, w, group_sizes, mask_rows=True):
+        calls.append(mask_rows)
+        return megablox_grouped_matmul(x, w, group_sizes, interpret=True, tiling=(8, 16, 8),
+                                       mask_rows=mask_rows)
+
+    monkeypatch.setattr(moe_lib, "grouped_matmul", unmasked_megablox)
+    (_, y), g = run("ragged_all_to_all")
+    assert calls and not any(calls)  # every grouped matmul of the dispatch ran unmasked
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)
+    for a, b in zip(g, g_ref, strict=True):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
 
 
 def test_ragged_dispatch_bounded_buffer_drops_overflow_in_device_order():

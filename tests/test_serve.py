@@ -77,11 +77,12 @@ def tiny_cfg(tok):
     return cfg
 
 
-def fit(cfg, tok, steps=120, seed=0):
+def fit(cfg, tok, steps=160, seed=0):
     """A tiny model that greets a plain user turn and calls submit(answer="3") under the tools'
     system prompt (teacher forcing on both conversations, Adam)."""
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    # decayed to 0: the last steps settle instead of ending on one of the spikes lr 1e-2 makes
+    opt = nnx.Optimizer(model, optax.adam(optax.cosine_decay_schedule(1e-2, steps)), wrt=nnx.Param)
     system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
     rng = random.Random(seed)
     pool = prompts(200, 2)

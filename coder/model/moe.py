@@ -169,7 +169,8 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     return min(512, _round_up(m, 16)), t, t
 
 
-def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=None):
+def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=None,
+                            mask_rows: bool = True):
     """Grouped matmul with the Pallas megablox kernels (TPU; `interpret=True` runs them on CPU).
 
     x `[M, K]` rows sorted by group, w `[G, K, N]`, group_sizes `[G]` (sum <= M) -> `[M, N]`
@@ -184,7 +185,12 @@ def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=N
 
     megablox leaves rows past the last group uninitialised (forward: output rows; backward: dx
     rows, written by the same kernel), so both x and the result are masked with `where` (a
-    product with 0 would keep NaN/inf garbage).
+    product with 0 would keep NaN/inf garbage). mask_rows=False leaves both to the caller, who
+    must never read those rows of the result and must zero those rows of x's cotangent (a
+    `where` on x where it is gathered): each mask is a pass over an `[M, K]` buffer, forward,
+    in the remat forward and transposed in the backward, and the MoE's own gathers and
+    combine already select rows (`sorted_ffn`, `_ragged_local`). tgmm selects its rows, so
+    garbage rows never reach the weight gradient.
     """
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
@@ -193,16 +199,18 @@ def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=N
     tm, tk, tn = tiling or gmm_tiling(m, kp, n_p)
     group_sizes = group_sizes.astype(jnp.int32)
     valid = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
-    xp = jnp.pad(jnp.where(valid, x, 0), ((0, -m % tm), (0, kp - k)))
+    xp = jnp.pad(jnp.where(valid, x, 0) if mask_rows else x, ((0, -m % tm), (0, kp - k)))
     wp = jnp.pad(w.astype(x.dtype), ((0, 0), (0, kp - k), (0, n_p - n)))
     y = gmm(xp, wp, group_sizes, preferred_element_type=x.dtype, tiling=(tm, tk, tn),
             interpret=interpret)[:m, :n]
-    return jnp.where(valid, y, 0)
+    return jnp.where(valid, y, 0) if mask_rows else y
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
     """megablox `gmm` on TPU (`megablox_grouped_matmul`), `jax.lax.ragged_dot` on GPU, the
     block-padded form on CPU, where XLA lowers ragged_dot to a dense product with every group.
+    mask_rows=False: rows past sum(group_sizes) of the result are unspecified (megablox's
+    contract with its caller, `megablox_grouped_matmul`); the other two give zeros there.
 
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
@@ -211,8 +219,8 @@ def grouped_matmul(x, w, group_sizes):
     # ragged_dot has no vmap rule for an unbatched weight, so under the trainer's per-replica
     # vmap (train.reduce_grads_once) GPU takes the block-padded form
     gpu = block_grouped_matmul if sharding.vmapped_axis() else jax.lax.ragged_dot
-    return jax.lax.platform_dependent(x, w, group_sizes, tpu=megablox_grouped_matmul,
-                                      cpu=block_grouped_matmul, default=gpu)
+    tpu = functools.partial(megablox_grouped_matmul, mask_rows=mask_rows)
+    return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu, cpu=block_grouped_matmul, default=gpu)
 
 
 DENSE_FFN_MAX = 512  # tokens x local experts up to which CPU runs every expert on every token
@@ -238,8 +246,9 @@ def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
 
     x `[N, D]`, ids/weights `[N, k]`, wg/wu `[El, D, F]`, wd `[El, F, D]` hold experts
     first_expert .. first_expert+El-1. Returns `sum_j weights_j * FFN_{ids_j}(x)` over the local
-    pairs, `[N, D]` in x.dtype. Pairs of other experts are sorted past the last group, where
-    the grouped matmul produces zeros. With N * El <= DENSE_FFN_MAX the CPU lowering is
+    pairs, `[N, D]` in x.dtype. Pairs of other experts are sorted past the last group; those
+    rows are zeroed on the way in and dropped on the way out (the grouped matmul leaves them
+    unspecified). With N * El <= DENSE_FFN_MAX the CPU lowering is
     `dense_ffn` (decoding); other platforms always take the sorted form.
     """
     if x.shape[0] * wg.shape[0] <= DENSE_FFN_MAX:
@@ -259,11 +268,12 @@ def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     order = jnp.argsort(key, stable=True)  # [N*k]
     group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
     token = order // k
-    xs = x[token]  # [N*k, D]
+    # rows past the local groups: zero, so their (unspecified) cotangent never reaches dx
+    xs = jnp.where(is_local[order][:, None], x[token], 0)  # [N*k, D]
     dt = x.dtype
-    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes)) * grouped_matmul(
-        xs, wu.astype(dt), group_sizes)
-    y = grouped_matmul(h, wd.astype(dt), group_sizes)  # [N*k, D]
+    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
+        xs, wu.astype(dt), group_sizes, mask_rows=False)
+    y = grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [N*k, D]
     w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
     y = jnp.where(is_local[order][:, None], y.astype(jnp.float32) * w[:, None], 0.0)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(dt)
@@ -536,14 +546,17 @@ def _ragged_local(x, ids, weights, real, wg, wu, wd, axes, ep: int, rows: int, r
     r = jnp.arange(rows)
     blk = jnp.minimum(jnp.searchsorted(jnp.cumsum(s_sizes), r, side="right"), n_exp - 1)
     e_, s_ = blk // ep, blk % ep
-    xs = buf[jnp.clip(b_start[s_, e_] + r - s_start[e_, s_], 0, rows - 1)]  # expert-major
-    group_sizes = mine.sum(0)  # rows past their sum: zeros from the grouped matmul
-    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes)) * grouped_matmul(
-        xs, wu.astype(dt), group_sizes)
-    ys = grouped_matmul(h, wd.astype(dt), group_sizes)  # [rows, D]
+    group_sizes = mine.sum(0)
+    # expert-major; rows past the groups' sum zero (their unspecified cotangent would land on
+    # received rows), and `back` reads only rows below it: the grouped matmuls mask nothing
+    filled = (r < mine.sum())[:, None]
+    xs = jnp.where(filled, buf[jnp.clip(b_start[s_, e_] + r - s_start[e_, s_], 0, rows - 1)], 0)
+    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
+        xs, wu.astype(dt), group_sizes, mask_rows=False)
+    ys = grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [rows, D]
     blk = jnp.minimum(jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), r, side="right"), n_exp - 1)
     s_, e_ = blk // n_local, blk % n_local
-    back = jnp.where((r < mine.sum())[:, None], ys[jnp.clip(s_start[e_, s_] + r - b_start[s_, e_], 0, rows - 1)], 0)
+    back = jnp.where(filled, ys[jnp.clip(s_start[e_, s_] + r - b_start[s_, e_], 0, rows - 1)], 0)
     # rows not returned (padding, dropped pairs) keep the zeros of the output buffer
     y = ragged_a2a(back, jnp.zeros((n * k, x.shape[1]), dt), seg_off[:, me], kept_seg[:, me],
                    in_off[:, me], kept_seg[me], axis_name=axes)  # [n*k, D] in `order`
