@@ -312,7 +312,13 @@ def test_params_over_data_splits_the_parameters_and_gathers_the_bf16_copy_once(t
                                       tr.device_batch(make_batch(0))).as_text()
         gathered = [ln for ln in text.splitlines() if "sharding_constraint" in ln and "16xbf16>" in ln]
         out[over] = (losses_seen, specs, gathered, jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
+        tr.save(force=True)
         tr.close()
+    # a resumed run restores the split parameters into the split layout
+    tr = make_trainer(tmp_path / "True", cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+    assert tr.step == 2 and tr.params["w"][...].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)), out[True][3])
+    tr.close()
     assert out[False][1]["w.value"] == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert out[True][1]["w.value"] == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")
     assert not out[False][2]
