@@ -154,10 +154,10 @@ def learn(tmp_path, toy, **overrides):
     # mode). Faster learning rates are not stable on this toy: at 3e-3 an async run, and at 2e-3
     # the (deterministic) sync run, learn to 0.45-0.55 and then lose the call format (long
     # thinking cut at max_turn_tokens, reward -0.3). At 1.5e-3 the second-half mean is 0.35 in
-    # sync mode and 0.23-0.36 in async runs, from 0.03 (a run that does not learn stays near
-    # 0.03: the mean of six steps swings by about 0.06)
+    # sync mode and 0.23-0.36 in async runs, from 0.03. A gain of 0.12 is two standard
+    # deviations of a six-step mean (about 0.06) above a run that does not learn
     early, late = np.mean([r["reward"] for r in m[:2]]), np.mean([r["reward"] for r in m[len(m) // 2:]])
-    assert early < 0.3 and late > early + 0.15, (early, late)
+    assert early < 0.3 and late > early + 0.12, (early, late)
     assert m[0]["submitted"] > 0.8  # the SFT-ed format works: learning is about the answer
     assert np.isfinite(m[-1]["loss"]) and "kl" in m[-1] and "entropy" in m[-1]
     # the engine's work is logged: the step's 64 rows decode together in the slot pool
