@@ -268,14 +268,15 @@ def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     order = jnp.argsort(key, stable=True)  # [N*k]
     group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
     token = order // k
+    local_rows = is_local[order][:, None]  # [N*k, 1]: the rows of the local groups come first
     # rows past the local groups: zero, so their (unspecified) cotangent never reaches dx
-    xs = jnp.where(is_local[order][:, None], x[token], 0)  # [N*k, D]
+    xs = jnp.where(local_rows, x[token], 0)  # [N*k, D]
     dt = x.dtype
     h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
         xs, wu.astype(dt), group_sizes, mask_rows=False)
     y = grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [N*k, D]
-    w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
-    y = jnp.where(is_local[order][:, None], y.astype(jnp.float32) * w[:, None], 0.0)
+    w = jnp.where(local_rows[:, 0], weights.reshape(-1)[order], 0.0)
+    y = jnp.where(local_rows, y.astype(jnp.float32) * w[:, None], 0.0)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(dt)
 
 

@@ -186,19 +186,18 @@ class AbstractState(NamedTuple):
 
 def abstract_state(config, mesh) -> AbstractState:
     """The model of `config.model` split and sharded by `config.mesh.rules` over `mesh`, abstract."""
-    import jax
     from flax import nnx
 
     from coder.model import Transformer, sharding
-    from coder.train.state import split_further
+    from coder.train.state import split_shardings
     from coder.train.trainer import params_axes
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    p_sh = sharding.state_shardings(params, mesh, rules)
-    over = params_axes(config.train)  # train.params_over_data, as coder.train.state.init_state
-    p_sh = jax.tree.map(lambda sh, x: split_further(sh, x.shape, over), p_sh, params)
+    # train.params_over_data splits the parameters further, as coder.train.state.init_state
+    p_sh = split_shardings(_with_shardings(params, sharding.state_shardings(params, mesh, rules)),
+                           params_axes(config.train))
     r_sh = sharding.state_shardings(rest, mesh, rules)
     return AbstractState(graphdef, _with_shardings(params, p_sh), _with_shardings(rest, r_sh), p_sh, r_sh)
 

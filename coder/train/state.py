@@ -186,6 +186,12 @@ def split_further(sh, shape, axes: tuple[str, ...]):
     return sh
 
 
+def split_shardings(arrays, axes: tuple[str, ...]):
+    """The sharding of every array (or ShapeDtypeStruct) of a tree, split further over mesh
+    `axes` (`split_further`)."""
+    return jax.tree.map(lambda x: split_further(x.sharding, x.shape, axes), arrays)
+
+
 def _used_axes(spec) -> set[str]:
     out = set()
     for entry in spec:
@@ -203,8 +209,7 @@ def init_state(model: nnx.Module, tx, trainable, mesh, *, seed: int,
     if not jax.tree.leaves(params):
         raise ValueError(f"the trainable filter {trainable} selects no parameters")
     if params_over:
-        params = jax.device_put(params, jax.tree.map(
-            lambda x: split_further(x.sharding, x.shape, params_over), params))
+        params = jax.device_put(params, split_shardings(params, params_over))
     opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh, optimizer_over))(params)
     return TrainState(graphdef, params, rest, opt_state, 0, jax.random.key(int(seed)))
 
@@ -237,7 +242,7 @@ def opt_state_shardings(tx, params, mesh, over: tuple[str, ...] = ()):
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.eval_shape(tx.init, params)
-    param_sh = jax.tree.map(lambda x: split_further(x.sharding, x.shape, over), params)
+    param_sh = split_shardings(params, over)
     masked = lambda x: isinstance(x, optax.MaskedNode)
     return optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract, param_sh,
                                  transform_non_params=lambda _: replicated, is_leaf=masked)
