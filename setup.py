@@ -9,10 +9,14 @@ setup(
     packages=find_packages(include=["coder", "coder.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.8,<0.11",
-        "flax>=0.12,<0.13",
+        # Upper bounds: the newest minor each was tested with (jax 0.12 needs Python >= 3.12; on
+        # 3.11 pip resolves jax 0.10.2, which CI runs); 0.11 stays admitted for the GPU images
+        # that carry jax 0.11.2 with its CUDA plugin. The next minor of jax, flax and orbax has
+        # broken coder's sharding / NNX / checkpoint calls before: raise a bound after a CI run.
+        "jax>=0.8,<0.13",
+        "flax>=0.12,<0.13",  # NNX's Variable / Optimizer API changes between minors
         "optax>=0.2.5,<0.3",
-        "orbax-checkpoint>=0.11,<0.13",
+        "orbax-checkpoint>=0.11,<0.13",  # the handler registry API of coder.train.checkpoint
         "grain>=0.2.12,<0.3",
         "sentencepiece>=0.2,<0.3",
         "tensorstore>=0.1.70",
@@ -34,10 +38,14 @@ setup(
         # transformers + CPU torch: reference implementation for the model-equivalence tests;
         # pytest-xdist: the README's test command runs the tests in 2 worker processes (-n 2).
         # tokenizers + tiktoken: the pretrained tokenizers of tests/test_hf_init.py.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6",
+        # setuptools >= 70.1 builds wheels without the `wheel` package: the packaging test builds
+        # coder with this environment's own tools (a new venv has setuptools 65 and no wheel).
+        "test": ["setuptools>=70.1", "pytest>=8", "pytest-xdist>=3.5", "torch>=2.9,<=2.14.1", "transformers>=4.57,<6",
                  "tokenizers>=0.20", "tiktoken>=0.7",
                  "openai>=1.40", "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
-        "tpu": ["libtpu==0.0.42.*"],  # the libtpu jax 0.10.2 was built against (jax[tpu])
+        # jax's own extra: the libtpu the installed jax was built against (0.0.42 for 0.10.2,
+        # 0.0.50 for 0.12), which stage compile uses to compile for TPU topologies on a CPU.
+        "tpu": ["jax[tpu]>=0.8,<0.13"],
         # Starting from a Hugging Face checkpoint (init_from=DIR) and exporting to one: the
         # weights need no torch (safetensors' numpy framework); the tokenizer beside them is a
         # `tokenizers` tokenizer.json (DeepSeek-V3) or a tiktoken.model (Kimi K2).

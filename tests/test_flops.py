@@ -9,6 +9,7 @@ from coder.model import Transformer
 from coder.stages import compile as C
 from coder.train import losses
 from coder.train import metrics as M
+from coder.train.balancing import router_balancing
 from coder.train.trainer import Trainer
 from configs import base
 
@@ -93,7 +94,8 @@ def test_trainer_log_and_compile_report_use_one_definition(tmp_path):
     config = base.get_config()
     config.model = tiny()
     config.data.batch_size, config.data.seq_len = 4, T
-    trainer = Trainer(config, str(tmp_path), losses.lm_loss_fn(config.train))
+    trainer = Trainer(config, str(tmp_path), losses.lm_loss_fn(config.train),
+                      post_update=router_balancing(config.model))
     try:
         fpt = trainer._flops_per_token(T)  # what fit() multiplies tokens/s by for `mfu`
     finally:

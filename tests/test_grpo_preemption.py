@@ -4,7 +4,7 @@ uninterrupted run ends, metric for metric and weight for weight.
 
 The runs are subprocesses (this file run as a script, like tests/test_checkpoint_resume.py):
 stage grpo's `train` on tests/rl_toy.py's in-process toy task ("submit the lucky
-number", reward 1 for "3") with its tiny MoE model, SFT-ed once by the test on the call format
+number", reward 1 for "3") with its tiny MoE model, SFT-ed once per test session (tests/conftest.py toy_policy) on the call format
 with a random answer (so rewards differ within a group, the policy moves, and the KL to the
 frozen reference is > 0 from step 2 on). Sync mode (`grpo.async=False`, lockstep), the actor
 inside the stage's process (`rl.num_actors=0`: the driver's thread and the actor's group thread
@@ -39,6 +39,8 @@ import time
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -129,20 +131,16 @@ def _final_weights(stage_dir):
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    """The tokenizer and the SFT-ed weights both runs start from, written once."""
-    from flax import nnx
-
+def inputs(tmp_path_factory, toy_policy):
+    """The tokenizer and the SFT-ed weights both runs start from (the session's fitted toy),
+    written once for the subprocesses."""
     from coder.data import tokenizer as tokenizer_lib
     from coder.train import checkpoint as ckpt_lib
-    from tests import rl_toy as rl_test
 
     d = tmp_path_factory.mktemp("inputs")
-    tok = rl_test.tokenizer()
-    model, _ = rl_test.sft_format(_config(tok), tok, steps=80)
     with open(d / "tokenizer.json", "w") as f:
-        json.dump(tokenizer_lib.to_record(tok), f)
-    np.savez(d / "weights.npz", **{k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()})
+        json.dump(tokenizer_lib.to_record(toy_policy.tokenizer), f)
+    np.savez(d / "weights.npz", **{k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(toy_policy.state).items()})
     return str(d)
 
 

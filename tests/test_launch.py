@@ -5,6 +5,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_POD = os.path.join(ROOT, "launch", "tpu_pod.sh")
 SLURM = os.path.join(ROOT, "launch", "slurm_gpu.sbatch")

@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY_GKE = os.path.join(ROOT, "launch", "ray_cluster.sh")
 SLURM_RAY = os.path.join(ROOT, "launch", "slurm_ray.sbatch")

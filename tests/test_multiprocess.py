@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 BATCH, SEQ = 8, 64
@@ -48,6 +50,7 @@ def worker(process_id: int, num_processes: int, port: int, workdir: str):
     if num_processes > 1:
         jax.distributed.initialize(coordinator_address=f"localhost:{port}",
                                    num_processes=num_processes, process_id=process_id)
+    from coder.train.balancing import router_balancing
     from coder.train.losses import lm_loss_fn
     from coder.train.trainer import Trainer
     from configs import quickstart
@@ -56,7 +59,8 @@ def worker(process_id: int, num_processes: int, port: int, workdir: str):
     config.data.seq_len, config.data.batch_size = SEQ, BATCH
     config.mesh.update(dict(data=4, fsdp=2))  # batch over 8 devices, params over 2 (FSDP)
     config.model.num_mtp_layers = 0  # a smaller step to compile; MoE and dense layers stay
-    trainer = Trainer(config, os.path.join(workdir, "pretrain"), lm_loss_fn(config.train))
+    trainer = Trainer(config, os.path.join(workdir, "pretrain"), lm_loss_fn(config.train),
+                      post_update=router_balancing(config.model))
     rows = BATCH // jax.process_count()
     lo = jax.process_index() * rows
     losses = []

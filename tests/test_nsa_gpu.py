@@ -125,6 +125,21 @@ def test_head_dims_split_only_when_wide():
     assert gpu._split(192, 64, 64) == (64, 64) and gpu._split(128, 64, 64) == (64, 64)  # the interpret test's
 
 
+def test_unsupported_names_what_the_kernels_cannot_take():
+    """What the model checks before it picks these kernels for GPU (MLA._nsa_gpu). By shape: other
+    selection blocks than 64, widths that are not multiples of 64, more than 256 heads per group
+    (their padded wgmma rows hold no 64-wide float32 tile in one warpgroup's registers). By
+    lowering (shared memory): DeepSeek-V3's absorbed layer (128 heads, Dk = 576, Dv = 512) and
+    tests/test_nsa_model.py's gpu_cfg lower; 128 heads at Dk = Dv = 128 (whole 128-wide tiles) and
+    64 heads at Dk = Dv = 256 (kept whole, not split) overflow shared memory."""
+    assert "selection blocks of 32" in ops.gpu_unsupported(16, 576, 512, 32, lower=False)
+    assert "dk=20, dv=16" in ops.gpu_unsupported(4, 20, 16, 64, lower=False)
+    assert "257 query heads per key group" in ops.gpu_unsupported(257, 576, 512, 64, lower=False)
+    assert ops.gpu_unsupported(128, 576, 512, 64) is None and ops.gpu_unsupported(2, 128, 64, 64) is None
+    for hg, width in [(128, 128), (64, 256)]:
+        assert "exceeds available shared memory" in ops.gpu_unsupported(hg, width, width, 64), (hg, width)
+
+
 def test_selection_csr_inverts_the_selection():
     sel = jnp.array([[[[0, 0], [0, 1], [1, 1], [0, 1]]]], jnp.int32)  # [B=1,G=1,T=4,n=2]
     offsets, tokens = (np.asarray(a)[0, 0] for a in gpu.selection_csr(sel, num_blocks=3))

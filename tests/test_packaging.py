@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.abspath(sys.executable)
 
@@ -144,13 +146,24 @@ def test_pip_install_outside_the_checkout(tmp_path):
     for name in ("coder", "configs"):
         shutil.copytree(os.path.join(ROOT, name), src / name, ignore=ignore)
     shutil.copy(os.path.join(ROOT, "setup.py"), src / "setup.py")
-    # The dependencies (jax, flax, ...) come from this interpreter's site-packages; so may an
-    # editable coder install (a .pth finder pointing at the checkout): the venv's own copy must
-    # win, which the check below proves with coder.__file__.
+    # A venv of its own whose only other packages are this environment's (a .pth line: its
+    # dependencies, and the pip / setuptools that build the wheel, pinned by the `test` extra):
+    # never the base interpreter's site-packages, which on a fresh machine hold neither jax nor
+    # a setuptools that can build a wheel. A path from a .pth file is not a site directory, so
+    # an editable coder install there (its finder is a .pth of its own) stays inactive; the
+    # venv's copy must win, which the check below proves with coder.__file__.
+    import site
+    import sysconfig
+
     venv = tmp_path / "venv"
-    subprocess.run([PYTHON, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     vpython = str(venv / "bin" / "python")
+    vsite = subprocess.run([vpython, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                          *site.getsitepackages()])
+    with open(os.path.join(vsite, "outer-env.pth"), "w") as f:
+        f.write("".join(f"{d}\n" for d in ours if os.path.isdir(d)))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["JAX_PLATFORMS"] = "cpu"
     out = tmp_path / "elsewhere"

@@ -196,6 +196,7 @@ def learning_config(tmp_path, model_cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_kept_rate_rises_over_cycles_and_a_regressing_cycle_is_refused(tmp_path):
     t_start = time.perf_counter()
     tok = make_tokenizer()

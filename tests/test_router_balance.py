@@ -18,6 +18,7 @@ from coder.model import Transformer, sharding
 from coder.model.config import routing_errors
 from coder.model.moe import balancing_warning
 from coder.train import losses
+from coder.train.balancing import router_balancing
 from coder.train.trainer import Trainer
 from configs import quickstart
 
@@ -79,7 +80,8 @@ def test_quickstart_pretraining_keeps_experts_in_use(tmp_path):
     c = quickstart.get_config()
     c.data.batch_size, c.data.seq_len = 8, 64
     steps = 90  # at the old rate (1e-3): 2.00 from step ~10 to the end (the last 25: mean 1.99)
-    trainer = Trainer(c, str(tmp_path), losses.lm_loss_fn(c.train), stage="pretrain")
+    trainer = Trainer(c, str(tmp_path), losses.lm_loss_fn(c.train), stage="pretrain",
+                      post_update=router_balancing(c.model))
     data = _text_rows(8, 64, seed=0)
     imbalance = []
     try:

@@ -127,6 +127,7 @@ def test_cached_decoding_equals_the_unrolled_model():
 def test_trainer_step_and_router_bias_update_match(tmp_path):
     from configs import base
 
+    from coder.train.balancing import router_balancing
     from coder.train.losses import lm_loss_fn
     from coder.train.trainer import Trainer
 
@@ -140,9 +141,13 @@ def test_trainer_step_and_router_bias_update_match(tmp_path):
         c.model = _cfg(scan, bias_update_rate=1e-3)
         c.mesh.update(dict(data=1, fsdp=-1))
         c.train.update(dict(grad_accum=2, lr=1e-2, warmup_steps=0))
-        # the module's seed-0 variables (Trainer's own init would compile the model's init again)
+        # the module's seed-0 variables (Trainer's own init would compile the model's init again),
+        # computed here: first computed inside the Trainer's jitted init, _init's cache would
+        # keep that trace's values (the test then failed when it ran first in its worker)
+        _init(scan)
         tr = Trainer(c, str(tmp_path / f"scan{scan}"), lm_loss_fn(c.train),
-                     model_fn=lambda scan=scan: _model(scan, bias_update_rate=1e-3))
+                     model_fn=lambda scan=scan: _model(scan, bias_update_rate=1e-3),
+                     post_update=router_balancing(c.model))
         metrics.append([tr.train_step(batch) for _ in range(2)])
         model = tr.model
         biases.append(np.concatenate([np.atleast_2d(np.asarray(m.bias[...])) for m in moe_layers(model)]))

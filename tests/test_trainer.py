@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from coder.train.balancing import router_balancing
 from coder.train import losses
 from coder.train.trainer import Trainer, split_microbatches
 from configs import base
@@ -55,6 +56,7 @@ def make_batch(seed=0, rows=B):
 
 def make_trainer(tmp_path, config, loss_fn=None, **kw):
     model_fn = kw.pop("model_fn", lambda: Toy(nnx.Rngs(0)))
+    kw.setdefault("post_update", router_balancing(config.model))
     return Trainer(config, str(tmp_path), loss_fn or losses.lm_loss_fn(config.train),
                    model_fn=model_fn, **kw)
 

@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-FINISH_REASONS = ("stop", "length", "max_len")
+FINISH_REASONS = ("stop", "length", "max_len", "cancelled")
 
 
 @dataclasses.dataclass(frozen=True)

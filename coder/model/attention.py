@@ -23,24 +23,32 @@ r + dr features), never expanding per-head keys/values for the whole cache.
 
 Backend "nsa" (coder/pallas/nsa) replaces the softmax attention by Native Sparse Attention in
 the same absorbed form: keys [c; k_r], values c, one key group shared by all heads. The full
-forward compresses, selects and attends over the whole sequence (`MLA._nsa`). A cached call
-writes c / k_r as above, then recomputes NSA's compressed keys/values for every compression
-block whose last slot it wrote (kept per layer in the cache as `k_cmp` [B,Sc,1,r+dr] and
-`v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query through
-`decode.decode_step` at its position: the same output as the full forward for a row holding one
-document, while reading only the compressed entries, the selected blocks and the window. NSA's
+forward compresses, selects and attends over the whole sequence (`MLA._nsa`), its selected and
+window branches by the kernels of the platform the program is lowered for: Pallas TPU kernels
+for TPU, Mosaic GPU kernels for CUDA (`MLA._nsa_gpu`: where they cannot take the layer's shape
+or the devices, the XLA path, with the reason logged), the blockwise XLA path elsewhere (CPU,
+ROCm); `force_nsa_impl` overrides the choice (tests run the kernels in interpret mode). A
+cached call writes c / k_r as above, then recomputes NSA's compressed keys/values for every
+compression block whose last slot it wrote (kept per layer in the cache as `k_cmp`
+[B,Sc,1,r+dr] and `v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query
+through `decode.decode_step` at its position: the same output as the full forward for a row
+holding one document, while reading only the compressed entries, the selected blocks and the
+window. decode_step is XLA on every platform: no TPU or GPU kernel serves a cached call. NSA's
 cache assumes a call's writes continue or rewrite the tail of each row (as decoding, chunked
 prefill and speculative rollback do): slots past a call's last written one are stale until
 written again.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from coder.model import attention_kernels
+from coder.model import attention_kernels, sharding
 from coder.model.layers import RMSNorm, dtype_of, param, weight
 from coder.model.rope import apply_rope, rope_frequencies, softmax_scale
 from coder.model.sharding import constrain
@@ -49,6 +57,42 @@ BACKENDS = ("dense", "nsa")
 NEG_INF = -1e30  # finite, so fully masked rows (never produced by valid inputs) give no NaN
 NSA_QUERY_CHUNK = 16  # nsa backend, cached calls: queries per vmapped decode step
 LATENT = ("batch", "seq", None)  # the q / kv low-rank projections' outputs
+_NSA_FORCED = None  # (impl, kernel) inside `force_nsa_impl`
+_NSA_LOGGED = set()  # the GPU fallback reasons logged so far (once per process, not per layer)
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def force_nsa_impl(impl: str, kernel=None):
+    """Within this block, NSA's full forward (`MLA._nsa`) runs `impl` (one of
+    coder.pallas.nsa.ops.IMPLS) with `kernel` (an ops.Kernel; e.g. `interpret=` runs the GPU or
+    TPU kernels in Pallas's interpreter on CPU), whatever platform the program is lowered for.
+    For tests. It applies while a layer is traced: a function jitted and cached outside the
+    block keeps the platform's choice, and one traced inside keeps the forced one. "pallas_gpu"
+    on a layer the kernels cannot take raises (`MLA._nsa_gpu_unsupported`) rather than falling back."""
+    from coder.pallas.nsa.ops import IMPLS
+
+    if impl not in IMPLS:
+        raise ValueError(f"force_nsa_impl({impl!r}): choose one of {IMPLS}")
+    global _NSA_FORCED
+    before, _NSA_FORCED = _NSA_FORCED, (impl, kernel)
+    try:
+        yield
+    finally:
+        _NSA_FORCED = before
+
+
+def _target_device():
+    """The first device of the program being traced: the active mesh's (stage `compile`: TPU
+    devices on a CPU host), else the default backend's (as attention_kernels.targets_cpu)."""
+    ctx = sharding.current()
+    return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
+
+
+def _log_once(message: str):
+    if message not in _NSA_LOGGED:
+        _NSA_LOGGED.add(message)
+        log.warning(message)
 
 
 def _gather_latent(y):
@@ -203,12 +247,60 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_abs, q_rope.astype(q_abs.dtype)], axis=-1)
         k = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)[:, :, None, :]
         v = latent[:, :, None, :]
-        # the Pallas TPU kernels where the program is lowered for TPU (also from a CPU host, as
-        # stage `compile` does), the blockwise XLA path elsewhere
-        call = lambda impl: lambda *a: self.nsa(*a, softmax_scale=self.scale, impl=impl)
-        o_lat = jax.lax.platform_dependent(q, k, v, x, segment_ids, positions,
-                                           tpu=call("pallas_tpu"), default=call("xla"))
+        args = (q, k, v, x, segment_ids, positions)
+        call = lambda impl, kernel=None: lambda *a: self.nsa(*a, softmax_scale=self.scale, impl=impl,
+                                                             kernel=kernel)
+        if _NSA_FORCED is not None:
+            impl, kernel = _NSA_FORCED
+            if impl == "pallas_gpu" and (why := self._nsa_gpu_unsupported(lower=False)):
+                raise ValueError(f"force_nsa_impl('pallas_gpu'): {why}")
+            o_lat = call(impl, kernel)(*args)
+        elif attention_kernels.targets_cpu():
+            # a program for CPU devices: the kernels' branches would never run, so they are not
+            # traced (as for the dense backend)
+            o_lat = call("xla")(*args)
+        else:
+            # chosen where the program is lowered (also from a CPU host, as stage `compile`
+            # lowers for TPU): Pallas TPU kernels, Mosaic GPU kernels, the blockwise XLA path
+            o_lat = jax.lax.platform_dependent(*args, tpu=call("pallas_tpu"), cuda=self._nsa_gpu(call),
+                                               default=call("xla"))
         return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])
+
+    def _nsa_gpu(self, call):
+        """The `cuda` branch of `_nsa`: NSA with the Mosaic GPU kernels (coder/pallas/nsa/gpu.py,
+        forward and backward; the window tile is their fixed 64, heads padded to 64 wgmma rows),
+        or the XLA path, with the reason logged, where they cannot take this layer. In a program
+        for TPU devices (stage `compile`) the branch never runs: XLA, and no GPU kernel traced."""
+        device = _target_device()
+        if device.platform == "tpu":
+            return call("xla")
+        why = self._nsa_gpu_unsupported(device)
+        if why is None:
+            return call("pallas_gpu")
+        _log_once(f"attention_backend=nsa: a program lowered for GPU runs NSA's XLA path, not "
+                  f"its Mosaic GPU kernels: {why}")
+        return call("xla")
+
+    def _nsa_gpu_unsupported(self, device=None, lower: bool = True) -> str | None:
+        """Why the Mosaic GPU NSA kernels cannot run this layer (naming the config keys), or None.
+        MLA's absorbed form is one key group for all heads, key width r + dr, value width r;
+        coder.pallas.nsa.ops.gpu_unsupported checks those (lower: also that Mosaic GPU lowers the
+        kernels, i.e. their shared memory fits). device: the program's; a CUDA device must be
+        Hopper (compute capability 9.x), the kernels being built on wgmma. Other devices (a CPU
+        host lowering for CUDA) and None (forced, interpret mode) are not checked."""
+        from coder.pallas.nsa import ops
+
+        cfg = self.nsa.cfg
+        why = ops.gpu_unsupported(self.h, self.r + self.dr, self.r, cfg.select_block, lower=lower)
+        if why:
+            return (f"model.num_attention_heads={self.h}, model.kv_lora_rank={self.r}, "
+                    f"model.qk_rope_head_dim={self.dr} (key width {self.r + self.dr}, value width "
+                    f"{self.r}), model.nsa.select_block={cfg.select_block}: {why}")
+        cc = str(getattr(device, "compute_capability", ""))  # CUDA devices only ("9.0"; ROCm: "gfx...")
+        if cc.split(".")[0].isdigit() and cc.split(".")[0] != "9":
+            return (f"{device.device_kind} has compute capability {cc}; the kernels use wgmma "
+                    f"(Hopper, 9.x, only)")
+        return None
 
     def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache):
         """NSA for a cached call (decode, chunked prefill, verification), after the call's tokens
@@ -223,6 +315,10 @@ class MLA(nnx.Module):
         """
         from coder.pallas.nsa.decode import decode_step
 
+        # decode_step is XLA on every platform: the Pallas kernels (TPU and GPU) are written for
+        # the full forward, where query t is key t of one packed row (their masks compare the
+        # query's index with the key's); a query at cache position p against S slots has no
+        # kernel, and the step reads only ~(S/d + n l' + w) slots (docs/nsa.md)
         dt = self.dtype
         lat, rope = cache["latent"][:, :, None], cache["rope"][:, :, None]  # [B,S,1,r], [B,S,1,dr]
         k_cmp, v_cmp = self.nsa.compress_update((lat, rope), lat, cache["k_cmp"], cache["v_cmp"],

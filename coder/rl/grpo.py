@@ -314,6 +314,25 @@ def routing_diagnostics(engine_ids, router_ids, segment_ids):
             "unrouted_tokens": unrouted.sum().astype(jnp.float32)}
 
 
+def loss_normalizer(config) -> float:
+    """The constant normalizer of a micro-batch's loss: tokens per group budget
+    (grpo.tokens_per_group, default rl.group_size x rl.max_rollout_tokens) x groups per step
+    (rl.tasks_per_step) / train.grad_accum (the trainer averages the micro-batch losses)."""
+    g = config.grpo
+    tokens_per_group = int(g.tokens_per_group) or int(config.rl.group_size) * int(config.rl.max_rollout_tokens)
+    return tokens_per_group * int(config.rl.tasks_per_step) / int(config.train.grad_accum)
+
+
+def loss_fn_from_config(config):
+    """`grpo_loss_fn` as the learner runs it (and stage compile lowers it): config.grpo's clip,
+    KL, router replay, staleness mask and TIS cap, rl.temperature and `loss_normalizer`."""
+    g = config.grpo
+    return grpo_loss_fn(clip_low=float(g.clip_low), clip_high=float(g.clip_high), kl_coef=float(g.kl_coef),
+                        normalizer=loss_normalizer(config), temperature=float(config.rl.temperature),
+                        router_replay=bool(g.router_replay), max_staleness=int(g.max_staleness),
+                        tis_cap=float(g.tis_cap))
+
+
 def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, router_replay=False,
                  max_staleness: int | None = None, tis_cap: float = 0.0, loss: str = "grpo"):
     """A trainer loss `loss_fn(model, batch, rng) -> (loss, metrics)` for GRPO batches.

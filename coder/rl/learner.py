@@ -25,11 +25,10 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from coder.rl import grpo
-from coder.rl import trajectory
+from coder.rl import grpo, trajectory
 from coder.train import checkpoint as ckpt_lib
-from coder.train.trainer import Trainer
 from coder.train.state import build_model, copy_model, load_into
+from coder.train.trainer import Trainer
 
 REFERENCE_RECORD = "reference.json"
 
@@ -71,24 +70,16 @@ def fingerprint(model: nnx.Module) -> dict[str, int]:
 class Learner:
     """The trainer with the GRPO loss and the frozen reference policy (the training side)."""
 
-    def __init__(self, config, stage_dir, init_from, model_fn=None, tokenizer=None):
+    def __init__(self, config, stage_dir, init_from, model_fn=None, tokenizer=None, data_iterator=None):
         self.config = config
         self.stage_dir = stage_dir
-        g, acc = config.grpo, int(config.train.grad_accum)
-        if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:
-            raise ValueError(f"grpo.max_staleness={g.max_staleness} and grpo.tis_cap={g.tis_cap} "
-                             "must be >= 0 (tis_cap 0 = off)")
-        tokens_per_group = int(g.tokens_per_group) or int(config.rl.group_size) * int(config.rl.max_rollout_tokens)
-        # Constant normalizer: tokens per group budget x groups per step. The trainer averages
-        # micro-batch losses, so each micro-batch divides by 1/accum of it (sum / normalizer).
-        self.normalizer = tokens_per_group * int(config.rl.tasks_per_step) / acc
-        loss_fn = grpo.grpo_loss_fn(clip_low=float(g.clip_low), clip_high=float(g.clip_high),
-                                    kl_coef=float(g.kl_coef), normalizer=self.normalizer,
-                                    temperature=float(config.rl.temperature),
-                                    router_replay=bool(g.router_replay),
-                                    max_staleness=int(g.max_staleness), tis_cap=float(g.tis_cap))
+        acc = int(config.train.grad_accum)
+        self.normalizer = grpo.loss_normalizer(config)
+        loss_fn = grpo.loss_fn_from_config(config)
+        # the tokenizer and the data position (stage grpo: the epoch's used tasks) travel in every
+        # checkpoint; a resumed trainer hands the position back to `data_iterator`
         self.trainer = Trainer(config, stage_dir, loss_fn, init_from=init_from, model_fn=model_fn,
-                               stage="grpo", tokenizer=tokenizer)  # saved in its checkpoints
+                               stage="grpo", tokenizer=tokenizer, data_iterator=data_iterator)
         self.ref = self._reference(init_from, model_fn)
         temperature = float(config.rl.temperature)
         graphdef = nnx.graphdef(self.ref)
@@ -171,10 +162,6 @@ class Learner:
         pv = b.pop("policy_version")
         b["staleness"] = np.where(pv >= 0, version - pv, 0).astype(np.int32)
         return b
-
-    def update(self, groups: list[list]) -> dict:
-        return self.trainer.train_step(self.batch(groups))
-
 
 def seq_bucket(longest: int, budget: int, smallest: int = 128) -> int:
     """The batch's sequence length for generations of at most `longest` tokens: the next power

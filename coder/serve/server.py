@@ -26,8 +26,8 @@ is encoded as plain text (a message holding "<|end|>" cannot forge a control tok
 the text is parsed by `protocol.parse_tool_calls`: well-formed calls come back in `tool_calls`
 (`finish_reason` "tool_calls") and the text outside them in `content`; if any call is malformed
 the whole reply comes back as `content` and the log records it as broken. `stop` strings cut the
-reply (the engine has no cancellation: it decodes on to the end of the turn or `max_tokens`; the
-log keeps the sampled ids up to the one that completed the stop string). `stream: true` sends
+reply: the row is cancelled at the engine's next decode call (its `on_tokens` check), and the
+log keeps the sampled ids up to the one that completed the stop string. `stream: true` sends
 OpenAI's `chat.completion.chunk` events as the engine's decode calls produce tokens (text that
 may still turn out to be a tool call or a stop string is held back) and the tool calls at the
 end.

@@ -190,14 +190,14 @@ def abstract_state(config, mesh) -> AbstractState:
 
     from coder.model import Transformer, sharding
     from coder.train.state import split_shardings
-    from coder.train.trainer import params_axes
+    from coder.train.trainer import StepOptions
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     # train.params_over_data splits the parameters further, as coder.train.state.init_state
     p_sh = split_shardings(_with_shardings(params, sharding.state_shardings(params, mesh, rules)),
-                           params_axes(config.train))
+                           StepOptions.from_config(config).gather_params)
     r_sh = sharding.state_shardings(rest, mesh, rules)
     return AbstractState(graphdef, _with_shardings(params, p_sh), _with_shardings(rest, r_sh), p_sh, r_sh)
 
@@ -228,22 +228,18 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from coder.model import sharding
+    from coder.train.balancing import router_balancing
     from coder.train.optim import lr_schedule, make_optimizer
     from coder.train.state import opt_state_shardings
-    from coder.train.trainer import (accum_dtype, cast_params_dtype, make_train_step, optimizer_axes,
-                                     params_axes, replica_axis)
+    from coder.train.trainer import StepOptions, make_train_step
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
     tx = make_optimizer(config.train)
-    step_fn = make_train_step(state.graphdef, loss_fn, tx, key=jax.random.key(int(config.seed)),
-                              grad_accum=int(config.train.grad_accum),
-                              bias_rate=float(config.model.bias_update_rate), schedule=lr_schedule(config.train),
-                              accum_dtype=accum_dtype(config.train),
-                              replica_axis=replica_axis(config.train),
-                              compute_dtype=cast_params_dtype(config.train, config.model),
-                              gather_params=params_axes(config.train))
-    o_sh = opt_state_shardings(tx, params, mesh, optimizer_axes(config.train))
+    options = StepOptions.from_config(config)
+    step_fn = make_train_step(state.graphdef, loss_fn, tx, key=jax.random.key(int(config.seed)), options=options,
+                              schedule=lr_schedule(config.train), post_update=router_balancing(config.model))
+    o_sh = opt_state_shardings(tx, params, mesh, options.optimizer_over)
     opt = _with_shardings(jax.eval_shape(tx.init, params), o_sh)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
@@ -298,22 +294,6 @@ def grpo_shape(config) -> tuple[int, int]:
     return rows, seq
 
 
-def grpo_loss_from_config(config):
-    """coder.rl.grpo.grpo_loss_fn with the hyperparameters coder.rl.learner.Learner gives it:
-    config.grpo's clip / KL / router replay / staleness / TIS and the constant normalizer
-    (tokens per group budget x groups per step / grad_accum: each micro-batch's share)."""
-    from coder.rl import grpo
-
-    g, acc = config.grpo, int(config.train.grad_accum)
-    tokens_per_group = int(g.tokens_per_group) or int(config.rl.group_size) * int(config.rl.max_rollout_tokens)
-    return grpo.grpo_loss_fn(clip_low=float(g.clip_low), clip_high=float(g.clip_high),
-                             kl_coef=float(g.kl_coef),
-                             normalizer=tokens_per_group * int(config.rl.tasks_per_step) / acc,
-                             temperature=float(config.rl.temperature),
-                             router_replay=bool(g.router_replay),
-                             max_staleness=int(g.max_staleness), tis_cap=float(g.tis_cap))
-
-
 def routing_shape(state: AbstractState, mesh, rules, b: int, t: int) -> tuple[int, int]:
     """(moe_layers, top_k) of aux["expert_ids"] `[moe_layers, B, T, top_k]` of the model's
     forward (traced abstractly: the model's own count, dense-first layers and stacking included)."""
@@ -337,7 +317,7 @@ def lower_grpo_step(config, mesh):
     """Lower the GRPO learner's step over `mesh` with abstract state; returns (lowered, sizes, setup).
 
     The trainer's step (`_lower_step`, shared with `lower_train_step`) with
-    `grpo_loss_from_config`'s loss on the batch coder.rl.learner.Learner.batch feeds it, rows x
+    `coder.rl.grpo.loss_fn_from_config`'s loss on the batch coder.rl.learner.Learner.batch feeds it, rows x
     seq from `grpo_shape`: tokens, positions, segment_ids int32, loss_mask, behaviour_logp,
     ref_logp float32, staleness int32 `[B, T]`; advantages float32 `[B]`; for a model with MoE
     layers the engine's expert_ids int32 `[moe_layers, B, T, top_k]` (rows on axis 1), which the
@@ -358,7 +338,9 @@ def lower_grpo_step(config, mesh):
     layers, k = routing_shape(state, mesh, rules, b, t)
     if layers:
         batch["expert_ids"] = _rows(mesh, rules, (layers, b, t, k), jnp.int32, axis=1)
-    lowered, sizes = _lower_step(config, mesh, state, grpo_loss_from_config(config), batch)
+    from coder.rl import grpo
+
+    lowered, sizes = _lower_step(config, mesh, state, grpo.loss_fn_from_config(config), batch)
     setup = dict(rows=b, seq_len=t, tokens_per_step=b * t, grad_accum=int(config.train.grad_accum),
                  moe_layers=layers, top_k=k, router_replay=bool(config.grpo.router_replay and layers),
                  max_staleness=int(config.grpo.max_staleness))

@@ -15,10 +15,11 @@ One learner step:
 (tokens older than that carry no loss); `grpo.async=False` is the same pieces in lockstep: one
 actor, each step's tasks rolled out with the learner's latest weights. `rl.num_actors` actors are
 Ray processes (a local Ray instance, or the cluster at `rl.ray_address`); 0 runs the one actor
-inside this process. The stage connects actors and learner through the trainer's `fit` (a batch
-generator that takes groups from the driver, an `after_step` hook that publishes the new
-weights), which also gives GRPO the shared log / checkpoint cadence and SIGTERM handling; the
-epoch's position (which tasks were used) is the trainer's data state, saved in every checkpoint.
+inside this process. `GrpoRun` connects actors and learner through the trainer's `fit` (it is
+the batch iterator that takes groups from the driver, and its `after_step` hook publishes the
+new weights), which also gives GRPO the shared log / checkpoint cadence and SIGTERM handling;
+the epoch's position (which tasks were used) is the trainer's data state, saved in every
+checkpoint and restored with it.
 Router replay: `grpo.router_replay` feeds the engine's expert ids (prompt and observation tokens
 included) to the learner's forward as `routing=`.
 
@@ -34,6 +35,7 @@ trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -62,6 +64,10 @@ def validate(config) -> None:
     if int(rl.num_actors) < 0 or int(rl.anchor_every) < 1:
         raise ValueError(f"rl.num_actors={rl.num_actors} must be >= 0 (0 = one actor in the learner's "
                          f"process) and rl.anchor_every={rl.anchor_every} >= 1")
+    g = config.grpo
+    if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:
+        raise ValueError(f"grpo.max_staleness={g.max_staleness} and grpo.tis_cap={g.tis_cap} must be >= 0 "
+                         "(tis_cap 0 = off)")
     if not config.grpo["async"] and int(rl.num_actors) > 1:
         raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
                          f"{rl.num_actors}), or grpo.async=True")
@@ -84,115 +90,148 @@ def engine_metrics(before: dict, after: dict, seconds: float) -> dict:
 
 
 # --- the stage ---------------------------------------------------------------------------------
-def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
-          held_out=None, model_fn=None) -> str:
-    """The GRPO loop over `tasks` (single epoch). Returns the checkpoint directory.
+@dataclasses.dataclass
+class StepRecord:
+    """What one learner step's batch came with: the rollout metrics of its groups (the driver's
+    timing and the engine's counters included) and when the learner took it."""
+
+    rollout: dict
+    learner_start: float
+
+
+class GrpoRun:
+    """One run of stage grpo over `tasks` (single epoch): a Learner whose trainer's `fit` drives
+    the loop, with this object as its batch iterator and `after_step` as its hook.
+
+    Per step, `__next__` takes the next B finished groups from the driver, scores them and
+    returns the learner's batch (keeping their `StepRecord` as `current`); the trainer steps
+    on it; `after_step` publishes the new weights to the store (the actors' next version),
+    lets the weight store drop what no actor still needs, runs the held-out agent eval every
+    grpo.eval_every steps and returns the step's rollout metrics for its log line. `fit` calls
+    `__next__` once before each step and `after_step` once after it.
 
     `make_episode(task)` builds the env episode of one rollout (it runs in the actors: with Ray
     actors it is pickled, closures included); `held_out` tasks (optional) are evaluated with
     coder.rl.eval at the end (and every grpo.eval_every steps).
     """
-    from coder.rl import eval as eval_lib
 
-    validate(config)
-    rl = config.rl
-    b = int(rl.tasks_per_step)
-    processes, pid = jax.process_count(), jax.process_index()
-    if b % processes:
-        raise ValueError(f"rl.tasks_per_step={b} does not split over {processes} processes (each "
-                         "process's actors roll out its share of every step's tasks)")
-    local = b // processes
-    steps = min(int(config.train.steps), len(tasks) // b)
-    if steps < int(config.train.steps):
-        logging.warning("[grpo] %d tasks make %d single-epoch steps of %d tasks, fewer than "
-                        "train.steps=%d", len(tasks), steps, b, config.train.steps)
-    learner = Learner(config, stage_dir, init_from, model_fn, tokenizer=tokenizer)
-    trainer = learner.trainer
-    # this process's share of the epoch: of every B consecutive tasks, the `local` at its offset
-    order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b]) if (i % b) // local == pid]
-    epoch = actor_learner.Epoch()
-    _restore_epoch(trainer, epoch, local)
-    trainer.data_iterator = epoch  # saved with every checkpoint: a resumed stage takes the next tasks
-    url = actor_learner.store_url(config, stage_dir)
-    weights = actor_learner.LearnerWeights(config, url)
-    start = weights.publish(trainer.model, trainer.step)  # the actors start from this version
-    logging.info("[grpo] weights version %d in %s (%d bytes); %s mode, %s", trainer.step, url,
-                 start["sync_bytes"], "async" if config.grpo["async"] else "sync",
-                 f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else "the actor in this process")
-    actors = actor_learner.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
-                                        model_fn=model_fn, url=url)
-    driver = actor_learner.Driver(config, actors, order, epoch, needed=max(steps - trainer.step, 0) * local,
-                                  local=local, version=trainer.step)
-    eval_every, anchor_every = int(config.grpo.eval_every), int(rl.anchor_every)
-    eval_engine = []  # the learner's own engine for agent evals when the actors are Ray processes
-    step_record = {}  # the current step's rollout metrics, logged with its learner metrics
+    def __init__(self, config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
+                 held_out=None, model_fn=None):
+        validate(config)
+        rl = config.rl
+        self.config, self.stage_dir, self.tokenizer = config, stage_dir, tokenizer
+        self.make_episode, self.held_out = make_episode, held_out
+        b = int(rl.tasks_per_step)
+        processes, pid = jax.process_count(), jax.process_index()
+        if b % processes:
+            raise ValueError(f"rl.tasks_per_step={b} does not split over {processes} processes (each "
+                             "process's actors roll out its share of every step's tasks)")
+        local = b // processes
+        self.steps = min(int(config.train.steps), len(tasks) // b)
+        if self.steps < int(config.train.steps):
+            logging.warning("[grpo] %d tasks make %d single-epoch steps of %d tasks, fewer than "
+                            "train.steps=%d", len(tasks), self.steps, b, config.train.steps)
+        # the epoch's position (which tasks were used) is the trainer's data state: a resumed
+        # trainer restores it with the checkpoint
+        self.epoch = actor_learner.Epoch()
+        self.learner = Learner(config, stage_dir, init_from, model_fn, tokenizer=tokenizer,
+                               data_iterator=self.epoch)
+        self.trainer = trainer = self.learner.trainer
+        if trainer.step > 0 and len(self.epoch) == 0:
+            # a checkpoint without the epoch's position (written before it was saved): the first
+            # steps x local tasks, as the synchronous loop used them
+            for pos in range(trainer.step * local):
+                self.epoch.add(pos)
+        # this process's share of the epoch: of every B consecutive tasks, the `local` at its offset
+        order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b]) if (i % b) // local == pid]
+        self.url = actor_learner.store_url(config, stage_dir)
+        self.weights = actor_learner.LearnerWeights(config, self.url)
+        start = self.weights.publish(trainer.model, trainer.step)  # the actors start from this version
+        logging.info("[grpo] weights version %d in %s (%d bytes); %s mode, %s", trainer.step, self.url,
+                     start["sync_bytes"], "async" if config.grpo["async"] else "sync",
+                     f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else "the actor in this process")
+        self.actors = actor_learner.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
+                                                 model_fn=model_fn, url=self.url)
+        self.driver = actor_learner.Driver(config, self.actors, order, self.epoch,
+                                           needed=max(self.steps - trainer.step, 0) * local, local=local,
+                                           version=trainer.step)
+        self.eval_every, self.anchor_every = int(config.grpo.eval_every), int(rl.anchor_every)
+        self._eval_engine = None  # the learner's own engine for agent evals when actors are Ray processes
+        self.current: StepRecord | None = None  # the batch `fit` is stepping on
 
-    def batches():
-        """The learner's batches: the next B finished groups, scored."""
-        while True:
-            groups, record = driver.take()
-            if groups is None:
-                return  # the epoch's tasks ran out (fit logs it)
-            t1 = time.perf_counter()
-            score_groups(groups, rl)
-            before, after = record.pop("engine_before"), record.pop("engine_after")
-            step_record.clear()
-            step_record.update(rollout_metrics(groups), **record, learner_start=t1)
-            if after:
-                step_record.update(engine_metrics(before, after, record["step_seconds"]))
-            yield learner.batch(groups)
+    # --- the trainer's iterator and hook -------------------------------------------------------
+    def __iter__(self):
+        return self
 
-    def evaluate(step: int) -> dict:
-        if isinstance(actors, actor_learner.LocalActors):
-            engine = actors.workers[0].engine
-        else:
-            if not eval_engine:
-                eval_engine.append(make_engine(trainer.model, config))
-            engine = eval_engine[0]
-        engine.set_weights(nnx.state(trainer.model), version=trainer.step)
-        return eval_lib.run_agent_eval(config, trainer.model, tokenizer, stage_dir, step=step,
-                                       tasks=held_out, make_episode=make_episode, engine=engine)
+    def __next__(self) -> dict:
+        """The learner's next batch: the next B finished groups, scored (StopIteration when the
+        epoch's tasks ran out; fit logs it)."""
+        groups, record = self.driver.take()
+        if groups is None:
+            raise StopIteration
+        t1 = time.perf_counter()
+        score_groups(groups, self.config.rl)
+        before, after = record.pop("engine_before"), record.pop("engine_after")
+        rollout = dict(rollout_metrics(groups), **record)
+        if after:
+            rollout.update(engine_metrics(before, after, record["step_seconds"]))
+        self.current = StepRecord(rollout, learner_start=t1)
+        return self.learner.batch(groups)
 
-    def after_step(trainer, metrics) -> dict:
-        sync = weights.publish(trainer.model, trainer.step)  # before the next step's collection
-        driver.published(trainer.step)
-        if trainer.step % anchor_every == 0:  # drop what no actor can still need
-            weights.gc(driver.oldest_actor_version())
+    def after_step(self, trainer, metrics) -> dict:
+        """Publish the step's weights, then its log record (rollout metrics, sync, timing)."""
+        sync = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
+        self.driver.published(trainer.step)
+        if trainer.step % self.anchor_every == 0:  # drop what no actor can still need
+            self.weights.gc(self.driver.oldest_actor_version())
         jax.block_until_ready(metrics)
-        record = dict(step_record, **sync)
-        record["learner_time_s"] = time.perf_counter() - record.pop("learner_start")
-        if held_out and eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
-            evaluate(trainer.step)
+        record = dict(self.current.rollout, **sync)
+        record["learner_time_s"] = time.perf_counter() - self.current.learner_start
+        if self.held_out and self.eval_every and trainer.step % self.eval_every == 0 and trainer.step < self.steps:
+            self.evaluate()
         return record
 
-    try:
-        trainer.fit(batches(), steps, after_step=after_step)  # logging, checkpoints, SIGTERM
-        if held_out:
-            res = evaluate(trainer.step)
-            logging.info("[grpo] agent eval at step %d: %s", trainer.step, res)
-    finally:
-        for engine in eval_engine:
-            engine.close()
-        driver.close()
-        trainer.close()
-    return trainer.checkpoint_dir
+    # --- eval and the run ----------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """The held-out agent eval (coder.rl.eval) of the learner's current weights, on the
+        in-process actor's engine or, with Ray actors, an engine of the learner's own."""
+        from coder.rl import eval as eval_lib
+
+        trainer = self.trainer
+        if isinstance(self.actors, actor_learner.LocalActors):
+            engine = self.actors.workers[0].engine
+        else:
+            if self._eval_engine is None:
+                self._eval_engine = make_engine(trainer.model, self.config)
+            engine = self._eval_engine
+        engine.set_weights(nnx.state(trainer.model), version=trainer.step)
+        return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
+                                       step=trainer.step, tasks=self.held_out, make_episode=self.make_episode,
+                                       engine=engine)
+
+    def run(self) -> str:
+        """Trains to the end of the epoch (or train.steps); returns the checkpoint directory."""
+        try:
+            self.trainer.fit(self, self.steps, after_step=self.after_step)  # logging, checkpoints, SIGTERM
+            if self.held_out:
+                res = self.evaluate()
+                logging.info("[grpo] agent eval at step %d: %s", self.trainer.step, res)
+        finally:
+            self.close()
+        return self.trainer.checkpoint_dir
+
+    def close(self) -> None:
+        if self._eval_engine is not None:
+            self._eval_engine.close()
+        self.driver.close()
+        self.trainer.close()
 
 
-def _restore_epoch(trainer, epoch, local: int) -> None:
-    """The epoch's position saved with the checkpoint the trainer resumed from (a checkpoint
-    without one: the first steps x local tasks, as the synchronous loop used them)."""
-    if trainer.step == 0:
-        return
-    from etils import epath
-
-    from coder.train import checkpoint as ckpt_lib
-
-    state = ckpt_lib.ProcessJsonHandler().restore(epath.Path(trainer.checkpoint_dir) / str(trainer.step) / "data")
-    if state is None:
-        for pos in range(trainer.step * local):
-            epoch.add(pos)
-    else:
-        epoch.set_state(state)
+def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
+          held_out=None, model_fn=None) -> str:
+    """The GRPO loop over `tasks` (single epoch; `GrpoRun`). Returns the checkpoint directory."""
+    return GrpoRun(config, stage_dir, init_from, tokenizer=tokenizer, tasks=tasks, make_episode=make_episode,
+                   held_out=held_out, model_fn=model_fn).run()
 
 
 def run(config, stage_dir: str, init_from: str) -> str:

@@ -31,6 +31,7 @@ from flax import nnx
 
 from coder.train.losses import lm_loss, lm_loss_fn
 from coder.train.state import load_model
+from coder.train.balancing import router_balancing
 from coder.train.trainer import Trainer
 
 
@@ -40,7 +41,7 @@ def _train(config, stage_dir: str, init_from: str, make_iterator) -> str:
     tok = stage_tokenizer(config, init_from, stage_dir)
     it = make_iterator(config, tok)
     trainer = Trainer(config, stage_dir, lm_loss_fn(config.train), init_from=init_from, data_iterator=it,
-                      tokenizer=tok)
+                      tokenizer=tok, post_update=router_balancing(config.model))
     try:
         trainer.fit(it, int(config.train.steps))
     finally:

@@ -1,12 +1,12 @@
 """The training loop every stage shares: one jit-compiled optimizer step over the mesh.
 
-A stage builds a `Trainer` with its loss function and the filter of parameters it trains, then
-either calls `fit(iterator)` (the LM stages: pretrain, longctx, sft, mtp) or drives
-`train_step(batch)` itself (GRPO's learner):
+A stage builds a `Trainer` with its loss function, the filter of parameters it trains and its
+post-update hook, then calls `fit(iterator)` (the LM stages, and GRPO, whose `GrpoRun` is the
+iterator that turns finished rollout groups into batches):
 
-    trainer = Trainer(config, stage_dir, loss_fn, trainable=nnx.Param,
-                      init_from=prev_ckpt, data_iterator=it)
-    trainer.fit(it, steps=config.train.steps)      # or: metrics = trainer.train_step(batch)
+    trainer = Trainer(config, stage_dir, loss_fn, trainable=nnx.Param, init_from=prev_ckpt,
+                      data_iterator=it, post_update=balancing.router_balancing(config.model))
+    trainer.fit(it, steps=config.train.steps)
     trainer.close()
 
 `loss_fn(model, batch, rng) -> (loss, metrics)`:
@@ -15,21 +15,20 @@ either calls `fit(iterator)` (the LM stages: pretrain, longctx, sft, mtp) or dri
     except `expert_ids` `[layers, micro_batch, seq, top_k]`;
   * `rng` is a key derived from (config.seed, step, micro-batch index): resumed runs draw the
     same randomness;
-  * `loss` is a float32 scalar; `metrics` a dict of scalars with two optional special keys:
+  * `loss` is a float32 scalar; `metrics` a dict of scalars with one optional special key:
       `weight`      the micro-batch's share of the step (e.g. its number of target tokens).
                     The step minimises sum_i weight_i * loss_i / sum_i weight_i over
                     micro-batches, so with weight = target count and loss = mean over targets,
                     accumulation equals the big batch exactly. Default 1 per micro-batch.
-      `router_load` `[moe_layers, n_routed_experts]` (the model's aux["router_load"]): the
-                    trainer averages it over micro-batches, applies the aux-loss-free bias
-                    update (coder.model.moe.update_router_bias) after the optimizer step and
-                    logs the expert load imbalance (max load / mean load).
-    Every other metric is averaged over micro-batches with the same weights and logged.
+    Every other metric is averaged over micro-batches with the same weights; what is not a
+    scalar (the MoE's `router_load` `[moe_layers, n_routed_experts]`) must be consumed by the
+    step's post-update hook (coder.train.balancing.router_balancing: the aux-loss-free bias
+    update after the optimizer step, and the expert load imbalance it logs).
 
 What the step does (`make_train_step`, one pure function): micro-batch loop (lax.scan) of value_and_grad over
 the `trainable` parameters, weighted average, global-norm clipping and the optimizer update;
 when the loss or the gradient norm is NaN/Inf the update is skipped (params, optimizer state
-and router bias unchanged), counted, and `config.train.max_nonfinite_steps` skipped steps in a
+and the other variables unchanged), counted, and `config.train.max_nonfinite_steps` skipped steps in a
 row stop the run with a RuntimeError.
 
 State and checkpoints: trainable params, the other model variables (router bias), optimizer
@@ -43,6 +42,7 @@ from the initialiser.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -50,7 +50,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -158,10 +158,110 @@ def _gathered_to_rules(params, mesh, rules, split_axes: tuple[str, ...]):
     return jax.tree.map(gather, params, specs)
 
 
-def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1, bias_rate: float = 0.0,
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the step trades memory for communication, decoded once from the config
+    (`from_config`) by the trainer and stage `compile` alike.
+
+    grad_accum: micro-batches per step (train.grad_accum).
+    accum_dtype: dtype of the micro-batch gradient sum (train.grad_accum_dtype).
+    replica_axis: mesh axis whose gradients are summed per replica and reduced once per step
+      (train.reduce_grads_once: "data"; `_replica_grads`).
+    compute_dtype: the dtype the multiplied matrices are cast to once per step
+      (train.cast_params_once: model.dtype; `compute_copy`).
+    gather_params: mesh axes the parameters are split over beyond their rules and gathered once
+      per step (train.params_over_data: ("data",); `_gathered_to_rules`).
+    optimizer_over: mesh axes the optimizer moments are split over beyond their parameter's
+      sharding (train.optimizer_over_data, or with the parameters by train.params_over_data).
+    """
+
+    grad_accum: int = 1
+    accum_dtype: Any = jnp.float32
+    replica_axis: str | None = None
+    compute_dtype: Any = None
+    gather_params: tuple[str, ...] = ()
+    optimizer_over: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config) -> "StepOptions":
+        tc = config.train
+        if int(tc.grad_accum) < 1:
+            raise ValueError(f"train.grad_accum={tc.grad_accum} must be >= 1")
+        if str(tc.grad_accum_dtype) not in ("float32", "bfloat16"):
+            raise ValueError(f"train.grad_accum_dtype={tc.grad_accum_dtype!r}: choose 'float32' or 'bfloat16'")
+        over_data = ("data",) if tc.params_over_data else ()
+        return cls(grad_accum=int(tc.grad_accum), accum_dtype=jnp.dtype(str(tc.grad_accum_dtype)),
+                   replica_axis="data" if tc.reduce_grads_once else None,
+                   compute_dtype=jnp.dtype(config.model.dtype) if tc.cast_params_once else None,
+                   gather_params=over_data,
+                   optimizer_over=("data",) if tc.optimizer_over_data else over_data)
+
+
+def _accumulate(micro_grad, weighted, zeros, micro: dict, step_key, accum: int):
+    """sum_i weighted(w_i, grad_i) over the micro-batches (one lax.scan) -> (grad_sum, losses,
+    metrics, weights), the last three stacked over micro-batches `[accum, ...]`."""
+    def body(grad_sum, xs):
+        mb, i = xs
+        (loss, (metrics, w)), g = micro_grad(mb, jax.random.fold_in(step_key, i))
+        grad_sum = jax.tree.map(lambda s, x: s + weighted(w, x).astype(s.dtype), grad_sum, g)
+        return grad_sum, (loss, metrics, w)
+
+    grad_sum, (losses, metrics, ws) = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+    return grad_sum, losses, metrics, ws
+
+
+def _local_grads(grad_fn, wparams, rest, params, micro, step_key, opts: StepOptions):
+    """The micro-batch loop left to the partitioner: every micro-batch's gradient is reduced
+    over the data-parallel replicas inside the loop. -> (grad_sum, losses `[A]`, metrics, ws `[A]`)."""
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=opts.accum_dtype), params)
+    return _accumulate(lambda mb, rng: grad_fn(wparams, rest, mb, rng), lambda w, g: w * g, zeros, micro,
+                       step_key, opts.grad_accum)
+
+
+def _replica_grads(grad_fn, wparams, rest, params, micro, step_key, opts: StepOptions, replicas):
+    """train.reduce_grads_once: each replica's rows of a micro-batch go through a `jax.vmap` over
+    the replica axis (`spmd_axis_name`; inside it the model's rules do not name the axis), the
+    gradient sum keeps a leading replica dimension `[replicas, ...]` split over the axis (each
+    device holds what it held before), and one reduction over the axis follows the loop: once
+    per step where the partitioner reduces every micro-batch (across DCN between slices). Equal
+    to `_local_grads` up to float rounding; the loss_fn's rng is split per replica.
+    -> (grad_sum, losses `[A * n]`, metrics, ws `[A * n]`)."""
+    mesh, rules, n = replicas
+    axis = opts.replica_axis
+    name = next(iter(micro))
+    rows = micro[name].shape[BATCH_AXIS.get(name, 0) + 1]
+    if rows % n:
+        raise ValueError(f"train.reduce_grads_once: a micro-batch of {rows} rows does not split over "
+                         f"mesh.{axis}={n}: make data.batch_size / train.grad_accum a multiple of {n}")
+
+    def micro_grad(mb, rng):
+        mb, axes = _split_rows(mb, n)
+        with sharding.replica_vmap(axis):
+            f = jax.vmap(grad_fn, in_axes=(None, None, axes, 0), spmd_axis_name=axis)
+            return f(wparams, rest, mb, jax.random.split(rng, n))
+
+    def weighted(w, g):  # w [n], g [n, ...]
+        return w.reshape(w.shape + (1,) * (g.ndim - 1)) * g
+
+    def replica_zeros(p, spec):
+        if axis in jax.tree.leaves(tuple(spec)):
+            raise ValueError(f"train.reduce_grads_once: parameter sharded over mesh.{axis} ({spec}); the "
+                             f"per-replica gradient sum needs parameters whole on each replica (drop "
+                             f"{axis!r} from the parameter rules)")
+        z = jnp.zeros((n,) + p.shape, opts.accum_dtype)
+        return jax.lax.with_sharding_constraint(
+            z, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis, *spec)))
+
+    zeros = jax.tree.map(replica_zeros, params, sharding.state_specs(params, rules))
+    grad_sum, losses, metrics, ws = _accumulate(micro_grad, weighted, zeros, micro, step_key, opts.grad_accum)
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])  # [accum, n, ...] -> [accum * n, ...]
+    # the one reduction over replicas, in the accumulator's dtype (it crosses DCN between slices)
+    return jax.tree.map(lambda g: g.sum(0), grad_sum), flat(losses), jax.tree.map(flat, metrics), flat(ws)
+
+
+def make_train_step(graphdef, loss_fn: Callable, tx, *, key, options: StepOptions = StepOptions(),
                     trainable=nnx.Param, schedule: Callable | None = None,
-                    accum_dtype=jnp.float32, replica_axis: str | None = None,
-                    compute_dtype=None, gather_params: tuple[str, ...] = ()) -> Callable:
+                    post_update: Callable | None = None) -> Callable:
     """The optimizer step every stage runs, as a pure function (the trainer jits it; stage
     `compile` lowers the same function for a TPU slice):
 
@@ -170,92 +270,43 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
     params / rest: `nnx.split(model, trainable, ...)` of the model built from `graphdef`;
     batch: dict of `[grad_accum * micro_batch, ...]` arrays (BATCH_AXIS for the exceptions);
     key: the run's base key, folded with the step and the micro-batch index.
-    Micro-batch grads (lax.scan) are summed in `accum_dtype` (train.grad_accum_dtype), averaged
-    with the loss_fn's `weight`s in float32, clipped and applied by `tx`; a non-finite loss or gradient norm keeps params, optimizer state and router bias
-    (metrics["skipped"] = 1); MoE router biases get the aux-loss-free update after the step.
+    Micro-batch grads (`_local_grads`, or `_replica_grads` with options.replica_axis) are summed
+    in options.accum_dtype, averaged with the loss_fn's `weight`s in float32, clipped and
+    applied by `tx`; a non-finite loss or gradient norm keeps params, optimizer state and the
+    other variables (metrics["skipped"] = 1).
 
-    replica_axis (train.reduce_grads_once: "data"): left to the partitioner, every micro-batch's
-    gradient is all-reduced over the data-parallel replicas inside the loop (across DCN when
-    they are TPU slices: grad_accum reductions of a parameter-sized gradient per step). With
-    it, each replica's rows of a micro-batch go through a `jax.vmap` over that mesh axis
-    (`spmd_axis_name`; inside it the model's rules do not name the axis), the gradient sum
-    keeps a leading replica dimension `[replicas, ...]` split over the axis (each device holds
-    what it held before), and one reduction over the axis per step follows the loop. Equal to
-    the default up to float rounding; the loss_fn's rng is split per replica.
+    options.compute_dtype: the matrices the model multiplies in that dtype are cast once per
+    step, before the micro-batch loop (`compute_copy`), and the gradients are taken w.r.t. the
+    copy: FSDP gathers, the weight-gradient reductions and the gradient sum move that dtype,
+    where a cast inside the loop made XLA convert every micro-batch's weight gradients to
+    float32 and back. Costs a copy of those parameters in that dtype for the step.
 
-    compute_dtype (train.cast_params_once: model.dtype): the matrices the model multiplies in
-    that dtype are cast once per step, before the micro-batch loop (`compute_copy`), and the
-    gradients are taken w.r.t. the copy: FSDP gathers, the weight-gradient reductions and the
-    gradient sum move that dtype, where a cast inside the loop made XLA convert every
-    micro-batch's weight gradients to float32 and back. Costs a copy of those parameters in
-    that dtype for the step.
-
-    gather_params (train.params_over_data: ("data",)): mesh axes the parameters are split over
-    beyond their rules (state.split_further; ZeRO over `data`, i.e. across slices); the copy the
-    micro-batch loop differentiates is gathered to the rules' shardings once per step, before
-    the loop: in compute_dtype when it is set, so the gather across DCN moves bf16 where
-    ZeRO-1 (optimizer_over_data alone) gathers the float32 parameters after the update. The
+    options.gather_params: the copy the loop differentiates is gathered from the parameters'
+    further split (ZeRO over `data`, i.e. across slices) to the rules' shardings once per step,
+    in compute_dtype when it is set, so the gather across DCN moves bf16 where ZeRO-1
+    (optimizer_over_data alone) gathers the float32 parameters after the update. The
     gradients are reduce-scattered back to the parameters' split for the update.
+
+    post_update(model, metrics) -> metrics: runs after the optimizer update on the module of
+    the new parameters and the other variables, which it may update in place (aux-loss-free
+    router balancing: coder.train.balancing.router_balancing); it takes the metrics it
+    consumes (`router_load`) and may add its own. Every metric left must be a scalar.
     """
     grad_fn = jax.value_and_grad(functools.partial(_weighted_loss, loss_fn, graphdef), has_aux=True)
+    opts = options
 
     def train_step(params, rest, opt_state, step, batch):
         step_key = jax.random.fold_in(key, step)
-        micro = split_microbatches(batch, grad_accum)
-        replicas = _replicas(replica_axis)
-        wparams = params if compute_dtype is None else compute_copy(params, compute_dtype)
-        if gather_params and sharding.current() is not None:
-            wparams = _gathered_to_rules(wparams, *sharding.current(), gather_params)
+        micro = split_microbatches(batch, opts.grad_accum)
+        wparams = params if opts.compute_dtype is None else compute_copy(params, opts.compute_dtype)
+        if opts.gather_params and sharding.current() is not None:
+            wparams = _gathered_to_rules(wparams, *sharding.current(), opts.gather_params)
+        replicas = _replicas(opts.replica_axis)
         if replicas is None:
-            def micro_grad(mb, rng):
-                return grad_fn(wparams, rest, mb, rng)
-
-            def weighted(w, g):
-                return w * g
-
-            zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
+            grad_sum, losses, metrics, ws = _local_grads(grad_fn, wparams, rest, params, micro, step_key, opts)
         else:
-            mesh, rules, n = replicas
-            name = next(iter(micro))
-            rows = micro[name].shape[BATCH_AXIS.get(name, 0) + 1]
-            if rows % n:
-                raise ValueError(f"train.reduce_grads_once: a micro-batch of {rows} rows does not split "
-                                 f"over mesh.{replica_axis}={n}: make data.batch_size / train.grad_accum "
-                                 f"a multiple of {n}")
-
-            def micro_grad(mb, rng):
-                mb, axes = _split_rows(mb, n)
-                with sharding.replica_vmap(replica_axis):
-                    f = jax.vmap(grad_fn, in_axes=(None, None, axes, 0), spmd_axis_name=replica_axis)
-                    return f(wparams, rest, mb, jax.random.split(rng, n))
-
-            def weighted(w, g):  # w [n], g [n, ...]
-                return w.reshape(w.shape + (1,) * (g.ndim - 1)) * g
-
-            def replica_zeros(p, spec):
-                if replica_axis in jax.tree.leaves(tuple(spec)):
-                    raise ValueError(f"train.reduce_grads_once: parameter sharded over mesh.{replica_axis} "
-                                     f"({spec}); the per-replica gradient sum needs parameters whole on "
-                                     f"each replica (drop {replica_axis!r} from the parameter rules)")
-                z = jnp.zeros((n,) + p.shape, accum_dtype)
-                return jax.lax.with_sharding_constraint(
-                    z, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(replica_axis, *spec)))
-
-            specs = sharding.state_specs(params, rules)
-            zeros = jax.tree.map(replica_zeros, params, specs)
-
-        def body(grad_sum, xs):
-            mb, i = xs
-            (loss, (metrics, w)), g = micro_grad(mb, jax.random.fold_in(step_key, i))
-            grad_sum = jax.tree.map(lambda s, x: s + weighted(w, x).astype(s.dtype), grad_sum, g)
-            return grad_sum, (loss, metrics, w)
-
-        grad_sum, (losses, metrics, ws) = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
-        if replicas is not None:  # [accum, n, ...] -> [accum * n, ...]; the one reduction over replicas
-            flat = lambda x: x.reshape((-1,) + x.shape[2:])
-            losses, ws, metrics = flat(losses), flat(ws), jax.tree.map(flat, metrics)
-            # summed in the accumulator's dtype: the one reduction crosses DCN between slices
-            grad_sum = jax.tree.map(lambda g: g.sum(0), grad_sum)
+            grad_sum, losses, metrics, ws = _replica_grads(grad_fn, wparams, rest, params, micro, step_key,
+                                                           opts, replicas)
         total_w = jnp.sum(ws)
         grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / jnp.where(total_w > 0, total_w, 1.0)
                                            ).astype(p.dtype), grad_sum, params)
@@ -264,62 +315,27 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, grad_accum: int = 1
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-
         def keep_if_bad(new, old):
             return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
-        new_params = keep_if_bad(new_params, params)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = keep_if_bad(optax.apply_updates(params, updates), params)
         new_opt = keep_if_bad(new_opt, opt_state)
-        load = metrics.pop("router_load", None)
-        mtp_load = metrics.pop("mtp_router_load", None)
         new_rest = rest
-        if load is not None and load.shape[0] > 0:
-            from coder.model.moe import update_router_bias
-
+        if post_update is not None:
             model = nnx.merge(graphdef, new_params, rest)
-            update_router_bias(model, load, bias_rate, mtp_load)
-            _, _, updated = nnx.split(model, trainable, ...)
-            new_rest = keep_if_bad(updated, rest)
-            # max / mean load of the worst layer: 1 = balanced, E/k = every token on the same k
-            metrics["load_imbalance"] = metrics_lib.load_imbalance(load)
+            metrics = post_update(model, metrics)
+            new_rest = keep_if_bad(nnx.split(model, trainable, ...)[2], rest)
+        wide = {k: v.shape for k, v in metrics.items() if jnp.ndim(v)}
+        if wide:
+            raise ValueError(f"the loss_fn's metrics {wide} are not scalars: a post_update hook consumes "
+                             "them (router_load: coder.train.balancing.router_balancing)")
         out = {**metrics, "loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if schedule is not None:
             out["lr"] = schedule(step)
         return new_params, new_rest, new_opt, out
 
     return train_step
-
-
-def accum_dtype(train_cfg):
-    """train.grad_accum_dtype as a dtype (ValueError naming the key otherwise)."""
-    name = str(train_cfg.get("grad_accum_dtype", "float32"))
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"train.grad_accum_dtype={name!r}: choose 'float32' or 'bfloat16'")
-    return jnp.dtype(name)
-
-
-def cast_params_dtype(train_cfg, model_cfg):
-    """model.dtype when train.cast_params_once, else None (coder.train.trainer.compute_copy)."""
-    return jnp.dtype(model_cfg.dtype) if train_cfg.get("cast_params_once", False) else None
-
-
-def replica_axis(train_cfg) -> str | None:
-    """The mesh axis whose micro-batch gradients are summed per replica (train.reduce_grads_once)."""
-    return "data" if train_cfg.get("reduce_grads_once", False) else None
-
-
-def optimizer_axes(train_cfg) -> tuple[str, ...]:
-    """Mesh axes the optimizer moments are split over beyond their parameter's sharding
-    (train.optimizer_over_data; train.params_over_data splits the moments with the parameters)."""
-    over = train_cfg.get("optimizer_over_data", False) or train_cfg.get("params_over_data", False)
-    return ("data",) if over else ()
-
-
-def params_axes(train_cfg) -> tuple[str, ...]:
-    """Mesh axes the parameters are split over beyond their rules (train.params_over_data)."""
-    return ("data",) if train_cfg.get("params_over_data", False) else ()
 
 
 class Trainer:
@@ -354,6 +370,7 @@ class Trainer:
         model_fn: Callable[[], nnx.Module] | None = None,
         stage: str | None = None,
         tokenizer=None,
+        post_update: Callable | None = None,
     ):
         self.config = config
         self.stage_dir = stage_dir if "://" in stage_dir else os.path.abspath(stage_dir)
@@ -364,11 +381,9 @@ class Trainer:
         self.tokenizer = tokenizer  # saved in every checkpoint (see save)
         self._tokenizer_record = None
         tc = config.train
-        self.grad_accum = int(tc.grad_accum)
-        if self.grad_accum < 1:
-            raise ValueError(f"train.grad_accum={tc.grad_accum} must be >= 1")
+        self.options = StepOptions.from_config(config)
+        self.grad_accum = self.options.grad_accum
         self.max_nonfinite = int(tc.max_nonfinite_steps)
-        self.bias_rate = float(config.model.bias_update_rate)
 
         self.mesh = sharding.make_mesh(config.mesh)
         self.rules = state_lib.rules_of(config)
@@ -385,7 +400,8 @@ class Trainer:
         self._schedule = lr_schedule(tc)
         try:
             self.state = state_lib.init_state(model, self.tx, trainable, self.mesh, seed=int(config.seed),
-                                              optimizer_over=optimizer_axes(tc), params_over=params_axes(tc))
+                                              optimizer_over=self.options.optimizer_over,
+                                              params_over=self.options.gather_params)
         except ValueError as e:
             raise ValueError(f"stage {self.stage}: {e}") from None
         self._saved_step = None
@@ -394,12 +410,8 @@ class Trainer:
 
         shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)
         st = self.state
-        self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key,
-                                     grad_accum=self.grad_accum, bias_rate=self.bias_rate,
-                                     trainable=trainable, schedule=self._schedule,
-                                     accum_dtype=accum_dtype(tc), replica_axis=replica_axis(tc),
-                                     compute_dtype=cast_params_dtype(tc, config.model),
-                                     gather_params=params_axes(tc))
+        self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key, options=self.options,
+                                     trainable=trainable, schedule=self._schedule, post_update=post_update)
         self._jit_step = jax.jit(
             self._step,
             out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),
@@ -497,9 +509,8 @@ class Trainer:
     def _eval(self, params, rest, batch):
         loss, (metrics, weight) = _weighted_loss(self.loss_fn, self.state.graphdef, params, rest,
                                                  batch, jax.random.key(0))
-        metrics.pop("router_load", None)
-        metrics.pop("mtp_router_load", None)
-        return {**metrics, "loss": loss, "weight": weight}
+        scalars = {k: v for k, v in metrics.items() if not jnp.ndim(v)}  # not router_load
+        return {**scalars, "loss": loss, "weight": weight}
 
     # ------------------------------------------------------------------ public API
     def device_batch(self, batch: dict) -> dict:

@@ -2,6 +2,9 @@
 
 Same entry points and layouts as tpu.py (q `[B,G,T,Hg,Dk]`, k `[B,G,T,Dk]`, v `[B,G,T,Dv]`,
 doc_start `[B,T]`, lse/delta `[B,G,T,Hg,1]`), so ops.py wraps either with the same custom_vjp.
+The model's full forward runs them in programs lowered for CUDA (coder/model/attention.py,
+`MLA._nsa`) when `ops.gpu_unsupported` finds nothing against the layer; its cached calls (decode) do not
+(coder/pallas/nsa/decode.py is XLA on every platform).
 
 Forward:
 - selected_fwd: one CTA per (batch*group, token, Dv slice); the Hg heads of the group are the rows
@@ -46,6 +49,7 @@ them from SMEM only), transposes are done by XLA (its wgmma applies only indexin
 `transpose_ref`), and accumulators are summed in registers after each wgmma (it has no rule for
 `pl.run_state`, which would keep them in the accumulator).
 """
+
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -164,6 +164,60 @@ def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):
 
 # ---------------------------------------------------------------- the whole layer
 
+@functools.cache
+def gpu_unsupported(hg, dk, dv, block, head_tile=None, lower=True):
+    """Why the Mosaic GPU kernels (coder/pallas/nsa/gpu.py) cannot take a layer, or None: `hg` query heads per key group, head widths
+    dk / dv, selection blocks of `block` tokens (the window tile is always ROWS). Checked at trace
+    time (coder/model/attention.py picks the XLA path instead) rather than left to a kernel's
+    ValueError or to Mosaic refusing a kernel when the whole program is lowered:
+    - 64-token blocks and 64-multiple widths (`gpu._check`);
+    - a slice of each width that fits the heads' padded wgmma rows in one warpgroup's registers
+      (`gpu._split`: at most gpu._ACC_ELEMS / 64 = 256 rows);
+    - lower: shared memory. What the six kernels allocate depends on the rows and on how `_split`
+      cuts the widths, not monotonically (at 64 rows Dk = Dv = 256 stays whole and overflows
+      where 576 / 512, split, fits; 192 rows take 576 / 512 but not 128 / 128), so rather than
+      model Mosaic's allocation they are lowered for CUDA once per shape (jax.grad of both
+      branches on one block of tokens: shared memory does not depend on T, n or w) and Mosaic's
+      refusal is the reason. A few seconds, once per process and shape."""
+    from coder.pallas.nsa import gpu
+
+    head_tile = gpu.HEAD_TILE if head_tile is None else head_tile
+    ROWS = gpu.ROWS
+    if block != ROWS:
+        return f"selection blocks of {block} tokens (the kernels take {ROWS})"
+    if dk % 64 or dv % 64:
+        return f"head widths dk={dk}, dv={dv} (the kernels take multiples of 64)"
+    rows = -(-hg // ROWS) * ROWS
+    for width in (dk, dv):
+        try:
+            gpu._split(width, rows, head_tile)
+        except ValueError as e:
+            return f"{hg} query heads per key group ({rows} wgmma rows): {e}"
+    if lower:
+        try:
+            _lower_gpu_kernels(hg, dk, dv, block, head_tile)
+        except ValueError as e:  # Mosaic GPU's refusal ("... exceeds available shared memory ...")
+            return f"{hg} query heads per key group, dk={dk}, dv={dv}: Mosaic GPU refuses the kernels: {e}"
+    return None
+
+
+def _lower_gpu_kernels(hg, dk, dv, block, head_tile):
+    """Lowers forward and backward of both branches for CUDA at these widths (`gpu_unsupported`)."""
+    from coder.pallas.nsa import ops
+
+    kernel = ops.Kernel(backend="pallas_gpu", head_tile=head_tile)
+
+    def loss(q, k, v):  # may run while a model is traced: every array is made in here
+        ds, sel = jnp.zeros((1, block), jnp.int32), jnp.zeros((1, block, 1, 1), jnp.int32)
+        o_slc = selected_attention(q, k, v, sel, ds, block=block, scale=1.0, kernel=kernel)
+        o_win = window_attention(q, k, v, ds, window=block, scale=1.0, kernel=kernel)
+        return jnp.sum(o_slc.astype(jnp.float32)) + jnp.sum(o_win.astype(jnp.float32))
+
+    shapes = [(1, block, hg, dk), (1, block, 1, dk), (1, block, 1, dv)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 IMPLS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 
 

@@ -1,0 +1,49 @@
+"""bench/accelerator.py --dry-run: the accelerator check's every part runs on CPU at tiny sizes
+(kernels in the Pallas interpreter, a one-layer model, a few engine steps), in a subprocess as a
+user runs it, and reports each part with measured rows and exit code 0.
+
+Slow: nearly all of its ~90-120 s on 2 busy cores is compiling (~10 programs: the NSA layer on
+the interpreted kernels and on XLA, the attention kernel and reference, the trainer's init and
+step, the engine's prefill / decode programs for 3 engines)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("nsa", "attention", "train", "engine")
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_part():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # one CPU device, as a user's run (conftest asks for 8); compiled at -O0 as the suite is
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env.pop("PYTHONPATH", None)  # the script puts the repository root on sys.path itself
+    p = subprocess.run([sys.executable, "bench/accelerator.py", "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("SUMMARY ")]
+    assert len(lines) == 1 and p.stdout.rstrip().endswith(lines[0]), out[-3000:]
+    summary = json.loads(lines[0][len("SUMMARY "):])
+    assert summary["dry_run"] and summary["exit_code"] == 0
+    assert set(summary["parts"]) == set(PARTS)
+    for name in PARTS:
+        part = summary["parts"][name]
+        assert part["status"] == "ok", (name, part)
+        assert part["rows"] and not any("error" in r for r in part["rows"]), (name, part["rows"])
+        assert f"[{name}] ok" in p.stdout
+    # the kernels agreed with their XLA references (forward and every gradient)
+    for name in ("nsa", "attention"):
+        assert all(r["close"] for r in summary["parts"][name]["rows"]), summary["parts"][name]
+    (train,) = summary["parts"]["train"]["rows"]
+    assert train["tokens_per_s"] > 0 and train["mfu"] is None  # CPU: no published peak, MFU n/a
+    assert train["loss_last"] < train["loss_first"]  # the same batch again: the step learns
+    decode = [r for r in summary["parts"]["engine"]["rows"] if r["kind"] == "decode"]
+    assert [r["batch"] for r in decode] == [1, 8]
+    assert all(r["tokens_per_s"] > 0 and r["recompiles"] == 0 for r in decode)
+    (mtp,) = [r for r in summary["parts"]["engine"]["rows"] if r["kind"] == "mtp"]
+    assert mtp["k"] == 1 and mtp["tokens_per_s"] > 0 and 0.0 <= mtp["accept"] <= 1.0
