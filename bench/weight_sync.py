@@ -14,12 +14,26 @@ bytes written / the full serving-dtype bytes, the share of elements whose servin
 changed, publish seconds, a reader's poll (apply one delta) seconds, and a fresh load's (anchor
 + every delta since) seconds; then the delta codec on the first update without byte planes and
 at other zstd levels.
+
+    python bench/weight_sync.py --processes 1 2 4 [--mb 256] [--versions 4] [--changed 0.02] [--chunk_kb 128]
+
+The sharded store instead: for each writer count N, a jax.distributed job of N processes on
+localhost (8 CPU devices in all, 8/N each) holds a bf16 state of `--mb` MB split by rows over
+the 8 devices (the learner's FSDP-like layout); each process publishes its own devices' slices
+(weight_sync.local_slices; version 0 an anchor, then deltas with `--changed` of the elements
+moved) and reads every version back split by columns over a (4, 2) mesh (an engine's
+tensor-parallel layout: every reader needs a piece of every writer's slices). Per process and
+version it prints bytes written and publish seconds, bytes read and load seconds, and checks
+every shard it read bit for bit.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -131,6 +145,83 @@ def run(args) -> None:
                 print(f"  zstd level {level} {'byte planes' if planes else 'interleaved'}: {total / full:.2%}")
 
 
+def sharded_worker(args) -> None:
+    """One process of an N-process job: publish `args.versions` versions of its slices, read each
+    back in the reader's sharding, print one JSON line of per-version figures."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if args.num_processes > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{args.port}",
+                                   num_processes=args.num_processes, process_id=args.process_id)
+    devices = np.array(jax.devices())
+    write = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P(("a", "b"), None))
+    read = NamedSharding(Mesh(devices.reshape(4, 2), ("x", "y")), P(None, ("x", "y")))
+    cols, leaves = 1024, 8
+    rows = max(8, int(args.mb * 2 ** 20 / (leaves * cols * 2)) // 8 * 8)
+    rng = np.random.default_rng(0)  # the same values in every process: the job's one state
+    host = {f"layer{i}": rng.normal(0, 0.02, (rows, cols)).astype(ml_dtypes.bfloat16) for i in range(leaves)}
+    pub = weight_sync.WeightPublisher(args.url, shard=(jax.process_index(), jax.process_count()))
+    reader = weight_sync.WeightReader(args.url, shardings={k: read for k in host})
+    out = []
+    for v in range(args.versions):
+        if v:
+            for k, x in host.items():
+                hit = rng.random(x.shape) < args.changed
+                host[k] = np.where(hit, x.astype(np.float32) * 1.01 + 1e-3, x.astype(np.float32)).astype(x.dtype)
+        state = {k: jax.make_array_from_callback(x.shape, write, lambda i, x=x: x[i]) for k, x in host.items()}
+        info = pub.publish(v, weight_sync.local_slices(state, chunk_bytes=int(args.chunk_kb * 1024)))
+        multihost_utils.sync_global_devices(f"published {v}")
+        t0 = time.perf_counter()
+        got_v, got = reader.poll()
+        load_s = time.perf_counter() - t0
+        exact = got_v == v and all(np.asarray(sh.data).tobytes() == host[k][sh.index].tobytes()
+                                   for k in host for sh in got[k].addressable_shards)
+        out.append({"version": v, "written": info["bytes"], "raw": info["raw_bytes"],
+                    "publish_s": info["seconds"], "read": reader.last_read["bytes"],
+                    "held": reader.last_read["held_bytes"], "load_s": load_s, "exact": exact,
+                    "total": sum(x.nbytes for x in host.values())})
+        multihost_utils.sync_global_devices(f"read {v}")
+    print("SHARDED " + json.dumps(out), flush=True)
+
+
+def sharded(args) -> None:
+    """Spawns each N-process job and prints its per-process, per-version table."""
+    for n in args.processes:
+        if 8 % n:
+            raise SystemExit(f"--processes {n}: 8 devices must split evenly over the processes")
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        url = os.path.join(tempfile.mkdtemp(), "store")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}")
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--url", url, "--port", str(port),
+                                   "--num_processes", str(n), "--process_id", str(i), "--mb", str(args.mb),
+                                   "--versions", str(args.versions), "--changed", str(args.changed),
+                                   "--chunk_kb", str(args.chunk_kb)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(n)]
+        results = []
+        for i, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=1800)
+            if p.returncode:
+                raise SystemExit(f"process {i} of {n} failed:\n{stderr[-3000:]}")
+            results.append(json.loads(next(x for x in stdout.splitlines() if x.startswith("SHARDED "))[8:]))
+        total = results[0][0]["total"]
+        print(f"{n} writer process(es), {total / 2 ** 20:.0f} MiB bf16 state, rows over 8 devices -> "
+              f"read as columns over a (4, 2) mesh, chunks <= {args.chunk_kb:g} KiB")
+        print(f"{'proc':>4} {'version':>7} {'written':>12} {'/ model':>8} {'publish s':>10} {'read':>12} "
+              f"{'/ model':>8} {'load s':>8} {'exact':>6}")
+        for i, rows in enumerate(results):
+            for r in rows:
+                print(f"{i:>4} {r['version']:>7} {r['written']:>12,} {r['written'] / total:>8.2%} "
+                      f"{r['publish_s']:>10.3f} {r['read']:>12,} {r['read'] / total:>8.2%} {r['load_s']:>8.3f} "
+                      f"{str(r['exact']):>6}")
+        if not all(r["exact"] for rows in results for r in rows):
+            raise SystemExit("a reader's shards differ from what was published")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py"))
@@ -139,7 +230,24 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--anchor_every", type=int, default=10)
     ap.add_argument("--model", nargs="*", default=[], help="model config overrides key=value")
+    ap.add_argument("--processes", type=int, nargs="*", default=[],
+                    help="the sharded store instead: writer process counts (e.g. 1 2 4)")
+    ap.add_argument("--mb", type=float, default=256, help="sharded: the state's size in MB (bf16)")
+    ap.add_argument("--versions", type=int, default=4, help="sharded: versions published (0 = anchor)")
+    ap.add_argument("--changed", type=float, default=0.02, help="sharded: share of elements moved per version")
+    ap.add_argument("--chunk_kb", type=float, default=128,
+                    help="sharded: slice chunk cap (weight_sync.local_slices; the store's default is 64 MiB, "
+                         "sized for multi-GB shards: keep chunk / shard about as at scale)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--num_processes", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--process_id", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return sharded_worker(args)
+    if args.processes:
+        return sharded(args)
     for lr in args.lr:
         run(argparse.Namespace(**{**vars(args), "lr": lr}))
 

@@ -154,9 +154,13 @@ def run_toy(tmp_path, toy, **overrides) -> list[dict]:
     assert m[0]["submitted"] > 0.8  # the SFT-ed format works: learning is about the answer
     assert all(np.isfinite(r["loss"]) and "kl" in r and "entropy" in r for r in m)
     assert all(r["grad_norm"] > 0 for r in m)  # the loss reaches the weights
-    # the engine's work is logged: the step's 64 rows decode together in the slot pool
-    assert all(r["engine_tokens_per_s"] > 0 and 0 < r["engine_occupancy"] <= 1 for r in m)
-    assert all(r["engine_prefill_tokens"] > 0 and r["engine_decode_steps"] > 0 for r in m)
+    # the engine's work is logged: the step's 64 rows decode together in the slot pool. An async
+    # actor that ran ahead may have rolled out a step's groups before its window: zeros there
+    # (a CI run had one such step)
+    worked = [r for r in m if r["engine_decode_steps"] > 0]
+    assert len(worked) == len(m) or (cfg.grpo["async"] and worked), [r["engine_decode_steps"] for r in m]
+    assert all(r["engine_tokens_per_s"] > 0 and 0 < r["engine_occupancy"] <= 1 for r in worked)
+    assert all(r["engine_prefill_tokens"] > 0 for r in worked)
     return m
 
 
@@ -189,10 +193,12 @@ def test_sync_mode_learns_the_toy_task_with_a_ray_actor(tmp_path, toy, ray_local
     assert early < 0.3 and late > early + SYNC_GAIN, (early, late)
 
 
-# Async mode (the actor in the learner's process, seeds 0 / 1, 12 steps): its batches mix
-# versions and mask stale tokens, so it learns slower and noisier than sync: gains 0.14 / 0.23
-# (at 8 steps 0.01 for seed 0). The test asserts the mechanics of running ahead and only a loose
-# bound: the reward does not fall (a gain above 0, the no-learning noise being about 0.04).
+# Async mode (12 steps, one Ray actor): its batches mix versions and mask stale tokens, so it is
+# noisier than sync. Without truncated importance weights (grpo.tis_cap = 0) one CI run lost the
+# call format at step 9 (a stale batch with large ratios on negative advantages; gain -0.13,
+# reward -0.3 from step 10 on); with the default cap of 2, four runs on the developers' machine
+# gained 0.29 / 0.28 / 0.27 / 0.28 (first two steps 0.10). The test asserts the mechanics of running ahead
+# and a loose bound: the reward does not fall (a gain above 0; the no-learning noise is ~0.04).
 ASYNC_GAIN = 0.0
 
 

@@ -49,6 +49,7 @@ def test_splash_attention_equals_reference_forward_and_backward():
     _check(lambda *a, scale: ak.splash_attention(*a, scale=scale, interpret=True), *_inputs(), tol=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,seq", [(2, 2), (1, 4)])
 def test_splash_attention_split_over_heads_queries_and_rows_on_8_devices(data, seq):
     """shard_map with the kernel's mask information split like the queries: heads over

@@ -72,6 +72,7 @@ def check_row_against_forward(model, group, row, gens_by_offset, temperature):
     np.testing.assert_array_equal(group.expert_ids(row), ref_experts)
 
 
+@pytest.mark.slow
 def test_greedy_with_and_without_cache(setup):
     cfg, model, engine = setup
     prompt = [3, 17, 42, 5, 99, 7, 8, 120, 33]

@@ -46,6 +46,7 @@ def alone(model, cfg, i):
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_rows_equal_rows_alone_and_join_and_leave(model_and_cfg):
     """Four requests of different lengths and settings from four threads, started at different
     times: rows join mid-flight and leave as they finish; each equals its own run alone."""
@@ -189,6 +190,7 @@ def test_all_slots_held_is_an_error_not_a_hang(model_and_cfg):
     engine.close()
 
 
+@pytest.mark.slow
 def test_sharded_engine_equals_single_device(model_and_cfg):
     """8 fake devices, tensor=2, expert=2, data=2: weights sharded by the training rules, slots
     over data; same tokens and logprobs as the single-device engine; bf16 serving weights run."""

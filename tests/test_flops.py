@@ -90,6 +90,7 @@ def test_nsa_attention_term():
     assert M.active_matmul_params(m) == pytest.approx(N_TRAIN + 4 * (16 * 2 * 3 + comp))
 
 
+@pytest.mark.slow
 def test_trainer_log_and_compile_report_use_one_definition(tmp_path):
     config = base.get_config()
     config.model = tiny()

@@ -81,6 +81,7 @@ def test_import_matches_transformers_and_round_trips(case, tmp_path):
     np.testing.assert_allclose(_theirs(hf2, tokens), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_mtp_layers_round_trip(tmp_path):
     from configs.base import model_config
 

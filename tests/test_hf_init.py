@@ -147,6 +147,7 @@ def _logits_ours(model, tokens):
     return np.asarray(logits), aux
 
 
+@pytest.mark.slow
 def test_stage_model_from_hf_equals_transformers(hf_dir, caplog, tmp_path):
     """The stage's own path (inherit_model_config -> stage_config -> stage_tokenizer ->
     build_model -> load_into): before any step, transformers' logits on the checkpoint's rows;
@@ -222,6 +223,7 @@ def _check_export(c, model, tok, out, vocab):
     assert auto.decode(tok.encode(CODE)) == CODE
 
 
+@pytest.mark.slow
 def test_sharded_import_equals_unsharded(hf_dir):
     """On a mesh (8 devices: experts over 4, the rest over 2) each process reads only its blocks;
     the same values as one device."""
@@ -298,6 +300,7 @@ def test_sft_from_hf_dir_with_main_then_export(hf_dir, tmp_path):
     _check_export(c, model, tok, str(tmp_path / "export"), vocab)
 
 
+@pytest.mark.slow
 def test_import_without_torch(hf_dir, tmp_path):
     """The import path never imports torch: a subprocess where `import torch` raises imports the
     checkpoint (FP8-quantized weight included) and gets transformers' logits."""

@@ -106,6 +106,7 @@ def check_compressed(model, cache, upto):
         np.testing.assert_allclose(c["v_cmp"][:, :n_done], v_cmp[:, :n_done], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_token_by_token_decode_matches_full_forward(setup):
     cfg, model, tok, full = setup
     spans = [(CHUNK, [(0, 16), (0, 11)])] + [(1, [(p, 1), (p - 5, 1)]) for p in range(16, T)]

@@ -70,6 +70,7 @@ def test_nsa_backend_is_causal_and_respects_documents():
     np.testing.assert_allclose(two[:, 20:], alone[:, :20], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_nsa_backend_trains():
     model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
     tok, pos, seg = inputs(1)
@@ -140,6 +141,7 @@ def lowered(f, params, *platforms):
     return [lower(p) for p in platforms]
 
 
+@pytest.mark.slow
 def test_model_lowers_to_the_mosaic_gpu_kernels_for_cuda(monkeypatch):
     """The model's forward lowered for CUDA holds the two forward kernels (selected, window), its
     gradient also the four backward ones (dQ and dK/dV of each branch); the same forward lowered

@@ -46,7 +46,7 @@ CASES = [  # b, t, h, g, dk, dv, docs, pad
     # 2 rows of different layouts, 3 documents and 2 padding tokens each; T = 11 ragged: 3 selection
     # blocks (2 kernel calls of 8 and 4 tokens) and 3 window tiles, the window (7) reaching 2 tiles
     # back; GQA with Hg = 3 != G = 2; MLA's Dk != Dv
-    pytest.param(2, 11, 6, 2, 24, 16, 3, 2, id="gqa-mla-widths-ragged-3docs-pad-batch2"),
+    pytest.param(2, 11, 6, 2, 24, 16, 3, 2, id="gqa-mla-widths-ragged-3docs-pad-batch2", marks=pytest.mark.slow),
     # T = 3: shorter than a selection block and a window tile; MQA; 2 rows of different layouts
     pytest.param(2, 3, 2, 1, 16, 8, 2, 0, id="mqa-batch2-shorter-than-a-block"),
 ]

@@ -26,6 +26,7 @@ from coder.serve import trajectory_log
 from coder.serve.server import Server
 from coder.stages import realtime as realtime_stage
 from coder.stages import stage_config
+from coder.train import checkpoint as ckpt_lib
 from configs import base
 from test_serve import MAX_LEN, PREAMBLE, SUBMIT, TOOLS, fitted, make_engine, prompts, start_uvicorn
 
@@ -170,8 +171,8 @@ def test_cycle_trains_gates_and_publishes_and_refuses_a_regression(tmp_path):
         assert rec["candidate_pass@1"] == 0.0 and rec["baseline_pass@1"] == 1.0
         assert weight_sync.latest_version(store) == 1 and follower.poll() is None and engine.policy_version == 1
         assert loop.learner.step == step  # back to version 1's state
-        flat = loop.learner.flat()
-        assert all(np.array_equal(flat[k], published[k]) for k in published)
+        flat = ckpt_lib.state_to_flat(nnx.state(loop.learner.trainer.model))
+        assert all(np.array_equal(np.asarray(flat[k]), published[k]) for k in published)
         loop.close()
         follower.close()
         server.follower = None

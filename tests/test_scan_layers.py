@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from coder.model import Transformer, init_cache, sharding
@@ -72,6 +73,7 @@ def _forward_and_grads(model, tok, pos, seg):
     return logits, aux, grads
 
 
+@pytest.mark.slow
 def test_forward_and_gradients_equal_the_unrolled_loop():
     """The scan without remat and with remat "full" (jax.checkpoint around the scanned layer)
     against the unrolled loop without remat: remat changes no value (the unrolled model's remat

@@ -35,6 +35,9 @@ from coder.serve.server import Server, stop_watch
 from tests.rl_toy import train_steps
 from configs.base import model_config
 
+# every test but the last shares one served model, fitted once per module (~60 s): the full suite only
+pytestmark = pytest.mark.slow
+
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 

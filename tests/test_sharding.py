@@ -81,7 +81,12 @@ def copy_of(reference):
     return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# the three costliest layouts (~15 s each) run only in the full suite
+SLOW_LAYOUTS = {"expert4_data2", "tensor2_expert2_fsdp2", "seq2_tensor2_expert2_sp"}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k
+                                    for k in sorted(LAYOUTS)])
 def test_same_logits_and_grads(layout, reference):
     """Every layout against the unsharded reference. The sequence-parallel one runs the shared
     experts data-parallel on the stream's own tokens (model.moe_shared_data_parallel, as the

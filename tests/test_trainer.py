@@ -292,6 +292,7 @@ def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_pa
                  out[False][1], out[True][1])
 
 
+@pytest.mark.slow
 def test_params_over_data_splits_the_parameters_and_gathers_the_bf16_copy_once(tmp_path):
     """train.params_over_data (Kimi K2's two-slice setting, with reduce_grads_once and
     cast_params_once): the float32 parameters split over data x fsdp like their moments, the
@@ -366,6 +367,7 @@ def test_optimizer_state_shards_like_params(tmp_path, optimizer):
 
 
 # ----------------------------------------------------------------------------- real model
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_transformer_with_remat_trains_under_accumulation(tmp_path, remat):
     """The real MoE model through the trainer's scanned micro-batch step, with and without
@@ -397,6 +399,7 @@ def _tiny_moe(c, **extra):
     return c
 
 
+@pytest.mark.slow
 def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
     """train.reduce_grads_once: the real MoE model on data 2 x fsdp 2 x expert 2 (its sharding
     constraints and the MoE's shard_map run inside the vmap over `data`) takes the same steps
@@ -428,6 +431,7 @@ def test_reduce_grads_once_equals_the_per_micro_batch_reduction(tmp_path):
     tr.close()
 
 
+@pytest.mark.slow
 def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
     """train.cast_params_once: the bf16 model's matrices are cast once per step (router, embedding
     and norm scales stay float32), the micro-batch loop differentiates the bf16 copy, and on one

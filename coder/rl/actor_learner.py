@@ -4,7 +4,7 @@ weights through the weight store (docs/rl.md, section 4).
     learner  (the stage's process; each process of a multi-controller JAX job runs its own)
       Driver.take()             the step's B groups of rollouts, as its actors finish them
       Learner.batch, one step   (tokens more than grpo.max_staleness versions old carry no loss)
-      LearnerWeights.publish()  the new version, in the serving dtype, to the weight store
+      learner_weights().publish()  the new version, in the serving dtype, to the weight store
       Driver.published(v)       nudges the actors to poll the store now
     actor    (ActorWorker: a Ray actor process, rl.num_actors of them; or rl.num_actors = 0:
               threads inside the learner's process, the same class without Ray)
@@ -423,59 +423,16 @@ class Epoch:
         self.below, self.extra = int(state["below"]), {int(p) for p in state["extra"]}
 
 
-class LearnerWeights:
-    """The learner's side of the weight channel: each version of the trainer's model (every
-    variable, floating ones cast to the serving dtype `rl.engine_dtype or model.dtype`) to the
-    store; each process writes its share of the leaves (weight_sync.split_leaves)."""
+def learner_weights(config, url: str):
+    """The learner's publisher (weight_sync.ModelPublisher) of stage grpo: every variable, floating
+    ones in the serving dtype `rl.engine_dtype or model.dtype`, each process writing its own
+    devices' slices."""
+    from jax import numpy as jnp
 
-    def __init__(self, config, url: str):
-        from jax import numpy as jnp
+    from coder.rl import weight_sync
 
-        from coder.rl import weight_sync
-
-        self.url = url
-        self.dtype = jnp.dtype(config.rl.engine_dtype or config.model.dtype)
-        self.publisher = weight_sync.WeightPublisher(url, shard=(jax.process_index(), jax.process_count()),
-                                                     anchor_every=int(config.rl.anchor_every))
-        self._mine = None
-
-    def publish(self, model, version: int) -> dict:
-        from flax import nnx
-        from jax import numpy as jnp
-        from jax.experimental import multihost_utils
-
-        from coder.rl import weight_sync
-        from coder.train import checkpoint as ckpt_lib
-
-        t0 = time.perf_counter()
-        flat = ckpt_lib.state_to_flat(nnx.state(model))
-        if self._mine is None:  # the same split on every process, from names and sizes only
-            sizes = {k: np.broadcast_to(np.zeros((), self._serving(v.dtype)), v.shape) for k, v in flat.items()}
-            self._mine = set(weight_sync.split_leaves(sizes, jax.process_count())[jax.process_index()])
-        out = {}
-        for name in sorted(flat):
-            x = flat[name]
-            if jnp.issubdtype(x.dtype, jnp.floating):
-                x = x.astype(self.dtype)
-            if not x.is_fully_addressable:  # spread over hosts: every process takes part
-                x = multihost_utils.process_allgather(x, tiled=True)
-            if name in self._mine:
-                out[name] = np.asarray(x)
-        gathered = time.perf_counter() - t0
-        info = self.publisher.publish(int(version), out)
-        return dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"],
-                    sync_publish_s=gathered + info["seconds"])
-
-    def _serving(self, dtype):
-        from jax import numpy as jnp
-
-        return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
-
-    def gc(self, keep_from: int) -> None:
-        from coder.rl import weight_sync
-
-        if jax.process_index() == 0:
-            weight_sync.gc(self.url, keep_from)
+    return weight_sync.ModelPublisher(url, dtype=jnp.dtype(config.rl.engine_dtype or config.model.dtype),
+                                      anchor_every=int(config.rl.anchor_every))
 
 
 def staleness_histogram(groups: list, version: int, bins: int) -> dict:

@@ -55,7 +55,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from coder.rl import grpo
 
@@ -317,18 +316,3 @@ class RealtimeLearner:
 
     def restore(self, snapshot) -> None:
         self.trainer.state = snapshot
-
-    def flat(self, dtype=None) -> dict:
-        """{flat name: numpy array} of every model variable, floating ones cast to `dtype` (the
-        serving dtype; None keeps them): what the weight store holds. Gathered across processes."""
-        from coder.train import checkpoint as ckpt_lib
-
-        out = {}
-        for k, v in ckpt_lib.state_to_flat(nnx.state(self.trainer.model)).items():
-            if isinstance(v, jax.Array) and not v.is_fully_addressable:
-                v = multihost_utils.process_allgather(v, tiled=True)
-            a = np.asarray(v)
-            if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
-                a = a.astype(dtype)
-            out[k] = a
-        return out

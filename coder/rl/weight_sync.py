@@ -11,6 +11,8 @@ Lossless: a reader reconstructs the published bytes exactly and checks each leaf
     load(url, version=None) -> (version, flat)           # latest complete version by default
     WeightPublisher(url, shard=(i, n))                   # stateful: holds the last bytes it wrote
     WeightReader(url).poll() -> (version, flat) | None   # stateful: applies deltas to its copy
+    local_slices({name: jax.Array}) -> {name@index: Slice}  # this process's share, for publish
+    WeightReader(url, shardings={name: Sharding})        # reads only its devices' slices -> jax.Arrays
     gc(url, keep_from=v)                                 # drops what no reader of >= v needs
 
 Layout at `url` (a local path, `memory://...` or `gs://...`, through fsspec; gcsfs for gs://):
@@ -20,9 +22,12 @@ Layout at `url` (a local path, `memory://...` or `gs://...`, through fsspec; gcs
     {url}/v0000000007/part-00001-of-00002.json   writer 1's ...
     {url}/v0000000007/part-00001-of-00002.bin
 
-Each learner host writes the leaves it owns (`shard=(process_index, process_count)`, leaves
-split e.g. by `split_leaves`): its payloads first, then its manifest part (the commit marker;
-renamed into place on a local disk, a single object write elsewhere). Version v is *complete*
+Each learner host writes what it owns (`shard=(process_index, process_count)`): either whole
+leaves (numpy arrays, split e.g. by `split_leaves`) or, for a state sharded over the job's
+devices, the slices its own devices hold (`local_slices`: every shard with replica_id 0, so each
+element is written once in the whole job and no host ever gathers a leaf). Its payloads go
+first, then its manifest part (the commit marker; renamed into place on a local disk, a single
+object write elsewhere). Version v is *complete*
 when the parts 0..n-1 of one writer count n all exist and agree on version, parent and session.
 A manifest part:
 
@@ -32,7 +37,16 @@ A manifest part:
                                      "sha256": hex digest of the leaf's bytes at version 7,
                                      "kind": "anchor" | "delta",
                                      "base_sha256": (delta only) sha256 of the parent's bytes,
-                                     "offset": 0, "length": 5321}, ...}}
+                                     "offset": 0, "length": 5321},
+                "layers.0.attn.wo@0:64,0:128": {... as above, the slice's own shape, hash and
+                                                 payload, and "global_shape": [128, 128]}, ...}}
+
+A slice entry is named `leaf@start:stop,...` (one range per dimension, `leaf@` for a scalar):
+readers assemble a leaf from its slices, and a reader given target shardings (`WeightReader(url,
+shardings=...)`) reads only the slices that overlap its own devices' shards, whatever the
+writers' sharding was (resharding through the store: no process reads or holds more than the
+slices its devices need, plus the overlap where the two shardings' boundaries differ). Slices
+chain their deltas like leaves, so a reader keeps its bytes per slice between versions.
 
     anchor payload = the leaf's bytes (C order, little-endian as numpy holds them)
     delta payload  = zstd(byteplanes(bytes_v XOR bytes_parent)); byteplanes puts byte k of every
@@ -135,6 +149,109 @@ def split_leaves(flat: dict, count: int) -> list[dict]:
     return parts
 
 
+# ------------------------------------------------------------------------- slices
+
+SLICE_SEP = "@"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One region of a leaf, for `publish`: `data` is leaf[index] of a leaf of `global_shape`;
+    `index` is ((start, stop), ...), one range per dimension."""
+
+    data: np.ndarray
+    index: tuple
+    global_shape: tuple
+
+
+def slice_name(leaf: str, index) -> str:
+    """The store's name of `leaf`'s region `index`: 'wo@0:64,0:128' ('scale@' for a scalar)."""
+    return leaf + SLICE_SEP + ",".join(f"{a}:{b}" for a, b in index)
+
+
+def _parse_name(name: str):
+    """(leaf, index) of a slice entry; (name, None) of a whole leaf."""
+    leaf, sep, ranges = name.rpartition(SLICE_SEP)
+    if not sep:
+        return name, None
+    return leaf, tuple(tuple(int(v) for v in r.split(":")) for r in ranges.split(",") if r)
+
+
+def _ranges(index, shape) -> tuple:
+    """A device's index (a tuple of python slices, as jax gives it) as ((start, stop), ...)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _overlap(a, b):
+    """The intersection of two regions ((start, stop), ...), or None when it is empty."""
+    lo_hi = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in lo_hi) else lo_hi
+
+
+CHUNK_BYTES = 64 << 20  # a slice entry's size cap: a reader of another sharding reads ~its share
+
+
+def _chunks(index, itemsize: int, chunk_bytes: int) -> list:
+    """`index` ((start, stop), ...) cut into a grid of chunks of at most `chunk_bytes` (at least
+    one element): the dimension with the longest piece is halved until a piece fits, so chunks
+    stay about cubic and a reader that splits any dimension reads about its share."""
+    pieces = [1] * len(index)
+    extent = lambda d: -(-(index[d][1] - index[d][0]) // pieces[d])
+    while index and int(np.prod([extent(d) for d in range(len(index))], dtype=np.int64)) * itemsize > chunk_bytes:
+        d = max(range(len(index)), key=lambda k: (extent(k), -k))
+        if extent(d) <= 1:
+            break
+        pieces[d] *= 2
+    cuts = [[(a + i * extent(d), min(b, a + (i + 1) * extent(d))) for i in range(pieces[d])
+             if a + i * extent(d) < b] for d, (a, b) in enumerate(index)]
+    return [tuple(cuts[d][i] for d, i in enumerate(ix)) for ix in np.ndindex(*[len(c) for c in cuts])]
+
+
+def local_slices(flat: dict, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """This process's share of `flat` ({name: jax.Array or numpy array}) for `publish`: of every
+    jax.Array the shards of this process's devices whose replica_id is 0 (each element is in
+    exactly one process's share; a fully replicated leaf in one device's), cut into chunks of at
+    most `chunk_bytes`, as {slice_name: Slice}; a numpy array (a host value every process holds)
+    whole, from process 0. The shards are copied to host one by one: no process gathers a leaf."""
+    import jax
+
+    out = {}
+    for name, x in flat.items():
+        if SLICE_SEP in name:
+            raise ValueError(f"leaf name {name!r} contains {SLICE_SEP!r}, the store's slice separator")
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                if shard.replica_id != 0:
+                    continue
+                index = _ranges(shard.index, x.shape)
+                data = np.asarray(shard.data)
+                for chunk in _chunks(index, data.dtype.itemsize, chunk_bytes):
+                    local = tuple(slice(a - i0, b - i0) for (a, b), (i0, _) in zip(chunk, index))
+                    out[slice_name(name, chunk)] = Slice(data[local], chunk, tuple(x.shape))
+        elif jax.process_index() == 0:
+            out[name] = np.asarray(x)
+    return out
+
+
+def _assemble(leaf: str, pieces, region, dtype) -> np.ndarray:
+    """`region` ((start, stop), ...) of `leaf` from the stored `pieces` [(index, array)]."""
+    out = np.empty(tuple(b - a for a, b in region), dtype)
+    covered = 0
+    for index, data in pieces:
+        both = _overlap(index, region)
+        if both is None:
+            continue
+        dst = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _) in zip(both, region))
+        src = tuple(slice(lo - i0, hi - i0) for (lo, hi), (i0, _) in zip(both, index))
+        out[dst] = data[src]
+        covered += int(np.prod([hi - lo for lo, hi in both], dtype=np.int64))
+    if covered != out.size:
+        raise WeightStoreError(f"leaf {leaf}: the stored slices cover {covered} of the {out.size} "
+                               f"elements of region {region} (missing or overlapping slices)")
+    return out
+
+
 # ------------------------------------------------------------------------- manifests
 
 @dataclasses.dataclass
@@ -147,6 +264,7 @@ class Leaf:
     data: str  # path of the part's data file
     offset: int
     length: int
+    global_shape: tuple | None = None  # a slice entry's leaf shape (None: a whole leaf)
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +318,8 @@ def _read_manifest(fs, root: str, version: int) -> Manifest | None:
                 raise WeightStoreError(f"version {version}: leaf {name} is in two parts")
             leaves[name] = Leaf(tuple(e["shape"]), np.dtype(e["dtype"]), e["sha256"], e["kind"],
                                 e.get("base_sha256"), f"{vdir}/{p['data']}", int(e["offset"]),
-                                int(e["length"]))
+                                int(e["length"]),
+                                tuple(e["global_shape"]) if "global_shape" in e else None)
     return Manifest(int(version), parent, session, leaves)
 
 
@@ -287,7 +406,7 @@ class WeightPublisher:
 
     def _encode(self, item):
         name, arr = item
-        a = np.asarray(arr)
+        a = np.asarray(arr.data if isinstance(arr, Slice) else arr)
         u8 = _leaf_bytes(a)
         sha = _sha(u8)
         last = self._last.get(name)
@@ -301,7 +420,8 @@ class WeightPublisher:
         return name, a, u8, sha, u8, None
 
     def publish(self, version: int, flat: dict) -> dict:
-        """Writes `flat` (this writer's leaves) as version `version`; returns
+        """Writes `flat` (this writer's leaves: numpy arrays, or the `Slice`s of `local_slices`)
+        as version `version`; returns
         {"version", "bytes" (written), "raw_bytes" (the leaves' full size), "anchor_leaves",
         "delta_leaves", "seconds"}."""
         t0 = time.perf_counter()
@@ -322,6 +442,8 @@ class WeightPublisher:
                                  "kind": kind, "offset": written, "length": len(payload)}
                 if base is not None:
                     entries[leaf]["base_sha256"] = base
+                if isinstance(flat[leaf], Slice):
+                    entries[leaf]["global_shape"] = list(flat[leaf].global_shape)
                 f.write(memoryview(payload))
                 written += len(payload)
                 raw += u8.size
@@ -340,6 +462,54 @@ class WeightPublisher:
         return {"version": version, "bytes": written + len(manifest), "raw_bytes": raw,
                 "anchor_leaves": kinds["anchor"], "delta_leaves": kinds["delta"],
                 "seconds": time.perf_counter() - t0}
+
+
+class ModelPublisher:
+    """The learner's side of the weight channel (grpo's learner, realtime): each version of a
+    model's variables, floating ones cast on device to the serving `dtype` (None keeps them), to
+    the store. Every process writes the slices its own devices hold (`local_slices`): no leaf is
+    gathered, and a process's host memory holds its shards only.
+
+    Args:
+      url: the store.
+      dtype: the serving dtype (e.g. bfloat16), or None.
+      anchor_every: as WeightPublisher's.
+    """
+
+    def __init__(self, url: str, *, dtype=None, anchor_every: int = 10):
+        import jax
+
+        self.url, self.dtype = url, dtype
+        self.writer = WeightPublisher(url, shard=(jax.process_index(), jax.process_count()),
+                                      anchor_every=anchor_every)
+
+    def publish(self, model, version: int) -> dict:
+        """Writes `model`'s variables (an nnx module or state) as `version`; returns
+        WeightPublisher.publish's record, its "seconds" including the copies to host."""
+        import jax
+        from flax import nnx
+        from jax import numpy as jnp
+
+        from coder.train import checkpoint as ckpt_lib
+
+        t0 = time.perf_counter()
+        state = model if isinstance(model, nnx.State) else nnx.state(model)
+        flat = {}
+        for name, x in ckpt_lib.state_to_flat(state).items():
+            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(self.dtype)
+            flat[name] = x if isinstance(x, jax.Array) else np.asarray(x)
+        mine = local_slices(flat)
+        copied = time.perf_counter() - t0
+        info = self.writer.publish(int(version), mine)
+        info["seconds"] += copied
+        return info
+
+    def gc(self, keep_from: int) -> dict | None:
+        """`gc(url, keep_from)` from process 0 (None on the others)."""
+        import jax
+
+        return gc(self.url, keep_from) if jax.process_index() == 0 else None
 
 
 _PUBLISHERS: dict = {}
@@ -374,13 +544,15 @@ class _Held:
     leaves: dict  # name -> (uint8 bytes, sha256)
 
 
-def _plan(fs, root: str, target: Manifest, base: _Held | None, cache: dict):
-    """How to build `target`: (chain = [target, its parent, ...], start = {leaf: (index in
-    chain of the first payload to read, from_base)}). A leaf starts at its newest anchor below
-    the target, or, when `base` holds the delta's base bytes, from `base`. Raises VersionGap."""
+def _plan(fs, root: str, target: Manifest, base: _Held | None, cache: dict, names=None):
+    """How to build `target`'s leaves `names` (default all): (chain = [target, its parent, ...],
+    start = {leaf: (index in chain of the first payload to read, from_base)}). A leaf starts at
+    its newest anchor below the target, or, when `base` holds the delta's base bytes, from
+    `base`. Raises VersionGap."""
     chain, start = [target], {}
     pending = set()
-    for name, e in target.leaves.items():
+    for name in (target.leaves if names is None else names):
+        e = target.leaves[name]
         if e.kind == "anchor":
             start[name] = (0, False)
         else:
@@ -480,12 +652,19 @@ class WeightReader:
 
         reader = WeightReader(url)
         got = reader.poll()          # None, or (version, flat) of the newest complete version
+
+    With `shardings` ({leaf: jax.sharding.Sharding}, one per leaf of the store) the reader reads
+    only the stored slices that overlap the shards of this process's devices, keeps only those
+    bytes, and returns {leaf: jax.Array} in those shardings (each process of a job builds its own
+    reader: together they make global arrays, `jax.make_array_from_callback`). Without, it reads
+    everything and returns whole numpy leaves.
     """
 
-    def __init__(self, url: str, *, verify: bool = True):
+    def __init__(self, url: str, *, verify: bool = True, shardings: dict | None = None):
         self.url = url
         self.fs, self.root = _fs(url)
         self.verify = verify
+        self.shardings = shardings
         self._held: _Held | None = None
         self.last_read: dict = {}  # {"version", "bytes" read, "seconds", "from": "delta" | "anchor"}
 
@@ -493,8 +672,52 @@ class WeightReader:
     def version(self) -> int | None:
         return None if self._held is None else self._held.version
 
-    def _flat(self, m: Manifest) -> dict:
-        return {n: self._held.leaves[n][0].view(e.dtype).reshape(e.shape) for n, e in m.leaves.items()}
+    def _wanted(self, m: Manifest) -> list[str]:
+        """The entries of `m` this reader needs: all, or those overlapping its devices' shards."""
+        if self.shardings is None:
+            return sorted(m.leaves)
+        regions, out = {}, []
+        for name, e in sorted(m.leaves.items()):
+            leaf, index = _parse_name(name)
+            shape = e.shape if index is None else e.global_shape
+            if leaf not in self.shardings:
+                raise WeightStoreError(f"version {m.version} holds leaf {leaf}, which the reader "
+                                       f"of {self.url} has no sharding for")
+            if leaf not in regions:
+                regions[leaf] = [_ranges(i, shape) for i in
+                                 self.shardings[leaf].addressable_devices_indices_map(shape).values()]
+            index = index or tuple((0, n) for n in shape)
+            if any(_overlap(index, r) is not None for r in regions[leaf]):
+                out.append(name)
+        missing = set(self.shardings) - {_parse_name(n)[0] for n in m.leaves}
+        if missing:
+            raise WeightStoreError(f"version {m.version} of {self.url} lacks the leaves "
+                                   f"{sorted(missing)[:5]} ({len(missing)} in all)")
+        return out
+
+    def _output(self, m: Manifest) -> dict:
+        """{leaf: array} from the held bytes: whole numpy leaves, or jax.Arrays in `shardings`."""
+        pieces: dict = {}  # leaf -> (global shape, dtype, [(index, array)])
+        for name, (u8, _) in self._held.leaves.items():
+            e = m.leaves[name]
+            leaf, index = _parse_name(name)
+            shape = e.shape if index is None else e.global_shape
+            pieces.setdefault(leaf, (shape, e.dtype, []))[2].append(
+                (index or tuple((0, n) for n in shape), u8.view(e.dtype).reshape(e.shape)))
+        out = {}
+        for leaf, (shape, dtype, parts) in pieces.items():
+            if self.shardings is None:
+                whole = tuple((0, n) for n in shape)
+                out[leaf] = (parts[0][1] if len(parts) == 1 and parts[0][0] == whole
+                             else _assemble(leaf, parts, whole, dtype))
+            else:
+                import jax
+
+                out[leaf] = jax.make_array_from_callback(
+                    shape, self.shardings[leaf],
+                    lambda idx, leaf=leaf, shape=shape, dtype=dtype, parts=parts:
+                        _assemble(leaf, parts, _ranges(idx, shape), dtype))
+        return out
 
     def load(self, version: int | None = None) -> tuple[int, dict]:
         """Version `version` (default: the newest complete one) as (version, {name: array});
@@ -513,25 +736,27 @@ class WeightReader:
 
     def _load(self, target: Manifest, t0: float) -> tuple[int, dict]:
         cache: dict = {target.version: target}
+        names = self._wanted(target)
         plans = []
         if self._held is not None:
             try:
-                plans.append((self._held, *_plan(self.fs, self.root, target, self._held, cache)))
+                plans.append((self._held, *_plan(self.fs, self.root, target, self._held, cache, names)))
             except VersionGap:
                 pass
         try:
-            plans.append((None, *_plan(self.fs, self.root, target, None, cache)))
+            plans.append((None, *_plan(self.fs, self.root, target, None, cache, names)))
         except VersionGap:
             if not plans:
                 raise
         base, chain, start = min(plans, key=lambda p: _plan_bytes(p[1], p[2]))
         leaves = _build(self.fs, chain, start, base, self.verify)
         self._held = _Held(target.version, target.session,
-                           {n: (leaves[n], target.leaves[n].sha256) for n in target.leaves})
+                           {n: (leaves[n], target.leaves[n].sha256) for n in names})
         self.last_read = {"version": target.version, "bytes": _plan_bytes(chain, start),
+                          "held_bytes": sum(u8.size for u8, _ in self._held.leaves.values()),
                           "seconds": time.perf_counter() - t0,
                           "from": "delta" if any(b for _, b in start.values()) else "anchor"}
-        return target.version, self._flat(target)
+        return target.version, self._output(target)
 
     def poll(self) -> tuple[int, dict] | None:
         """The newest complete version if it is not the one held (another version number, or the
@@ -542,7 +767,7 @@ class WeightReader:
             latest = _latest(self.fs, self.root)
             held = self._held
             if latest is None or (held is not None and latest.version == held.version and
-                                  {n: e.sha256 for n, e in latest.leaves.items()} ==
+                                  {n: latest.leaves[n].sha256 for n in self._wanted(latest)} ==
                                   {n: h[1] for n, h in held.leaves.items()}):
                 return None
             try:

@@ -145,10 +145,10 @@ class GrpoRun:
         # this process's share of the epoch: of every B consecutive tasks, the `local` at its offset
         order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b]) if (i % b) // local == pid]
         self.url = actor_learner.store_url(config, stage_dir)
-        self.weights = actor_learner.LearnerWeights(config, self.url)
+        self.weights = actor_learner.learner_weights(config, self.url)
         start = self.weights.publish(trainer.model, trainer.step)  # the actors start from this version
         logging.info("[grpo] weights version %d in %s (%d bytes); %s mode, %s", trainer.step, self.url,
-                     start["sync_bytes"], "async" if config.grpo["async"] else "sync",
+                     start["bytes"], "async" if config.grpo["async"] else "sync",
                      f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else "the actor in this process")
         self.actors = actor_learner.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
                                                  model_fn=model_fn, url=self.url)
@@ -180,7 +180,8 @@ class GrpoRun:
 
     def after_step(self, trainer, metrics) -> dict:
         """Publish the step's weights, then its log record (rollout metrics, sync, timing)."""
-        sync = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
+        info = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
+        sync = dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"], sync_publish_s=info["seconds"])
         self.driver.published(trainer.step)
         if trainer.step % self.anchor_every == 0:  # drop what no actor can still need
             self.weights.gc(self.driver.oldest_actor_version())

@@ -105,8 +105,7 @@ class Loop:
         if state is not None:
             _drop_uncommitted(os.path.join(learner_dir, "checkpoints"), state["step"])
         self.learner = realtime_lib.RealtimeLearner(config, learner_dir, init_from, model_fn, tokenizer)
-        procs, pid = jax.process_count(), jax.process_index()
-        self.publisher = weight_sync.WeightPublisher(self.store, shard=(pid, procs))
+        self.publisher = weight_sync.ModelPublisher(self.store, dtype=self.dtype)
         if state is None:  # first start: the learner's weights are the first version
             latest = weight_sync.latest_version(self.store)
             version = 0 if latest is None else latest + 1
@@ -138,11 +137,7 @@ class Loop:
         os.replace(tmp, self.state_path)
 
     def _publish(self, version: int) -> dict:
-        from coder.rl import weight_sync
-
-        flat = self.learner.flat(self.dtype)
-        mine = weight_sync.split_leaves(flat, self.publisher.shard[1])[self.publisher.shard[0]]
-        return self.publisher.publish(version, mine)
+        return self.publisher.publish(self.learner.trainer.model, version)
 
     # ------------------------------------------------------------------ the gate's eval
     def _evaluate(self, model, cycle: int, step: int) -> dict:
