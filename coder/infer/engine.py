@@ -27,8 +27,20 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
         apply between two decode calls (in flight: rows keep their caches). Every sampled token
         records the policy version whose logits it was drawn from. Sharded states are placed
         on the engine's mesh (gathered across processes when the learner spans several).
+    engine.load_weights(loader, version)
+        New weights that every process reads for itself (`loader(shardings) -> {flat name:
+        jax.Array}`, picklable, e.g. coder.rl.weight_sync.StoreLoad(url, version): each process
+        reads only its own devices' slices); applies like set_weights.
     group.close() returns the group's slots (also when the group is garbage-collected).
     group.tokens(row), group.expert_ids(row) `[len, moe_layers, top_k]`, group.length(row).
+
+Over several processes (a multi-controller job, `mesh` spanning every process's devices): each
+process builds the same Engine; process 0, the leader, owns the scheduler and takes every call
+above; the others call `engine.follow()`, which runs the leader's device calls (coder/infer/
+channel.py: their host inputs posted once per call) until the leader's `close()`. Same tokens,
+logprobs and expert ids as one process on the same devices. Weights then come by
+`load_weights` (a `set_weights` state lives on one process). A follower that dies or stalls
+makes the leader's next call raise `channel.FollowerLost` naming it.
 
 Recorded logprob of a token: `log_softmax(logits / T)[token]` over the full vocabulary
 (T = 0: `log_softmax(logits)`), see coder/infer/sampling.py; a training forward at the same
@@ -57,6 +69,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import itertools
 import threading
 import time
 import weakref
@@ -68,6 +81,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from coder.infer import channel as channel_lib
 from coder.infer import programs
 from coder.infer.scheduler import (FINISH_REASONS, Call, Generation, Request, Row, SamplingParams, Scheduler,
                                    bucket, default_len_buckets)
@@ -119,7 +133,8 @@ class Engine:
 
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
                  batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=None, speculative_k: int = 0,
-                 cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0):
+                 cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0,
+                 follower_timeout_s: float = 60.0):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
@@ -141,6 +156,14 @@ class Engine:
         self.top_k_experts = int(model_cfg.num_experts_per_tok)
         self.experts_dtype = programs.expert_dtype(int(model_cfg.n_routed_experts))
         self.mesh, self.rules = mesh, tuple(tuple(r) for r in (rules or ()))
+        processes = {d.process_index for d in mesh.devices.flat} if mesh is not None else {jax.process_index()}
+        if len(processes) > 1 and processes != set(range(jax.process_count())):
+            raise ValueError(f"the engine's mesh spans processes {sorted(processes)}: a multi-process "
+                             f"engine spans every process of its job (0..{jax.process_count() - 1})")
+        # several processes: process 0 leads, the others follow its calls (module docstring)
+        self._channel = (channel_lib.Channel(f"engine{next(_ENGINES)}", timeout_s=follower_timeout_s)
+                         if len(processes) > 1 else None)
+        self.is_leader = self._channel is None or self._channel.is_leader
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         self._state_shardings = self._weight_shardings(state)
@@ -178,6 +201,8 @@ class Engine:
             programs.decode, graphdef, num_steps=self.decode_steps_per_call, **bind)))
         self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots))
         self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
+        self._calls = {"pool": self._call_pool, "prefill": self._call_prefill, "copy": self._call_copy,
+                       "decode": self._call_decode, "weights": self._call_weights}
 
     # ------------------------------------------------------------------ public API
     def start_group(self, prompt_ids, n: int) -> Group:
@@ -191,6 +216,7 @@ class Engine:
             raise ValueError(f"start_group: n={n}, need at least one row")
         if n > self.sched.pool.max_slots:
             raise ValueError(f"start_group: n={n} rows exceed the engine's max_slots={self.sched.pool.max_slots}")
+        self._check_leader("start_group")
         rows = [Row(tokens=list(prompt), logits_version=self.policy_version) for _ in range(n)]
         call = Call(1)
         with self._lock:
@@ -223,6 +249,7 @@ class Engine:
         truthy return cancels the row: it leaves the batch after these tokens with finish_reason
         "cancelled" (a server's stop string, a client that went away), keeping its slot and cache
         like any finished row, so a later generate of the row continues from there."""
+        self._check_leader("generate")
         if rows is None:
             rows = [i for i, r in enumerate(group.rows) if r.finish_reason is None]
         rows = [int(r) for r in rows]
@@ -259,10 +286,16 @@ class Engine:
 
     def set_weights(self, state, version: int | None = None) -> None:
         """Use `state` (nnx.State, possibly partial, or a model) from the next decode call on."""
+        self._check_leader("set_weights")
+        if self._channel is not None:
+            raise RuntimeError("set_weights: a state lives on one process; an engine over several "
+                               "processes takes weights by load_weights(loader, version)")
         if isinstance(state, nnx.Module):
             state = nnx.state(state)
         with self._lock:
             base = self._pending_weights[0] if self._pending_weights else self._state
+        if callable(base):
+            raise RuntimeError("set_weights: a load_weights is pending; call one of them at a time")
         model = nnx.merge(self._graphdef, base)
         nnx.update(model, state)
         new = self._place(nnx.state(model))
@@ -273,13 +306,43 @@ class Engine:
             self._pending_weights = (new, version)
             self._wake()
 
-    def close(self) -> None:
-        """Stop the engine's thread (pending calls fail)."""
+    def load_weights(self, loader, version: int | None = None) -> None:
+        """Weights that every process of the engine reads for itself, from the next decode call on:
+        `loader(shardings)` gets {flat name: the engine's sharding of that leaf} and returns
+        {flat name: jax.Array} in them (e.g. coder.rl.weight_sync.StoreLoad(url, version)); it
+        must pickle (it travels to the followers). Floating leaves are cast to the engine's dtype."""
+        self._check_leader("load_weights")
         with self._lock:
-            self._closing = True
+            self._check_alive()
+            self._pending_weights = (loader, version)
             self._wake()
+
+    def follow(self) -> None:
+        """A follower process's part of the engine: run the leader's device calls until the leader
+        closes the engine (returns) or is lost (raises)."""
+        if self.is_leader:
+            raise RuntimeError("follow: this process leads the engine (process 0 takes the calls)")
+        while True:
+            op, args = self._channel.receive()
+            if op == "close":
+                return
+            self._calls[op](*args)
+
+    def close(self) -> None:
+        """Stop the engine's thread (pending calls fail); the followers' `follow()` returns."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            if self._thread is not None:
+                self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self._channel is not None and self.is_leader:
+            try:
+                self._channel.send("close", ())
+            except channel_lib.FollowerLost:  # already gone: nothing to stop
+                pass
 
     @property
     def num_compilations(self) -> int:
@@ -342,10 +405,16 @@ class Engine:
         """The engine's own copy of `state`: cast to the serving dtype, on the engine's shardings.
         Always fresh buffers: a trainer donates its arrays to each step."""
         def put(x, sh):
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                x = multihost_utils.process_allgather(x, tiled=True)  # learner spans several hosts
+            if isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding != sh:
+                if self._channel is not None:
+                    raise ValueError("the engine's state spans processes in another sharding: load it "
+                                     "with load_weights (each process reads its own slices)")
+                x = multihost_utils.process_allgather(x, tiled=True)  # a learner over several hosts
             if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
                 x = x.astype(self.dtype)
+            if not sh.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
+                x = np.asarray(x)  # the same host value on every process: each places its devices' part
+                return jax.make_array_from_callback(x.shape, sh, lambda i, x=x: x[i])
             return jax.device_put(x, sh)
         placed = jax.tree.map(put, state, self._state_shardings)
         return _fresh_copy(placed)
@@ -361,6 +430,8 @@ class Engine:
         return lambda leaf: NamedSharding(self.mesh, PartitionSpec(split, *([None] * (leaf.ndim - 1))))
 
     def _gather_cache(self, slots):
+        if self._channel is not None:
+            raise RuntimeError("Group.cache: the cache of an engine over several processes spans them")
         with self._lock:
             idx = jnp.asarray(slots, jnp.int32)
             return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self._store.cache)
@@ -372,6 +443,11 @@ class Engine:
             self._thread.start()
             _RUNNING.add(self)
         self._lock.notify_all()
+
+    def _check_leader(self, what: str):
+        if not self.is_leader:
+            raise RuntimeError(f"{what}: this process follows the engine (call engine.follow()); "
+                               "process 0 takes the calls")
 
     def _check_alive(self):
         if self._broken is not None:
@@ -452,8 +528,12 @@ class Engine:
         with self._lock:
             pending, self._pending_weights = self._pending_weights, None
         if pending is not None:
-            self._state = pending[0]
-            self.policy_version = self.policy_version + 1 if pending[1] is None else int(pending[1])
+            new, version = pending
+            if callable(new):  # load_weights: every process reads its own part
+                self._device("weights", new)
+            else:
+                self._state = new
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
 
     def _fit_pool(self, capacity_needed: int) -> None:
         """Resize the store to cover the used slots and `capacity_needed` (and every held row).
@@ -469,17 +549,82 @@ class Engine:
             cap = self._capacity
         if self._store is not None and (slots, cap) == (self._slots, self._capacity):
             return
+        self._device("pool", slots, cap)
+
+    def _device(self, op: str, *args):
+        """Run device call `op` (one of `self._calls`), on the followers too: they take its host
+        inputs first (leader only)."""
+        if self._channel is not None:
+            self._channel.send(op, args)
+        return self._calls[op](*args)
+
+    # ------------------------------------------------------------------ device calls
+    # Each runs on every process of the engine with the same host inputs (the leader's); what
+    # they return is read on the leader.
+    def _call_pool(self, slots: int, cap: int) -> None:
+        """A store of `slots` slots and `cap` positions (new, or the old one resized)."""
         target = jax.eval_shape(lambda: programs.empty_store(self.cfg, slots, cap, self.cache_dtype, self.spec_k))
         sh = self._store_sharding(slots)
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh(x)), target)
+        out_shardings = jax.tree.map(lambda t: t.sharding, target)
         if self._store is None:
-            self._store = jax.tree.map(lambda t: jax.device_put(np.zeros(t.shape, t.dtype), t.sharding), target)
+            zeros = lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), target)
+            self._store = jax.jit(zeros, out_shardings=out_shardings)()
         else:
             if (slots, cap) not in self._resize_fns:
                 fn = self._counted("resize", lambda store, target=target: programs.resize(store, target))
-                self._resize_fns[slots, cap] = jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, target))
+                self._resize_fns[slots, cap] = jax.jit(fn, out_shardings=out_shardings)
             self._store = self._run(self._resize_fns[slots, cap], self._store)
         self._slots, self._capacity = slots, cap
+
+    def _call_prefill(self, *args) -> np.ndarray:
+        if _is_abstract(self._state):
+            raise RuntimeError("the engine was built from an abstract model and has no weights yet: "
+                               "load_weights first")
+        self._store, experts = self._run(self._prefill_fn, self._state, self._store, *self._global(args))
+        return self._host(experts)
+
+    def _call_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._store = self._run(self._copy_fn, self._store, *self._global((src, dst)))
+
+    def _call_decode(self, fields: dict, stop_below) -> dict:
+        inputs = programs.SlotInputs(**self._global(fields))
+        self._store, emitted = self._run(self._decode_fn, self._state, self._store, inputs,
+                                         self._global(stop_below))
+        return {k: self._host(getattr(emitted, k)) for k in ("tokens", "logprobs", "experts", "count", "stopped",
+                                                             "steps", "row_steps", "accepted")}
+
+    def _call_weights(self, loader) -> None:
+        from coder.train import checkpoint as ckpt_lib
+
+        shardings = ckpt_lib.state_to_flat(self._state_shardings)
+        flat = loader(shardings)
+        missing = set(shardings) - set(flat)
+        if missing:
+            raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
+        new = self._place(ckpt_lib.flat_to_state(self._state, flat))
+        if _is_abstract(self._state):  # built from an abstract model: the first weights set the signature
+            self._state_struct = _signature(new)
+        elif _signature(new) != self._state_struct:
+            raise ValueError("load_weights: the loaded state's shapes or dtypes differ from the engine's model")
+        self._state = new
+
+    def _global(self, tree):
+        """Host inputs as arrays replicated over the engine's mesh (over several processes a
+        numpy input has no device of its own); as they are on one process."""
+        if self._channel is None:
+            return tree
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda i, x=np.asarray(x): x[i]),
+                            tree)
+
+    def _host(self, x) -> np.ndarray:
+        """A program's output on the host (over several processes: gathered, every process calls)."""
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     def _run(self, fn, *args):
         if self.mesh is None:
@@ -502,7 +647,7 @@ class Engine:
         if dst:
             n = bucket(self.batch_buckets, len(dst))
             pad = lambda xs: np.asarray(xs + [self._slots] * (n - len(xs)), np.int32)
-            self._store = self._run(self._copy_fn, self._store, pad(src), pad(dst))
+            self._device("copy", pad(src), pad(dst))
         for _, call in admitted:
             call.finish_one()
 
@@ -521,8 +666,7 @@ class Engine:
                 self._fit_pool(need)
                 b = bucket(self.batch_buckets, len(part))
                 chunks, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, self._slots)
-                self._store, experts = self._run(self._prefill_fn, self._state, self._store, *args)
-                experts = np.asarray(experts)
+                experts = self._device("prefill", *args)
                 self.prefill_tokens += sum(len(c) for c in chunks)
                 with self._lock:
                     self.sched.absorb_prefill(part, chunks, experts, self.policy_version)
@@ -531,12 +675,9 @@ class Engine:
         """One multi-step decode call over the pool; the rows' requests absorb what it emitted."""
         self._fit_pool(self.sched.needed_capacity(ready))
         f = self.sched.decode_inputs(ready, self._slots, self._key_shape)
-        inputs = programs.SlotInputs(**f)
         # rows waiting for a slot: hand control back as soon as one row leaves
         stop_below = np.int32(len(ready) if waiting else 1)
-        self._store, emitted = self._run(self._decode_fn, self._state, self._store, inputs, stop_below)
-        out = {k: np.asarray(getattr(emitted, k)) for k in ("tokens", "logprobs", "experts", "count", "stopped",
-                                                             "steps", "row_steps", "accepted")}
+        out = self._device("decode", f, stop_below)
         steps = int(out["steps"])
         self.decode_calls += 1
         self.decode_steps += steps
@@ -570,6 +711,7 @@ class Engine:
 
 
 _RUNNING = weakref.WeakSet()  # engines whose thread runs: stopped before the interpreter exits
+_ENGINES = itertools.count()  # multi-process engines, numbered in the order every process builds them
 
 
 @atexit.register

@@ -13,6 +13,7 @@ Lossless: a reader reconstructs the published bytes exactly and checks each leaf
     WeightReader(url).poll() -> (version, flat) | None   # stateful: applies deltas to its copy
     local_slices({name: jax.Array}) -> {name@index: Slice}  # this process's share, for publish
     WeightReader(url, shardings={name: Sharding})        # reads only its devices' slices -> jax.Arrays
+    StoreLoad(url, version)                              # the same, as an Engine.load_weights loader
     gc(url, keep_from=v)                                 # drops what no reader of >= v needs
 
 Layout at `url` (a local path, `memory://...` or `gs://...`, through fsspec; gcsfs for gs://):
@@ -212,15 +213,18 @@ def local_slices(flat: dict, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
     """This process's share of `flat` ({name: jax.Array or numpy array}) for `publish`: of every
     jax.Array the shards of this process's devices whose replica_id is 0 (each element is in
     exactly one process's share; a fully replicated leaf in one device's), cut into chunks of at
-    most `chunk_bytes`, as {slice_name: Slice}; a numpy array (a host value every process holds)
-    whole, from process 0. The shards are copied to host one by one: no process gathers a leaf."""
+    most `chunk_bytes`, as {slice_name: Slice}; a numpy array, or a process's own jax.Array in a
+    job of several processes (a host value every process holds), whole from process 0. The
+    shards are copied to host one by one: no process gathers a leaf."""
     import jax
 
     out = {}
     for name, x in flat.items():
         if SLICE_SEP in name:
             raise ValueError(f"leaf name {name!r} contains {SLICE_SEP!r}, the store's slice separator")
-        if isinstance(x, jax.Array):
+        # a fully addressable array in a job of several processes is a process's own copy (every
+        # process holds the same value): like a numpy leaf, process 0 writes it
+        if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
             for shard in x.addressable_shards:
                 if shard.replica_id != 0:
                     continue
@@ -468,7 +472,8 @@ class ModelPublisher:
     """The learner's side of the weight channel (grpo's learner, realtime): each version of a
     model's variables, floating ones cast on device to the serving `dtype` (None keeps them), to
     the store. Every process writes the slices its own devices hold (`local_slices`): no leaf is
-    gathered, and a process's host memory holds its shards only.
+    gathered, and a process's host memory holds its shards only. Every process of the job calls
+    `publish` for every version (a version is complete when all their parts are written).
 
     Args:
       url: the store.
@@ -776,6 +781,27 @@ class WeightReader:
                 if attempt:
                     raise
         return None
+
+
+_SHARDED_READERS: dict = {}  # (url, leaves, shardings) -> this process's WeightReader
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLoad:
+    """A picklable weight loader for `Engine.load_weights`: every process of an engine calls it
+    with its shardings and reads only its own devices' slices of `version` (default: the newest
+    complete one). The process keeps one reader per (url, shardings), so the next version costs
+    its deltas."""
+
+    url: str
+    version: int | None = None
+
+    def __call__(self, shardings: dict) -> dict:
+        key = (self.url, tuple(sorted(shardings.items(), key=lambda kv: kv[0])))
+        reader = _SHARDED_READERS.get(key)
+        if reader is None:
+            reader = _SHARDED_READERS[key] = WeightReader(self.url, shardings=shardings)
+        return reader.load(self.version)[1]
 
 
 def load(url: str, version: int | None = None, *, verify: bool = True) -> tuple[int, dict]:

@@ -1,0 +1,192 @@
+"""An engine over two processes (jax.distributed on localhost, 4 CPU devices each) decodes exactly
+as one process with the same 8 devices, and a follower that dies makes the leader raise.
+
+The scenario (`scenario`, run by process 0 of either job) covers what the leader drives: a greedy
+group, a sampled group joining, a row leaving, a tool-output append, an in-flight weight update
+through the store (each process reads its own slices: weight_sync.StoreLoad), and all of it again
+with speculative decoding (MTP drafts, k = 1).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[3, 17, 42, 5, 99, 7], [8, 120, 33, 1, 2]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _engine(spec_k: int, timeout_s: float = 60.0):
+    import jax
+    from flax import nnx
+
+    from coder.infer.engine import Engine
+    from coder.model import Transformer, sharding
+    from configs.base import get_config
+    from tests.test_engine import tiny_cfg
+
+    cfg = tiny_cfg()
+    mcfg = get_config().mesh
+    mcfg.update(dict(data=2, fsdp=1, expert=2, tensor=2))
+    mesh = sharding.make_mesh(mcfg, jax.devices())  # every process's devices
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    return cfg, Engine(model, cfg, max_len=64, max_slots=8, decode_steps=4, batch_buckets=(1, 4, 8),
+                       len_buckets=(32, 64), speculative_k=spec_k, mesh=mesh, rules=mcfg.rules,
+                       follower_timeout_s=timeout_s)
+
+
+def _publish_version_1(cfg, url):
+    """Version 1 of the weights (seed 1): every process of the job publishes (each builds the same
+    model; a process's own arrays are written by process 0, and every process writes its part)."""
+    from flax import nnx
+
+    from coder.model import Transformer
+    from coder.rl import weight_sync
+
+    weight_sync.ModelPublisher(url).publish(Transformer(cfg, rngs=nnx.Rngs(1)), 1)
+
+
+def scenario(engine, url) -> list:
+    """The leader's calls; every generation as a dict (tokens, logprobs, experts, versions)."""
+    import jax
+
+    from coder.infer.engine import SamplingParams
+    from coder.rl import weight_sync
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6)
+    out = []
+    record = lambda gens: out.extend({"tokens": g.tokens, "logprobs": [float(x) for x in g.logprobs],
+                                      "experts": np.asarray(g.expert_ids).tolist(),
+                                      "versions": list(g.policy_version), "finish": g.finish_reason}
+                                     for g in gens)
+    a = engine.start_group(PROMPTS[0], 3)
+    record(engine.generate(a, greedy, jax.random.key(1)))
+    b = engine.start_group(PROMPTS[1], 2)  # joins while a holds its slots
+    record(engine.generate(b, sampled, jax.random.key(2)))
+    a.release(2)  # a row leaves
+    engine.append(a, 0, [5, 6, 7])  # a tool's output
+    record(engine.generate(a, sampled, jax.random.key(3), rows=[0, 1]))
+    engine.load_weights(weight_sync.StoreLoad(url, 1), version=1)  # in flight: b keeps its cache
+    engine.append(b, 1, [9])
+    record(engine.generate(b, sampled, jax.random.key(4), rows=[0, 1]))
+    a.close()
+    b.close()
+    return out
+
+
+def worker(process_id: int, num_processes: int, port: int, workdir: str, mode: str):
+    import jax
+
+    if num_processes > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
+                                   process_id=process_id)
+    url = os.path.join(workdir, "store")
+    if mode == "die":  # the follower takes a few calls, then the test kills it; the leader must raise
+        cfg, engine = _engine(0, timeout_s=10.0)
+        if process_id == 0:
+            from coder.infer import channel
+            from coder.infer.engine import SamplingParams
+
+            g = engine.start_group(PROMPTS[0], 2)
+            engine.generate(g, SamplingParams(temperature=0.0, max_new_tokens=4), jax.random.key(0))
+            print("READY", flush=True)
+            while not os.path.exists(os.path.join(workdir, "killed")):
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            try:
+                engine.generate(g, SamplingParams(temperature=0.0, max_new_tokens=4), jax.random.key(1), rows=[0, 1])
+                print("RESULT " + json.dumps({"raised": None}), flush=True)
+            except (RuntimeError, channel.FollowerLost) as e:
+                cause = e.__cause__ or e
+                print("RESULT " + json.dumps({"raised": type(cause).__name__, "message": str(cause),
+                                              "seconds": time.monotonic() - t0}), flush=True)
+            os._exit(0)  # the job's other process is gone: no orderly shutdown to wait for
+        engine.follow()
+        return
+    results = {}
+    for spec_k in (0, 1):
+        cfg, engine = _engine(spec_k)
+        if spec_k == 0:
+            _publish_version_1(cfg, url)
+        if process_id == 0:
+            results[spec_k] = scenario(engine, url)
+            engine.close()
+        else:
+            engine.follow()
+    if process_id == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+def _spawn(process_id, num_processes, devices, port, workdir, mode="run"):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), workdir, mode],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc, timeout=900):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_two_process_engine_equals_one_process(tmp_path):
+    """Greedy and sampled groups, a row leaving, an append, an in-flight weight update from the
+    store, plain and speculative: the 2 x 4-device engine emits the 1 x 8-device engine's tokens,
+    expert ids and policy versions; logprobs agree to float32 rounding (the collectives meet
+    over two processes in another order)."""
+    os.makedirs(tmp_path / "single")
+    os.makedirs(tmp_path / "pair")
+    single = _result(_spawn(0, 1, 8, _free_port(), str(tmp_path / "single")))
+    port = _free_port()
+    pair = [_spawn(i, 2, 4, port, str(tmp_path / "pair")) for i in range(2)]
+    multi = _result(pair[0])
+    pair[1].communicate(timeout=300)
+    assert pair[1].returncode == 0
+    for k in ("0", "1"):
+        assert len(single[k]) == len(multi[k]) == 9
+        for i, (a, b) in enumerate(zip(single[k], multi[k])):
+            assert a["tokens"] == b["tokens"] and a["experts"] == b["experts"], (k, i)
+            assert a["versions"] == b["versions"] and a["finish"] == b["finish"], (k, i)
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-4, rtol=0, err_msg=f"{k} {i}")
+        # the update applied in flight: each row's next tokens are version 1's (a row's first token
+        # may come from the logits its last decode step left, computed with version 0)
+        assert all(v == 1 for g in multi[k][-2:] for v in g["versions"][1:]), [g["versions"] for g in multi[k]]
+        assert multi[k][-1]["versions"][0] == 1  # its appended token was prefilled with version 1
+        assert all(v == 0 for g in multi[k][:-2] for v in g["versions"])
+        assert multi[k][3]["tokens"] != multi[k][4]["tokens"]  # group b's rows sample with their own keys
+
+
+def test_a_killed_follower_makes_the_leader_raise_naming_it(tmp_path):
+    port = _free_port()
+    pair = [_spawn(i, 2, 4, port, str(tmp_path), mode="die") for i in range(2)]
+    leader = pair[0]
+    deadline = time.monotonic() + 600
+    line = ""
+    while "READY" not in line and time.monotonic() < deadline:
+        line = leader.stdout.readline()
+        assert line or leader.poll() is None, leader.stderr.read()[-4000:]
+    os.kill(pair[1].pid, signal.SIGKILL)
+    pair[1].wait()
+    (tmp_path / "killed").write_text("1")
+    got = _result(leader, timeout=120)
+    assert got["raised"] == "FollowerLost", got
+    assert "follower process(es) [1]" in got["message"] and got["seconds"] < 30, got
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
