@@ -1,5 +1,6 @@
 """An engine over two processes (jax.distributed on localhost, 4 CPU devices each) decodes exactly
-as one process with the same 8 devices, and a follower that dies makes the leader raise.
+as one process with the same 8 devices, a follower that dies makes the leader raise, and stage
+serve runs on such an engine.
 
 The scenario (`scenario`, run by process 0 of either job) covers what the leader drives: a greedy
 group, a sampled group joining, a row leaving, a tool-output append, an in-flight weight update
@@ -88,12 +89,43 @@ def scenario(engine, url) -> list:
     return out
 
 
+def serve_worker(workdir: str):
+    """Stage serve's `run` on this process (both processes run it): process 0 serves HTTP on the
+    port in {workdir}/http_port until SIGTERM, process 1 follows; the model follows the store."""
+    from flax import nnx
+
+    from coder import stages
+    from coder.data import tokenizer as tokenizer_lib
+    from coder.model import Transformer
+    from coder.rl import weight_sync
+    from coder.stages import serve as serve_stage
+    from configs import base
+    from tests.test_serve import PREAMBLE, tiny_cfg
+
+    tok = tokenizer_lib.load(os.path.join(workdir, "tok.model"))
+    c = base.get_config()
+    c.model.update(tiny_cfg(tok).to_dict())
+    c.mesh.update(dict(expert=2, tensor=2))
+    store = os.path.join(workdir, "store")
+    weight_sync.ModelPublisher(store).publish(Transformer(c.model, rngs=nnx.Rngs(7)), 3)  # every process
+    c.update(dict(workdir=os.path.join(workdir, "run"), stage="serve"))
+    c.data.tokenizer = os.path.join(workdir, "tok.model")
+    with open(os.path.join(workdir, "http_port")) as f:
+        http_port = int(f.read())
+    c.serve.update(dict(weight_store=store, model_name="tiny-2p", max_slots=4, poll_seconds=0.2,
+                        host="127.0.0.1", port=http_port, system_prompt=PREAMBLE))
+    serve_stage.run(stages.stage_config("serve", c), "", "")
+    print("RESULT " + json.dumps({"exit": "clean"}), flush=True)
+
+
 def worker(process_id: int, num_processes: int, port: int, workdir: str, mode: str):
     import jax
 
     if num_processes > 1:
         jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
                                    process_id=process_id)
+    if mode == "serve":
+        return serve_worker(workdir)
     url = os.path.join(workdir, "store")
     if mode == "die":  # the follower takes a few calls, then the test kills it; the leader must raise
         cfg, engine = _engine(0, timeout_s=10.0)
@@ -186,6 +218,52 @@ def test_a_killed_follower_makes_the_leader_raise_naming_it(tmp_path):
     got = _result(leader, timeout=120)
     assert got["raised"] == "FollowerLost", got
     assert "follower process(es) [1]" in got["message"] and got["seconds"] < 30, got
+
+
+def test_stage_serve_on_two_processes_answers_the_openai_client(tmp_path):
+    """Stage serve over a 2-process engine: process 0 answers plain, streamed and tools requests,
+    process 1 runs its engine calls; the weight store's version 3 reaches both (each reads its own
+    slices); SIGTERM to process 0 stops the server and the follower cleanly."""
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    from tests.test_serve import TOOLS, make_tokenizer
+
+    make_tokenizer().save(str(tmp_path / "tok.model"))
+    http_port = _free_port()
+    (tmp_path / "http_port").write_text(str(http_port))
+    port = _free_port()
+    pair = [_spawn(i, 2, 4, port, str(tmp_path), mode="serve") for i in range(2)]
+    base = f"http://127.0.0.1:{http_port}"
+    deadline, health = time.monotonic() + 600, None
+    try:
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in pair), [p.communicate()[1][-3000:] for p in pair if p.poll() is not None]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as f:
+                    health = json.load(f)
+                if health["policy_version"] == 3:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert health == {"status": "ok", "model": "tiny-2p", "policy_version": 3}, health
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=300)
+        msgs = [{"role": "user", "content": "Hi Ada, pick a number from 1 to 4."}]
+        plain = client.chat.completions.create(model="tiny-2p", messages=msgs, temperature=0, max_tokens=12)
+        assert plain.choices[0].finish_reason in ("stop", "length") and plain.usage.completion_tokens > 0
+        chunks = list(client.chat.completions.create(model="tiny-2p", messages=msgs, temperature=0, max_tokens=12,
+                                                     stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == (plain.choices[0].message.content or "")  # greedy: the same reply, streamed
+        tools = client.chat.completions.create(model="tiny-2p", messages=msgs, tools=TOOLS, temperature=1.0,
+                                               max_tokens=12, seed=1)
+        assert tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        if pair[0].poll() is None:
+            pair[0].send_signal(signal.SIGTERM)
+    assert _result(pair[0], timeout=120) == {"exit": "clean"}
+    assert _result(pair[1], timeout=120) == {"exit": "clean"}
 
 
 if __name__ == "__main__":

@@ -164,6 +164,7 @@ class Engine:
         self._channel = (channel_lib.Channel(f"engine{next(_ENGINES)}", timeout_s=follower_timeout_s)
                          if len(processes) > 1 else None)
         self.is_leader = self._channel is None or self._channel.is_leader
+        self.processes = len(processes)
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         self._state_shardings = self._weight_shardings(state)
@@ -602,6 +603,8 @@ class Engine:
         missing = set(shardings) - set(flat)
         if missing:
             raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
+        held = ckpt_lib.state_to_flat(self._state)  # the store's dtype (e.g. bf16) -> the engine's, on device
+        flat = {k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held}
         new = self._place(ckpt_lib.flat_to_state(self._state, flat))
         if _is_abstract(self._state):  # built from an abstract model: the first weights set the signature
             self._state_struct = _signature(new)

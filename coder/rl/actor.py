@@ -103,17 +103,18 @@ def sampling_params(rl_cfg):
     return make
 
 
-def engine_mesh(config):
-    """The actor's mesh: this process's devices, with the training mesh's expert / tensor /
-    sequence axes and everything else over data (rows). The same logical rules as training
-    place the weights; FSDP is folded into data (an inference engine gathers nothing per step).
-    On a multi-process job each process's actor decodes on its own devices."""
+def engine_mesh(config, devices=None):
+    """An engine's mesh: `devices` (default: this process's), with the training mesh's expert /
+    tensor / sequence axes and everything else over data (rows). The same logical rules as
+    training place the weights; FSDP is folded into data (an inference engine gathers nothing
+    per step). On a multi-process job each process's actor decodes on its own devices; an engine
+    over every process's devices (stage serve on several processes) passes `jax.devices()`."""
     from coder.model import sharding
 
     cfg = config.mesh.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.update(dict(data=-1, fsdp=1, num_slices=1))
-    return sharding.make_mesh(cfg, jax.local_devices())
+    return sharding.make_mesh(cfg, jax.local_devices() if devices is None else devices)
 
 
 def make_engine(model, config, *, mesh=None):

@@ -708,7 +708,9 @@ class Server:
 
 class WeightFollower:
     """Polls a weight store (coder.rl.weight_sync.WeightReader) and gives every new version to
-    the engine (`set_weights(state, version)`: between two decode calls, in flight)."""
+    the engine (`set_weights(state, version)`: between two decode calls, in flight). An engine over
+    several processes gets `load_weights(StoreLoad(url, version))`: each process reads its own
+    devices' slices."""
 
     def __init__(self, engine, url: str, template, poll_seconds: float = 10.0):
         from coder.rl.weight_sync import WeightReader
@@ -716,6 +718,7 @@ class WeightFollower:
         self.engine, self.url, self.template = engine, url, template
         self.poll_seconds = float(poll_seconds)
         self.reader = WeightReader(url)
+        self.version: int | None = None  # the newest version given to the engine
         self._stop = threading.Event()
         self._thread = None
 
@@ -723,10 +726,22 @@ class WeightFollower:
         """Applies the newest version when it is new; returns it (None: nothing new)."""
         from coder.train import checkpoint as ckpt_lib
 
+        if getattr(self.engine, "processes", 1) > 1:  # each process of the engine reads its own slices
+            from coder.rl.weight_sync import StoreLoad, latest_version
+
+            version = latest_version(self.url)
+            if version is None or version == self.version:
+                return None
+            self.engine.load_weights(StoreLoad(self.url, version), version)
+            self.version = version
+            logging.info("serving weight version %d from %s (read by every process of the engine)",
+                         version, self.url)
+            return version
         got = self.reader.poll()
         if got is None:
             return None
         version, flat = got
+        self.version = version
         dtypes = {k: v.dtype for k, v in ckpt_lib.state_to_flat(self.template).items()}
         missing = sorted(set(dtypes) - set(flat))
         if missing:

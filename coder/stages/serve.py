@@ -14,11 +14,18 @@ sequences of `serve.max_len` tokens on this process's devices (coder.rl.actor.en
 `serve.dtype`. Every completion and every feedback goes to the trajectory log at
 `serve.log_store` (default `{workdir}/serve/trajectories`); with `serve.weight_store` set the
 server follows the weight store the realtime stage publishes to.
+
+On several processes (one job: `jax.distributed`, e.g. a TPU slice of several hosts) the
+engine spans every process's devices (coder/infer/engine.py): process 0 serves HTTP and leads,
+the others follow its engine calls until it stops; the weight store reaches every process (each
+reads its own slices). Each process still loads the starting checkpoint whole before placing
+its shards: a model larger than one host's memory starts from the weight store instead.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from coder.train import checkpoint as ckpt_lib
 
@@ -68,14 +75,13 @@ def served_checkpoint(config, init_from: str) -> str:
     return ""
 
 
-def build(config, init_from: str = ""):
-    """The Server of the config (stage docstring), following the weight store when one is set."""
-    from flax import nnx
+def build_engine(config, init_from: str = ""):
+    """(engine, model, tokenizer, checkpoint path) of the config: the engine on this process's
+    devices, or on every process's when the job has several (process 0 leads)."""
+    import jax
 
     from coder.infer.engine import Engine
     from coder.rl.actor import engine_mesh
-    from coder.serve.server import Server
-    from coder.serve.trajectory_log import TrajectoryLog
     from coder.stages import inherit_model_config
     from coder.train.state import build_model, load_model
 
@@ -92,9 +98,28 @@ def build(config, init_from: str = ""):
                         "initialised model", tuple(config.stages), config.workdir)
         model = build_model(config)
     s = config.serve
+    devices = jax.devices() if jax.process_count() > 1 else None
     engine = Engine(model, config.model, max_len=served_len(config), max_slots=int(s.max_slots),
-                    decode_steps=int(s.decode_steps), dtype=s.dtype or None, mesh=engine_mesh(config),
+                    decode_steps=int(s.decode_steps), dtype=s.dtype or None, mesh=engine_mesh(config, devices),
                     rules=config.mesh.rules)
+    return engine, model, tok, path
+
+
+def build(config, init_from: str = ""):
+    """The Server of the config (stage docstring), following the weight store when one is set
+    (the leader's part on several processes: see `run`)."""
+    engine, model, tok, path = build_engine(config, init_from)
+    return serve_engine(config, engine, model, tok, path)
+
+
+def serve_engine(config, engine, model, tok, path: str):
+    """The Server over a built engine (leader only)."""
+    from flax import nnx
+
+    from coder.serve.server import Server
+    from coder.serve.trajectory_log import TrajectoryLog
+
+    s = config.serve
     url = log_store(config)
     log = None if url is None else TrajectoryLog(url, flush_seconds=float(s.flush_seconds),
                                                   retention_days=float(s.retention_days))
@@ -112,11 +137,21 @@ def run(config, stage_dir: str, init_from: str) -> str:
     import uvicorn
 
     del stage_dir  # the server writes only its trajectory log (serve.log_store)
-    server = build(config, init_from)
+    engine, model, tok, path = build_engine(config, init_from)
+    if not engine.is_leader:  # process 0 serves; this one runs its engine calls until it stops
+        logging.info("[serve] following the engine of process 0")
+        engine.follow()
+        return served_checkpoint(config, init_from)
+    server = serve_engine(config, engine, model, tok, path)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler it found:
+    # the default one would kill the process before the trajectory log is flushed and the
+    # followers are stopped. A no-op handler lets `run` return and the cleanup below run.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         uvicorn.Server(uvicorn.Config(server.app, host=config.serve.host, port=int(config.serve.port),
                                       log_level="info", timeout_graceful_shutdown=30)).run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.close()
         server.engine.close()
     return served_checkpoint(config, init_from)
