@@ -12,7 +12,7 @@ weights through the weight store (docs/rl.md, section 4).
       coder.rl.actor.Actor: the agent loops (one thread per rollout), env worker processes
       run_group(work)           one task's G rollouts, started only once the actor holds weights
                                 of version >= work.min_version (the staleness bound)
-      a poller thread           WeightReader.poll() -> engine.set_weights(state, version): applied
+      a poller thread           EngineFollower.poll() -> engine.set_weights(state, version): applied
                                 between two decode calls, rows keep their caches, so one rollout
                                 may hold tokens of several versions (each token records its own)
 
@@ -136,18 +136,18 @@ class ActorWorker:
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
         self.index, self.config = int(index), config
-        self.reader = weight_sync.WeightReader(url)
+        reader = weight_sync.WeightReader(url)
         self._cond = threading.Condition()
         self._nudge = threading.Event()
         self._closed = False
         deadline = time.monotonic() + timeout_s
-        got = self.reader.poll()
+        got = reader.poll()
         while got is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"actor {index}: no complete version in the weight store {url} "
                                    f"after {timeout_s:.0f} s")
             time.sleep(0.1)
-            got = self.reader.poll()
+            got = reader.poll()
         version, flat = got
         if model_fn is None:
             from coder.model import Transformer
@@ -156,6 +156,7 @@ class ActorWorker:
                 return Transformer(config.model, rngs=nnx.Rngs(0))
         self._graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn))
         self.engine = actor_lib.make_engine(nnx.merge(self._graphdef, self._state(flat)), config)
+        self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, reader=reader)
         self.version = version
         self.pool = None
         self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
@@ -199,15 +200,13 @@ class ActorWorker:
     def sync(self) -> bool:
         """Applies the store's newest version when it is new; True when it did."""
         t0 = time.perf_counter()
-        got = self.reader.poll()
-        if got is None:
+        version = self.follower.poll()  # to the engine from its next decode call
+        if version is None:
             return False
-        version, flat = got
-        self.engine.set_weights(self._state(flat), version=version)  # from the next decode call
         with self._cond:
             self.version = version
             self.versions_applied += 1
-            self.read_bytes += int(self.reader.last_read.get("bytes", 0))
+            self.read_bytes += int(self.follower.last_read.get("bytes", 0))
             self.apply_s += time.perf_counter() - t0
             self._cond.notify_all()
         return True

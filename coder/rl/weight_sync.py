@@ -14,6 +14,7 @@ Lossless: a reader reconstructs the published bytes exactly and checks each leaf
     local_slices({name: jax.Array}) -> {name@index: Slice}  # this process's share, for publish
     WeightReader(url, shardings={name: Sharding})        # reads only its devices' slices -> jax.Arrays
     StoreLoad(url, version)                              # the same, as an Engine.load_weights loader
+    EngineFollower(engine, url, template).poll()         # the one reading end: new versions -> an engine
     gc(url, keep_from=v)                                 # drops what no reader of >= v needs
 
 Layout at `url` (a local path, `memory://...` or `gs://...`, through fsspec; gcsfs for gs://):
@@ -802,6 +803,85 @@ class StoreLoad:
         if reader is None:
             reader = _SHARDED_READERS[key] = WeightReader(self.url, shardings=shardings)
         return reader.load(self.version)[1]
+
+
+class EngineFollower:
+    """The reading end of the weight channel, one for every consumer (the RL actors, the server,
+    realtime's server): polls the store and gives each new version to an engine, between two of
+    its decode calls (in flight: rows keep their caches).
+
+    One process: `WeightReader.poll()` (the deltas since the held version) -> `set_weights`,
+    each leaf in `template`'s dtype (the engine casts to its serving dtype). An engine over several
+    processes: `load_weights(StoreLoad(url, version))`, so each process reads its own devices'
+    slices.
+
+        follower = EngineFollower(engine, url, nnx.state(model))
+        follower.poll()                 # -> the version applied, or None when nothing is new
+        follower.start(poll_seconds)    # or poll in a thread until close()
+    """
+
+    def __init__(self, engine, url: str, template, *, verify: bool = True, reader: WeightReader | None = None):
+        """`reader`: one that already holds the version the engine was built with (its next poll
+        reads only the deltas since)."""
+        import threading
+
+        self.engine, self.url, self.template = engine, url, template
+        self.reader = reader or WeightReader(url, verify=verify)
+        self.version: int | None = self.reader.version  # the newest version the engine has
+        self.last_read: dict = {}  # the reader's record of that version (bytes, seconds, ...)
+        self._stop = threading.Event()
+        self._thread = None
+
+    def poll(self) -> int | None:
+        """Gives the engine the store's newest version when it is new; returns it (else None).
+        Raises ValueError when the store holds another model."""
+        from coder.train import checkpoint as ckpt_lib
+
+        if getattr(self.engine, "processes", 1) > 1:
+            version = latest_version(self.url)
+            if version is None or version == self.version:
+                return None
+            self.engine.load_weights(StoreLoad(self.url, version), version)
+            self.version, self.last_read = version, {"version": version, "from": "each process's slices"}
+            logging.info("weight version %d from %s: read by every process of the engine", version, self.url)
+            return version
+        got = self.reader.poll()
+        if got is None:
+            return None
+        version, flat = got
+        dtypes = {k: v.dtype for k, v in ckpt_lib.state_to_flat(self.template).items()}
+        missing = sorted(set(dtypes) - set(flat))
+        if missing:
+            raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
+                             f"variables, e.g. {missing[:3]}: it holds another model")
+        state = ckpt_lib.flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dtypes[k], copy=False)
+                                                       for k in dtypes})
+        self.engine.set_weights(state, version)
+        self.version, self.last_read = version, dict(self.reader.last_read)
+        logging.info("weight version %d from %s (%s)", version, self.url, self.last_read)
+        return version
+
+    def _loop(self, poll_seconds: float):
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - a store hiccup: keep the held version, retry
+                logging.exception("polling the weight store %s failed", self.url)
+            self._stop.wait(poll_seconds)
+
+    def start(self, poll_seconds: float = 10.0) -> None:
+        """Poll every `poll_seconds` in a daemon thread until `close()`."""
+        import threading
+
+        self._thread = threading.Thread(target=self._loop, args=(float(poll_seconds),), name="weight-follower",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def load(url: str, version: int | None = None, *, verify: bool = True) -> tuple[int, dict]:

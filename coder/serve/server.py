@@ -42,7 +42,7 @@ else derived from the client and the conversation's first system and user messag
 turn of one conversation shares it); it is returned as `conversation_id` and in the
 `X-Conversation-Id` header. No header, key or message text is logged.
 
-**Weights** (`WeightFollower`): a thread polls the weight store (coder.rl.weight_sync) and hands
+**Weights** (`coder.rl.weight_sync.EngineFollower`): a thread polls the weight store (coder.rl.weight_sync) and hands
 each new version to `engine.set_weights(state, version)`: it applies between two decode calls,
 requests in flight keep their caches, and every token records the version that sampled it.
 """
@@ -60,7 +60,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -692,10 +691,13 @@ class Server:
                              "conversation_id": conv or None, "signal": signal, "value": float(value)})
 
     # ------------------------------------------------------------------ weights and shutdown
-    def follow(self, url: str, template, poll_seconds: float = 10.0) -> "WeightFollower":
-        """Follow the weight store at `url` (a thread); `template` is the model's nnx.State."""
-        self.follower = WeightFollower(self.engine, url, template, poll_seconds)
-        self.follower.start()
+    def follow(self, url: str, template, poll_seconds: float = 10.0):
+        """Follow the weight store at `url` (a thread: coder.rl.weight_sync.EngineFollower);
+        `template` is the model's nnx.State."""
+        from coder.rl.weight_sync import EngineFollower
+
+        self.follower = EngineFollower(self.engine, url, template)
+        self.follower.start(poll_seconds)
         return self.follower
 
     def close(self) -> None:
@@ -704,68 +706,3 @@ class Server:
         self._pool.shutdown(wait=True)
         if self.log is not None:
             self.log.close()
-
-
-class WeightFollower:
-    """Polls a weight store (coder.rl.weight_sync.WeightReader) and gives every new version to
-    the engine (`set_weights(state, version)`: between two decode calls, in flight). An engine over
-    several processes gets `load_weights(StoreLoad(url, version))`: each process reads its own
-    devices' slices."""
-
-    def __init__(self, engine, url: str, template, poll_seconds: float = 10.0):
-        from coder.rl.weight_sync import WeightReader
-
-        self.engine, self.url, self.template = engine, url, template
-        self.poll_seconds = float(poll_seconds)
-        self.reader = WeightReader(url)
-        self.version: int | None = None  # the newest version given to the engine
-        self._stop = threading.Event()
-        self._thread = None
-
-    def poll(self) -> int | None:
-        """Applies the newest version when it is new; returns it (None: nothing new)."""
-        from coder.train import checkpoint as ckpt_lib
-
-        if getattr(self.engine, "processes", 1) > 1:  # each process of the engine reads its own slices
-            from coder.rl.weight_sync import StoreLoad, latest_version
-
-            version = latest_version(self.url)
-            if version is None or version == self.version:
-                return None
-            self.engine.load_weights(StoreLoad(self.url, version), version)
-            self.version = version
-            logging.info("serving weight version %d from %s (read by every process of the engine)",
-                         version, self.url)
-            return version
-        got = self.reader.poll()
-        if got is None:
-            return None
-        version, flat = got
-        self.version = version
-        dtypes = {k: v.dtype for k, v in ckpt_lib.state_to_flat(self.template).items()}
-        missing = sorted(set(dtypes) - set(flat))
-        if missing:
-            raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
-                             f"variables, e.g. {missing[:3]}: it holds another model")
-        state = ckpt_lib.flat_to_state(self.template, {k: jnp.asarray(flat[k]).astype(dtypes[k]) for k in dtypes})
-        self.engine.set_weights(state, version)
-        logging.info("serving weight version %d from %s (%s)", version, self.url, self.reader.last_read)
-        return version
-
-    def _loop(self):
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - a store hiccup: keep serving the held version, retry
-                logging.exception("polling the weight store %s failed", self.url)
-            self._stop.wait(self.poll_seconds)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="weight-follower", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
