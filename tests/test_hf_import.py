@@ -218,3 +218,95 @@ def test_remote_shard_reads_byte_ranges_like_the_local_reader(tmp_path):
         expected = t.float().numpy()[tuple(slice(x, y) for x, y in ranges)]
         np.testing.assert_array_equal(a.astype(np.float32), expected, err_msg=name)
         np.testing.assert_array_equal(b.astype(np.float32), expected, err_msg=name)
+
+
+def _pack_int4(w: np.ndarray, group: int):
+    """compressed-tensors' symmetric INT4 pack-quantized form of w `[out, in]`: (packed int32
+    `[out, in / 8]`, bf16 scales `[out, in / group]`, the values it dequantizes to)."""
+    import ml_dtypes
+
+    out, cols = w.shape
+    g = w.reshape(out, cols // group, group)
+    scale = (np.abs(g).max(-1) / 7.0).astype(ml_dtypes.bfloat16)
+    s = scale.astype(np.float32)
+    q = np.clip(np.round(g / np.where(s == 0, 1, s)[..., None]), -8, 7).astype(np.int64).reshape(out, cols)
+    u = (q + 8).reshape(out, cols // 8, 8)
+    words = (u << (4 * np.arange(8))).sum(-1).astype(np.uint32).view(np.int32)
+    return words, scale, (q.reshape(out, cols // group, group) * s[..., None]).reshape(out, cols).astype(np.float32)
+
+
+def test_kimi_k25_wrapper_with_int4_experts_imports_its_text_model(tmp_path, caplog):
+    """A checkpoint in Kimi K2.5's format, written here from a coder model: the multimodal wrapper
+    (model_type kimi_k25, the text config under text_config, tensors under language_model.), the
+    routed experts INT4 pack-quantized (compressed-tensors, group-wise bf16 scales, the scales in
+    another shard) and a vision tower. The import reads the text model: every non-expert tensor
+    bit-exact, every expert weight exactly its dequantized INT4 value (within the quantization
+    step of the original); the vision tensors are skipped and the log says so."""
+    import logging
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    from configs.base import model_config
+
+    cfg = model_config()
+    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
+                    num_mtp_layers=0, dtype="float32"))
+    model = Transformer(cfg, rngs=nnx.Rngs(5))
+    plain = tmp_path / "plain"
+    hf_import.save_hf(cfg, model, str(plain))
+    index = json.load(open(plain / "model.safetensors.index.json"))["weight_map"]
+    tensors = {}
+    for fn in set(index.values()):
+        tensors.update(load_file(str(plain / fn)))
+    group, weights, scales, expected = 8, {}, {}, {}
+    for name, w in tensors.items():
+        if re.search(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", name):
+            packed, scale, deq = _pack_int4(w.astype(np.float32), group)
+            base = "language_model." + name
+            weights[base + "_packed"] = packed
+            weights[base + "_shape"] = np.array(w.shape, np.int64)
+            scales[base + "_scale"] = scale
+            expected[name] = deq
+        else:
+            weights["language_model." + name] = w
+    weights["vision_tower.encoder.blocks.0.wqkv.weight"] = np.ones((8, 8), np.float32)
+    weights["mm_projector.proj.0.weight"] = np.ones((4, 8), np.float32)
+    k25 = tmp_path / "k25"
+    k25.mkdir()
+    save_file(weights, str(k25 / "model-00001-of-00002.safetensors"))
+    save_file(scales, str(k25 / "model-00002-of-00002.safetensors"))
+    weight_map = {**{n: "model-00001-of-00002.safetensors" for n in weights},
+                  **{n: "model-00002-of-00002.safetensors" for n in scales}}
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(k25 / "model.safetensors.index.json", "w"))
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}}},
+             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:vision_tower.*"]}
+    text = json.load(open(plain / "config.json"))
+    json.dump({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+               "text_config": text, "vision_config": {"model_type": "moonvit"}, "quantization_config": quant},
+              open(k25 / "config.json", "w"))
+
+    with caplog.at_level(logging.INFO):
+        cfg2, model2 = hf_import.load_hf(str(k25))
+    log = caplog.text
+    assert "kimi_k25 wrapper" in log and "2 tensors of its other towers" in log and "INT4" in log, log
+    assert cfg2.n_routed_experts == 4 and cfg2.num_hidden_layers == 2
+    got = {n: np.asarray(w) for n, w in hf_import._export_tensors(cfg2, nnx.to_flat_state(nnx.state(model2)))}
+    assert got.keys() == tensors.keys()
+    for name, w in tensors.items():
+        if name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+            step = np.abs(w).max() / 7.0
+            assert np.abs(got[name] - w).max() <= 0.51 * step + 1e-6, name
+        else:
+            np.testing.assert_array_equal(got[name], w, err_msg=name)
+
+    quant["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    json.dump({"model_type": "kimi_k25", "text_config": text, "quantization_config": quant},
+              open(k25 / "config.json", "w"))
+    with pytest.raises(ValueError, match="symmetric INT4 pack-quantized"):
+        hf_import.load_hf(str(k25))

@@ -8,6 +8,14 @@ shard is closed once every tensor it holds for the model is read). The shards ar
 with safetensors' numpy framework (memory-mapped) or, remotely, by byte ranges; no torch.
 FP8 (`float8_e4m3fn`) weights with a `weight_scale_inv` are dequantized block-wise:
     W[i, j] = W_fp8[i, j] * scale_inv[i // 128, j // 128].
+INT4 weights in compressed-tensors' `pack-quantized` format (Kimi K2.5's routed experts:
+symmetric, group-wise) are dequantized on import: `{name}.weight_packed` int32 `[out, in / 8]`
+holds 8 4-bit values per word (value c at bits 4 (c % 8) of word c // 8, stored as q + 8),
+`{name}.weight_scale` `[out, in / group]`:
+    W[i, j] = (nibble(packed, i, j) - 8) * scale[i, j // group].
+Kimi K2.5's multimodal wrapper (config.json `model_type` "kimi_k25", the text model's config
+under `text_config`, its tensors under `language_model.`) is read as its text model; the vision
+tower and projector are skipped (said in the log).
 MTP modules are stored as extra layers `model.layers.{num_hidden_layers + k}.*` (enorm, hnorm,
 eh_proj, shared_head.norm, and a full decoder layer); Hugging Face's model ignores them and
 transformers saves none (its config still says num_nextn_predict_layers=1): a module the
@@ -155,10 +163,37 @@ def is_hf_checkpoint(path: str) -> bool:
 
 
 def read_hf_config(path: str) -> dict:
-    """The config.json of a Hugging Face checkpoint directory (local or gs://...)."""
+    """The config.json of a Hugging Face checkpoint directory (local or gs://...); of a
+    multimodal wrapper (Kimi K2.5: `text_config`), its text model's, with the wrapper's
+    quantization_config when the text config has none."""
     from etils import epath
 
-    return json.loads((epath.Path(path) / "config.json").read_text())
+    hf = json.loads((epath.Path(path) / "config.json").read_text())
+    if isinstance(hf.get("text_config"), dict):
+        text = dict(hf["text_config"])
+        if "quantization_config" not in text and hf.get("quantization_config"):
+            text["quantization_config"] = hf["quantization_config"]
+        text["wrapper_model_type"] = hf.get("model_type", "")
+        return text
+    return hf
+
+
+def int4_group_size(qcfg: dict) -> int:
+    """The group size of a compressed-tensors INT4 `pack-quantized` config (0: not one). Raises on
+    a compressed-tensors scheme coder does not read (asymmetric, other bit widths, other formats)."""
+    if (qcfg or {}).get("quant_method") != "compressed-tensors":
+        return 0
+    sizes = set()
+    for name, group in (qcfg.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if (qcfg.get("format"), w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy")) != (
+                "pack-quantized", 4, "int", True, "group"):
+            raise ValueError(f"compressed-tensors group {name}: format {qcfg.get('format')!r}, weights {w}: coder "
+                             "reads symmetric INT4 pack-quantized group-wise weights only")
+        sizes.add(int(w["group_size"]))
+    if len(sizes) != 1:
+        raise ValueError(f"compressed-tensors config with group sizes {sorted(sizes)}: one is supported")
+    return sizes.pop()
 
 
 # Model keys a Hugging Face checkpoint fixes: every key that sets a parameter's shape or what the
@@ -271,11 +306,11 @@ class _Checkpoint:
     shard's header), shards opened when first read and closed by `release`, and float32 blocks of
     tensors with FP8 block dequantization."""
 
-    def __init__(self, path: str, block: int = FP8_BLOCK):
+    def __init__(self, path: str, block: int = FP8_BLOCK, int4_group: int = 0):
         from etils import epath
 
         self.path = path
-        self.block = block
+        self.block, self.int4_group = block, int(int4_group)
         d = epath.Path(path)
         self._open: dict[str, _Shard] = {}
         if (d / INDEX).exists():
@@ -293,6 +328,32 @@ class _Checkpoint:
         if not self.files:
             raise FileNotFoundError(f"{path}: no safetensors shards")
         self.order = {fn: i for i, fn in enumerate(self.files)}
+        self._raw: dict[str, str] = {}  # our name -> the tensor's name in the checkpoint
+        self.skipped: list[str] = []  # a multimodal wrapper's other towers
+        prefix = "language_model."
+        if any(n.startswith(prefix) for n in self.where):
+            where = {}
+            for n, fn in self.where.items():
+                if n.startswith(prefix):
+                    where[n[len(prefix):]] = fn
+                    self._raw[n[len(prefix):]] = n
+                else:
+                    self.skipped.append(n)
+            self.where = where
+        self.int4: dict[str, tuple] = {}  # weight -> (packed, scale, scale's shard): INT4 pack-quantized
+        for n in [n for n in self.where if n.endswith(".weight_packed")]:
+            if not self.int4_group:
+                raise ValueError(f"{path}: {n} is pack-quantized but config.json has no compressed-tensors "
+                                 "quantization_config")
+            base = n[:-len("_packed")]
+            if base + "_scale" not in self.where:
+                raise ValueError(f"{path}: {n} has no {base}_scale")
+            self.where[base] = self.where.pop(n)
+            self.int4[base] = (n, base + "_scale", self.where.pop(base + "_scale"))
+            self.where.pop(base + "_shape", None)
+
+    def raw(self, name: str) -> str:
+        return self._raw.get(name, name)
 
     def _shard(self, fn: str) -> _Shard:
         if fn not in self._open:
@@ -303,19 +364,40 @@ class _Checkpoint:
         return self.where.keys()
 
     def shape(self, name: str) -> tuple:
-        return self._shard(self.where[name]).shape(name)
+        if name in self.int4:  # [out, in]: the scale's columns x the group size
+            _, scale, scale_file = self.int4[name]
+            rows, groups = self._shard(scale_file).shape(self.raw(scale))
+            return (rows, groups * self.int4_group)
+        return self._shard(self.where[name]).shape(self.raw(name))
+
+    def _read_int4(self, name: str, ranges) -> np.ndarray:
+        """float32 block `ranges` of the INT4 pack-quantized weight `name` (module docstring)."""
+        packed, scale, scale_file = self.int4[name]
+        (r0, r1), (c0, c1) = ranges
+        g = self.int4_group
+        shard = self._shard(self.where[name])
+        w0, w1 = c0 // 8, -(-c1 // 8)
+        words = shard.read(self.raw(packed), ((r0, r1), (w0, w1))).astype(np.int32).view(np.uint32)
+        nibbles = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [rows, words, 8]
+        q = nibbles.reshape(r1 - r0, -1)[:, c0 - 8 * w0:c1 - 8 * w0].astype(np.float32) - 8.0
+        s = self._shard(scale_file).read(self.raw(scale), ((r0, r1), (c0 // g, -(-c1 // g)))).astype(np.float32)
+        return q * s[:, (np.arange(c0, c1) // g) - c0 // g]
 
     def read(self, name: str, ranges) -> np.ndarray:
         """float32 block `ranges` of tensor `name`; an FP8 tensor is dequantized with its
-        `{name}_scale_inv` (one scale per block x block tile)."""
+        `{name}_scale_inv` (one scale per block x block tile), an INT4 pack-quantized one with its
+        group scales."""
+        if name in self.int4:
+            return self._read_int4(name, ranges)
         shard = self._shard(self.where[name])
-        w = shard.read(name, ranges)
-        if shard.dtype(name).startswith("F8"):
+        w = shard.read(self.raw(name), ranges)
+        if shard.dtype(self.raw(name)).startswith("F8"):
             scale_name = name + "_scale_inv"
             if scale_name not in self.where:
                 raise ValueError(f"{name} is FP8 but the checkpoint has no {scale_name}")
             s_shard = self._shard(self.where[scale_name])
-            scale = s_shard.read(scale_name, [(0, n) for n in s_shard.shape(scale_name)]).astype(np.float32)
+            raw_scale = self.raw(scale_name)
+            scale = s_shard.read(raw_scale, [(0, n) for n in s_shard.shape(raw_scale)]).astype(np.float32)
             (r0, r1), (c0, c1) = ranges
             rows, cols = np.arange(r0, r1) // self.block, np.arange(c0, c1) // self.block
             return w.astype(np.float32) * scale[np.ix_(rows, cols)]
@@ -517,7 +599,14 @@ def import_into(model, path: str, *, log=None) -> dict:
     if n_layers != int(cfg.num_hidden_layers):
         raise ValueError(f"{path}: config.json has num_hidden_layers={n_layers}, the model "
                          f"{cfg.num_hidden_layers}: build the model from the checkpoint's config")
-    ck = _Checkpoint(path, block)
+    ck = _Checkpoint(path, block, int4_group_size(qcfg))
+    if ck.skipped:
+        log("%s is a %s wrapper: its text model is imported; %d tensors of its other towers (vision, "
+            "projector) are skipped, e.g. %s", path, hf.get("wrapper_model_type") or "multimodal",
+            len(ck.skipped), ck.skipped[:3])
+    if ck.int4:
+        log("%d INT4 pack-quantized weights (group %d) are dequantized to %s on import", len(ck.int4),
+            ck.int4_group, jnp.dtype(model.cfg.param_dtype).name)
     n_unstacked = len(model.layers) if model.moe_stack is not None else n_layers
     flat = [(p, var) for p, var in nnx.to_flat_state(nnx.state(model))]
     plan, absent, coder_only = [], {}, []
