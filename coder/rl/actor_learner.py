@@ -453,7 +453,8 @@ def staleness_histogram(groups: list, version: int, bins: int) -> dict:
 
 class Driver:
     """Hands this process's tasks to its actors and queues their finished groups, in a thread of
-    its own, so the queue fills while the learner steps (module docstring).
+    its own, so the queue fills while the learner steps (module docstring). Its bookkeeping is
+    coder/rl/dispatch.py's: actor health, the staleness gate, the group queue, actor counters.
 
     Args:
       actors: LocalActors or RayActors.
@@ -465,9 +466,10 @@ class Driver:
     """
 
     def __init__(self, config, actors, order: list, epoch: Epoch, *, needed: int, local: int, version: int):
+        from coder.rl import dispatch
+
         self.actors, self.epoch, self.local = actors, epoch, int(local)
         self.asynchronous = bool(config.grpo["async"])
-        self.bound = int(config.grpo.max_staleness) if self.asynchronous else 0
         self.hist_bins = int(config.grpo.max_staleness)
         self.group_size, self.seed = int(config.rl.group_size), int(config.seed)
         self.slots = capacity(config)
@@ -475,17 +477,15 @@ class Driver:
         self.todo = collections.deque(Work(index, task, 0, 0, self.seed)
                                       for pos, (index, task) in enumerate(order) if pos not in epoch)
         self.needed, self.version = int(needed), int(version)
-        self.taken = self.version * self.local  # groups the learner has trained on (its steps x local)
+        self.gate = dispatch.StalenessGate(bound=int(config.grpo.max_staleness) if self.asynchronous else 0,
+                                           local=self.local, taken=self.version * self.local)
+        self.health = dispatch.ActorHealth(len(actors))
+        self.queue = dispatch.GroupQueue()
+        self.counters = dispatch.ActorCounters()
         self.pending: dict = {}  # token -> (actor, Work)
-        self.load = [0] * len(actors)
-        self.down: dict = {}  # actor -> when to probe it next (it lost a group: restarting)
         self.probes: dict = {}  # token -> actor
-        self.gone: set = set()  # actors Ray will not restart
-        self.queue: collections.deque = collections.deque()
-        self.latest: dict = {}  # actor -> its last stats
-        self._mark: dict = {}  # actor -> its stats at the previous take
-        self.dropped = self.skipped = 0
-        self._dropped_step = self._received = 0
+        self.load = [0] * len(actors)
+        self.skipped = 0
         self._last_take = time.perf_counter()
         self._cond = threading.Condition()
         self._closing = False
@@ -501,7 +501,8 @@ class Driver:
                     if self._closing:
                         return
                     self._fill()
-                    self._probe()
+                    for actor in self.health.due():  # ask each actor that lost a group if it is back
+                        self.probes[self.actors.probe(actor)] = actor
                     tokens = list(self.pending) + list(self.probes)
                     if not tokens:
                         self._cond.wait(1.0)  # until the learner takes a batch or publishes
@@ -517,49 +518,36 @@ class Driver:
                 self._cond.notify_all()
 
     def _fill(self) -> None:
-        """Hands out tasks while an actor has room and the staleness bound allows: a group with
-        q groups outstanding ahead of it is trained at step (taken + q) // local, and goes out
-        only once the learner's version is within `bound` of that step (sync: bound 0, so a
-        step's tasks go out once the learner published the weights they are sampled with)."""
+        """Hands out tasks while an actor that is up has room and the staleness gate admits the
+        step the next group would be trained at."""
         while self.todo and len(self.pending) + len(self.queue) < self.needed:
-            step = (self.taken + len(self.pending) + len(self.queue)) // self.local
-            if step - self.bound > self.version:
+            step = self.gate.step_of(len(self.pending) + len(self.queue))
+            if not self.gate.admits(step, self.version):
                 return  # the learner must step first
-            free = [i for i, n in enumerate(self.load)
-                    if n < self.slots and i not in self.down and i not in self.gone]
+            free = [i for i in self.health.up() if self.load[i] < self.slots]
             if not free:
                 return
             i = min(free, key=lambda j: (self.load[j], j))
             work = self.todo.popleft()
-            work.min_version = step - self.bound
+            work.min_version = self.gate.min_version(step)
             self.pending[self.actors.submit(i, work)] = (i, work)
             self.load[i] += 1
 
-    def _probe(self) -> None:
-        """Asks each actor that lost a group whether it is back (Ray refuses calls while it
-        restarts)."""
-        now = time.monotonic()
-        for actor, when in list(self.down.items()):
-            if when is not None and when <= now:
-                self.probes[self.actors.probe(actor)] = actor
-                self.down[actor] = None  # a probe is out
-
     def _probed(self, token) -> None:
+        from coder.rl.dispatch import ActorState
+
         actor = self.probes.pop(token)
         try:
             self.actors.result(token)
+            state = self.health.answered(actor, back=True)
         except ActorLost as e:
-            if not e.for_good:
-                self.down[actor] = time.monotonic() + 1.0
-                return
-            self.gone.add(actor)
-            self.down.pop(actor, None)
-            logging.error("[grpo] actor %d is gone for good (Ray will not restart it): %s", actor, e)
-            if len(self.gone) == len(self.load):
-                raise RuntimeError("[grpo] every actor died and Ray will not restart them") from None
-            return
-        del self.down[actor]
-        logging.info("[grpo] actor %d is back", actor)
+            state = self.health.answered(actor, back=False, for_good=e.for_good)
+            if state is ActorState.GONE:
+                logging.error("[grpo] actor %d is gone for good (Ray will not restart it): %s", actor, e)
+                if self.health.all_gone:
+                    raise RuntimeError("[grpo] every actor died and Ray will not restart them") from None
+        if state is ActorState.UP:
+            logging.info("[grpo] actor %d is back", actor)
 
     def _finished(self, token) -> None:
         if token in self.probes:
@@ -571,16 +559,14 @@ class Driver:
         except ActorLost as e:
             self._lost(actor, work, e)
             return
-        self.latest[actor] = res.stats
-        self._received += len(res.rollouts)
-        self.queue.append(res)
+        self.counters.update(actor, res.stats)
+        self.queue.put(res)
 
     def _lost(self, actor: int, work: Work, err: Exception) -> None:
-        self.dropped += self.group_size
-        self._dropped_step += self.group_size
+        self.queue.drop(self.group_size)
         logging.warning("[grpo] actor %d lost the group of task %d (attempt %d): %s", actor, work.index,
                         work.attempt, err)
-        self.down.setdefault(actor, time.monotonic())  # no work for it until a probe answers
+        self.health.lost(actor)  # no work for it until a probe answers
         if work.attempt + 1 < MAX_ATTEMPTS:
             self.todo.appendleft(Work(work.index, work.task, work.attempt + 1, 0, self.seed))
         else:
@@ -604,17 +590,15 @@ class Driver:
             while len(self.queue) < self.local:
                 if self._error is not None:
                     raise self._error
-                if not self.pending and not self.todo and not self.down:
+                if not self.pending and not self.todo and not self.health.recovering:
                     return None, {}
                 self._cond.wait(1.0)
-            results = [self.queue.popleft() for _ in range(self.local)]
+            results, received, dropped = self.queue.take(self.local)
             for r in results:
                 self.epoch.add(self.position[r.index])
-            self.taken += self.local
+            self.gate.took()
             self.needed -= self.local
-            received, dropped = self._received, self._dropped_step
-            self._received = self._dropped_step = 0
-            deltas = self._actor_deltas()
+            deltas = self.counters.deltas()
             self._cond.notify_all()  # room for the next tasks
         now = time.perf_counter()
         if not self.asynchronous:
@@ -624,38 +608,17 @@ class Driver:
                     for grp in groups for ro in grp]
         hist = staleness_histogram(groups, self.version, int(self.hist_bins))
         m = dict(learner_idle_s=now - t0, rollouts_per_s=received / max(now - self._last_take, 1e-9),
-                 dropped_rollouts=dropped, dropped_rollouts_total=self.dropped, skipped_tasks=self.skipped,
-                 rollout_time_s=float(np.mean([r.seconds for r in results])),
+                 dropped_rollouts=dropped, dropped_rollouts_total=self.queue.dropped_total,
+                 skipped_tasks=self.skipped, rollout_time_s=float(np.mean([r.seconds for r in results])),
                  mixed_version_rollouts=sum(len(v) > 1 for v in versions),
                  version_lag=float(np.mean([self.version - r.version for r in results])),
                  step_seconds=now - self._last_take, **hist, **deltas)
         self._last_take = now
         return groups, m
 
-    def _actor_deltas(self) -> dict:
-        """Actor counters since the previous take, summed over actors (a restarted actor's
-        counters start again from 0)."""
-        keys = ("idle_s", "versions", "read_bytes", "apply_s")
-        d = dict.fromkeys(keys, 0.0)
-        engine_before, engine_after = collections.Counter(), collections.Counter()
-        for actor, now in self.latest.items():
-            before = self._mark.get(actor)
-            if before is None or before["pid"] != now["pid"]:
-                before = dict.fromkeys(keys, 0.0) | {"engine": {}}
-            for k in keys:
-                d[k] += now[k] - before[k]
-            for k, v in now["engine"].items():
-                engine_before[k] += before["engine"].get(k, 0)
-                engine_after[k] += v
-        self._mark = dict(self.latest)
-        per = max(d["versions"], 1)
-        return dict(actor_idle_s=d["idle_s"], sync_versions=d["versions"], sync_read_bytes=d["read_bytes"] / per,
-                    sync_apply_s=d["apply_s"] / per, engine_before=dict(engine_before),
-                    engine_after=dict(engine_after))
-
     def oldest_actor_version(self) -> int:
         with self._cond:
-            return min([s["version"] for s in self.latest.values()] or [self.version])
+            return self.counters.oldest_version(self.version)
 
     def close(self) -> None:
         with self._cond:
