@@ -208,9 +208,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.max_staleness = 4  # tokens sampled more than this many learner versions ago carry no loss
     c.grpo["async"] = False  # True: actors run ahead of the learner (<= max_staleness versions); False: lockstep, reproducible
     # truncated importance weight min(pi_learner/pi_engine, cap) on each token's loss (0 = off). Without
-    # it PPO's min() never bounds ratio x A for a negative advantage, and a stale token whose
-    # probability rose since sampling can pull a whole batch (async toy runs lost the call format
-    # at one such step); 2 is verl's default cap. On-policy tokens have rho ~ 1: unaffected.
+    # it PPO's min() never bounds ratio x A for a negative advantage, so a stale token whose
+    # probability rose since sampling weighs without limit (async mode); 2 is verl's default cap.
+    # On-policy tokens have rho ~ 1: unaffected.
     c.grpo.tis_cap = 2.0
 
     # MTP self-distillation (coder/stages/mtp.py, stage "mtp"): trunk frozen, MTP modules trained.
