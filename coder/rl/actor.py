@@ -103,6 +103,15 @@ def sampling_params(rl_cfg):
     return make
 
 
+def model_fn(config):
+    """`() -> the config's Transformer` (its structure; the actors' weights come from the store)."""
+    from flax import nnx
+
+    from coder.model import Transformer
+
+    return lambda: Transformer(config.model, rngs=nnx.Rngs(0))
+
+
 def engine_mesh(config, devices=None):
     """An engine's mesh: `devices` (default: this process's), with the training mesh's expert /
     tensor / sequence axes and everything else over data (rows). The same logical rules as
@@ -127,7 +136,8 @@ def make_engine(model, config, *, mesh=None):
     slots = int(rl.engine_slots) or max(int(rl.tasks_per_step) * int(rl.group_size), int(rl.eval_samples))
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
                   max_slots=slots, decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
-                  mesh=engine_mesh(config) if mesh is None else mesh, rules=config.mesh.rules)
+                  mesh=engine_mesh(config) if mesh is None else mesh, rules=config.mesh.rules,
+                  follower_timeout_s=float(rl.actor_timeout_s))
 
 
 # --- actor -------------------------------------------------------------------------------------

@@ -123,10 +123,14 @@ class ActorWorker:
         its weights are never used: they come from the store.
       url: the weight store; the actor starts from its newest complete version (waiting up to
         `timeout_s` for the first one).
+      mesh: the engine's devices (default: this process's, `coder.rl.actor.engine_mesh`). A mesh
+        over several processes (coder/rl/actor_group.py) makes this the engine's leader: it is
+        built from the abstract model and every process reads its own devices' slices of each
+        version (`Engine.load_weights`); the other processes follow.
     """
 
     def __init__(self, config, tokenizer, make_episode, model_fn, url: str, index: int = 0,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, mesh=None):
         from flax import nnx
 
         from coder.data import tokenizer as tokenizer_lib
@@ -136,37 +140,41 @@ class ActorWorker:
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
         self.index, self.config = int(index), config
-        reader = weight_sync.WeightReader(url)
         self._cond = threading.Condition()
         self._nudge = threading.Event()
         self._closed = False
-        deadline = time.monotonic() + timeout_s
-        got = reader.poll()
-        while got is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"actor {index}: no complete version in the weight store {url} "
-                                   f"after {timeout_s:.0f} s")
-            time.sleep(0.1)
-            got = reader.poll()
-        version, flat = got
-        if model_fn is None:
-            from coder.model import Transformer
 
-            def model_fn():
-                return Transformer(config.model, rngs=nnx.Rngs(0))
-        self._graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn))
-        self.engine = actor_lib.make_engine(nnx.merge(self._graphdef, self._state(flat)), config)
-        self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, reader=reader)
+        def wait_for(first_version):  # the learner publishes the actors' first version
+            deadline = time.monotonic() + timeout_s
+            while (got := first_version()) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"actor {index}: no complete version in the weight store {url} "
+                                       f"after {timeout_s:.0f} s")
+                time.sleep(0.1)
+            return got
+
+        graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn or actor_lib.model_fn(config)))
+        if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+            # no process holds the whole model: each reads its own devices' slices
+            version = wait_for(lambda: weight_sync.latest_version(url))
+            self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._abstract), config, mesh=mesh)
+            self.engine.load_weights(weight_sync.StoreLoad(url, version), version)
+            self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, start_version=version)
+        else:
+            reader = weight_sync.WeightReader(url)
+            version, flat = wait_for(reader.poll)
+            self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._state(flat)), config, mesh=mesh)
+            self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, reader=reader)
         self.version = version
         self.pool = None
         self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
         # counters (cumulative; the driver diffs them per step)
-        self.versions_applied, self.read_bytes, self.apply_s = 0, 0, 0.0
+        self.versions_applied, self.apply_s = 0, 0.0
         self._active, self._idle_s, self._idle_since = 0, 0.0, time.perf_counter()
         self._poller = threading.Thread(target=self._poll_loop, name=f"actor{index}-weights", daemon=True)
         self._poller.start()
-        logging.info("[actor %d] pid %d: engine on %d device(s), weights version %d", index, os.getpid(),
-                     jax.local_device_count(), version)
+        logging.info("[actor %d] pid %d: engine on %d device(s) of %d process(es), weights version %d", index,
+                     os.getpid(), self.engine.mesh.devices.size, self.engine.processes, version)
 
     def _state(self, flat):
         from coder.train import checkpoint as ckpt_lib
@@ -206,7 +214,6 @@ class ActorWorker:
         with self._cond:
             self.version = version
             self.versions_applied += 1
-            self.read_bytes += int(self.follower.last_read.get("bytes", 0))
             self.apply_s += time.perf_counter() - t0
             self._cond.notify_all()
         return True
@@ -243,8 +250,9 @@ class ActorWorker:
         work or for weights), versions applied, bytes read from the store, seconds applying."""
         with self._cond:
             idle = self._idle_s + (time.perf_counter() - self._idle_since if self._active == 0 else 0.0)
-            return dict(pid=os.getpid(), version=self.version, idle_s=idle, versions=self.versions_applied,
-                        read_bytes=self.read_bytes, apply_s=self.apply_s,
+            return dict(pid=os.getpid(), processes=self.engine.processes, version=self.version, idle_s=idle,
+                        versions=self.versions_applied,
+                        read_bytes=self.follower.bytes_read, apply_s=self.apply_s,
                         engine={k: v for k, v in self.engine.stats().items() if not isinstance(v, float)})
 
     def pid(self) -> int:
@@ -385,14 +393,6 @@ def _placement(local: bool) -> dict:
         if res.get("GPU"):
             return {"num_cpus": 1, "num_gpus": res["GPU"]}
     return {"num_cpus": 1}
-
-
-def start_actors(config, *, tokenizer, make_episode, model_fn, url: str):
-    """The actors of `config` (rl.num_actors: Ray processes, 0 = in the learner's process)."""
-    n, slots = int(config.rl.num_actors), capacity(config)
-    if n == 0:
-        return LocalActors(ActorWorker(config, tokenizer, make_episode, model_fn, url), slots)
-    return RayActors(config, n, tokenizer, make_episode, model_fn, url, slots)
 
 
 # --- the learner's side ------------------------------------------------------------------------

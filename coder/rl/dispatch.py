@@ -138,8 +138,9 @@ class GroupQueue:
 
 class ActorCounters:
     """The actors' cumulative counters (each actor's latest `stats`: idle_s, versions, read_bytes,
-    apply_s, its engine's counters, its pid and weights version) -> their change since the
-    previous `deltas()`, summed over actors. A restarted actor (another pid) counts from 0."""
+    apply_s, its engine's counters, its pid, processes and weights version) -> their change since
+    the previous `deltas()`, summed over actors (and the processes the actors span). A restarted
+    actor (another pid) counts from 0."""
 
     KEYS = ("idle_s", "versions", "read_bytes", "apply_s")
 
@@ -164,7 +165,8 @@ class ActorCounters:
                 engine_after[k] += v
         self._mark = dict(self.latest)
         per = max(d["versions"], 1)
-        return dict(actor_idle_s=d["idle_s"], sync_versions=d["versions"], sync_read_bytes=d["read_bytes"] / per,
+        return dict(actor_processes=sum(int(s.get("processes", 1)) for s in self.latest.values()),
+                    actor_idle_s=d["idle_s"], sync_versions=d["versions"], sync_read_bytes=d["read_bytes"] / per,
                     sync_apply_s=d["apply_s"] / per, engine_before=dict(engine_before),
                     engine_after=dict(engine_after))
 

@@ -802,7 +802,13 @@ class StoreLoad:
         reader = _SHARDED_READERS.get(key)
         if reader is None:
             reader = _SHARDED_READERS[key] = WeightReader(self.url, shardings=shardings)
-        return reader.load(self.version)[1]
+        out = reader.load(self.version)[1]
+        _SHARDED_READS.setdefault(self.url, []).append((int(reader.last_read["version"]),
+                                                         int(reader.last_read["bytes"])))
+        return out
+
+
+_SHARDED_READS: dict = {}  # url -> [(version, bytes of this process's own slices)] its StoreLoads read
 
 
 class EngineFollower:
@@ -820,15 +826,19 @@ class EngineFollower:
         follower.start(poll_seconds)    # or poll in a thread until close()
     """
 
-    def __init__(self, engine, url: str, template, *, verify: bool = True, reader: WeightReader | None = None):
+    def __init__(self, engine, url: str, template, *, verify: bool = True, reader: WeightReader | None = None,
+                 start_version: int | None = None):
         """`reader`: one that already holds the version the engine was built with (its next poll
-        reads only the deltas since)."""
+        reads only the deltas since); `start_version`: the version a multi-process engine was
+        given (load_weights) before the follower took over."""
         import threading
 
         self.engine, self.url, self.template = engine, url, template
         self.reader = reader or WeightReader(url, verify=verify)
-        self.version: int | None = self.reader.version  # the newest version the engine has
+        self.version: int | None = self.reader.version if start_version is None else int(start_version)
+        self._start_version = self.version  # bytes_read counts the versions after it
         self.last_read: dict = {}  # the reader's record of that version (bytes, seconds, ...)
+        self._polled_bytes = 0  # bytes the polls read (one process)
         self._stop = threading.Event()
         self._thread = None
 
@@ -858,8 +868,19 @@ class EngineFollower:
                                                        for k in dtypes})
         self.engine.set_weights(state, version)
         self.version, self.last_read = version, dict(self.reader.last_read)
+        self._polled_bytes += int(self.last_read.get("bytes", 0))
         logging.info("weight version %d from %s (%s)", version, self.url, self.last_read)
         return version
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process read from the store for the versions it followed since it was
+        built: on several processes, its own devices' slices (counted once the engine loaded
+        them, at its next call)."""
+        if getattr(self.engine, "processes", 1) > 1:
+            start = -1 if self._start_version is None else self._start_version
+            return sum(b for v, b in _SHARDED_READS.get(self.url, []) if v > start)
+        return self._polled_bytes
 
     def _loop(self, poll_seconds: float):
         while not self._stop.is_set():

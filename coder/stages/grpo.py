@@ -30,7 +30,8 @@ broken_call_rate, infra_failures, turns, tool_calls, thinking/tool_io/output tok
 generations, tokens_per_rollout, submitted, abs_advantage, rollout_time_s, learner_time_s,
 learner_idle_s, actor_idle_s, rollouts_per_s, dropped_rollouts(_total), mixed_version_rollouts,
 version_lag, sync_bytes / sync_raw_bytes / sync_publish_s (the version this step published),
-sync_read_bytes / sync_apply_s (per version the actors applied), the engine's, plus the
+sync_read_bytes / sync_apply_s (per version the actors applied; an actor over several processes:
+its leader's own slices), actor_processes, the engine's, plus the
 trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 import jax
 from flax import nnx
 
-from coder.rl import actor_learner
+from coder.rl import actor_group, actor_learner
 from coder.rl import reward as reward_lib
 from coder.rl.actor import episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
 from coder.rl.learner import Learner
@@ -64,6 +65,11 @@ def validate(config) -> None:
     if int(rl.num_actors) < 0 or int(rl.anchor_every) < 1:
         raise ValueError(f"rl.num_actors={rl.num_actors} must be >= 0 (0 = one actor in the learner's "
                          f"process) and rl.anchor_every={rl.anchor_every} >= 1")
+    if int(rl.actor_processes) < 1 or (int(rl.actor_processes) > 1 and int(rl.num_actors) < 1):
+        raise ValueError(f"rl.actor_processes={rl.actor_processes} must be >= 1, and > 1 only with Ray actors "
+                         f"(rl.num_actors={rl.num_actors} >= 1): the actor in the learner's process is one process")
+    if float(rl.actor_timeout_s) <= 0:
+        raise ValueError(f"rl.actor_timeout_s={rl.actor_timeout_s} must be > 0")
     g = config.grpo
     if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:
         raise ValueError(f"grpo.max_staleness={g.max_staleness} and grpo.tis_cap={g.tis_cap} must be >= 0 "
@@ -150,7 +156,7 @@ class GrpoRun:
         logging.info("[grpo] weights version %d in %s (%d bytes); %s mode, %s", trainer.step, self.url,
                      start["bytes"], "async" if config.grpo["async"] else "sync",
                      f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else "the actor in this process")
-        self.actors = actor_learner.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
+        self.actors = actor_group.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
                                                  model_fn=model_fn, url=self.url)
         self.driver = actor_learner.Driver(config, self.actors, order, self.epoch,
                                            needed=max(self.steps - trainer.step, 0) * local, local=local,
