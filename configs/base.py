@@ -146,6 +146,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Actors and the weight channel (coder/rl/actor_learner.py): 0 actors = one inside the learner's
     # process (no Ray start-up, no second JAX runtime: tests, quickstart, one small machine).
     c.rl.num_actors = 0  # actor processes (Ray actors, each an engine + env workers); 0 = in the learner's process
+    c.rl.colocated = False  # sync, actor in the learner's process: weights reach its engine on device (no store)
+    c.rl.offload_optimizer = False  # sync: the optimizer state waits in host memory while the actor rolls out
     c.rl.actor_processes = 1  # processes of one Ray actor (>1: one JAX job spanning them, e.g. the hosts of a slice)
     c.rl.actor_timeout_s = 120.0  # a member of a multi-process actor silent this long breaks its group (restarted)
     c.rl.ray_address = ""  # Ray cluster of the actors ("" = a local Ray instance; "HOST:6379" or "ray://HOST:10001")

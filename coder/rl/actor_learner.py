@@ -123,6 +123,9 @@ class ActorWorker:
         its weights are never used: they come from the store.
       url: the weight store; the actor starts from its newest complete version (waiting up to
         `timeout_s` for the first one).
+      model: colocated mode (rl.colocated): the learner's model, which the engine copies on
+        device (its own shardings and dtype); `url` is unused, and the learner gives every
+        version by `push` (no store, no poller).
       mesh: the engine's devices (default: this process's, `coder.rl.actor.engine_mesh`). A mesh
         over several processes (coder/rl/actor_group.py) makes this the engine's leader: it is
         built from the abstract model and every process reads its own devices' slices of each
@@ -130,7 +133,7 @@ class ActorWorker:
     """
 
     def __init__(self, config, tokenizer, make_episode, model_fn, url: str, index: int = 0,
-                 timeout_s: float = 600.0, mesh=None):
+                 timeout_s: float = 600.0, mesh=None, model=None, version: int = 0):
         from flax import nnx
 
         from coder.data import tokenizer as tokenizer_lib
@@ -154,7 +157,11 @@ class ActorWorker:
             return got
 
         graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn or actor_lib.model_fn(config)))
-        if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+        if model is not None:  # colocated: the learner's arrays, resharded on device
+            self.engine = actor_lib.make_engine(model, config, mesh=mesh)
+            self.engine.policy_version = int(version)
+            self.follower = None
+        elif mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
             # no process holds the whole model: each reads its own devices' slices
             version = wait_for(lambda: weight_sync.latest_version(url))
             self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._abstract), config, mesh=mesh)
@@ -165,14 +172,16 @@ class ActorWorker:
             version, flat = wait_for(reader.poll)
             self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._state(flat)), config, mesh=mesh)
             self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, reader=reader)
-        self.version = version
+        self.version = int(version)
         self.pool = None
         self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
         # counters (cumulative; the driver diffs them per step)
         self.versions_applied, self.apply_s = 0, 0.0
         self._active, self._idle_s, self._idle_since = 0, 0.0, time.perf_counter()
-        self._poller = threading.Thread(target=self._poll_loop, name=f"actor{index}-weights", daemon=True)
-        self._poller.start()
+        self._poller = None
+        if self.follower is not None:
+            self._poller = threading.Thread(target=self._poll_loop, name=f"actor{index}-weights", daemon=True)
+            self._poller.start()
         logging.info("[actor %d] pid %d: engine on %d device(s) of %d process(es), weights version %d", index,
                      os.getpid(), self.engine.mesh.devices.size, self.engine.processes, version)
 
@@ -218,6 +227,18 @@ class ActorWorker:
             self._cond.notify_all()
         return True
 
+    def push(self, model, version: int) -> float:
+        """Colocated mode: the learner's `model` as version `version`, copied on device into the
+        engine's shardings and dtype (from its next decode call on). Returns the seconds taken."""
+        t0 = time.perf_counter()
+        self.engine.set_weights(model, version)
+        with self._cond:
+            self.version = int(version)
+            self.versions_applied += 1
+            self.apply_s += time.perf_counter() - t0
+            self._cond.notify_all()
+        return time.perf_counter() - t0
+
     def notify(self, version: int | None = None) -> None:
         """The learner published a version: poll now."""
         del version
@@ -252,7 +273,7 @@ class ActorWorker:
             idle = self._idle_s + (time.perf_counter() - self._idle_since if self._active == 0 else 0.0)
             return dict(pid=os.getpid(), processes=self.engine.processes, version=self.version, idle_s=idle,
                         versions=self.versions_applied,
-                        read_bytes=self.follower.bytes_read, apply_s=self.apply_s,
+                        read_bytes=self.follower.bytes_read if self.follower else 0, apply_s=self.apply_s,
                         engine={k: v for k, v in self.engine.stats().items() if not isinstance(v, float)})
 
     def pid(self) -> int:
@@ -263,7 +284,8 @@ class ActorWorker:
             self._closed = True
             self._cond.notify_all()
         self._nudge.set()
-        self._poller.join(timeout=10)
+        if self._poller is not None:
+            self._poller.join(timeout=10)
         self.actor.close()
         if self.pool is not None:
             self.pool.close()

@@ -15,7 +15,12 @@ One learner step:
 (tokens older than that carry no loss); `grpo.async=False` is the same pieces in lockstep: one
 actor, each step's tasks rolled out with the learner's latest weights. `rl.num_actors` actors are
 Ray processes (a local Ray instance, or the cluster at `rl.ray_address`); 0 runs the one actor
-inside this process. `GrpoRun` connects actors and learner through the trainer's `fit` (it is
+inside this process; each Ray actor may span `rl.actor_processes` processes (one engine over
+their devices: coder/rl/actor_group.py). Colocated (`rl.colocated`, sync, the actor in this
+process): no store; after each step the learner's weights are copied on device into the
+engine's shardings (`ActorWorker.push`), and `rl.offload_optimizer` keeps the optimizer state in
+host memory while the actor rolls out (the engine's KV cache gets that device memory).
+`GrpoRun` connects actors and learner through the trainer's `fit` (it is
 the batch iterator that takes groups from the driver, and its `after_step` hook publishes the
 new weights), which also gives GRPO the shared log / checkpoint cadence and SIGTERM handling;
 the epoch's position (which tasks were used) is the trainer's data state, saved in every
@@ -31,7 +36,8 @@ generations, tokens_per_rollout, submitted, abs_advantage, rollout_time_s, learn
 learner_idle_s, actor_idle_s, rollouts_per_s, dropped_rollouts(_total), mixed_version_rollouts,
 version_lag, sync_bytes / sync_raw_bytes / sync_publish_s (the version this step published),
 sync_read_bytes / sync_apply_s (per version the actors applied; an actor over several processes:
-its leader's own slices), actor_processes, the engine's, plus the
+its leader's own slices), actor_processes, offload_bytes / offload_s (rl.offload_optimizer: the
+optimizer state moved to host memory for the rollout and back), the engine's, plus the
 trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
@@ -47,6 +53,7 @@ from coder.rl import actor_group, actor_learner
 from coder.rl import reward as reward_lib
 from coder.rl.actor import episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
 from coder.rl.learner import Learner
+from coder.train import state as state_lib
 
 
 def validate(config) -> None:
@@ -68,6 +75,12 @@ def validate(config) -> None:
     if int(rl.actor_processes) < 1 or (int(rl.actor_processes) > 1 and int(rl.num_actors) < 1):
         raise ValueError(f"rl.actor_processes={rl.actor_processes} must be >= 1, and > 1 only with Ray actors "
                          f"(rl.num_actors={rl.num_actors} >= 1): the actor in the learner's process is one process")
+    if (rl.colocated or rl.offload_optimizer) and config.grpo["async"]:
+        raise ValueError(f"rl.colocated={rl.colocated} / rl.offload_optimizer={rl.offload_optimizer} need "
+                         "grpo.async=False: the learner and the actor take turns on the same devices")
+    if rl.colocated and int(rl.num_actors) != 0:
+        raise ValueError(f"rl.colocated=True runs the actor in the learner's process: set rl.num_actors=0 "
+                         f"(it is {rl.num_actors})")
     if float(rl.actor_timeout_s) <= 0:
         raise ValueError(f"rl.actor_timeout_s={rl.actor_timeout_s} must be > 0")
     g = config.grpo
@@ -151,13 +164,21 @@ class GrpoRun:
         # this process's share of the epoch: of every B consecutive tasks, the `local` at its offset
         order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b]) if (i % b) // local == pid]
         self.url = actor_learner.store_url(config, stage_dir)
-        self.weights = actor_learner.learner_weights(config, self.url)
-        start = self.weights.publish(trainer.model, trainer.step)  # the actors start from this version
-        logging.info("[grpo] weights version %d in %s (%d bytes); %s mode, %s", trainer.step, self.url,
-                     start["bytes"], "async" if config.grpo["async"] else "sync",
-                     f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else "the actor in this process")
+        self.colocated, self.offload = bool(rl.colocated), bool(rl.offload_optimizer)
+        if self.colocated and processes > 1:
+            raise ValueError("rl.colocated=True on a job of several processes is not built: the in-process "
+                             "actor's engine is on this process's devices, and the learner's state spans "
+                             "processes (use the weight store: rl.colocated=False)")
+        self.weights = None if self.colocated else actor_learner.learner_weights(config, self.url)
+        if self.weights is not None:
+            start = self.weights.publish(trainer.model, trainer.step)  # the actors start from this version
+            logging.info("[grpo] weights version %d in %s (%d bytes)", trainer.step, self.url, start["bytes"])
+        logging.info("[grpo] %s mode, %s", "async" if config.grpo["async"] else "sync",
+                     f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else
+                     "the actor in this process" + (", colocated (weights copied on device)" if self.colocated else ""))
         self.actors = actor_group.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
-                                                 model_fn=model_fn, url=self.url)
+                                               model_fn=model_fn, url=self.url,
+                                               model=trainer.model if self.colocated else None, version=trainer.step)
         self.driver = actor_learner.Driver(config, self.actors, order, self.epoch,
                                            needed=max(self.steps - trainer.step, 0) * local, local=local,
                                            version=trainer.step)
@@ -172,9 +193,21 @@ class GrpoRun:
     def __next__(self) -> dict:
         """The learner's next batch: the next B finished groups, scored (StopIteration when the
         epoch's tasks ran out; fit logs it)."""
-        groups, record = self.driver.take()
+        offload = {}
+        if self.offload:  # the learner waits: its optimizer state waits in host memory
+            t0 = time.perf_counter()
+            self.trainer.opt_state, moved = state_lib.to_memory(self.trainer.opt_state, "pinned_host")
+            offload = dict(offload_bytes=moved, offload_s=time.perf_counter() - t0)
+        try:
+            groups, record = self.driver.take()
+        finally:
+            if self.offload:
+                t0 = time.perf_counter()
+                self.trainer.opt_state, _ = state_lib.to_memory(self.trainer.opt_state, "device")
+                offload["offload_s"] += time.perf_counter() - t0
         if groups is None:
             raise StopIteration
+        record.update(offload)
         t1 = time.perf_counter()
         score_groups(groups, self.config.rl)
         before, after = record.pop("engine_before"), record.pop("engine_after")
@@ -186,10 +219,14 @@ class GrpoRun:
 
     def after_step(self, trainer, metrics) -> dict:
         """Publish the step's weights, then its log record (rollout metrics, sync, timing)."""
-        info = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
-        sync = dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"], sync_publish_s=info["seconds"])
+        if self.colocated:  # on device, into the engine's shardings: nothing crosses the host
+            seconds = self.actors.workers[0].push(trainer.model, trainer.step)
+            sync = dict(sync_bytes=0, sync_raw_bytes=0, sync_publish_s=seconds)
+        else:
+            info = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
+            sync = dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"], sync_publish_s=info["seconds"])
         self.driver.published(trainer.step)
-        if trainer.step % self.anchor_every == 0:  # drop what no actor can still need
+        if self.weights is not None and trainer.step % self.anchor_every == 0:  # drop what no actor still needs
             self.weights.gc(self.driver.oldest_actor_version())
         jax.block_until_ready(metrics)
         record = dict(self.current.rollout, **sync)

@@ -246,3 +246,22 @@ def opt_state_shardings(tx, params, mesh, over: tuple[str, ...] = ()):
     masked = lambda x: isinstance(x, optax.MaskedNode)
     return optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract, param_sh,
                                  transform_non_params=lambda _: replicated, is_leaf=masked)
+
+
+def to_memory(tree, kind: str):
+    """`tree`'s arrays moved to memory kind `kind` ("pinned_host": host RAM, "device": HBM),
+    each keeping its sharding over the devices -> (the moved tree, bytes moved). What stays on
+    the host frees its device memory for something else (an engine's KV cache while a colocated
+    learner waits)."""
+    moved = 0
+
+    def put(x):
+        nonlocal moved
+        if not isinstance(x, jax.Array) or x.sharding.memory_kind == kind:
+            return x
+        moved += x.nbytes
+        return jax.device_put(x, x.sharding.with_memory_kind(kind))
+
+    out = jax.tree.map(put, tree)
+    jax.block_until_ready(out)
+    return out, moved

@@ -1,0 +1,95 @@
+"""Colocated GRPO (rl.colocated): the learner and its in-process actor take turns on the same
+devices; each version reaches the engine on device (no weight store), and with
+rl.offload_optimizer the optimizer state waits in host memory while the actor rolls out.
+
+Sync mode, 2 steps of 2 tasks x 4 rollouts of a random tiny model: the colocated runs give the
+same rollouts and losses as the run through the store; the offloaded run's optimizer state is
+in pinned host memory during every rollout and on the devices for every step.
+"""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from coder.model import Transformer
+from coder.stages import grpo as grpo_stage
+from tests import rl_toy as rl_test
+
+
+def config(tok, **rl):
+    cfg = rl_test.tiny_config(tok, 256)
+    cfg.rl.update({"group_size": 4, "tasks_per_step": 2, "max_turns": 1, **rl})
+    cfg.grpo["async"] = False
+    cfg.train.update(dict(steps=2, warmup_steps=0))
+    return cfg
+
+
+def model_fn_of(cfg, weights):
+    def model_fn():
+        m = Transformer(cfg.model, rngs=nnx.Rngs(1))
+        nnx.update(m, weights)
+        return m
+
+    return model_fn
+
+
+def memory_kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
+
+
+def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
+    tok = rl_test.tokenizer()
+    weights = nnx.state(Transformer(config(tok).model, rngs=nnx.Rngs(5)))
+    tasks = [t for t, _ in rl_test.make_tasks(4, seed=0)]
+    episode = lambda task: rl_test.SubmitEpisode(rl_test.LUCKY)
+    runs, kinds = {}, {}
+    for name, rl in (("store", {}), ("colocated", {"colocated": True}),
+                     ("offload", {"colocated": True, "offload_optimizer": True})):
+        cfg = config(tok, **rl)
+        stage_dir = str(tmp_path / name)
+        run = grpo_stage.GrpoRun(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=episode,
+                                 model_fn=model_fn_of(cfg, weights))
+        take, seen = run.driver.take, []
+
+        def watched_take(take=take, seen=seen, run=run):
+            seen.append(memory_kinds(run.trainer.opt_state))  # while the actor rolls out
+            return take()
+
+        run.driver.take = watched_take
+        run.run()
+        kinds[name] = (seen, memory_kinds(run.trainer.opt_state),
+                       sum(x.nbytes for x in jax.tree.leaves(run.trainer.opt_state)))
+        with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
+            runs[name] = [json.loads(line) for line in f]
+        assert os.path.isdir(os.path.join(stage_dir, "weights")) == (name == "store")
+    store = runs["store"]
+    assert all(r["sync_bytes"] > 0 for r in store)
+    for name in ("colocated", "offload"):
+        m = runs[name]
+        assert [r["step"] for r in m] == [1, 2]
+        assert all(r["sync_bytes"] == 0 and r["sync_versions"] == 1 for r in m[1:])  # pushed on device
+        for a, b in zip(store, m):
+            for key in ("reward", "tokens_per_rollout", "output_tokens", "engine_prefill_tokens"):
+                assert a[key] == b[key], (name, key, a[key], b[key])
+            np.testing.assert_allclose([a["loss"], a["entropy"], a["grad_norm"]],
+                                       [b["loss"], b["entropy"], b["grad_norm"]], rtol=1e-6)
+    seen, after, opt_bytes = kinds["offload"]
+    assert seen and all(k == {"pinned_host"} for k in seen), seen  # every rollout: on the host
+    assert after == {"device"}
+    assert kinds["colocated"][0][0] == {"device"}
+    assert all(r["offload_bytes"] == opt_bytes > 0 and r["offload_s"] >= 0 for r in runs["offload"])
+
+
+@pytest.mark.parametrize("rl,grpo_async,message", [
+    ({"colocated": True, "num_actors": 1}, False, "rl.num_actors=0"),
+    ({"colocated": True}, True, "grpo.async=False"),
+    ({"offload_optimizer": True}, True, "grpo.async=False"),
+])
+def test_colocated_keys_are_checked_at_start_up(rl, grpo_async, message):
+    cfg = config(rl_test.tokenizer(), **rl)
+    cfg.grpo["async"] = grpo_async
+    with pytest.raises(ValueError, match=message):
+        grpo_stage.validate(cfg)
