@@ -62,10 +62,10 @@ def model_fn_of(cfg, weights, pid_dir=None):
     return model_fn
 
 
-def run(tmp_path, name, cfg, tok, make_episode, model_fn, tasks):
+def run(tmp_path, name, cfg, tok, make_episode, model_fn, tasks, held_out=None):
     stage_dir = str(tmp_path / name)
     grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=make_episode,
-                     model_fn=model_fn)
+                     model_fn=model_fn, held_out=held_out)
     with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -80,12 +80,19 @@ def test_two_process_actor_equals_the_learners_own_engine(tmp_path, tok, ray_4_d
     one Ray actor of 2 processes x 4 devices. Same tokens (rewards, prompt and decode counts)
     and the same losses."""
     weights = nnx.state(Transformer(config(tok).model, rngs=nnx.Rngs(5)))
-    tasks = [t for t, _ in rl_test.make_tasks(4, seed=0)]
+    tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
     episode = lambda task: rl_test.SubmitEpisode(rl_test.LUCKY)
-    runs = {}
+    runs, evals = {}, {}
     for name, rl in (("local", dict(num_actors=0)), ("group", dict(num_actors=1, actor_processes=2))):
         cfg = config(tok, **rl)
-        runs[name] = run(tmp_path, name, cfg, tok, episode, model_fn_of(cfg, weights), tasks)
+        cfg.rl.eval_samples = 4
+        runs[name] = run(tmp_path, name, cfg, tok, episode, model_fn_of(cfg, weights), tasks[:4], tasks[4:])
+        with open(tmp_path / name / "agent_eval" / "step_00000002.json") as f:
+            evals[name] = json.load(f)
+    # the final agent eval: on the in-process actor's engine (local), on an engine of the learner's
+    # own that follows the store (group): the same version, the same results
+    assert "pass@1" in evals["local"]["summary"]
+    assert evals["local"]["summary"] == evals["group"]["summary"], evals
     local, group = runs["local"], runs["group"]
     assert [r["step"] for r in group] == [1, 2]
     assert [r["actor_processes"] for r in local] == [1, 1] and [r["actor_processes"] for r in group] == [2, 2]

@@ -237,18 +237,25 @@ class GrpoRun:
 
     # --- eval and the run ----------------------------------------------------------------------
     def evaluate(self) -> dict:
-        """The held-out agent eval (coder.rl.eval) of the learner's current weights, on the
-        in-process actor's engine or, with Ray actors, an engine of the learner's own."""
+        """The held-out agent eval (coder.rl.eval) of the learner's current weights (the store's
+        newest version, or the colocated push), on the in-process actor's engine or, with Ray
+        actors, an engine of the learner's own that follows the store."""
         from coder.rl import eval as eval_lib
+
+        from coder.rl import weight_sync
 
         trainer = self.trainer
         if isinstance(self.actors, actor_learner.LocalActors):
-            engine = self.actors.workers[0].engine
-        else:
+            worker = self.actors.workers[0]
+            if not self.colocated:  # colocated: after_step pushed this version already
+                worker.sync()  # the store's newest version (this step's), now
+            engine = worker.engine
+        else:  # an engine of the learner's own, following the store like the actors
             if self._eval_engine is None:
                 self._eval_engine = make_engine(trainer.model, self.config)
+                self._eval_follower = weight_sync.EngineFollower(self._eval_engine, self.url, nnx.state(trainer.model))
+            self._eval_follower.poll()
             engine = self._eval_engine
-        engine.set_weights(nnx.state(trainer.model), version=trainer.step)
         return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
                                        step=trainer.step, tasks=self.held_out, make_episode=self.make_episode,
                                        engine=engine)
