@@ -22,11 +22,13 @@ A resumed stage continuing the single epoch where it stopped is tests/test_grpo_
 The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
 """
 import dataclasses
+import functools
 import inspect
 import json
 import os
 import random
 
+import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -168,18 +170,25 @@ def train_steps(model, opt, batch, steps: int, **model_kw) -> float:
     """`steps` next-token-loss updates of `model` with `opt` on `batch()` each (the tests' small
     fits of a call format); `model_kw` goes to the model's call. Returns the last loss."""
 
-    @nnx.jit
-    def step(model, opt, b):
+    graphdef, state = nnx.split((model, opt))
+
+    # XLA's usual optimisation for this one program: the suite compiles at -O0 (tests/conftest.py)
+    # to save compile time, which doubles the time of each of these hundreds of steps
+    @functools.partial(jax.jit, donate_argnums=0, compiler_options={"xla_backend_optimization_level": 2})
+    def step(state, b):
+        model, opt = nnx.merge(graphdef, state)
+
         def loss_fn(m):
             logits, _ = m(b["tokens"], b["positions"], b["segment_ids"], **model_kw)
             return losses.next_token_loss(logits, b)[0]
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         opt.update(model, grads)
-        return loss
+        return nnx.state((model, opt)), loss
 
     for _ in range(steps):
-        loss = step(model, opt, batch())
+        state, loss = step(state, batch())
+    nnx.update((model, opt), state)
     return float(loss)
 
 
