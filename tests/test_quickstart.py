@@ -18,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_quickstart_chain_runs_end_to_end(tmp_path):
     workdir = tmp_path / "qs"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    # one CPU device, as a user's run; XLA:CPU at -O0 as the rest of the suite (tests/conftest.py):
+    # a few steps per stage, so compiling dominates
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     cmd = [
         sys.executable, "main.py", "--config=configs/quickstart.py",
         f"--config.workdir={workdir}",
