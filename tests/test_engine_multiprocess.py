@@ -165,7 +165,7 @@ def worker(process_id: int, num_processes: int, port: int, workdir: str, mode: s
 
 def _spawn(process_id, num_processes, devices, port, workdir, mode="run"):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
     return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), workdir, mode],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

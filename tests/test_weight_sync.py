@@ -438,7 +438,7 @@ def test_two_processes_write_and_read_their_own_share(tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
     url = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), url], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
