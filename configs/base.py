@@ -197,6 +197,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
     c.env.reward_mode = "fraction"  # "fraction" of hidden tests passed | "all" (all-or-nothing)
     c.env.test_timeout_s = 300.0  # wall time of the scoring test run
+    # where the env workers (rl.env_workers) run: "local" = processes of the actor's host; "ray" =
+    # Ray actors (coder/env/ray_pool.py) on the cluster at rl.ray_address, e.g. its CPU nodes
+    c.env.workers_backend = "local"
+    c.env.ray_num_cpus_per_worker = 1.0  # "ray": CPUs Ray reserves for each env worker actor
+    c.env.ray_resource = ""  # "ray": custom Ray resource the workers' nodes declare ("" = any node)
 
     # GRPO learner (coder/rl/grpo.py, coder/stages/grpo.py).
     c.grpo = ml_collections.ConfigDict()

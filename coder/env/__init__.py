@@ -3,7 +3,7 @@
 Plain Python (no JAX). Modules: sandbox (bubblewrap workspaces), protocol (tool-call text),
 tools, search (BM25), episode (one rollout), reward (hardened scoring), tasks (Task JSONL, toy
 tasks), mutate (stdlib bug-fix generator), transcripts (SFT data), pool (parallel workers),
-check / make_tasks (CLIs).
+ray_pool (the same workers as Ray actors), check / make_tasks (CLIs).
 """
 
 from coder.env.episode import Episode

@@ -29,6 +29,12 @@ Each episode lives in one worker (the least loaded when it starts). Workers are 
 `spawn`: the parent may be a JAX process, and forking a process that runs threads is unsafe. In
 the batch commands a worker that dies turns its episodes' results into `infra_error` infos (the
 RL loop masks them), never into zero rewards.
+
+Where the workers run is the backend, `env.workers_backend` (checked by `check_config`; RL
+builds either with `coder.rl.actor.EpisodeFactory.pool`): "local", processes of this host (this
+module); "ray", Ray actors on the cluster's CPU nodes (coder/env/ray_pool.py, this pool over
+another worker transport). Both run `run_command`, the worker's side of every command, so an
+episode behaves the same in either.
 """
 
 from __future__ import annotations
@@ -41,6 +47,76 @@ import uuid
 from coder.env.episode import Episode, select_tools
 from coder.env.sandbox import InfraError
 
+BACKENDS = ("local", "ray")  # env.workers_backend
+
+
+def check_config(env_cfg) -> None:
+    """Stops at start-up on env worker keys that cannot work, naming them."""
+    if env_cfg.workers_backend not in BACKENDS:
+        raise ValueError(
+            f"env.workers_backend={env_cfg.workers_backend!r}: choose one of {BACKENDS} ('local': "
+            "processes of this host; 'ray': Ray actors on the cluster's CPU nodes)"
+        )
+    if float(env_cfg.ray_num_cpus_per_worker) <= 0:
+        raise ValueError(
+            f"env.ray_num_cpus_per_worker={env_cfg.ray_num_cpus_per_worker} must be > 0 (the "
+            "CPUs Ray reserves for each env worker actor)"
+        )
+
+
+def run_command(episodes: dict, episode_kwargs: dict, cmd: str, batch: list) -> list:
+    """The worker's side of one pool command over a batch of items, in order.
+
+    `episodes` (key -> Episode) is the worker's state, updated in place; each item's result, or
+    a `Failure` in its slot (one broken episode does not fail the others of the batch). Run by
+    the local worker processes here and by the Ray actors of coder/env/ray_pool.py.
+    """
+    out = []
+    for item in batch:
+        try:
+            if cmd in ("reset", "open"):
+                key, task, snap = item
+                if key in episodes:
+                    episodes.pop(key).close()
+                ep = Episode(**episode_kwargs)
+                episodes[key] = ep
+                out.append(ep.reset(task, snap))
+            elif cmd == "step":
+                key, text = item
+                ep = episodes[key]
+                obs, done, info = ep.step(text)
+                if done:
+                    episodes.pop(key).close()
+                    info["messages"] = ep.messages
+                out.append((obs, done, info))
+            elif cmd == "call":
+                key, call = item
+                ep = episodes[key]
+                out.append((ep.call(call), ep.done))
+            elif cmd == "lint":
+                out.append(episodes[item].lint_count())
+            elif cmd == "score":
+                out.append(episodes[item].score())
+            elif cmd == "map":
+                fn, x = item
+                out.append(fn(x))
+            elif cmd in ("drop", "close"):
+                if item in episodes:
+                    episodes.pop(item).close()
+                out.append(None)
+            else:
+                raise ValueError(f"unknown pool command {cmd!r}")
+        except Exception as e:  # noqa: BLE001 - reported in the item's slot, the worker lives on
+            out.append(Failure(traceback.format_exc(limit=8), f"{type(e).__name__}: {e}"))
+    return out
+
+
+def close_episodes(episodes: dict) -> None:
+    """Closes a worker's episodes (their sandboxes) when it stops."""
+    for ep in episodes.values():
+        ep.close()
+    episodes.clear()
+
 
 def _worker(conn, episode_kwargs: dict) -> None:
     episodes: dict = {}
@@ -52,59 +128,37 @@ def _worker(conn, episode_kwargs: dict) -> None:
         cmd, batch = msg
         if cmd == "stop":
             break
-        out = []
-        for item in batch:
-            try:
-                if cmd in ("reset", "open"):
-                    key, task, snap = item
-                    if key in episodes:
-                        episodes.pop(key).close()
-                    ep = Episode(**episode_kwargs)
-                    episodes[key] = ep
-                    out.append(ep.reset(task, snap))
-                elif cmd == "step":
-                    key, text = item
-                    ep = episodes[key]
-                    obs, done, info = ep.step(text)
-                    if done:
-                        episodes.pop(key).close()
-                        info["messages"] = ep.messages
-                    out.append((obs, done, info))
-                elif cmd == "call":
-                    key, call = item
-                    ep = episodes[key]
-                    out.append((ep.call(call), ep.done))
-                elif cmd == "lint":
-                    out.append(episodes[item].lint_count())
-                elif cmd == "score":
-                    out.append(episodes[item].score())
-                elif cmd == "map":
-                    fn, x = item
-                    out.append(fn(x))
-                elif cmd in ("drop", "close"):
-                    if item in episodes:
-                        episodes.pop(item).close()
-                    out.append(None)
-            except Exception as e:
-                out.append(_Failure(traceback.format_exc(limit=8), f"{type(e).__name__}: {e}"))
-        conn.send(out)
-    for ep in episodes.values():
-        ep.close()
+        conn.send(run_command(episodes, episode_kwargs, cmd, batch))
+    close_episodes(episodes)
     conn.close()
 
 
-class _Failure:
+class Failure:
+    """An item's command failed in its worker: its slot in the batch's results."""
+
     def __init__(self, tb: str, message: str = ""):
         self.tb, self.message = tb, message or tb
 
 
-class _Worker:
-    """One worker process, its pipe, and the lock that serializes its commands."""
+class WorkerLost(Exception):
+    """A worker is gone (its process exited, its Ray actor died): the command's result is lost."""
 
-    def __init__(self, ctx, episode_kwargs: dict):
+
+class _Worker:
+    """One local worker process and its pipe: a worker as the pool drives it.
+
+    The pool's side of a worker (the Ray backend's `coder.env.ray_pool._RayWorker` has the same):
+    `name` (in errors), `lock` (serializes its commands), `epoch` (incremented at each (re)start:
+    episodes of an older epoch are lost), `dead`; `start()`, `kill()`, `alive()`, `send(cmd,
+    batch)` and `recv(timeout_s)` (raise `WorkerLost`; `recv` raises TimeoutError when no result
+    came in `timeout_s`, None = wait), `stop()` then `join()` at close.
+    """
+
+    def __init__(self, ctx, episode_kwargs: dict, index: int):
         self.ctx, self.episode_kwargs = ctx, episode_kwargs
+        self.name = f"env worker {index}"
         self.lock = threading.Lock()
-        self.epoch = 0  # incremented at each (re)start: episodes of an older epoch are lost
+        self.epoch = 0
         self.conn = self.proc = None
         self.start()
 
@@ -129,10 +183,37 @@ class _Worker:
         except OSError:
             pass
 
-    def restart_if_dead(self) -> None:
-        if self.dead or not self.proc.is_alive():
-            self.kill()
-            self.start()
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def send(self, cmd: str, batch: list) -> None:
+        try:
+            self.conn.send((cmd, batch))
+        except (OSError, ValueError) as e:
+            raise WorkerLost(f"{type(e).__name__}: {e}") from e
+
+    def recv(self, timeout_s: float | None) -> list:
+        try:
+            ready = timeout_s is None or self.conn.poll(timeout_s)
+            out = self.conn.recv() if ready else None
+        except (EOFError, OSError, ValueError) as e:
+            raise WorkerLost(f"{type(e).__name__}: {e}") from e
+        if not ready:
+            raise TimeoutError(f"{self.name}: no result in {timeout_s} s")
+        return out
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop", None))
+        except (OSError, ValueError):
+            pass
+
+    def join(self) -> None:
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
 
 
 class EpisodePool:
@@ -144,14 +225,24 @@ class EpisodePool:
         self.tools = select_tools(episode_kwargs.get("tools", ()))  # unknown names fail here
         self.episode_kwargs = episode_kwargs
         self.timeout_s = timeout_s
-        ctx = mp.get_context("spawn")
         self.n = n_workers
-        self._workers = [_Worker(ctx, episode_kwargs) for _ in range(n_workers)]
+        self._workers = [self._new_worker(i) for i in range(n_workers)]
         self._mu = threading.Lock()  # guards the bookkeeping below
         self._owner: dict = {}  # episode key -> worker index
         self._epoch: dict = {}  # episode key -> its worker's epoch when it started
         self._done: dict = {}  # episode key -> the episode reported itself done (per-call path)
         self._rr = 0
+
+    def _new_worker(self, index: int):
+        """Worker `index`, started (the backend: a local process here)."""
+        return _Worker(mp.get_context("spawn"), self.episode_kwargs, index)
+
+    def _restart_if_dead(self, worker) -> None:
+        """Under `worker.lock`: a worker found dead, or gone since its last command, is
+        replaced by a fresh one (a new epoch: its episodes stay lost)."""
+        if worker.dead or not worker.alive():
+            worker.kill()
+            worker.start()
 
     # --- batch commands -------------------------------------------------------------------
     def _run(self, cmd: str, per_worker: dict[int, list]) -> dict[int, list]:
@@ -160,18 +251,18 @@ class EpisodePool:
             self._workers[w].lock.acquire()
         try:
             sent, out = [], {}
-            for w in ws:
+            for w in ws:  # all sent first: the workers run their shares at once
                 try:
-                    self._workers[w].conn.send((cmd, per_worker[w]))
+                    self._workers[w].send(cmd, per_worker[w])
                     sent.append(w)
-                except (OSError, ValueError):
-                    out[w] = [_Failure(f"worker {w} died")] * len(per_worker[w])
+                except WorkerLost as e:
+                    out[w] = [Failure(f"{self._workers[w].name} died: {e}")] * len(per_worker[w])
                     self._workers[w].dead = True
             for w in sent:
                 try:
-                    out[w] = self._workers[w].conn.recv()
-                except (EOFError, OSError):
-                    out[w] = [_Failure(f"worker {w} died")] * len(per_worker[w])
+                    out[w] = self._workers[w].recv(None)
+                except WorkerLost as e:
+                    out[w] = [Failure(f"{self._workers[w].name} died: {e}")] * len(per_worker[w])
                     self._workers[w].dead = True
             return out
         finally:
@@ -211,13 +302,13 @@ class EpisodePool:
             self._rr = (self._rr + 1) % self.n
         for w in set(workers):
             with self._workers[w].lock:
-                self._workers[w].restart_if_dead()
+                self._restart_if_dead(self._workers[w])
         with self._mu:
             for (key, _, _), w in zip(items, workers):
                 self._epoch[key] = self._workers[w].epoch
         outs = self._scatter("reset", list(items), workers)
         for o in outs:
-            if isinstance(o, _Failure):
+            if isinstance(o, Failure):
                 raise RuntimeError(f"episode reset failed in a worker:\n{o.tb}")
         return outs
 
@@ -228,7 +319,7 @@ class EpisodePool:
         outs = self._scatter("step", list(items), workers)
         result = []
         for (key, _), o in zip(items, outs, strict=True):
-            if isinstance(o, _Failure):
+            if isinstance(o, Failure):
                 o = (
                     "",
                     True,
@@ -257,7 +348,7 @@ class EpisodePool:
             "map", [(fn, x) for x in items], [i % self.n for i in range(len(items))]
         )
         for o in outs:
-            if isinstance(o, _Failure):
+            if isinstance(o, Failure):
                 raise RuntimeError(f"pool map failed in a worker:\n{o.tb}")
         return outs
 
@@ -271,20 +362,21 @@ class EpisodePool:
         """One command to worker `w`, under its lock; `epoch`: the episode's (None: any)."""
         worker = self._workers[w]
         with worker.lock:
+            name = worker.name
             if epoch is not None and (worker.dead or worker.epoch != epoch):
-                raise InfraError(f"env worker {w} died: {what} is lost")
+                raise InfraError(f"{name} died: {what} is lost")
             try:
-                worker.conn.send((cmd, [item]))
-                if self.timeout_s is not None and not worker.conn.poll(self.timeout_s):
-                    worker.kill()
-                    raise InfraError(f"env worker {w}: {what} took more than {self.timeout_s} s "
-                                     "(worker killed)")
-                (out,) = worker.conn.recv()
-            except (EOFError, OSError, ValueError) as e:
+                worker.send(cmd, [item])
+                (out,) = worker.recv(self.timeout_s)
+            except WorkerLost as e:
                 worker.kill()
-                raise InfraError(f"env worker {w} died during {what}: {type(e).__name__}: {e}") from e
-        if isinstance(out, _Failure):
-            raise InfraError(f"{what} failed in env worker {w}: {out.message}")
+                raise InfraError(f"{name} died during {what}: {e}") from e
+            except TimeoutError:
+                worker.kill()
+                raise InfraError(f"{name}: {what} took more than {self.timeout_s} s "
+                                 "(worker killed)") from None
+        if isinstance(out, Failure):
+            raise InfraError(f"{what} failed in {name}: {out.message}")
         return out
 
     def _route(self, key) -> tuple[int, int]:
@@ -305,7 +397,7 @@ class EpisodePool:
             self._epoch[key] = -1  # not started yet
         try:
             with self._workers[w].lock:
-                self._workers[w].restart_if_dead()
+                self._restart_if_dead(self._workers[w])
                 epoch = self._workers[w].epoch
             with self._mu:
                 self._epoch[key] = epoch
@@ -351,17 +443,11 @@ class EpisodePool:
 
     # --- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
+        """Stops the workers (each closes its episodes' sandboxes); a second call does nothing."""
         for wk in self._workers:
-            try:
-                wk.conn.send(("stop", None))
-            except (OSError, ValueError):
-                pass
+            wk.stop()
         for wk in self._workers:
-            wk.proc.join(timeout=30)
-            if wk.proc.is_alive():
-                wk.proc.kill()
-                wk.proc.join()
-            wk.conn.close()
+            wk.join()
         self._workers = []
 
     def __enter__(self) -> "EpisodePool":

@@ -6,8 +6,9 @@ produces groups of rollouts with it; scoring of finished groups (rewards and adv
   `coder.rl.agent.AgentRun` (`agent.drive`). A task's prompt is prefilled once for its G rows
   (`engine.start_group(prompt, G)`); each thread decodes its own row
   (`engine.generate(group, params, key, rows=[i])`, which a thread-safe engine batches with the
-  other threads' rows) and runs its tool calls in an env worker process (coder.env.pool,
-  `rl.env_workers`) while the other rows keep decoding.
+  other threads' rows) and runs its tool calls in an env worker (`rl.env_workers` of them:
+  processes of this host, coder.env.pool, or Ray actors on CPU nodes, coder.env.ray_pool, as
+  `env.workers_backend` says) while the other rows keep decoding.
 - `rl.concurrent=False`: task after task with `Agent.run_group` (a group's rows decode together,
   tool calls run one after another on this thread, in local sandboxes).
 The sampling key of task i is `fold_in(rng, i)` in both modes, and a row's tokens do not depend
@@ -63,16 +64,36 @@ def eval_tasks(config) -> list:
 class EpisodeFactory:
     """`task -> Episode` (started, in a local sandbox): `Episode.from_config(config.env, ...)`
     with the tools of `rl.tools`, the preamble `rl.system_prompt` and the tool timeout
-    `rl.tool_timeout_s`. `kwargs` are the same episode's constructor arguments for env workers
-    (coder.env.pool.EpisodePool), where the concurrent actor runs it."""
+    `rl.tool_timeout_s`. `kwargs` are the same episode's constructor arguments for env workers,
+    where the concurrent actor runs it: `pool(n)` starts them on the backend of
+    `env.workers_backend`."""
 
     def __init__(self, config):
-        rl = config.rl
+        from coder.env import pool as pool_lib
+
+        rl, env = config.rl, config.env
+        pool_lib.check_config(env)
         # The agent counts the ids it trains on itself; the count is only used by the episode's
         # text interface, which RL does not call.
         self.kwargs = Episode.config_kwargs(
-            config.env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
+            env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
             tool_timeout_s=float(rl.tool_timeout_s))
+        self.backend = str(env.workers_backend)
+        self.ray = {"num_cpus": float(env.ray_num_cpus_per_worker), "resource": str(env.ray_resource),
+                    "address": str(rl.ray_address)}
+
+    def pool(self, n_workers: int):
+        """`n_workers` env workers running this factory's episodes (an `EpisodePool`): processes
+        of this host (`env.workers_backend="local"`) or Ray actors (`"ray"`: coder/env/ray_pool.py,
+        on the nodes `env.ray_resource` selects, `env.ray_num_cpus_per_worker` CPUs each). Every
+        caller that runs a config's episodes in workers builds them here."""
+        if self.backend == "ray":
+            from coder.env.ray_pool import RayEpisodePool
+
+            return RayEpisodePool(n_workers, timeout_s=self.harness_timeout_s, **self.ray, **self.kwargs)
+        from coder.env.pool import EpisodePool
+
+        return EpisodePool(n_workers, timeout_s=self.harness_timeout_s, **self.kwargs)
 
     @property
     def harness_timeout_s(self) -> float:
@@ -222,13 +243,13 @@ class Actor:
 
     def _episode_maker(self, n_rollouts: int):
         """`task -> episode` for the concurrent mode: pooled when the factory allows it."""
-        from coder.env.pool import EpisodePool, PooledEpisode
+        from coder.env.pool import PooledEpisode
 
         if not isinstance(self.make_episode, EpisodeFactory):
             return self.make_episode
         if self.pool is None:
             n = int(self.config.rl.env_workers) or min(n_rollouts, 16)
-            self.pool = EpisodePool(n, timeout_s=self.make_episode.harness_timeout_s, **self.make_episode.kwargs)
+            self.pool = self.make_episode.pool(n)
             self._finalizer = weakref.finalize(self, self.pool.close)
         return lambda task: PooledEpisode(self.pool, task)
 

@@ -28,6 +28,7 @@ store.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -145,8 +146,12 @@ class RayActorGroups:
             if address:
                 ray.init(address=address)
             else:
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, n * processes + 1),
-                         include_dashboard=False)
+                from coder.rl.actor_learner import env_workers
+
+                cpus = n * processes + 1
+                if config.env.workers_backend == "ray":  # the leaders' env workers: Ray actors here too
+                    cpus += math.ceil(n * env_workers(config) * float(config.env.ray_num_cpus_per_worker))
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
         self.local = not address
         self.processes, self.slots, self.url = int(processes), int(slots), url
         self._args = [ray.put(a) for a in (config, tokenizer_lib.to_record(tokenizer), make_episode, model_fn)]

@@ -48,6 +48,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -104,6 +105,13 @@ def capacity(config) -> int:
     return max(1, slots // g)
 
 
+def env_workers(config) -> int:
+    """Env workers of one actor: rl.env_workers, 0 = one per rollout of `capacity` groups, at
+    most 16."""
+    rl = config.rl
+    return int(rl.env_workers) or min(16, capacity(config) * int(rl.group_size))
+
+
 def store_url(config, stage_dir: str) -> str:
     return config.rl.weight_store or os.path.join(stage_dir, "weights")
 
@@ -116,9 +124,10 @@ class ActorWorker:
     Args:
       config: the run config (rl, model, mesh, env, seed).
       tokenizer: a coder.data.tokenizer tokenizer, or its `to_record` (through Ray).
-      make_episode: `task -> episode`; an `EpisodeFactory` runs its episodes in env worker
-        processes of this actor (rl.env_workers, 0 = one per rollout of `capacity` groups, at
-        most 16), any other callable (in-process test episodes) in the rollout's thread.
+      make_episode: `task -> episode`; an `EpisodeFactory` runs its episodes in env workers of
+        this actor (rl.env_workers, 0 = one per rollout of `capacity` groups, at most 16; local
+        processes or Ray actors, env.workers_backend), any other callable (in-process test
+        episodes) in the rollout's thread.
       model_fn: `() -> nnx.Module` giving the model's structure (default Transformer(config.model));
         its weights are never used: they come from the store.
       url: the weight store; the actor starts from its newest complete version (waiting up to
@@ -192,14 +201,13 @@ class ActorWorker:
 
     def _episodes(self, make_episode):
         """`task -> episode` for the rollout threads: pooled env workers for an EpisodeFactory."""
-        from coder.env.pool import EpisodePool, PooledEpisode
+        from coder.env.pool import PooledEpisode
         from coder.rl.actor import EpisodeFactory
 
         rl = self.config.rl
         if not (isinstance(make_episode, EpisodeFactory) and rl.concurrent):
             return make_episode
-        n = int(rl.env_workers) or min(16, capacity(self.config) * int(rl.group_size))
-        self.pool = EpisodePool(n, timeout_s=make_episode.harness_timeout_s, **make_episode.kwargs)
+        self.pool = make_episode.pool(env_workers(self.config))  # local processes or Ray actors
         return functools.partial(PooledEpisode, self.pool)
 
     # --- weights ---------------------------------------------------------------------------
@@ -340,7 +348,10 @@ class RayActors:
             if address:
                 ray.init(address=address)
             else:  # a new local instance, even when RAY_ADDRESS names another cluster
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, n + 1), include_dashboard=False)
+                cpus = n + 1
+                if config.env.workers_backend == "ray":  # the actors' env workers: Ray actors here too
+                    cpus += math.ceil(n * env_workers(config) * float(config.env.ray_num_cpus_per_worker))
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
         options = dict(max_restarts=MAX_RESTARTS, max_task_retries=0, max_concurrency=slots + 4,
                        **_placement(local=not address))
         remote = ray.remote(ActorWorker).options(**options)

@@ -49,6 +49,7 @@ import time
 import jax
 from flax import nnx
 
+from coder.env import pool as env_pool
 from coder.rl import actor_group, actor_learner
 from coder.rl import reward as reward_lib
 from coder.rl.actor import episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
@@ -90,6 +91,7 @@ def validate(config) -> None:
     if not config.grpo["async"] and int(rl.num_actors) > 1:
         raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
                          f"{rl.num_actors}), or grpo.async=True")
+    env_pool.check_config(config.env)  # where the env workers run
 
 
 def engine_metrics(before: dict, after: dict, seconds: float) -> dict:
