@@ -182,7 +182,7 @@ def test_config_file_cannot_add_a_key(tmp_path):
     with pytest.raises(Exception, match=r"lrr.*(locked|Did you mean)") as e:
         _parse_file(str(path))
     assert 'Did you mean "lr"' in str(e.value)
-    for name in ("base", "quickstart", "deepseek_v3_671b", "kimi_k2_1t"):
+    for name in ("base", "quickstart", "deepseek_v3_671b", "kimi_k2_1t", "composer_k2"):
         c = __import__(f"configs.{name}", fromlist=["get_config"]).get_config()
         assert c.is_locked and c.model.is_locked and c.rl.length_penalty.weights.is_locked, name
         with pytest.raises(AttributeError, match="nsa_windw"):
@@ -210,3 +210,16 @@ def test_named_configs_and_overrides_still_set_existing_keys(tmp_path):
     c.rl.aux_rewards.some_new_reward = 0.1
     with pytest.raises(ValueError, match="some_new_reward"):
         __import__("coder.stages.grpo", fromlist=["validate"]).validate(c)
+
+
+def test_composer_k2_recipe_passes_the_grpo_stages_checks():
+    """The recipe's RL keys are consistent (context within the model's window, summaries within
+    the context, async with Ray actor groups and Ray env workers) before anything is built."""
+    from coder import stages
+    from coder.stages import grpo
+    from configs import composer_k2
+
+    c = stages.stage_config("grpo", composer_k2.get_config())
+    grpo.validate(c)
+    assert c.rl.context_budget == c.model.max_position_embeddings == 262144
+    assert c.rl.actor_processes > 1 and c.env.workers_backend == "ray" and c.grpo["async"]
