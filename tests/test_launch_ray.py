@@ -17,7 +17,7 @@ GKE_ENV = dict(CONFIG="configs/kimi_k2_1t.py", WORKDIR="gs://bucket/runs/k2", JO
                CHIPS_PER_VM="4", ACTOR_HOSTS="32", ACTOR_ACCELERATOR="tpu-v6e-slice", ACTOR_TOPOLOGY="2x4",
                ACTOR_CHIPS="8", ACTOR_CPUS="180", ACTOR_MEMORY="700Gi", NUM_ACTORS="2")
 SLURM_ENV = dict(CONFIG="configs/deepseek_v3_671b.py", WORKDIR="/shared/runs/ds", NODES="gpu1 gpu2 gpu3 gpu4")
-ALL = set(GKE_ENV) | set(SLURM_ENV) | {"DRY_RUN", "REPO_DIR", "VENV", "RAY_CLUSTER", "LEARNER_NODES", "SLURM_JOB_NODELIST"}
+ALL = set(GKE_ENV) | set(SLURM_ENV) | {"ACTOR_PROCESSES", "ENV_NODES", "ENV_CPUS", "ENV_MEMORY", "DRY_RUN", "REPO_DIR", "VENV", "RAY_CLUSTER", "LEARNER_NODES", "SLURM_JOB_NODELIST"}
 
 
 def sh(script, *args, env):
@@ -41,8 +41,38 @@ def test_gke_dry_run_renders_the_actors_raycluster_and_a_learner_connected_to_it
     main = next(line for line in jobset.splitlines() if "python main.py" in line)
     assert shlex.split(main) == [
         "python", "main.py", "--config=configs/kimi_k2_1t.py", "--config.workdir=gs://bucket/runs/k2",
-        "--config.grpo['async']=True", "--config.rl.num_actors=2",
+        "--config.grpo['async']=True", "--config.rl.num_actors=2", "--config.rl.actor_processes=1",
         "--config.rl.ray_address=ray://k2-actors-head-svc:10001", "--config.train.steps=3"]
+
+
+def test_gke_actor_slices_of_several_hosts_and_env_nodes():
+    """Actors of 16 hosts each (v5p-128 slices: rl.actor_processes) and CPU env nodes that take the
+    env workers (env.workers_backend=ray on the `env_node` resource): the manifest parses, its
+    groups say so, and the learner gets the keys."""
+    import yaml
+
+    env = {**GKE_ENV, "CONFIG": "configs/composer_k2.py", "ACTOR_HOSTS": "64", "ACTOR_PROCESSES": "16",
+           "ACTOR_ACCELERATOR": "tpu-v5p-slice", "ACTOR_TOPOLOGY": "4x4x8", "ACTOR_CHIPS": "4", "NUM_ACTORS": "4",
+           "ENV_NODES": "8", "ENV_CPUS": "220", "ENV_MEMORY": "800Gi"}
+    r = sh(RAY_GKE, "--dry-run", "gke", env=env)
+    assert r.returncode == 0, r.stderr
+    ray, jobset = r.stdout.split("+ kubectl apply -f - <<'YAML'")[1:]
+    cluster = yaml.safe_load(ray.split("\nYAML")[0])
+    actors, env_group = cluster["spec"]["workerGroupSpecs"]
+    assert (actors["groupName"], actors["replicas"], actors["numOfHosts"]) == ("actors", 4, 16)
+    assert env_group["groupName"] == "env" and env_group["replicas"] == 8
+    assert env_group["rayStartParams"]["resources"] == '"{\\"env_node\\": 1000}"'
+    assert "google.com/tpu" not in str(env_group)
+    main = shlex.split(next(line for line in jobset.splitlines() if "python main.py" in line))
+    assert main[4:] == ["--config.grpo['async']=True", "--config.rl.num_actors=4", "--config.rl.actor_processes=16",
+                        "--config.rl.ray_address=ray://k2-actors-head-svc:10001",
+                        "--config.env.workers_backend=ray", "--config.env.ray_resource=env_node"]
+
+
+def test_gke_refuses_hosts_that_do_not_split_into_actor_slices():
+    r = sh(RAY_GKE, "--dry-run", "gke", env={**GKE_ENV, "ACTOR_HOSTS": "30", "ACTOR_PROCESSES": "16"})
+    assert r.returncode != 0 and "does not split into actor slices" in r.stderr
+    assert "kubectl" not in r.stdout
 
 
 @pytest.mark.parametrize("missing", ["ACTOR_ACCELERATOR", "IMAGE", "WORKDIR"])
