@@ -50,20 +50,26 @@ COMPARED = ("loss", "reward", "kl", "ratio_mean", "entropy", "policy_tokens", "g
             "behaviour_logp_abs_diff")
 
 
-def _config(tok):
+# where the actor runs: in the stage's process, or as one Ray actor of two processes (one JAX job
+# of its own, coder/rl/actor_group.py: the disaggregated layout)
+ACTORS = {"in_process": dict(num_actors=0), "actor_group": dict(num_actors=1, actor_processes=2)}
+
+
+def _config(tok, actors="in_process"):
     from tests import rl_toy as rl_test
 
     cfg = rl_test.tiny_config(tok, STAGE_LEN)
     # one group at a time, its rows decoding together (module docstring: bit-exact engine)
-    cfg.rl.update(dict(group_size=G, tasks_per_step=B, num_actors=0, concurrent=False, engine_slots=G))
+    cfg.rl.update(dict(group_size=G, tasks_per_step=B, concurrent=False, engine_slots=G, **ACTORS[actors]))
     cfg.grpo.update({"async": False, "kl_coef": 0.05})
     cfg.train.update(dict(steps=STEPS, ckpt_every=1000, lr=3e-3, warmup_steps=0))
     return cfg
 
 
-def _run(stage_dir: str, inputs: str, sleep_s: float) -> None:
+def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str) -> None:
     """One stage run (the subprocess): the tokenizer and SFT-ed weights from `inputs`; each
-    episode's submit call sleeps `sleep_s` (so the test can signal mid-run)."""
+    episode's submit call sleeps `sleep_s` (so the test can signal mid-run); the actor where
+    `actors` (ACTORS) says. Episodes record the stage process's pid (they may run in an actor's)."""
     from flax import nnx
 
     from coder.data import tokenizer as tokenizer_lib
@@ -75,7 +81,7 @@ def _run(stage_dir: str, inputs: str, sleep_s: float) -> None:
 
     with open(os.path.join(inputs, "tokenizer.json")) as f:
         tok = tokenizer_lib.from_record(json.load(f))
-    cfg = _config(tok)
+    cfg = _config(tok, actors)
     flat = dict(np.load(os.path.join(inputs, "weights.npz")))
 
     def model_fn():
@@ -99,8 +105,10 @@ def _run(stage_dir: str, inputs: str, sleep_s: float) -> None:
             time.sleep(sleep_s)
             return super().call(call)
 
+    stage_pid = os.getpid()
+
     def make_episode(task):
-        log("episodes.jsonl", {"pid": os.getpid(), "task": task.id})
+        log("episodes.jsonl", {"pid": stage_pid, "task": task.id})
         return SlowEpisode(rl_test.LUCKY)
 
     tasks = [t for t, _ in rl_test.make_tasks(STEPS * B + B, seed=0)]  # one step's tasks to spare
@@ -108,10 +116,10 @@ def _run(stage_dir: str, inputs: str, sleep_s: float) -> None:
                      model_fn=model_fn)
 
 
-def _spawn(stage_dir, inputs, sleep_s):
+def _spawn(stage_dir, inputs, sleep_s, actors):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)  # one CPU device: the stage as a single-host run starts it
-    return subprocess.Popen([sys.executable, __file__, stage_dir, inputs, str(sleep_s)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, __file__, stage_dir, inputs, str(sleep_s), actors], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -145,12 +153,15 @@ def inputs(tmp_path_factory, toy_policy):
 
 
 @pytest.mark.slow
-def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, inputs):
+@pytest.mark.parametrize("actors", sorted(ACTORS))
+def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, inputs, actors):
+    """Both layouts: the actor in the stage's process, and a Ray actor of two processes (its
+    groups rebuilt from the store's newest version when the run resumes)."""
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    ref = _spawn(ref_dir, inputs, 0.0)
+    ref = _spawn(ref_dir, inputs, 0.0, actors)
     out = ref.communicate(timeout=900)[0]
     assert ref.returncode == 0, out[-4000:]
-    proc = _spawn(run_dir, inputs, 0.3)
+    proc = _spawn(run_dir, inputs, 0.3, actors)
     t0 = time.time()
     while not _jsonl(os.path.join(run_dir, "metrics.jsonl")):  # the first step is logged
         assert proc.poll() is None, proc.stdout.read()[-4000:]
@@ -168,7 +179,7 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, inputs):
         assert json.load(f) == {"format": 1, "below": stopped * B, "extra": []}  # tasks used so far
     first_pid = _jsonl(os.path.join(run_dir, "trained.jsonl"))[0]["pid"]
 
-    resumed = _spawn(run_dir, inputs, 0.0)
+    resumed = _spawn(run_dir, inputs, 0.0, actors)
     out = resumed.communicate(timeout=900)[0]
     assert resumed.returncode == 0, out[-4000:]
 
@@ -204,4 +215,4 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.INFO)
-    _run(sys.argv[1], sys.argv[2], float(sys.argv[3]))
+    _run(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])
