@@ -242,6 +242,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.engine_batch = 0
     c.compile.engine_max_len = 0
     c.compile.engine_prefill_len = 0
+    # the engine's own slice, an RL actor's ("" = the learner's mesh above), e.g. "v5p-128": its
+    # mesh keeps the expert / tensor / sequence axes with the rest over rows (coder.rl.actor.engine_mesh)
+    c.compile.engine_topology = ""
     c.compile.grpo = True  # also the GRPO learner's step (coder.rl.learner: GRPO loss and batch, grad_accum as train)
     c.compile.grpo_batch = 0  # rows of its batch (0 = data.batch_size)
     c.compile.grpo_seq_len = 0  # tokens per row (0 = rl.context_budget if set, else data.seq_len)

@@ -319,6 +319,11 @@ def test_quickstart_engine_programs_compile_for_v5e_2x2(quickstart_report):
     assert e["prefill"]["cost"]["flops"] > 20 * e["decode"]["cost"]["flops"]
     assert e["decode"]["roofline"]["bound"] == "hbm"  # decoding a few rows reads every weight
     assert "## RL engine: prefill and decode programs" in md
+    # the engine's slice is the learner's here; each host (4 chips: one v5e-4 host) reads its
+    # chips' slices of a full version from the store
+    assert (e["topology"], e["chips"], e["hosts"], e["mesh"]["data"]) == ("v5e-4", 4, 1, 4)
+    assert e["store_read_bytes_per_host"] == 4 * st["params_bytes_per_chip"]
+    assert "reads" in md and "from the weight store" in md
 
 
 def test_grpo_shape_defaults_to_the_rollout_context():
@@ -497,3 +502,24 @@ def test_compile_only_executables_stay_out_of_the_persistent_cache(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     before, after_tpu, after_cpu = json.loads(p.stdout.strip().splitlines()[-1])
     assert before > 0 and after_tpu == before and after_cpu == before + 1
+
+
+def test_engine_compiles_on_an_actor_slice_of_its_own():
+    """compile.engine_topology: the engine's programs lowered for another slice than the
+    learner's (an RL actor's), over the engine's mesh there (rows over the data axis)."""
+    from configs import quickstart
+
+    config = quickstart.get_config()
+    config.compile.topology, config.compile.engine_topology = "v5e-4", "v5e-8"
+    from coder.model import sharding
+    from coder.train.aot import hardware
+
+    topo = hardware.parse_topology("v5e-4")
+    mesh = sharding.make_mesh(config.mesh, hardware.topology_devices(topo))
+    emesh, etopo = C.engine_target(config, mesh, topo)
+    assert etopo.name == "v5e-8" and emesh.devices.size == 8 and emesh.shape["data"] == 8
+    assert {d.platform for d in emesh.devices.flat} == {"tpu"}
+    lowered, setup = C.lower_engine(config, emesh)
+    assert set(lowered) == {"prefill", "decode"} and setup["params_bytes_per_chip"] > 0
+    config.compile.engine_topology = ""
+    assert C.engine_target(config, mesh, topo) == (mesh, topo)

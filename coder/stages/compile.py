@@ -457,10 +457,25 @@ def engine_model_flops(model_cfg, setup: dict) -> dict:
     return dict(prefill=rows * setup["prefill_len"] * prefill, decode=rows * (k + 1) * decode)
 
 
+def engine_target(config, mesh, topo):
+    """(mesh, topology) the engine is compiled for: the learner's, or `compile.engine_topology`'s
+    slice (an RL actor's, rl.actor_processes hosts) with the engine's own mesh over it
+    (coder.rl.actor.engine_mesh: expert / tensor / sequence as configured, rows over the rest)."""
+    from coder.rl.actor import engine_mesh
+    from coder.train.aot import hardware
+
+    if not config.compile.engine_topology:
+        return mesh, topo
+    etopo = hardware.parse_topology(config.compile.engine_topology, 1)
+    return engine_mesh(config, hardware.topology_devices(etopo)), etopo
+
+
 def compile_engine(config, mesh, topo) -> dict:
     """Compile and analyse the engine's programs; a failure is recorded per program.
 
-    Model FLOPs of a program: `engine_model_flops`.
+    Model FLOPs of a program: `engine_model_flops`. The record names the engine's slice and mesh,
+    and the bytes each host of it reads from the weight store for a version written in full (an
+    anchor: its chips' slices of the serving weights; a delta version is a fraction of it).
     """
     import logging
     import time
@@ -472,7 +487,10 @@ def compile_engine(config, mesh, topo) -> dict:
     except Exception as e:  # noqa: BLE001 (a report, not a crash, is the point of this stage)
         logging.error("lowering the engine failed:\n%s", traceback.format_exc())
         return dict(status="compile_error", error=" ".join(str(e).split())[:2000])
-    out = dict(setup=setup)
+    chips_per_host = math.prod(topo.chips_per_host_bounds)
+    out = dict(setup=setup, topology=topo.name, chips=topo.num_chips, hosts=max(1, topo.num_chips // chips_per_host),
+               mesh={a: int(n) for a, n in mesh.shape.items()},
+               store_read_bytes_per_host=setup["params_bytes_per_chip"] * min(chips_per_host, topo.num_chips))
     k = setup["speculative_k"]
     tokens = dict(prefill=setup["rows"] * setup["prefill_len"], decode=setup["rows"] * (k + 1))
     model_flops = engine_model_flops(config.model, setup)
@@ -642,7 +660,7 @@ def _run(config, stage_dir: str, init_from: str) -> str:
         report["status"] = "fits" if report["memory"]["fits"] else "does_not_fit"
     report["advice"] = advice(report, config)
     if config.compile.engine and report["status"] != "compile_error":
-        report["engine"] = compile_engine(config, mesh, topo)
+        report["engine"] = compile_engine(config, *engine_target(config, mesh, topo))
     if config.compile.grpo and report["status"] != "compile_error":
         report["grpo"] = compile_grpo(config, mesh, topo, hlo_dir=stage_dir)
     path = write_report(report, out_dir)

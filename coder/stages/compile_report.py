@@ -94,6 +94,11 @@ def engine_markdown(e: dict) -> list[str]:
     lines.append(f"{st['rows']} rows, {st['cache_slots']} cache slots, prefill chunks of {st['prefill_len']} "
                  f"tokens, speculative_k={st['speculative_k']}; rows split over mesh axes "
                  f"{st['rows_split_over'] or 'none (replicated)'}.")
+    if "topology" in e:
+        lines.append(f"On {e['topology']} ({e['chips']} chips, {e['hosts']} hosts), mesh "
+                     f"{', '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one chip'}; each host reads "
+                     f"{_gib(e['store_read_bytes_per_host'])} GiB of a version written in full from the weight store "
+                     f"(its chips' slices).")
     progs = [p for p in ("prefill", "decode") if p in e]
     lines += ["", "| | " + " | ".join(progs) + " |", "|---|" + "---|" * len(progs)]
 
