@@ -124,9 +124,9 @@ def test_in_flight_update_mixes_versions_and_stale_tokens_carry_no_loss(tmp_path
 def test_staleness_histogram_counts_policy_tokens_by_age():
     """Learner at version 5, grpo.max_staleness 2: policy tokens of versions 5, 4, 4, 1 fall in
     bins 0, 1, 1 and over; prompt / tool tokens (policy False, version -1) are not counted."""
-    from coder.rl.trajectory import Generation
+    from coder.rl.trajectory import ContextWindow
 
-    g = Generation(tokens=list(range(6)), policy=[False, True, True, True, False, True],
+    g = ContextWindow(tokens=list(range(6)), policy=[False, True, True, True, False, True],
                    policy_version=[-1, 5, 4, 4, -1, 1])
     rollout = type("R", (), {"generations": [g]})()
     h = actor_learner.staleness_histogram([[rollout]], version=5, bins=2)

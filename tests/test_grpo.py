@@ -396,7 +396,7 @@ def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from=Tru
     # Learner.batch: staleness = the learner's version - each sampled token's policy version
     from coder.rl import trajectory
 
-    gen = trajectory.Generation()
+    gen = trajectory.ContextWindow()
     gen.add_context([5, 6, 7])
     gen.add_sampled(types.SimpleNamespace(tokens=[8, 9, 10], logprobs=[-1.0, -2.0, -3.0],
                                           policy_version=[0, 1, 1]))

@@ -5,7 +5,7 @@ the router scores of a token with different roundings, so where two experts' sco
 they choose different top-k sets. Without replay the learner then runs other experts than the
 ones that produced the sample, and its logprob of the sampled token is no longer the engine's;
 with grpo.router_replay the engine's recorded ids of every token (prompt, tool output and
-sampled tokens, `Generation.set_routing` / `to_batch`) are the learner's `routing=`, so the two
+sampled tokens, `ContextWindow.set_routing` / `to_batch`) are the learner's `routing=`, so the two
 differ by bf16 rounding alone.
 
 What the stage logs and this test reads (coder.rl.grpo.grpo_loss_fn, from the training

@@ -58,7 +58,7 @@ import jax
 
 from coder.env import protocol
 from coder.rl import reward as reward_lib
-from coder.rl.trajectory import Generation, Rollout
+from coder.rl.trajectory import ContextWindow, Rollout
 
 SUMMARY_REQUEST = (
     "Your context is nearly full. Write a summary of your progress that lets you continue from "
@@ -124,7 +124,7 @@ class AgentRun:
         self.agent, self.cfg = agent, agent.cfg
         self.head, self.tools, self.index = list(head), list(tools), index
         self.prompt = self.head + agent.tok.generation_prefix()
-        self.rollout = Rollout(task_id=task_id, generations=[Generation()])
+        self.rollout = Rollout(task_id=task_id, generations=[ContextWindow()])
         self.gen.add_context(self.prompt)
         self.turn_start = len(self.prompt)  # where the current turn's sampled ids start
         self.summarizing = False
@@ -139,7 +139,7 @@ class AgentRun:
             self._next_turn()
 
     @property
-    def gen(self) -> Generation:
+    def gen(self) -> ContextWindow:
         return self.rollout.generations[-1]
 
     @property
@@ -336,7 +336,7 @@ class AgentRun:
     def _start_next_generation(self, summary_ids) -> None:
         self._capture_routing()
         ctx = self.agent.chain_context(self.head, summary_ids)
-        gen = Generation()
+        gen = ContextWindow()
         gen.add_context(ctx)
         self.rollout.generations.append(gen)
         self._new_context, self.unsent = ctx, []

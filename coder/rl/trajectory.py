@@ -1,8 +1,8 @@
 """Trajectories: what a rollout produced, token by token, and the GRPO batch built from it.
 
-A `Rollout` is one attempt of the agent at one task: a chain of `Generation`s (context windows;
-a self-summary starts the next one), plus the counts the reward and the metrics need. A
-generation records, per token: the id, whether the policy sampled it (loss) or not (prompt,
+A `Rollout` is one attempt of the agent at one task: a chain of `ContextWindow`s (a
+self-summary starts the next one), plus the counts the reward and the metrics need. A context
+window records, per token: the id, whether the policy sampled it (loss) or not (prompt,
 tool output, template), the behaviour logprob and policy version of sampled tokens, and the
 chosen experts (`[moe_layers, top_k]`, in the engine's compact uint8 / uint16, None where the
 engine never routed the token). `to_batch` turns rollouts into the batch of docs/contracts.md,
@@ -17,7 +17,7 @@ import numpy as np
 
 
 @dataclasses.dataclass
-class Generation:
+class ContextWindow:
     """One context window of a chain. Lists are per token, same length."""
 
     tokens: list = dataclasses.field(default_factory=list)
