@@ -4,7 +4,7 @@ serve runs on such an engine.
 
 The scenario (`scenario`, run by process 0 of either job) covers what the leader drives: a greedy
 group, a sampled group joining, a row leaving, a tool-output append, an in-flight weight update
-through the store (each process reads its own slices: weight_sync.StoreLoad), and all of it again
+through the store (each process reads its own slices: weight_channel.StoreLoad), and all of it again
 with speculative decoding (MTP drafts, k = 1).
 """
 import json
@@ -55,9 +55,9 @@ def _publish_version_1(cfg, url):
     from flax import nnx
 
     from coder.model import Transformer
-    from coder.rl import weight_sync
+    from coder.rl import weight_channel
 
-    weight_sync.ModelPublisher(url).publish(Transformer(cfg, rngs=nnx.Rngs(1)), 1)
+    weight_channel.ModelPublisher(url).publish(Transformer(cfg, rngs=nnx.Rngs(1)), 1)
 
 
 def scenario(engine, url) -> list:
@@ -65,7 +65,7 @@ def scenario(engine, url) -> list:
     import jax
 
     from coder.infer.engine import SamplingParams
-    from coder.rl import weight_sync
+    from coder.rl import weight_channel
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=6)
@@ -81,7 +81,7 @@ def scenario(engine, url) -> list:
     a.release(2)  # a row leaves
     engine.append(a, 0, [5, 6, 7])  # a tool's output
     record(engine.generate(a, sampled, jax.random.key(3), rows=[0, 1]))
-    engine.load_weights(weight_sync.StoreLoad(url, 1), version=1)  # in flight: b keeps its cache
+    engine.load_weights(weight_channel.StoreLoad(url, 1), version=1)  # in flight: b keeps its cache
     engine.append(b, 1, [9])
     record(engine.generate(b, sampled, jax.random.key(4), rows=[0, 1]))
     a.close()
@@ -97,7 +97,7 @@ def serve_worker(workdir: str):
     from coder import stages
     from coder.data import tokenizer as tokenizer_lib
     from coder.model import Transformer
-    from coder.rl import weight_sync
+    from coder.rl import weight_channel
     from coder.stages import serve as serve_stage
     from configs import base
     from tests.test_serve import PREAMBLE, tiny_cfg
@@ -107,7 +107,7 @@ def serve_worker(workdir: str):
     c.model.update(tiny_cfg(tok).to_dict())
     c.mesh.update(dict(expert=2, tensor=2))
     store = os.path.join(workdir, "store")
-    weight_sync.ModelPublisher(store).publish(Transformer(c.model, rngs=nnx.Rngs(7)), 3)  # every process
+    weight_channel.ModelPublisher(store).publish(Transformer(c.model, rngs=nnx.Rngs(7)), 3)  # every process
     c.update(dict(workdir=os.path.join(workdir, "run"), stage="serve"))
     c.data.tokenizer = os.path.join(workdir, "tok.model")
     with open(os.path.join(workdir, "http_port")) as f:

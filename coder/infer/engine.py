@@ -29,7 +29,7 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
         on the engine's mesh (gathered across processes when the learner spans several).
     engine.load_weights(loader, version)
         New weights that every process reads for itself (`loader(shardings) -> {flat name:
-        jax.Array}`, picklable, e.g. coder.rl.weight_sync.StoreLoad(url, version): each process
+        jax.Array}`, picklable, e.g. coder.rl.weight_channel.StoreLoad(url, version): each process
         reads only its own devices' slices); applies like set_weights.
     group.close() returns the group's slots (also when the group is garbage-collected).
     group.tokens(row), group.expert_ids(row) `[len, moe_layers, top_k]`, group.length(row).
@@ -310,7 +310,7 @@ class Engine:
     def load_weights(self, loader, version: int | None = None) -> None:
         """Weights that every process of the engine reads for itself, from the next decode call on:
         `loader(shardings)` gets {flat name: the engine's sharding of that leaf} and returns
-        {flat name: jax.Array} in them (e.g. coder.rl.weight_sync.StoreLoad(url, version)); it
+        {flat name: jax.Array} in them (e.g. coder.rl.weight_channel.StoreLoad(url, version)); it
         must pickle (it travels to the followers). Floating leaves are cast to the engine's dtype."""
         self._check_leader("load_weights")
         with self._lock:

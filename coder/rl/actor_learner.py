@@ -147,7 +147,7 @@ class ActorWorker:
 
         from coder.data import tokenizer as tokenizer_lib
         from coder.rl import actor as actor_lib
-        from coder.rl import weight_sync
+        from coder.rl import weight_channel, weight_sync
 
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
@@ -174,13 +174,13 @@ class ActorWorker:
             # no process holds the whole model: each reads its own devices' slices
             version = wait_for(lambda: weight_sync.latest_version(url))
             self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._abstract), config, mesh=mesh)
-            self.engine.load_weights(weight_sync.StoreLoad(url, version), version)
-            self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, start_version=version)
+            self.engine.load_weights(weight_channel.StoreLoad(url, version), version)
+            self.follower = weight_channel.EngineFollower(self.engine, url, self._abstract, start_version=version)
         else:
             reader = weight_sync.WeightReader(url)
             version, flat = wait_for(reader.poll)
             self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._state(flat)), config, mesh=mesh)
-            self.follower = weight_sync.EngineFollower(self.engine, url, self._abstract, reader=reader)
+            self.follower = weight_channel.EngineFollower(self.engine, url, self._abstract, reader=reader)
         self.version = int(version)
         self.pool = None
         self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
@@ -456,14 +456,14 @@ class Epoch:
 
 
 def learner_weights(config, url: str):
-    """The learner's publisher (weight_sync.ModelPublisher) of stage grpo: every variable, floating
+    """The learner's publisher (weight_channel.ModelPublisher) of stage grpo: every variable, floating
     ones in the serving dtype `rl.engine_dtype or model.dtype`, each process writing its own
     devices' slices."""
     from jax import numpy as jnp
 
-    from coder.rl import weight_sync
+    from coder.rl import weight_channel
 
-    return weight_sync.ModelPublisher(url, dtype=jnp.dtype(config.rl.engine_dtype or config.model.dtype),
+    return weight_channel.ModelPublisher(url, dtype=jnp.dtype(config.rl.engine_dtype or config.model.dtype),
                                       anchor_every=int(config.rl.anchor_every))
 
 

@@ -13,9 +13,10 @@ Lossless: a reader reconstructs the published bytes exactly and checks each leaf
     WeightReader(url).poll() -> (version, flat) | None   # stateful: applies deltas to its copy
     local_slices({name: jax.Array}) -> {name@index: Slice}  # this process's share, for publish
     WeightReader(url, shardings={name: Sharding})        # reads only its devices' slices -> jax.Arrays
-    StoreLoad(url, version)                              # the same, as an Engine.load_weights loader
-    EngineFollower(engine, url, template).poll()         # the one reading end: new versions -> an engine
     gc(url, keep_from=v)                                 # drops what no reader of >= v needs
+
+The channel between a learner and its engines over this store (a model in, an engine out) is
+coder/rl/weight_channel.py: ModelPublisher, StoreLoad, EngineFollower.
 
 Layout at `url` (a local path, `memory://...` or `gs://...`, through fsspec; gcsfs for gs://):
 
@@ -469,55 +470,6 @@ class WeightPublisher:
                 "seconds": time.perf_counter() - t0}
 
 
-class ModelPublisher:
-    """The learner's side of the weight channel (grpo's learner, realtime): each version of a
-    model's variables, floating ones cast on device to the serving `dtype` (None keeps them), to
-    the store. Every process writes the slices its own devices hold (`local_slices`): no leaf is
-    gathered, and a process's host memory holds its shards only. Every process of the job calls
-    `publish` for every version (a version is complete when all their parts are written).
-
-    Args:
-      url: the store.
-      dtype: the serving dtype (e.g. bfloat16), or None.
-      anchor_every: as WeightPublisher's.
-    """
-
-    def __init__(self, url: str, *, dtype=None, anchor_every: int = 10):
-        import jax
-
-        self.url, self.dtype = url, dtype
-        self.writer = WeightPublisher(url, shard=(jax.process_index(), jax.process_count()),
-                                      anchor_every=anchor_every)
-
-    def publish(self, model, version: int) -> dict:
-        """Writes `model`'s variables (an nnx module or state) as `version`; returns
-        WeightPublisher.publish's record, its "seconds" including the copies to host."""
-        import jax
-        from flax import nnx
-        from jax import numpy as jnp
-
-        from coder.train import checkpoint as ckpt_lib
-
-        t0 = time.perf_counter()
-        state = model if isinstance(model, nnx.State) else nnx.state(model)
-        flat = {}
-        for name, x in ckpt_lib.state_to_flat(state).items():
-            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-                x = x.astype(self.dtype)
-            flat[name] = x if isinstance(x, jax.Array) else np.asarray(x)
-        mine = local_slices(flat)
-        copied = time.perf_counter() - t0
-        info = self.writer.publish(int(version), mine)
-        info["seconds"] += copied
-        return info
-
-    def gc(self, keep_from: int) -> dict | None:
-        """`gc(url, keep_from)` from process 0 (None on the others)."""
-        import jax
-
-        return gc(self.url, keep_from) if jax.process_index() == 0 else None
-
-
 _PUBLISHERS: dict = {}
 
 
@@ -782,127 +734,6 @@ class WeightReader:
                 if attempt:
                     raise
         return None
-
-
-_SHARDED_READERS: dict = {}  # (url, leaves, shardings) -> this process's WeightReader
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreLoad:
-    """A picklable weight loader for `Engine.load_weights`: every process of an engine calls it
-    with its shardings and reads only its own devices' slices of `version` (default: the newest
-    complete one). The process keeps one reader per (url, shardings), so the next version costs
-    its deltas."""
-
-    url: str
-    version: int | None = None
-
-    def __call__(self, shardings: dict) -> dict:
-        key = (self.url, tuple(sorted(shardings.items(), key=lambda kv: kv[0])))
-        reader = _SHARDED_READERS.get(key)
-        if reader is None:
-            reader = _SHARDED_READERS[key] = WeightReader(self.url, shardings=shardings)
-        out = reader.load(self.version)[1]
-        _SHARDED_READS.setdefault(self.url, []).append((int(reader.last_read["version"]),
-                                                         int(reader.last_read["bytes"])))
-        return out
-
-
-_SHARDED_READS: dict = {}  # url -> [(version, bytes of this process's own slices)] its StoreLoads read
-
-
-class EngineFollower:
-    """The reading end of the weight channel, one for every consumer (the RL actors, the server,
-    realtime's server): polls the store and gives each new version to an engine, between two of
-    its decode calls (in flight: rows keep their caches).
-
-    One process: `WeightReader.poll()` (the deltas since the held version) -> `set_weights`,
-    each leaf in `template`'s dtype (the engine casts to its serving dtype). An engine over several
-    processes: `load_weights(StoreLoad(url, version))`, so each process reads its own devices'
-    slices.
-
-        follower = EngineFollower(engine, url, nnx.state(model))
-        follower.poll()                 # -> the version applied, or None when nothing is new
-        follower.start(poll_seconds)    # or poll in a thread until close()
-    """
-
-    def __init__(self, engine, url: str, template, *, verify: bool = True, reader: WeightReader | None = None,
-                 start_version: int | None = None):
-        """`reader`: one that already holds the version the engine was built with (its next poll
-        reads only the deltas since); `start_version`: the version a multi-process engine was
-        given (load_weights) before the follower took over."""
-        import threading
-
-        self.engine, self.url, self.template = engine, url, template
-        self.reader = reader or WeightReader(url, verify=verify)
-        self.version: int | None = self.reader.version if start_version is None else int(start_version)
-        self._start_version = self.version  # bytes_read counts the versions after it
-        self.last_read: dict = {}  # the reader's record of that version (bytes, seconds, ...)
-        self._polled_bytes = 0  # bytes the polls read (one process)
-        self._stop = threading.Event()
-        self._thread = None
-
-    def poll(self) -> int | None:
-        """Gives the engine the store's newest version when it is new; returns it (else None).
-        Raises ValueError when the store holds another model."""
-        from coder.train import checkpoint as ckpt_lib
-
-        if getattr(self.engine, "processes", 1) > 1:
-            version = latest_version(self.url)
-            if version is None or version == self.version:
-                return None
-            self.engine.load_weights(StoreLoad(self.url, version), version)
-            self.version, self.last_read = version, {"version": version, "from": "each process's slices"}
-            logging.info("weight version %d from %s: read by every process of the engine", version, self.url)
-            return version
-        got = self.reader.poll()
-        if got is None:
-            return None
-        version, flat = got
-        dtypes = {k: v.dtype for k, v in ckpt_lib.state_to_flat(self.template).items()}
-        missing = sorted(set(dtypes) - set(flat))
-        if missing:
-            raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
-                             f"variables, e.g. {missing[:3]}: it holds another model")
-        state = ckpt_lib.flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dtypes[k], copy=False)
-                                                       for k in dtypes})
-        self.engine.set_weights(state, version)
-        self.version, self.last_read = version, dict(self.reader.last_read)
-        self._polled_bytes += int(self.last_read.get("bytes", 0))
-        logging.info("weight version %d from %s (%s)", version, self.url, self.last_read)
-        return version
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes this process read from the store for the versions it followed since it was
-        built: on several processes, its own devices' slices (counted once the engine loaded
-        them, at its next call)."""
-        if getattr(self.engine, "processes", 1) > 1:
-            start = -1 if self._start_version is None else self._start_version
-            return sum(b for v, b in _SHARDED_READS.get(self.url, []) if v > start)
-        return self._polled_bytes
-
-    def _loop(self, poll_seconds: float):
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - a store hiccup: keep the held version, retry
-                logging.exception("polling the weight store %s failed", self.url)
-            self._stop.wait(poll_seconds)
-
-    def start(self, poll_seconds: float = 10.0) -> None:
-        """Poll every `poll_seconds` in a daemon thread until `close()`."""
-        import threading
-
-        self._thread = threading.Thread(target=self._loop, args=(float(poll_seconds),), name="weight-follower",
-                                        daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
 
 def load(url: str, version: int | None = None, *, verify: bool = True) -> tuple[int, dict]:

@@ -42,7 +42,7 @@ else derived from the client and the conversation's first system and user messag
 turn of one conversation shares it); it is returned as `conversation_id` and in the
 `X-Conversation-Id` header. No header, key or message text is logged.
 
-**Weights** (`coder.rl.weight_sync.EngineFollower`): a thread polls the weight store (coder.rl.weight_sync) and hands
+**Weights** (`coder.rl.weight_channel.EngineFollower`): a thread polls the weight store (coder.rl.weight_sync) and hands
 each new version to `engine.set_weights(state, version)`: it applies between two decode calls,
 requests in flight keep their caches, and every token records the version that sampled it.
 """
@@ -692,9 +692,9 @@ class Server:
 
     # ------------------------------------------------------------------ weights and shutdown
     def follow(self, url: str, template, poll_seconds: float = 10.0):
-        """Follow the weight store at `url` (a thread: coder.rl.weight_sync.EngineFollower);
+        """Follow the weight store at `url` (a thread: coder.rl.weight_channel.EngineFollower);
         `template` is the model's nnx.State."""
-        from coder.rl.weight_sync import EngineFollower
+        from coder.rl.weight_channel import EngineFollower
 
         self.follower = EngineFollower(self.engine, url, template)
         self.follower.start(poll_seconds)

@@ -244,7 +244,7 @@ class GrpoRun:
         actors, an engine of the learner's own that follows the store."""
         from coder.rl import eval as eval_lib
 
-        from coder.rl import weight_sync
+        from coder.rl import weight_channel
 
         trainer = self.trainer
         if isinstance(self.actors, actor_learner.LocalActors):
@@ -255,7 +255,7 @@ class GrpoRun:
         else:  # an engine of the learner's own, following the store like the actors
             if self._eval_engine is None:
                 self._eval_engine = make_engine(trainer.model, self.config)
-                self._eval_follower = weight_sync.EngineFollower(self._eval_engine, self.url, nnx.state(trainer.model))
+                self._eval_follower = weight_channel.EngineFollower(self._eval_engine, self.url, nnx.state(trainer.model))
             self._eval_follower.poll()
             engine = self._eval_engine
         return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,

@@ -88,7 +88,7 @@ class Loop:
     def __init__(self, config, stage_dir: str, init_from: str, *, tokenizer, model_fn=None, held_out=None,
                  make_episode=None, clock=time.time):
         from coder.rl import realtime as realtime_lib
-        from coder.rl import weight_sync
+        from coder.rl import weight_channel, weight_sync
         from coder.stages import serve as serve_stage
         from coder.train.metrics import MetricsWriter
 
@@ -105,7 +105,7 @@ class Loop:
         if state is not None:
             _drop_uncommitted(os.path.join(learner_dir, "checkpoints"), state["step"])
         self.learner = realtime_lib.RealtimeLearner(config, learner_dir, init_from, model_fn, tokenizer)
-        self.publisher = weight_sync.ModelPublisher(self.store, dtype=self.dtype)
+        self.publisher = weight_channel.ModelPublisher(self.store, dtype=self.dtype)
         if state is None:  # first start: the learner's weights are the first version
             latest = weight_sync.latest_version(self.store)
             version = 0 if latest is None else latest + 1
