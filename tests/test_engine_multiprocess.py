@@ -10,24 +10,17 @@ with speculative decoding (MTP drafts, k = 1).
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
+from tests import multiprocess_jobs as jobs
+
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[3, 17, 42, 5, 99, 7], [8, 120, 33, 1, 2]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _engine(spec_k: int, timeout_s: float = 60.0):
@@ -164,16 +157,11 @@ def worker(process_id: int, num_processes: int, port: int, workdir: str, mode: s
 
 
 def _spawn(process_id, num_processes, devices, port, workdir, mode="run"):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
-    return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), workdir, mode],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return jobs.spawn(__file__, [process_id, num_processes, port, workdir, mode], devices)
 
 
 def _result(proc, timeout=900):
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-4000:]
-    return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    return jobs.tagged_json(proc, "RESULT", timeout)
 
 
 def test_two_process_engine_equals_one_process(tmp_path):
@@ -183,8 +171,8 @@ def test_two_process_engine_equals_one_process(tmp_path):
     over two processes in another order)."""
     os.makedirs(tmp_path / "single")
     os.makedirs(tmp_path / "pair")
-    single = _result(_spawn(0, 1, 8, _free_port(), str(tmp_path / "single")))
-    port = _free_port()
+    single = _result(_spawn(0, 1, 8, jobs.free_port(), str(tmp_path / "single")))
+    port = jobs.free_port()
     pair = [_spawn(i, 2, 4, port, str(tmp_path / "pair")) for i in range(2)]
     multi = _result(pair[0])
     pair[1].communicate(timeout=300)
@@ -204,7 +192,7 @@ def test_two_process_engine_equals_one_process(tmp_path):
 
 
 def test_a_killed_follower_makes_the_leader_raise_naming_it(tmp_path):
-    port = _free_port()
+    port = jobs.free_port()
     pair = [_spawn(i, 2, 4, port, str(tmp_path), mode="die") for i in range(2)]
     leader = pair[0]
     deadline = time.monotonic() + 600
@@ -230,9 +218,9 @@ def test_stage_serve_on_two_processes_answers_the_openai_client(tmp_path):
     from tests.test_serve import TOOLS, make_tokenizer
 
     make_tokenizer().save(str(tmp_path / "tok.model"))
-    http_port = _free_port()
+    http_port = jobs.free_port()
     (tmp_path / "http_port").write_text(str(http_port))
-    port = _free_port()
+    port = jobs.free_port()
     pair = [_spawn(i, 2, 4, port, str(tmp_path), mode="serve") for i in range(2)]
     base = f"http://127.0.0.1:{http_port}"
     deadline, health = time.monotonic() + 600, None

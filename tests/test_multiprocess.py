@@ -10,24 +10,17 @@ from scratch is trained once, on process 0, and received by the other.
 """
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests import multiprocess_jobs as jobs
+
 pytestmark = pytest.mark.subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 BATCH, SEQ = 8, 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _batches(vocab: int):
@@ -145,25 +138,18 @@ def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
 
 
 def _spawn(process_id, num_processes, devices, port, workdir, mode="train"):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
-    return subprocess.Popen(
-        [sys.executable, __file__, str(process_id), str(num_processes), str(port), workdir, mode],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return jobs.spawn(__file__, [process_id, num_processes, port, workdir, mode], devices)
 
 
 def _losses(proc):
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    line = next(x for x in out.splitlines() if x.startswith("LOSSES "))
-    return json.loads(line[len("LOSSES "):])
+    return jobs.tagged_json(proc, "LOSSES", timeout=600)
 
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
-    reference = _losses(_spawn(0, 1, 8, _free_port(), str(tmp_path / "single")))
+    reference = _losses(_spawn(0, 1, 8, jobs.free_port(), str(tmp_path / "single")))
     # the pair starts together, so that both reach their first collective at about the same time
-    port = _free_port()
+    port = jobs.free_port()
     pair = [_spawn(i, 2, 4, port, str(tmp_path / "multi")) for i in range(2)]
     multi = _losses(pair[0])
     pair[1].communicate(timeout=600)
@@ -180,14 +166,9 @@ def test_two_processes_resume_their_own_data_positions(tmp_path):
     with open(tmp_path / "corpus.jsonl", "w") as f:
         for _ in range(300):
             f.write(json.dumps({"text": "\n".join(" ".join(rng.choice(words, 8)) for _ in range(6))}) + "\n")
-    port = _free_port()
+    port = jobs.free_port()
     pair = [_spawn(i, 2, 2, port, str(tmp_path), "resume") for i in range(2)]
-    outs = []
-    for proc in pair:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        outs.append(json.loads(next(x for x in out.splitlines() if x.startswith("RESUME "))[7:]))
-    p0, p1 = outs
+    p0, p1 = [jobs.tagged_json(proc, "RESUME", timeout=600) for proc in pair]
     # one tokenizer, trained on process 0 only (process 1's cache directory was never made)
     assert p0["tokenizer"] == p1["tokenizer"] and p0["cache"] and not p1["cache"]
     # each process resumes its own shard's position, not process 0's
@@ -250,8 +231,8 @@ def test_grpo_and_agent_eval_on_a_4_device_mesh_and_on_two_processes(tmp_path):
             outs.append(json.loads(next(x for x in out.splitlines() if x.startswith("GRPO "))[5:]))
         return outs
 
-    (single,) = run([_spawn(0, 1, 4, _free_port(), str(tmp_path / "single"), "grpo")])
-    port = _free_port()
+    (single,) = run([_spawn(0, 1, 4, jobs.free_port(), str(tmp_path / "single"), "grpo")])
+    port = jobs.free_port()
     pair = run([_spawn(i, 2, 4, port, str(tmp_path / "multi"), "grpo") for i in range(2)])
     assert (single["devices"], pair[0]["devices"], pair[1]["local"]) == (4, 8, 4)
     for out in (single, pair[0]):

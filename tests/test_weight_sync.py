@@ -430,23 +430,11 @@ def test_two_processes_write_and_read_their_own_share(tmp_path):
     payloads; a load the bytes it read (kept for deltas) and, on CPU, the arrays it built: each
     about the share, so the peak stays under 3 shares (1.5x the model), where one gathered model
     per process would be 2x or more."""
-    import socket
-    import subprocess
-    import sys
+    from tests import multiprocess_jobs as jobs
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
-    url = str(tmp_path / "store")
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), url], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr[-3000:]
-        outs.append(json.loads(next(x for x in stdout.splitlines() if x.startswith("STORE "))[6:]))
+    port, url = jobs.free_port(), str(tmp_path / "store")
+    procs = [jobs.spawn(__file__, [i, port, url], devices=4) for i in range(2)]
+    outs = [jobs.tagged_json(p, "STORE", timeout=300) for p in procs]
     print(json.dumps(outs, indent=1))
     total = outs[0]["total"]
     assert sum(o["raw"][0] for o in outs) == total  # every element written once
