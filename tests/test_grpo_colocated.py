@@ -40,6 +40,7 @@ def memory_kinds(tree) -> set:
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
 
 
+@pytest.mark.slow
 def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
     tok = rl_test.tokenizer()
     weights = nnx.state(Transformer(config(tok).model, rngs=nnx.Rngs(5)))
