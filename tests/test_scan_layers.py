@@ -126,6 +126,7 @@ def test_cached_decoding_equals_the_unrolled_model():
     np.testing.assert_allclose(np.stack(steps), np.asarray(full[:, 7:12]).transpose(1, 0, 2), atol=2e-5)
 
 
+@pytest.mark.slow  # 33 s: the not-slow set's longest test
 def test_trainer_step_and_router_bias_update_match(tmp_path):
     from configs import base
 
