@@ -28,7 +28,6 @@ store.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
@@ -140,18 +139,10 @@ class RayActorGroups:
         if processes < 2:
             raise ValueError(f"rl.actor_processes={processes}: a group spans at least 2 processes "
                              "(1 is coder.rl.actor_learner.RayActors)")
-        address = str(config.rl.ray_address)
-        self._started = not ray.is_initialized()
-        if self._started:
-            if address:
-                ray.init(address=address)
-            else:
-                from coder.rl.actor_learner import env_workers
+        from coder.rl.actor_learner import start_ray
 
-                cpus = n * processes + 1
-                if config.env.workers_backend == "ray":  # the leaders' env workers: Ray actors here too
-                    cpus += math.ceil(n * env_workers(config) * float(config.env.ray_num_cpus_per_worker))
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
+        address = str(config.rl.ray_address)
+        self._started = start_ray(config, n, processes)
         self.local = not address
         self.processes, self.slots, self.url = int(processes), int(slots), url
         self._args = [ray.put(a) for a in (config, tokenizer_lib.to_record(tokenizer), make_episode, model_fn)]

@@ -333,6 +333,25 @@ class LocalActors:
         self.workers[0].close()
 
 
+def start_ray(config, n: int, processes: int) -> bool:
+    """Connects to the Ray cluster at rl.ray_address, or starts a local instance (even when
+    RAY_ADDRESS names another cluster) with CPUs for `n` actors of `processes` processes and,
+    with env.workers_backend "ray", their env workers. False when Ray was already up."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = str(config.rl.ray_address)
+    if address:
+        ray.init(address=address)
+        return True
+    cpus = n * processes + 1
+    if config.env.workers_backend == "ray":  # the actors' env workers: Ray actors here too
+        cpus += math.ceil(n * env_workers(config) * float(config.env.ray_num_cpus_per_worker))
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
+    return True
+
+
 class RayActors:
     """`n` ActorWorkers as Ray actor processes (restarted by Ray when they die), on the cluster
     at `rl.ray_address` or on a local Ray instance started here ("" = local)."""
@@ -343,15 +362,7 @@ class RayActors:
         from coder.data import tokenizer as tokenizer_lib
 
         address = str(config.rl.ray_address)
-        self._started = not ray.is_initialized()
-        if self._started:
-            if address:
-                ray.init(address=address)
-            else:  # a new local instance, even when RAY_ADDRESS names another cluster
-                cpus = n + 1
-                if config.env.workers_backend == "ray":  # the actors' env workers: Ray actors here too
-                    cpus += math.ceil(n * env_workers(config) * float(config.env.ray_num_cpus_per_worker))
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
+        self._started = start_ray(config, n, processes=1)
         options = dict(max_restarts=MAX_RESTARTS, max_task_retries=0, max_concurrency=slots + 4,
                        **_placement(local=not address))
         remote = ray.remote(ActorWorker).options(**options)
