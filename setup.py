@@ -33,6 +33,7 @@ setup(
         "pytest>=8",  # the sandbox's tasks are scored with pytest
         "ray>=2.40,<3",  # RL orchestration: learner, actors and env workers (local or a cluster)
         "zstandard>=0.22",  # weight sync: zstd-compressed XOR deltas between versions
+        "matplotlib>=3.9,<4",  # the run report's figures (coder/report.py, Agg canvas: no display); tested with 3.11
     ],
     extras_require={
         # transformers + CPU torch: reference implementation for the model-equivalence tests;

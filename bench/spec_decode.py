@@ -10,10 +10,21 @@ Trains the quickstart model with 2 MTP layers (pretrain on the bundled stdlib co
 2. acceptance per depth in the k = 2 runs, from the accepted-draft count of every step (the
    depth-2 rate is conditional on depth 1 being accepted: only then is it examined), beside the
    mtp stage's held-out alpha_d = sum min(p_main, p_mtp_d) (heldout/accept_d in
-   {workdir}/mtp/metrics.jsonl), which is the expected acceptance at temperature 1.
+   {workdir}/mtp/metrics.jsonl), which is the expected acceptance at temperature 1;
+3. the server in the loop (`--parts serve`): stage serve's Server (coder.stages.serve.build, so
+   the engine comes from `serve.speculative_k`) without and with speculative decoding, both up at
+   once on loopback ports, driven by 1 and 8 concurrent streaming `openai` clients (a separate
+   process: they do not share the servers' GIL), each sending --serve_requests chat requests (the
+   held-out prompts' text as the user turn) one after another. Per (temperature, clients, k):
+   completion tokens/s over the round's wall time (the better of --serve_rounds rounds, plain and
+   speculative rounds alternating, after warm-up rounds of each that compile their buckets),
+   tokens emitted per row per step, draft acceptance (both over the timed rounds), at
+   temperature 0 whether every reply's text equals the plain server's, and the programs compiled
+   during the timed rounds (0: none timed).
 
     JAX_PLATFORMS=cpu python bench/spec_decode.py [--workdir /tmp/spec_bench --pretrain_steps 100
-        --mtp_steps 100 --prompts 4 --prompt_len 64 --new_tokens 64]
+        --mtp_steps 100 --prompts 4 --prompt_len 64 --new_tokens 64 --parts engine,serve
+        --serve_k 2 --serve_clients 1,8 --serve_temps 0,1]
 """
 from __future__ import annotations
 
@@ -138,6 +149,142 @@ def run_engine(model, cfg, k, prompts, temperature, new_tokens, seed, decode_ste
     }, outs
 
 
+def serve_client_main(spec_path: str) -> None:
+    """One round of clients (this is a separate process): `clients` asyncio tasks of one
+    AsyncOpenAI, each sending `requests` streamed chat requests one after another; prints the
+    round's wall time, completion tokens and reply texts (in request order) as one JSON line."""
+    import asyncio
+
+    import openai
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    texts, clients, requests = spec["texts"], spec["clients"], spec["requests"]
+
+    async def client(c, i):
+        out = []
+        for j in range(requests):
+            n = i * requests + j
+            stream = await c.chat.completions.create(
+                model="coder", messages=[{"role": "user", "content": texts[n % len(texts)]}],
+                max_tokens=spec["max_tokens"], temperature=spec["temperature"], seed=spec["seed"] + n,
+                stream=True, stream_options={"include_usage": True})
+            text, tokens = [], 0
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            out.append(("".join(text), tokens))
+        return out
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=spec["url"] + "/v1", api_key="bench", max_retries=0, timeout=3600)
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(client(c, i) for i in range(clients))) for r in rs]
+        return results, time.perf_counter() - t0
+
+    results, wall = asyncio.run(run())
+    print(json.dumps(dict(wall=wall, tokens=sum(r[1] for r in results), texts=[r[0] for r in results])))
+
+
+def serve_round(url, texts, clients, requests, max_tokens, temperature, seed) -> dict:
+    """Runs `serve_client_main` in another process against the server at `url`."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(dict(url=url, texts=texts, clients=clients, requests=requests, max_tokens=max_tokens,
+                       temperature=temperature, seed=seed), f)
+    try:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--serve_client", f.name],
+                             capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def start_uvicorn(app):
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def serve_bench(c, ckpt, texts, args) -> dict:
+    """Part 3 of the module docstring; returns {(temperature, clients, k): figures}."""
+    import copy
+
+    from coder import stages
+    from coder.stages import serve as serve_stage
+
+    clients = [int(x) for x in args.serve_clients.split(",")]
+    temps = [float(x) for x in args.serve_temps.split(",")]
+    ks = [0, args.serve_k]
+    servers = {}
+    for k in ks:  # both servers up at once: their rounds alternate
+        sc = copy.deepcopy(c)
+        sc.stage = "serve"
+        sc.serve.update(dict(speculative_k=k, max_slots=max(clients), decode_steps=args.serve_decode_steps,
+                             log_store="none", max_tokens=args.new_tokens))
+        server = serve_stage.build(stages.stage_config("serve", sc), ckpt)
+        uv, url = start_uvicorn(server.app)
+        servers[k] = dict(server=server, engine=server.engine, uv=uv, url=url)
+    print(f"\nserver in the loop: stage serve's Server (serve.speculative_k = {ks[0]} and {ks[1]}, both up, "
+          f"serve.decode_steps {args.serve_decode_steps}), C concurrent streaming openai clients in another "
+          f"process on loopback, each sending {args.serve_requests} requests of up to {args.new_tokens} tokens "
+          f"one after another; the better of {args.serve_rounds} rounds")
+    print(f"{'T':>3} {'clients':>7} {'k':>3} {'tok/s':>8} {'x plain':>8} {'tok/row-step':>13} {'accept':>7} "
+          f"{'tokens':>7} {'greedy==plain':>14} {'compiles':>8}")
+    results = {}
+    for n in clients:  # the engines' pools only grow: the batch-1 rows run before the batch-8 ones
+        for temp in temps:
+            seed = args.seed + int(100 * temp) + 1000 * n
+            run = lambda k: serve_round(servers[k]["url"], texts, n, args.serve_requests,  # noqa: E731
+                                        args.new_tokens, temp, seed)
+            for k in ks:  # warm-up rounds compile this concurrency's buckets (until one compiles nothing)
+                for _ in range(4):
+                    compiled = servers[k]["engine"].num_compilations
+                    run(k)
+                    if servers[k]["engine"].num_compilations == compiled:
+                        break
+            before = {k: dict(servers[k]["engine"].stats()) for k in ks}
+            compiled = {k: servers[k]["engine"].num_compilations for k in ks}
+            best = {}
+            for _ in range(args.serve_rounds):
+                for k in ks:
+                    r = run(k)
+                    if k not in best or r["tokens"] / r["wall"] > best[k]["tokens"] / best[k]["wall"]:
+                        best[k] = r
+            for k in ks:
+                after = servers[k]["engine"].stats()
+                d = {key: after[key] - before[k][key] for key in ("emitted", "row_steps")}
+                drafted = after.get("drafted", 0) - before[k].get("drafted", 0)
+                accepted = after.get("accepted", 0) - before[k].get("accepted", 0)
+                tok_s = best[k]["tokens"] / best[k]["wall"]
+                same = "-" if temp > 0 or k == 0 else str(best[k]["texts"] == best[0]["texts"])
+                results[(temp, n, k)] = dict(tok_s=tok_s, accept=accepted / drafted if drafted else float("nan"),
+                                             per_row_step=d["emitted"] / max(d["row_steps"], 1),
+                                             compiles=servers[k]["engine"].num_compilations - compiled[k])
+                base = results[(temp, n, 0)]["tok_s"]
+                print(f"{temp:>3g} {n:>7} {k:>3} {tok_s:>8.1f} {tok_s / base:>8.2f} "
+                      f"{results[(temp, n, k)]['per_row_step']:>13.3f} {results[(temp, n, k)]['accept']:>7.3f} "
+                      f"{best[k]['tokens']:>7} {same:>14} {results[(temp, n, k)]['compiles']:>8}", flush=True)
+    for s in servers.values():
+        s["uv"].should_exit = True
+        s["server"].close()
+        s["engine"].close()
+    return results
+
+
 def heldout_accept(workdir):
     """The last heldout/accept_d, agree_d, kl_d of {workdir}/mtp/metrics.jsonl."""
     rec = {}
@@ -162,7 +309,18 @@ def main():
     ap.add_argument("--decode_steps", type=int, default=32, help="decode steps per host call")
     ap.add_argument("--hidden", type=int, default=768, help="model width (0: the quickstart model as is)")
     ap.add_argument("--layers", type=int, default=8, help="dense trunk layers (with --hidden)")
+    ap.add_argument("--parts", default="engine,serve", help="engine (parts 1-2), serve (part 3)")
+    ap.add_argument("--serve_k", type=int, default=2, help="serve.speculative_k of the speculative server")
+    ap.add_argument("--serve_clients", default="1,8", help="concurrent clients (comma-separated)")
+    ap.add_argument("--serve_temps", default="0,1", help="temperatures of the served requests")
+    ap.add_argument("--serve_requests", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--serve_rounds", type=int, default=3, help="timed rounds per server (the better counts)")
+    ap.add_argument("--serve_decode_steps", type=int, default=8, help="serve.decode_steps")
+    ap.add_argument("--serve_client", default="", help=argparse.SUPPRESS)  # internal: one round of clients
     args = ap.parse_args()
+    if args.serve_client:
+        return serve_client_main(args.serve_client)
+    parts = set(args.parts.split(","))
 
     c = build_config(args)
     t0 = time.perf_counter()
@@ -180,6 +338,17 @@ def main():
     print(f"{len(prompts)} held-out prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
           f"batch 1, {jax.device_count()} device(s), backend {jax.default_backend()}")
 
+    if "engine" in parts:
+        engine_bench(c, model, prompts, args)
+    if "serve" in parts:
+        from coder.train.checkpoint import stage_tokenizer
+
+        tok = stage_tokenizer(c, ckpt)
+        serve_bench(c, ckpt, [tok.decode(p) for p in prompts], args)
+
+
+def engine_bench(c, model, prompts, args):
+    """Parts 1 and 2 of the module docstring."""
     results = {}
     for temp in (0.0, 1.0):
         base = None

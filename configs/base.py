@@ -105,6 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
     c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run
     c.train.log_every = 10  # steps between metric lines
+    c.train.heldout_batches = 4  # held-out batches an LM stage scores before and after training (0 = off)
     c.train.ckpt_every = 50  # steps between checkpoints (and always at the end)
     c.train.keep_checkpoints = 3  # checkpoints kept on disk
     c.train.peak_flops = 0.0  # per-device peak FLOP/s for MFU (0 = TPU table, else a measured matmul)
@@ -213,7 +214,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.tokens_per_group = 0  # loss normalizer per group (0 = group_size * max_rollout_tokens)
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
+    c.grpo.eval_at_start = True  # also before the first step: the baseline the stage's pass@1 gain is read against
+    c.grpo.warmup_steps = 0  # linear warmup of the grpo stage (0 = train.warmup_steps)
+    c.grpo.min_lr_ratio = 0.0  # its cosine decays to grpo.lr * this (0 = train.min_lr_ratio; 1 = constant lr)
     c.grpo.ckpt_every = 5  # steps between grpo checkpoints (-> train.ckpt_every): an RL step is minutes of rollouts
+    # MTP refresh: the MTP modules keep distilling the current policy on its sampled tokens (trunk
+    # held fixed; 0 = off: the drafts go stale as the policy moves). Small because the global-norm
+    # clip (train.grad_clip) sees the MTP gradients beside the policy's; Adam's step size is
+    # scale-free, so the MTP modules still learn at grpo.lr.
+    c.grpo.mtp_weight = 0.1
     c.grpo.max_staleness = 4  # tokens sampled more than this many learner versions ago carry no loss
     c.grpo["async"] = False  # True: actors run ahead of the learner (<= max_staleness versions); False: lockstep, reproducible
     # truncated importance weight min(pi_learner/pi_engine, cap) on each token's loss (0 = off). Without
@@ -257,6 +266,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.serve.max_len = 0  # tokens of prompt + reply per sequence (0 = model.max_position_embeddings)
     c.serve.max_slots = 32  # sequences the engine decodes at once (more requests wait for a slot)
     c.serve.decode_steps = 8  # decode steps per engine call (a stream sends tokens this often)
+    # speculative decoding: each decode step drafts this many tokens with the MTP modules and the
+    # model verifies them in one forward (exact: replies are distributed as plain decoding's);
+    # 0 = off, at most model.num_mtp_layers
+    c.serve.speculative_k = 0
     c.serve.dtype = ""  # serving weights' dtype ("" = model.dtype); the weight store holds this dtype
     c.serve.max_tokens = 512  # a request's default max_tokens
     c.serve.system_prompt = ""  # preamble of the tools' system prompt when a request has no system message

@@ -338,7 +338,7 @@ def test_grpo_shape_defaults_to_the_rollout_context():
     assert C.grpo_shape(config) == (16, 512)
 
 
-def test_grpo_model_flops_leave_out_the_mtp_modules():
+def test_grpo_model_flops_count_the_mtp_modules_only_when_refreshed():
     from configs import quickstart
 
     from coder.train import metrics
@@ -349,6 +349,7 @@ def test_grpo_model_flops_leave_out_the_mtp_modules():
         m, 256, layers=m.num_hidden_layers)
     assert C.grpo_model_flops(m, 8, 256) == pytest.approx(8 * 256 * trunk)
     assert C.grpo_model_flops(m, 8, 256) < C.model_flops_per_step(m, 8, 256)  # pretraining: + MTP
+    assert C.grpo_model_flops(m, 8, 256, m.num_mtp_layers) == pytest.approx(C.model_flops_per_step(m, 8, 256))
 
 
 @pytest.mark.slow
@@ -381,11 +382,10 @@ def test_quickstart_grpo_step_compiles_for_v5e_2x2(quickstart_report):
     params = [arrays(i.shape) for i in module.computations[module.entry] if i.opcode == "parameter"]
     assert [("s32", (layers, rows, t, k))] in params
 
-    # compiled work vs model FLOPs without MTP: ~1.17 with splash attention (~1.75 with XLA's
-    # full-width attention scores); counting the MTP module, which the GRPO loss does not run,
-    # would give ~0.68 (~1.0), and forward-only model FLOPs (2N + A) ~3.5 (~5.2)
+    # compiled work vs model FLOPs of the trunk and the MTP module (grpo.mtp_weight > 0: the
+    # refresh runs it); forward-only model FLOPs (2N + A) would give ~3x more
     f = g["roofline"]
-    assert f["model_flops"] == pytest.approx(C.grpo_model_flops(m, 8, 256))
+    assert f["model_flops"] == pytest.approx(C.grpo_model_flops(m, 8, 256, m.num_mtp_layers))
     assert g["cost"]["flops"] > 0
     assert 0.9 < f["hlo_to_model_flops"] < 2.5
     assert 0 < f["mfu_lower"] <= f["mfu_upper"] < 1

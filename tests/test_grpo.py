@@ -426,3 +426,47 @@ def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from=Tru
     record.write_text(json.dumps(rec))
     with pytest.raises(ValueError, match="reference policy rebuilt on resume"):
         Learner(c, str(tmp_path / "grpo"), init_from, model_fn)
+
+
+# ---------------------------------------------------------------- the MTP refresh
+
+def test_mtp_refresh_trains_the_mtp_modules_and_leaves_the_policy_gradient_unchanged():
+    """grpo.mtp_weight > 0: the distillation term reaches the MTP modules only (the trunk's,
+    embedding's and head's gradients equal the plain GRPO loss's), the MTP modules get a
+    non-zero gradient, and the term is stage mtp's KL on the batch's policy tokens, reported with
+    its acceptance rate per depth."""
+    from flax import nnx
+
+    from coder.model import Transformer
+    from coder.train import distill
+
+    c = _learner_config()
+    model = Transformer(c.model, nnx.Rngs(0))
+    assert len(model.mtp) == c.model.num_mtp_layers > 0
+    batch = {k: jnp.asarray(v) for k, v in _learner_batch(rows=2, t=16).items()}
+    batch["loss_mask"] = batch["loss_mask"].at[:, :6].set(0.0)  # a prompt: no policy tokens there
+    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.001, normalizer=32.0, temperature=1.0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def grads(mtp_weight):
+        def loss(p):
+            value, metrics = grpo.grpo_loss_fn(**kw, mtp_weight=mtp_weight)(nnx.merge(graphdef, p, rest), batch, None)
+            return value, metrics
+        return jax.grad(loss, has_aux=True)(params)
+
+    (g0, m0), (g1, m1) = grads(0.0), grads(0.5)
+    flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
+    mtp_keys = [k for k in flat1 if "mtp" in k]
+    assert mtp_keys and len(mtp_keys) < len(flat1)
+    for k, v in flat1.items():
+        if "mtp" in k:
+            assert float(jnp.abs(flat0[k][...]).max()) == 0.0  # plain GRPO: no MTP gradient
+        else:
+            np.testing.assert_allclose(np.asarray(v[...]), np.asarray(flat0[k][...]), rtol=1e-6, atol=1e-9)
+    assert max(float(jnp.abs(flat1[k][...]).max()) for k in mtp_keys) > 0
+
+    logits, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"], mtp=True)
+    kl, expected = distill.distill_loss(logits, aux["mtp_logits"], batch, ce_weight=0.0)
+    assert float(m1["mtp_kl"]) == pytest.approx(float(kl), rel=1e-5)
+    assert float(m1["mtp_accept_1"]) == pytest.approx(float(expected["accept_1"]), rel=1e-5)
+    assert 0 < float(m1["mtp_accept_1"]) < 1 and "mtp_kl" not in m0

@@ -210,16 +210,18 @@ class Actor:
         self.pool = None
         self._finalizer = None
 
-    def collect(self, tasks, rng) -> list[list]:
-        """G rollouts for each task: `[B][G]` Rollouts."""
+    def collect(self, tasks, rng, *, group_size: int | None = None, keys=None) -> list[list]:
+        """G rollouts for each task: `[B][G]` Rollouts. G is `group_size` (default
+        rl.group_size: the agent eval asks for rl.eval_samples); task i samples with `keys[i]`
+        (default fold_in(rng, i))."""
+        g = int(self.config.rl.group_size if group_size is None else group_size)
+        keys = [jax.random.fold_in(rng, i) for i in range(len(tasks))] if keys is None else list(keys)
         if not self.config.rl.concurrent:
-            g = int(self.config.rl.group_size)
-            return [self.agent.run_group(t.id, t.prompt, [self.make_episode(t) for _ in range(g)],
-                                         jax.random.fold_in(rng, i)) for i, t in enumerate(tasks)]
-        return self._collect_concurrent(tasks, rng)
+            return [self.agent.run_group(t.id, t.prompt, [self.make_episode(t) for _ in range(g)], key)
+                    for t, key in zip(tasks, keys)]
+        return self._collect_concurrent(tasks, keys, g)
 
-    def _collect_concurrent(self, tasks, rng) -> list[list]:
-        g = int(self.config.rl.group_size)
+    def _collect_concurrent(self, tasks, keys, g: int) -> list[list]:
         make_episode = self._episode_maker(len(tasks) * g)
         engine, sp = self._threaded_engine, self.agent.sampling_params
 
@@ -235,7 +237,7 @@ class Actor:
                     episode.close()
 
         shared = [_SharedGroup(g) for _ in tasks]
-        jobs = [(t, shared[b], i, jax.random.fold_in(rng, b)) for b, t in enumerate(tasks) for i in range(g)]
+        jobs = [(t, shared[b], i, keys[b]) for b, t in enumerate(tasks) for i in range(g)]
         with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rollout") as ex:
             futures = [ex.submit(rollout, *job) for job in jobs]
             flat = [f.result() for f in futures]

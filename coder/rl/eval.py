@@ -10,7 +10,7 @@ infrastructure failure are left out of n for their task; a task with fewer than 
 rollouts does not count towards pass@k.
 
 Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` with the summary and every task's
-counts. A checkpoint whose pass@1 is below the previous report's by more than
+counts, finish reasons, broken calls and the text of its first rollout (`transcript_text`). A checkpoint whose pass@1 is below the previous report's by more than
 `rl.eval_regression_margin` is flagged (`regressed` in the report and the returned dict, and a
 warning in the log).
 """
@@ -78,8 +78,23 @@ def previous_report(report_dir: str, step: int) -> dict | None:
         return json.load(f)
 
 
+def transcript_text(rollout, tokenizer, limit: int = 4000) -> str:
+    """What a person reads of a rollout: each context window's text from its first sampled token
+    on (the agent's turns and the tool results), windows separated by a marker, cut to `limit`
+    characters (the head and the tail kept)."""
+    parts = []
+    for g in rollout.generations:
+        first = next((i for i, p in enumerate(g.policy) if p), None)
+        if first is not None:
+            parts.append(tokenizer.decode([int(t) for t in g.tokens[first:]]))
+    text = "\n[... new context window ...]\n".join(parts)
+    if len(text) > limit:
+        text = text[:limit // 2] + "\n[...]\n" + text[-limit // 2:]
+    return text
+
+
 def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, tasks=None,
-                   make_episode=None, engine=None) -> dict:
+                   make_episode=None, engine=None, actor=None) -> dict:
     """Evaluates `model` as an agent on held-out tasks; writes the report; returns the summary.
 
     Args:
@@ -93,33 +108,41 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
       make_episode: `task -> episode` (default: `coder.rl.actor.episode_factory(config)`, a
         sandboxed coder.env Episode with config.env's limits).
       engine: an existing Engine holding `model`'s weights (default: a new one).
+      actor: an existing coder.rl.actor.Actor over that engine (its env workers reused; default:
+        one made here and closed after). It rolls out this process's tasks together, each task's
+        n samples one engine group (concurrently with rl.concurrent, as training does).
     Returns:
       {"pass@k" for k in rl.eval_k, "num_tasks", "infra_failures", "regressed", "report"}.
     """
     from coder.rl import actor as stage_lib
-    from coder.rl import agent as agent_lib
 
     rl = config.rl
     ks = tuple(sorted({1, *(int(k) for k in rl.eval_k)}))  # pass@1 always: the regression check
     if max(ks) > int(rl.eval_samples):
         raise ValueError(f"rl.eval_k={ks} needs rl.eval_samples >= {max(ks)}")
     tasks = stage_lib.eval_tasks(config) if tasks is None else tasks
-    make_episode = make_episode or stage_lib.episode_factory(config)
-    engine = engine or stage_lib.make_engine(model, config)
-    agent = agent_lib.Agent(engine, tokenizer, rl, stage_lib.sampling_params(rl))
+    own_actor = actor is None
+    if own_actor:
+        engine = engine or stage_lib.make_engine(model, config)
+        actor = stage_lib.Actor(engine, tokenizer, config, make_episode or stage_lib.episode_factory(config))
     rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
     t0 = time.perf_counter()
-    per_task = []
     processes, pid = jax.process_count(), jax.process_index()
-    for i, task in enumerate(tasks):
-        if i % processes != pid:  # each process's actor evaluates its share of the tasks
-            continue
-        episodes = [make_episode(task) for _ in range(int(rl.eval_samples))]
-        rollouts = agent.run_group(task.id, task.prompt, episodes, jax.random.fold_in(rng, i))
+    mine = [i for i in range(len(tasks)) if i % processes == pid]  # each process evaluates its share
+    try:
+        groups = actor.collect([tasks[i] for i in mine], rng, group_size=int(rl.eval_samples),
+                               keys=[jax.random.fold_in(rng, i) for i in mine])
+    finally:
+        if own_actor:
+            actor.close()
+    per_task = []
+    for i, rollouts in zip(mine, groups):
         valid = [r for r in rollouts if not r.infra_error]
-        per_task.append({"index": i, "id": task.id, "n": len(valid), "correct": int(sum(r.correct for r in valid)),
+        per_task.append({"index": i, "id": tasks[i].id, "n": len(valid), "correct": int(sum(r.correct for r in valid)),
                          "mean_test_reward": float(np.mean([r.test_reward for r in valid])) if valid else None,
-                         "infra_failures": len(rollouts) - len(valid)})
+                         "infra_failures": len(rollouts) - len(valid),
+                         "finish": [r.finish for r in rollouts], "broken_calls": [r.broken_calls for r in rollouts],
+                         "sample": transcript_text(rollouts[0], tokenizer) if rollouts else ""})
     per_task = sorted(_gather(per_task), key=lambda t: t.pop("index"))
     counts = [(t["n"], t["correct"]) for t in per_task]
     infra = sum(t["infra_failures"] for t in per_task)

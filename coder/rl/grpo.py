@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coder.train import distill
 from coder.train.losses import pick_targets
 
 
@@ -330,11 +331,13 @@ def loss_fn_from_config(config):
     return grpo_loss_fn(clip_low=float(g.clip_low), clip_high=float(g.clip_high), kl_coef=float(g.kl_coef),
                         normalizer=loss_normalizer(config), temperature=float(config.rl.temperature),
                         router_replay=bool(g.router_replay), max_staleness=int(g.max_staleness),
-                        tis_cap=float(g.tis_cap))
+                        tis_cap=float(g.tis_cap),
+                        mtp_weight=float(g.mtp_weight) if int(config.model.num_mtp_layers) else 0.0)
 
 
 def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, router_replay=False,
-                 max_staleness: int | None = None, tis_cap: float = 0.0, loss: str = "grpo"):
+                 max_staleness: int | None = None, tis_cap: float = 0.0, loss: str = "grpo",
+                 mtp_weight: float = 0.0):
     """A trainer loss `loss_fn(model, batch, rng) -> (loss, metrics)` for GRPO batches.
 
     The batch (docs/contracts.md) holds `tokens, positions, segment_ids, loss_mask` `[B, T]`,
@@ -352,6 +355,13 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
     behaviour_logp| over the loss tokens (`ratio_mean` hides it: ratios above and below 1
     average out), and with `expert_ids` in the batch `routing_diagnostics`' routing_mismatch
     and unrouted_tokens (the learner's own top-k is aux["router_ids"] of the same forward).
+
+    MTP refresh (`mtp_weight` > 0): the MTP modules keep learning the current policy's
+    distribution on the batch's sampled tokens (loss_mask), with stage mtp's objective
+    (coder.train.distill.distill_loss) on the trunk held fixed (`detached_mtp_logits`: the
+    policy's gradient is unchanged), added as mtp_weight x KL; metrics mtp_kl, mtp_accept and
+    mtp_accept_{d} per depth (the draft acceptance rate under the current policy). Without it the
+    drafts go stale as RL moves the policy, exactly when the engine needs them.
     """
 
     def loss_fn(model, batch, rng):
@@ -376,6 +386,12 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
                 "behaviour_logp_abs_diff_max": gap.max()}
         if engine_ids is not None and "router_ids" in aux:
             diag.update(routing_diagnostics(engine_ids, aux["router_ids"], batch["segment_ids"]))
+        if mtp_weight:
+            mtp_logits = distill.detached_mtp_logits(model, aux["hidden"], batch["tokens"], batch["positions"],
+                                                     batch["segment_ids"])
+            kl, m = distill.distill_loss(logits, mtp_logits, batch, ce_weight=0.0)
+            value = value + mtp_weight * kl
+            diag.update({f"mtp_{k}": v for k, v in m.items() if k.startswith(("kl", "accept"))})
         return value, {**metrics, **stale, **diag}
 
     return loss_fn

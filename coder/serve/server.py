@@ -33,7 +33,10 @@ may still turn out to be a tool call or a stop string is held back) and the tool
 end.
 
 **Batching.** Each request's blocking engine calls run in a thread pool, so concurrent requests
-decode together in the engine's batches (continuous batching).
+decode together in the engine's batches (continuous batching). An engine built with
+`speculative_k` (stage serve's `serve.speculative_k`) drafts with the MTP modules and verifies:
+nothing here changes (the same tokens at temperature 0, the same distribution otherwise; a
+decode call's `on_tokens` just brings up to k + 1 tokens per step).
 
 **Logging** (`log`: a coder.serve.trajectory_log.TrajectoryLog): one record per choice with the
 exact prompt and sampled ids, logprobs, policy version per token and routing (see that module).

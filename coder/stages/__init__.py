@@ -66,8 +66,10 @@ STAGES = {
     "sft": Stage("coder.stages.lm:sft",
                  _steps_lr("sft") + (("sft.seq_len", "data.seq_len"), ("sft.batch_size", "data.batch_size")),
                  tools=lambda c: () if c.sft.data else tuple(SANDBOX_TOOLS)),
-    "grpo": Stage("coder.stages.grpo:run", _steps_lr("grpo") + (("grpo.ckpt_every", "train.ckpt_every"),),
-                  check="coder.stages.grpo:validate",
+    "grpo": Stage("coder.stages.grpo:run", _steps_lr("grpo") + (("grpo.ckpt_every", "train.ckpt_every"),
+                                                                ("grpo.warmup_steps", "train.warmup_steps"),
+                                                                ("grpo.min_lr_ratio", "train.min_lr_ratio")),
+                  derive="coder.stages.grpo:grpo_config", check="coder.stages.grpo:validate",
                   tools=lambda c: tuple(SANDBOX_TOOLS)),
     "eval": Stage("coder.stages.lm:evaluate", check="coder.stages.lm:check_eval",
                   tools=lambda c: tuple(SANDBOX_TOOLS) if int(c.eval.agent_tasks) > 0 else ()),
@@ -271,37 +273,42 @@ def _report(message: str) -> None:
         logging.info("%s", message)
 
 
+# What a stage's summary row compares, start -> end: (label, metrics.jsonl key), in order; the
+# agent eval's pass@1 (its reports in {stage_dir}/agent_eval) comes after them.
+SUMMARY_MEASURES = (("loss", "loss"), ("held-out", "heldout_loss"), ("reward", "reward"),
+                    ("accept", "heldout/accept"))
+
+
 def summarize(stage: str, stage_dir: str, seconds: float, checkpoint: str) -> dict:
-    """Loss at the start and the end of a stage, from its metrics.jsonl."""
-    path = epath.Path(stage_dir) / "metrics.jsonl"
-    first = last = None
-    if jax.process_index() == 0 and path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "loss" in record:
-                first = record if first is None else first
-                last = record
-    return {
-        "stage": stage,
-        "loss_start": None if first is None else first["loss"],
-        "loss_end": None if last is None else last["loss"],
-        "steps": None if last is None else last["step"],
-        "seconds": seconds,
-        "checkpoint": checkpoint,
-    }
+    """What a stage improved, from its own records: each of SUMMARY_MEASURES it logged at its
+    first and last record ({label: (start, end)}), and pass@1 of its first and last agent eval
+    (`pass@1`: (start, end)); start is None when there was one record. Only process 0 reads them."""
+    measures: dict[str, tuple] = {}
+    steps = None
+    if jax.process_index() == 0:
+        path = epath.Path(stage_dir) / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        for label, key in SUMMARY_MEASURES:
+            seen = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+            if seen:
+                measures[label] = (seen[0] if len(seen) > 1 else None, seen[-1])
+        steps = max((r["step"] for r in records), default=None)
+        evals = sorted((epath.Path(stage_dir) / "agent_eval").glob("step_*.json"))
+        if evals:
+            first, last = (json.loads(p.read_text())["summary"]["pass@1"] for p in (evals[0], evals[-1]))
+            measures["pass@1"] = (first if len(evals) > 1 else None, last)
+    return {"stage": stage, "measures": measures, "steps": steps, "seconds": seconds, "checkpoint": checkpoint}
 
 
 def _print_summary(rows: list[dict]):
     if jax.process_index() != 0:
         return
-    print("\nstage      loss start -> end        steps   wall time  checkpoint", flush=True)
+    print(f"\n{'stage':<10} {'start -> end':<56} {'steps':>5}  {'wall time':>9}  checkpoint", flush=True)
     for r in rows:
-        loss = "-"
-        if r["loss_start"] is not None:
-            loss = f"{r['loss_start']:.4f} -> {r['loss_end']:.4f}"
+        what = ", ".join(f"{label} {b:.4g}" if a is None else f"{label} {a:.4g} -> {b:.4g}"
+                         for label, (a, b) in r["measures"].items()) or "-"
         steps = "-" if r["steps"] is None else str(r["steps"])
-        print(f"{r['stage']:<10} {loss:<24} {steps:>5}  {r['seconds']:>8.1f}s  {r['checkpoint']}",
-              flush=True)
+        print(f"{r['stage']:<10} {what:<56} {steps:>5}  {r['seconds']:>8.1f}s  {r['checkpoint']}", flush=True)
 
 
 def run_one(name: str, config, stage_dir: str, init_from: str = "") -> str:
@@ -326,4 +333,29 @@ def run(config) -> str:
         init_from = checkpoint or init_from
     if len(rows) > 1:
         _print_summary(rows)
+    write_report(config.workdir, rows)
     return init_from
+
+
+def write_report(workdir: str, rows: list[dict]) -> str | None:
+    """The run report of `workdir` (coder.report: Markdown + figures in {workdir}/report/, with
+    the summary `rows` as printed), its path printed as the summary's last line; process 0 only.
+
+    Returns the path, or None: not written (another process; no stage logged metrics, e.g. a
+    compile-only run; or rendering failed: a warning says why, the finished run stands).
+    """
+    if jax.process_index() != 0:
+        return None
+    from coder import report
+
+    try:
+        path = report.write_report(workdir, rows=rows)
+    except report.NoMetricsError as e:
+        logging.info("no run report: %s", e)
+        return None
+    except Exception as e:  # noqa: BLE001 (the training is done; the report is not worth failing it)
+        logging.warning("the run report was not written (%s: %s); `python -m coder.report %s` "
+                        "renders it", type(e).__name__, e, workdir)
+        return None
+    print(f"report: {path}", flush=True)
+    return path

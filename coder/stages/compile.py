@@ -347,13 +347,13 @@ def lower_grpo_step(config, mesh):
     return lowered, sizes, setup
 
 
-def grpo_model_flops(model_cfg, rows: int, seq: int) -> float:
-    """Model FLOPs of one GRPO step: rows x seq tokens x (6 N + 3 A) of the trunk alone
-    (coder.train.metrics.model_flops_per_token with mtp_modules=0): grpo_loss_fn runs the model
-    with mtp=False, so the MTP modules do no work in this step."""
+def grpo_model_flops(model_cfg, rows: int, seq: int, mtp_modules: int = 0) -> float:
+    """Model FLOPs of one GRPO step: rows x seq tokens x (6 N + 3 A) of the trunk and
+    `mtp_modules` MTP modules (coder.train.metrics.model_flops_per_token): the policy loss runs
+    the trunk alone; the MTP refresh (grpo.mtp_weight > 0) adds every MTP module."""
     from coder.train import metrics
 
-    return rows * seq * metrics.model_flops_per_token(model_cfg, seq, mtp_modules=0)
+    return rows * seq * metrics.model_flops_per_token(model_cfg, seq, mtp_modules=mtp_modules)
 
 
 def _failure(e: Exception) -> dict:
@@ -387,7 +387,8 @@ def compile_grpo(config, mesh, topo, hlo_dir: str = "") -> dict:
     else:
         out = analyse(compiled, topo, params=sizes["params"], optimizer=sizes["optimizer"],
                       batch=sizes["batch"],
-                      model_flops=grpo_model_flops(config.model, setup["rows"], setup["seq_len"]),
+                      model_flops=grpo_model_flops(config.model, setup["rows"], setup["seq_len"],
+                                                   int(config.model.num_mtp_layers) if config.grpo.mtp_weight else 0),
                       gmm_scale=gmm_scale(config, mesh, setup["rows"] // int(config.train.grad_accum),
                                           setup["seq_len"]))
         out["status"] = "fits" if out["memory"]["fits"] else "does_not_fit"

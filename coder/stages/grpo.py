@@ -42,6 +42,7 @@ trainer's (grad_norm, lr, ...).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -52,7 +53,7 @@ from flax import nnx
 from coder.env import pool as env_pool
 from coder.rl import actor_group, actor_learner
 from coder.rl import reward as reward_lib
-from coder.rl.actor import episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
+from coder.rl.actor import Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
 from coder.rl.learner import Learner
 from coder.train import state as state_lib
 
@@ -92,6 +93,14 @@ def validate(config) -> None:
         raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
                          f"{rl.num_actors}), or grpo.async=True")
     env_pool.check_config(config.env)  # where the env workers run
+
+
+def grpo_config(config):
+    """The stage's config: a log record every step (a step is minutes of rollouts, and its
+    rollout metrics reach metrics.jsonl only in a record)."""
+    c = copy.deepcopy(config)
+    c.train.log_every = 1
+    return c
 
 
 def engine_metrics(before: dict, after: dict, seconds: float) -> dict:
@@ -251,33 +260,44 @@ class GrpoRun:
             worker = self.actors.workers[0]
             if not self.colocated:  # colocated: after_step pushed this version already
                 worker.sync()  # the store's newest version (this step's), now
-            engine = worker.engine
+            actor = worker.actor  # its env workers too
         else:  # an engine of the learner's own, following the store like the actors
             if self._eval_engine is None:
                 self._eval_engine = make_engine(trainer.model, self.config)
                 self._eval_follower = weight_channel.EngineFollower(self._eval_engine, self.url, nnx.state(trainer.model))
+                self._eval_actor = Actor(self._eval_engine, self.tokenizer, self.config, self.make_episode)
             self._eval_follower.poll()
-            engine = self._eval_engine
+            actor = self._eval_actor
         return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
-                                       step=trainer.step, tasks=self.held_out, make_episode=self.make_episode,
-                                       engine=engine)
+                                       step=trainer.step, tasks=self.held_out, actor=actor)
 
     def run(self) -> str:
         """Trains to the end of the epoch (or train.steps); returns the checkpoint directory."""
         try:
+            if self.held_out and self.trainer.step == 0 and self.config.grpo.eval_at_start:  # the baseline
+                res = self.evaluate()
+                logging.info("[grpo] agent eval before the first step: %s", _eval_line(res))
             self.trainer.fit(self, self.steps, after_step=self.after_step)  # logging, checkpoints, SIGTERM
             if self.held_out:
                 res = self.evaluate()
-                logging.info("[grpo] agent eval at step %d: %s", self.trainer.step, res)
+                logging.info("[grpo] agent eval at step %d: %s", self.trainer.step, _eval_line(res))
         finally:
             self.close()
         return self.trainer.checkpoint_dir
 
     def close(self) -> None:
         if self._eval_engine is not None:
+            self._eval_actor.close()
             self._eval_engine.close()
         self.driver.close()
         self.trainer.close()
+
+
+def _eval_line(res: dict) -> str:
+    """The agent eval's summary for the console: pass@k, tasks, infra failures."""
+    parts = [f"{k} {v:.3f}" for k, v in res.items() if k.startswith("pass@")]
+    parts.append(f"{res['num_tasks']} tasks, {res['infra_failures']} infra failures")
+    return ", ".join(parts) + ("  REGRESSED" if res.get("regressed") else "")
 
 
 def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,

@@ -36,24 +36,67 @@ from coder.train.trainer import Trainer
 
 
 def _train(config, stage_dir: str, init_from: str, make_iterator) -> str:
+    """The training stages' body. `make_iterator(config, tokenizer, split)` gives the stage's
+    batches of "train" (endless) or "heldout" (one pass)."""
     from coder.train.checkpoint import stage_tokenizer
 
     tok = stage_tokenizer(config, init_from, stage_dir)
-    it = make_iterator(config, tok)
+    heldout = _heldout_batches(config, lambda: make_iterator(config, tok, "heldout"))
+    it = make_iterator(config, tok, "train")
     trainer = Trainer(config, stage_dir, lm_loss_fn(config.train), init_from=init_from, data_iterator=it,
                       tokenizer=tok, post_update=router_balancing(config.model))
     try:
+        if heldout and trainer.step == 0:  # a resumed stage logged its baseline already
+            trainer.log({"heldout_loss": heldout_loss(trainer, heldout)})
         trainer.fit(it, int(config.train.steps))
+        if heldout:
+            trainer.log({"heldout_loss": heldout_loss(trainer, heldout)})
     finally:
         trainer.close()
         it.close()
     return trainer.checkpoint_dir
 
 
-def _pretrain_iterator(config, tok):
+def _heldout_batches(config, make_heldout) -> list[dict]:
+    """Up to train.heldout_batches batches of the held-out split, kept so the stage scores the
+    same ones before and after training; [] when off or when the split is empty (logged)."""
+    n = int(config.train.heldout_batches)
+    if n <= 0:
+        return []
+    from coder.data.sft import SftDataError
+
+    try:
+        it = make_heldout()
+    except SftDataError as e:  # SFT data with no conversation in the held-out split
+        logging.warning("no held-out loss before/after this stage: %s", e)
+        return []
+    try:
+        batches = [b for _, b in zip(range(n), it)]
+    finally:
+        it.close()
+    if jax.process_count() > 1:  # every process scores as many batches (the forward is collective)
+        from jax.experimental import multihost_utils
+
+        batches = batches[:int(np.min(multihost_utils.process_allgather(np.int32(len(batches)))))]
+    if not batches:
+        logging.warning("no held-out loss before/after this stage: the held-out split gave no batch")
+    return batches
+
+
+def heldout_loss(trainer, batches: list[dict]) -> float:
+    """Mean next-token cross-entropy over the target tokens of `batches` (MTP and z-loss terms
+    left out: the number the stages are compared on)."""
+    total = count = 0.0
+    for batch in batches:
+        m = trainer.eval_step(batch)
+        total, count = total + float(m["ce"]) * float(m["weight"]), count + float(m["weight"])
+    return total / max(count, 1.0)
+
+
+def _pretrain_iterator(config, tok, split):
     from coder.data.pretrain import make_pretrain_iterator
 
-    return make_pretrain_iterator(config, tok, "train", jax.process_index(), jax.process_count())
+    return make_pretrain_iterator(config, tok, split, jax.process_index(), jax.process_count())
 
 
 def pretrain(config, stage_dir: str, init_from: str) -> str:
@@ -126,10 +169,10 @@ def sft(config, stage_dir: str, init_from: str) -> str:
     c = config
     data = _sft_data(c, stage_dir)
 
-    def make_iterator(cfg, tokenizer):
+    def make_iterator(cfg, tokenizer, split):
         from coder.data.sft import make_sft_iterator
 
-        return make_sft_iterator(cfg, tokenizer, data, "train", jax.process_index(), jax.process_count())
+        return make_sft_iterator(cfg, tokenizer, data, split, jax.process_index(), jax.process_count())
 
     return _train(c, stage_dir, init_from, make_iterator)
 

@@ -11,9 +11,13 @@ the quickstart's grpo checkpoint after `python main.py --config=configs/quicksta
 freshly initialised model (with a warning: its replies are noise). Its tokenizer is the one
 stored with it (coder.train.checkpoint.stage_tokenizer). The engine holds `serve.max_slots`
 sequences of `serve.max_len` tokens on this process's devices (coder.rl.actor.engine_mesh), in
-`serve.dtype`. Every completion and every feedback goes to the trajectory log at
-`serve.log_store` (default `{workdir}/serve/trajectories`); with `serve.weight_store` set the
-server follows the weight store the realtime stage publishes to.
+`serve.dtype`; with `serve.speculative_k` = k > 0 each decode step drafts k tokens with the
+model's MTP modules and verifies them in one forward (coder/infer/speculative.py: the replies are
+distributed exactly as plain decoding's; `check` refuses k > model.num_mtp_layers, and
+`check_drafts` a checkpoint without the MTP modules k needs). Every completion and every
+feedback goes to the trajectory log at `serve.log_store` (default
+`{workdir}/serve/trajectories`); with `serve.weight_store` set the server follows the weight
+store the realtime stage publishes to.
 
 On several processes (one job: `jax.distributed`, e.g. a TPU slice of several hosts) the
 engine spans every process's devices (coder/infer/engine.py): process 0 serves HTTP and leads,
@@ -47,6 +51,28 @@ def check(config) -> None:
             raise ValueError(f"serve.{key}={s[key]} must be >= 0")
     if float(s.poll_seconds) <= 0:
         raise ValueError(f"serve.poll_seconds={s.poll_seconds} must be > 0")
+    k, mtp = int(s.speculative_k), int(config.model.num_mtp_layers)
+    if k < 0:
+        raise ValueError(f"serve.speculative_k={s.speculative_k} must be >= 0 (0 = no speculative decoding)")
+    if k > mtp:
+        why = ("the model has no MTP modules (model.num_mtp_layers=0): set serve.speculative_k=0, or serve a "
+               "model with MTP modules (model.num_mtp_layers >= 1, distilled by stage mtp)" if mtp == 0 else
+               f"the model has model.num_mtp_layers={mtp}: set serve.speculative_k <= {mtp}")
+        raise ValueError(f"serve.speculative_k={k}: each drafted token takes one MTP module, and {why}")
+
+
+def check_drafts(config, loaded: dict, path: str) -> None:
+    """Stops at start-up when serve.speculative_k would draft with MTP modules the checkpoint did
+    not hold (a Hugging Face checkpoint saves none: they start fresh, and untrained drafts are
+    exact but almost never accepted, so every step would cost a verify forward for nothing).
+    `loaded` is coder.train.state.load_into's report."""
+    k = int(config.serve.speculative_k)
+    fresh = sorted(int(d) for d in loaded.get("fresh_mtp", ()) if int(d) < k)
+    if fresh:
+        raise ValueError(f"serve.speculative_k={k} drafts with MTP modules 0..{k - 1}, but {path} holds no "
+                         f"weights for module(s) {fresh} (they would start untrained): distil them first "
+                         f"(stage mtp with init_from={path}) and serve that checkpoint, or set "
+                         "serve.speculative_k=0")
 
 
 def served_len(config) -> int:
@@ -83,7 +109,7 @@ def build_engine(config, init_from: str = ""):
     from coder.infer.engine import Engine
     from coder.rl.actor import engine_mesh
     from coder.stages import inherit_model_config
-    from coder.train.state import build_model, load_model
+    from coder.train.state import build_model, load_into
 
     check(config)
     path = served_checkpoint(config, init_from)
@@ -92,7 +118,8 @@ def build_engine(config, init_from: str = ""):
         logging.info("[serve] serving %s (the newest checkpoint of workdir's stages)", path)
     tok = ckpt_lib.stage_tokenizer(config, path)
     if path:
-        model = load_model(config, path)
+        model = build_model(config)
+        check_drafts(config, load_into(model, path, require_all=True), path)
     else:
         logging.warning("[serve] no init_from and no checkpoint of stages %s in %s: serving a freshly "
                         "initialised model", tuple(config.stages), config.workdir)
@@ -100,8 +127,8 @@ def build_engine(config, init_from: str = ""):
     s = config.serve
     devices = jax.devices() if jax.process_count() > 1 else None
     engine = Engine(model, config.model, max_len=served_len(config), max_slots=int(s.max_slots),
-                    decode_steps=int(s.decode_steps), dtype=s.dtype or None, mesh=engine_mesh(config, devices),
-                    rules=config.mesh.rules)
+                    decode_steps=int(s.decode_steps), speculative_k=int(s.speculative_k), dtype=s.dtype or None,
+                    mesh=engine_mesh(config, devices), rules=config.mesh.rules)
     return engine, model, tok, path
 
 
@@ -127,8 +154,9 @@ def serve_engine(config, engine, model, tok, path: str):
                     system_prompt=s.system_prompt, seed=int(config.seed), workers=max(64, 2 * int(s.max_slots)))
     if s.weight_store:
         server.follow(s.weight_store, nnx.state(model), float(s.poll_seconds))
-    logging.info("[serve] model %r (%s), %d slots x %d tokens, log %s, weight store %s", s.model_name,
-                 path or "fresh", int(s.max_slots), served_len(config), url or "off", s.weight_store or "none")
+    logging.info("[serve] model %r (%s), %d slots x %d tokens, speculative_k %d, log %s, weight store %s",
+                 s.model_name, path or "fresh", int(s.max_slots), served_len(config), int(s.speculative_k),
+                 url or "off", s.weight_store or "none")
     return server
 
 

@@ -77,6 +77,22 @@ def distill_loss(logits, mtp_logits, batch, *, ce_weight: float):
     return sum(losses) / depths, metrics
 
 
+def detached_mtp_logits(model, hidden, tokens, positions, segment_ids):
+    """The MTP modules' logits `[D, B, T, V]` on the trunk's final hidden states `hidden`
+    `[B, T, d_model]` (aux["hidden"] of the main forward), as `model(..., mtp=True)` computes
+    them, with every parameter outside the MTP modules (the shared embedding and output head
+    included) and `hidden` held fixed: a loss on them trains the MTP modules only. For a stage
+    that trains the trunk with another objective (GRPO) and keeps the drafts distilled beside it."""
+    graphdef, mtp_params, rest = nnx.split(model, MTP_PARAMS, ...)
+    fixed = nnx.merge(graphdef, mtp_params, jax.tree.map(jax.lax.stop_gradient, rest))
+    h, out = jax.lax.stop_gradient(hidden), []
+    for k in range(len(fixed.mtp)):
+        nxt = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))  # tokens[t+k+1], 0 past the end
+        h, logits, _ = fixed.mtp_module(k, h, nxt, positions, segment_ids)
+        out.append(logits)
+    return jnp.stack(out)
+
+
 def distill_loss_fn(ce_weight: float):
     """`loss_fn(model, batch, rng)` for the trainer."""
 

@@ -254,9 +254,9 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"{self.stage}/{k}", v, step)
         parts = [f"[{self.stage}] step {step}" + (f"/{total_steps}" if total_steps else "")]
-        for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"),
+        for key, fmt in (("loss", ".4f"), ("reward", ".3f"), ("pass_rate", ".3f"), ("grad_norm", ".3f"), ("lr", ".2e"),
                          ("tokens_per_s", ".0f"), ("mfu", ".2%"), ("load_imbalance", ".2f"),
-                         ("perplexity", ".2f")):
+                         ("perplexity", ".2f"), ("heldout_loss", ".4f")):
             if key in record and isinstance(record[key], float):
                 parts.append(f"{key} {record[key]:{fmt}}")
         if eta_s is not None:
