@@ -21,6 +21,8 @@ Trains the quickstart model with 2 MTP layers (pretrain on the bundled stdlib co
    tokens emitted per row per step, draft acceptance (both over the timed rounds), at
    temperature 0 whether every reply's text equals the plain server's, and the programs compiled
    during the timed rounds (0: none timed).
+4. (`--parts grpo --grpo_init CKPT`) draft acceptance through GRPO with and without the MTP
+   refresh (grpo.mtp_weight): `grpo_refresh_bench`.
 
     JAX_PLATFORMS=cpu python bench/spec_decode.py [--workdir /tmp/spec_bench --pretrain_steps 100
         --mtp_steps 100 --prompts 4 --prompt_len 64 --new_tokens 64 --parts engine,serve
@@ -317,10 +319,18 @@ def main():
     ap.add_argument("--serve_rounds", type=int, default=3, help="timed rounds per server (the better counts)")
     ap.add_argument("--serve_decode_steps", type=int, default=8, help="serve.decode_steps")
     ap.add_argument("--serve_client", default="", help=argparse.SUPPRESS)  # internal: one round of clients
+    ap.add_argument("--grpo_init", default="", help="part 4 (--parts grpo): the checkpoint GRPO starts from, e.g. "
+                    "a quickstart run's {workdir}/sft/checkpoints")
+    ap.add_argument("--grpo_steps", type=int, default=4, help="part 4: GRPO steps of each run")
     args = ap.parse_args()
     if args.serve_client:
         return serve_client_main(args.serve_client)
     parts = set(args.parts.split(","))
+    if "grpo" in parts:
+        grpo_refresh_bench(args)
+        parts.discard("grpo")
+        if not parts:
+            return
 
     c = build_config(args)
     t0 = time.perf_counter()
@@ -345,6 +355,49 @@ def main():
 
         tok = stage_tokenizer(c, ckpt)
         serve_bench(c, ckpt, [tok.decode(p) for p in prompts], args)
+
+
+def grpo_refresh_bench(args) -> dict:
+    """Part 4: draft acceptance through GRPO with and without the MTP refresh (grpo.mtp_weight).
+
+    Two runs of stage grpo on configs/quickstart.py's toy tasks from the same checkpoint
+    (`--grpo_init`), the same seed and tasks, differing only in grpo.mtp_weight (0 vs the
+    config's), with the rollout engine drafting one token per step with the MTP module
+    (rl.speculative_k=1): each step's `engine_accept_depth1` is the acceptance of drafts on the
+    policy's own rollouts with the weights of that step (the engine verifies every draft against
+    the current policy), i.e. what speculative decoding gets as GRPO moves the policy."""
+    from configs import quickstart
+
+    from coder import stages
+
+    if not args.grpo_init:
+        raise SystemExit("--parts grpo needs --grpo_init (e.g. a quickstart run's sft/checkpoints)")
+    out = {}
+    for label, weight in (("no refresh", 0.0), ("refresh", None)):
+        c = quickstart.get_config()
+        c = stages.inherit_model_config(c, args.grpo_init)
+        if weight is not None:
+            c.grpo.mtp_weight = weight
+        c.grpo.steps, c.grpo.eval_at_start = args.grpo_steps, False
+        c.rl.speculative_k, c.rl.eval_num_tasks = 1, 0
+        stage_dir = os.path.join(args.workdir, "grpo_refresh", label.replace(" ", "_"))
+        if os.path.exists(stage_dir):
+            import shutil
+
+            shutil.rmtree(stage_dir)  # a fresh run each time: a resumed stage would skip its steps
+        t0 = time.perf_counter()
+        stages.run_one("grpo", c, stage_dir, args.grpo_init)
+        with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        out[label] = dict(weight=float(c.grpo.mtp_weight), seconds=time.perf_counter() - t0,
+                          accept=[r.get("engine_accept_depth1") for r in records],
+                          mtp_accept=[r.get("mtp_accept_1") for r in records])
+    print(f"\nPart 4: draft acceptance (depth 1) of the rollout engine per GRPO step, from {args.grpo_init}")
+    print(f"{'run':<12} {'grpo.mtp_weight':>15}  per step")
+    for label, r in out.items():
+        steps = " ".join("-" if a is None else f"{a:.3f}" for a in r["accept"])
+        print(f"{label:<12} {r['weight']:>15.2f}  {steps}")
+    return out
 
 
 def engine_bench(c, model, prompts, args):

@@ -130,8 +130,12 @@ def test_killed_actor_turns_calls_into_infra_errors_and_is_replaced(ray_local):
             pool.map(_square, [2])
         assert "exit code: 0" in ep.call(ToolCall("shell", {"command": "true"}, ""))
         ray_local.kill(killed)
-        with pytest.raises(ray_local.exceptions.RayActorError):  # Ray saw it die
-            ray_local.get(killed.ready.remote(), timeout=30)
+        # Ray saw it die (the kill is asynchronous: a call submitted right after may still run)
+        deadline = time.monotonic() + 60
+        with pytest.raises(ray_local.exceptions.RayActorError):
+            while time.monotonic() < deadline:
+                ray_local.get(killed.ready.remote(), timeout=30)
+                time.sleep(0.2)
         with pytest.raises(
             InfraError, match=re.escape(name) + " died during .*: shell"
         ):

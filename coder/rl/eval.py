@@ -86,7 +86,8 @@ def transcript_text(rollout, tokenizer, limit: int = 4000) -> str:
     for g in rollout.generations:
         first = next((i for i, p in enumerate(g.policy) if p), None)
         if first is not None:
-            parts.append(tokenizer.decode([int(t) for t in g.tokens[first:]]))
+            # ids past the tokenizer's vocabulary (the embedding's padding rows) have no text
+            parts.append(tokenizer.decode([int(t) for t in g.tokens[first:] if int(t) < tokenizer.vocab_size]))
     text = "\n[... new context window ...]\n".join(parts)
     if len(text) > limit:
         text = text[:limit // 2] + "\n[...]\n" + text[-limit // 2:]
