@@ -206,25 +206,11 @@ def serve_round(url, texts, clients, requests, max_tokens, temperature, seed) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def start_uvicorn(app):
-    import socket
-    import threading
-
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
 def serve_bench(c, ckpt, texts, args) -> dict:
     """Part 3 of the module docstring; returns {(temperature, clients, k): figures}."""
     import copy
 
+    from bench.serve import start_uvicorn  # the serving bench's loopback server
     from coder import stages
     from coder.stages import serve as serve_stage
 
