@@ -349,7 +349,7 @@ def _with_bias(model, value):
     expert index (non-zero and distinct)."""
     from flax import nnx
 
-    from coder.model.moe import RouterBias
+    from coder.model.routing import RouterBias
 
     state = nnx.state(model, RouterBias)
     state = jax.tree.map(lambda b: b + value + jnp.arange(b.shape[-1], dtype=b.dtype), state)

@@ -83,7 +83,7 @@ def test_grouped_rows_fraction_is_the_routed_share_of_the_kernel_rows():
     import numpy as np
     from jax.sharding import AxisType, Mesh
 
-    from coder.model import moe, sharding
+    from coder.model import expert_dispatch, sharding
     from configs import base
 
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 1, 8, 1, 1), sharding.AXES,
@@ -93,11 +93,11 @@ def test_grouped_rows_fraction_is_the_routed_share_of_the_kernel_rows():
     cfg.n_routed_experts, cfg.num_experts_per_tok = 16, 2
     # tokens replicated over the 8 expert devices: each routes 64 / 8 of them; the worst-case
     # receive buffer holds all 8 devices' pairs
-    assert moe.ragged_buffer(mesh, rules, 1, 64, 2, 0.0) == (8, 8 * 2 * 8)
-    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
+    assert expert_dispatch.ragged_buffer(mesh, rules, 1, 64, 2, 0.0) == (8, 8 * 2 * 8)
+    assert expert_dispatch.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
     cfg.moe_a2a_buffer_factor = 2.0
-    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 2
+    assert expert_dispatch.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 2
     cfg.moe_dispatch = "all_gather"  # every gathered pair, 1/8 of them local
-    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
+    assert expert_dispatch.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
     cfg.moe_capacity_factor = 2.0  # no grouped matmul kernel
-    assert moe.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1.0
+    assert expert_dispatch.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1.0

@@ -1,5 +1,5 @@
-"""coder.model.moe: dropless routing vs a per-token loop, balancing bias, router replay,
-capacity-bounded experts."""
+"""coder.model.moe and its parts (routing, expert_ffn, grouped_matmul): dropless routing vs a
+per-token loop, balancing bias, router replay, capacity-bounded experts."""
 import collections
 
 import jax
@@ -123,7 +123,7 @@ def test_routing_replay_reproduces_forward():
 def test_block_grouped_matmul_equals_ragged_dot(rows):
     """The CPU grouped matmul: same values and gradients as jax.lax.ragged_dot, incl. empty
     groups and rows past the last group (non-local experts)."""
-    from coder.model.moe import block_grouped_matmul
+    from coder.model.grouped_matmul import block_grouped_matmul
 
     x = jax.random.normal(jax.random.key(0), (rows, 16))
     w = jax.random.normal(jax.random.key(1), (4, 16, 8))
@@ -156,7 +156,8 @@ def _np_capacity_reference(moe: MoE, x: np.ndarray, ids: np.ndarray, w: np.ndarr
 
 
 def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
-    from coder.model.moe import capacity_ffn, expert_capacity, route
+    from coder.model.expert_ffn import capacity_ffn, expert_capacity
+    from coder.model.routing import route
 
     cfg = tiny(n_shared_experts=0, moe_capacity_factor=0.5)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
@@ -187,7 +188,7 @@ def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
 def test_dense_ffn_equals_sorted_ffn():
     """The CPU decode form (every local expert on every token) equals the sorted grouped form,
     values and gradients, with pairs routed to experts that are not local (expert parallelism)."""
-    from coder.model.moe import dense_ffn, sorted_ffn
+    from coder.model.expert_ffn import dense_ffn, sorted_ffn
 
     k = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(k[0], (6, 16))

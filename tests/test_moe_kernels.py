@@ -1,6 +1,7 @@
-"""coder.model.moe's TPU paths, run on CPU: the megablox grouped matmul in Pallas interpret mode,
-and the ragged_all_to_all expert-parallel dispatch (XLA:CPU has no ragged-all-to-all, so
-`emulated_ragged_all_to_all` stands in for it inside the shard_map)."""
+"""The MoE's TPU paths, run on CPU: the megablox grouped matmul (coder.model.grouped_matmul) in
+Pallas interpret mode, under the dropless expert FFN (coder.model.expert_ffn) and the
+ragged_all_to_all expert-parallel dispatch (coder.model.expert_dispatch; XLA:CPU has no
+ragged-all-to-all, so `emulated_ragged_all_to_all` stands in for it inside the shard_map)."""
 import functools
 
 import jax
@@ -8,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coder.model import moe as moe_lib
-from coder.model.moe import megablox_grouped_matmul
+from coder.model import expert_dispatch, expert_ffn, grouped_matmul
+from coder.model.grouped_matmul import megablox_grouped_matmul
 
 
 def _check_values_and_grads(f, f_ref, *args, atol_y=1e-5, rtol=1e-5, atol=1e-4):
@@ -47,10 +48,10 @@ def test_megablox_grouped_matmul_equals_ragged_dot(sizes, tiling):
 
 def test_gmm_tiling_divides_shapes():
     """tk = tn divides both K and N (megablox's backward swaps them); tm a multiple of 16."""
-    assert moe_lib.gmm_tiling(100, 128, 128) == (112, 128, 128)
-    assert moe_lib.gmm_tiling(4096, 7168, 2048) == (512, 512, 512)
-    assert moe_lib.gmm_tiling(4096, 7168, 768) == (512, 256, 256)
-    assert moe_lib.gmm_tiling(4096, 384, 640) == (512, 128, 128)
+    assert grouped_matmul.gmm_tiling(100, 128, 128) == (112, 128, 128)
+    assert grouped_matmul.gmm_tiling(4096, 7168, 2048) == (512, 512, 512)
+    assert grouped_matmul.gmm_tiling(4096, 7168, 768) == (512, 256, 256)
+    assert grouped_matmul.gmm_tiling(4096, 384, 640) == (512, 128, 128)
 
 
 def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
@@ -63,13 +64,13 @@ def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
     w = jax.random.uniform(k[2], (24, 2))
     wg, wu = jax.random.normal(k[3], (4, 16, 8)), jax.random.normal(k[4], (4, 16, 8))
     wd = jax.random.normal(k[5], (4, 8, 16))
-    ffn = lambda x, wg, wu, wd: moe_lib.sorted_ffn(x, ids, w, wg, wu, wd, first_expert=2)
+    ffn = lambda x, wg, wu, wd: expert_ffn.sorted_ffn(x, ids, w, wg, wu, wd, first_expert=2)
     mb = functools.partial(megablox_grouped_matmul, interpret=True, tiling=(16, 16, 8))
     run = lambda: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(ffn(*a) ** 2), (0, 1, 2, 3)))(x, wg, wu, wd)
     with monkeypatch.context() as m:
-        m.setattr(moe_lib, "grouped_matmul", lambda x, w, gs, mask_rows=True: jax.lax.ragged_dot(x, w, gs))
+        m.setattr(expert_ffn, "grouped_matmul", lambda x, w, gs, mask_rows=True: jax.lax.ragged_dot(x, w, gs))
         want = run()
-    monkeypatch.setattr(moe_lib, "grouped_matmul", mb)
+    monkeypatch.setattr(expert_ffn, "grouped_matmul", mb)
     got = run()
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert np.isfinite(np.asarray(a)).all()
@@ -84,7 +85,7 @@ def test_grouped_matmul_lowers_megablox_for_tpu(k, n):
     x = jnp.ones((64, k), jnp.bfloat16)
     w = jnp.ones((4, k, n), jnp.bfloat16)
     gs = jnp.array([10, 0, 30, 4], jnp.int32)
-    loss = lambda x, w: jnp.sum(moe_lib.grouped_matmul(x, w, gs).astype(jnp.float32) ** 2)
+    loss = lambda x, w: jnp.sum(grouped_matmul.grouped_matmul(x, w, gs).astype(jnp.float32) ** 2)
     step = jax.jit(jax.grad(loss, (0, 1)))
     tpu = step.trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
     assert tpu.count("tpu_custom_call") == 3  # gmm forward, gmm for dx, tgmm for dw
@@ -176,8 +177,8 @@ def test_ragged_dispatch_equals_all_gather(layout):
     x, ids, w, wg, wu, wd = _routing(b, t)
     assert not ((ids == 2) | (ids == 3)).any()
     split = tuple(tuple(a for a in axes if mesh.shape[a] > 1)
-                  for axes in moe_lib._token_layout(mesh, rules, b, t))  # tokens, seq, exp, exp_mlp
-    share, _ = moe_lib.ragged_buffer(mesh, rules, b, t, 2, 0.0)
+                  for axes in expert_dispatch._token_layout(mesh, rules, b, t))  # tokens, seq, exp, exp_mlp
+    share, _ = expert_dispatch.ragged_buffer(mesh, rules, b, t, 2, 0.0)
     want = {"expert8_padded": ((), (), ("expert",), (), 3),
             "data2_expert2_seq2_tokens": (("data", "expert"), ("sequence",), ("expert",), (), 4),
             "expert4_tensor2": ((), (), ("expert",), ("tensor",), 8)}[layout]
@@ -185,7 +186,7 @@ def test_ragged_dispatch_equals_all_gather(layout):
 
     def run(dispatch):
         def loss(x, w, wg, wu, wd):
-            y, dropped = moe_lib._expert_parallel_ffn(
+            y, dropped = expert_dispatch.expert_parallel_ffn(
                 x, ids, w, wg, wu, wd, mesh, rules, dispatch=dispatch,
                 ragged_a2a=emulated_ragged_all_to_all)
             return jnp.sum(y ** 2), (y, dropped)
@@ -211,8 +212,8 @@ def test_ragged_dispatch_with_megablox_unmasked_equals_all_gather(monkeypatch):
 
     def run(dispatch):
         def loss(x, w, wg, wu, wd):
-            y, _ = moe_lib._expert_parallel_ffn(x, ids, w, wg, wu, wd, mesh, rules, dispatch=dispatch,
-                                                ragged_a2a=emulated_ragged_all_to_all)
+            y, _ = expert_dispatch.expert_parallel_ffn(x, ids, w, wg, wu, wd, mesh, rules, dispatch=dispatch,
+                                                       ragged_a2a=emulated_ragged_all_to_all)
             return jnp.sum(y ** 2), y
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True))(x, w, wg, wu, wd)
 
@@ -224,7 +225,7 @@ def test_ragged_dispatch_with_megablox_unmasked_equals_all_gather(monkeypatch):
         return megablox_grouped_matmul(x, w, group_sizes, interpret=True, tiling=(8, 16, 8),
                                        mask_rows=mask_rows)
 
-    monkeypatch.setattr(moe_lib, "grouped_matmul", unmasked_megablox)
+    monkeypatch.setattr(expert_dispatch, "grouped_matmul", unmasked_megablox)
     (_, y), g = run("ragged_all_to_all")
     assert calls and not any(calls)  # every grouped matmul of the dispatch ran unmasked
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)
@@ -255,10 +256,10 @@ def test_ragged_dispatch_bounded_buffer_drops_overflow_in_device_order():
                     filled += 1
     drop = drop.reshape(b, t, k)
     assert drop.any() and not drop.all()  # expert 6's device overflows, others do not
-    y, dropped = jax.jit(lambda *a: moe_lib._expert_parallel_ffn(
+    y, dropped = jax.jit(lambda *a: expert_dispatch.expert_parallel_ffn(
         *a, mesh, rules, dispatch="ragged_all_to_all", buffer_factor=1.0,
         ragged_a2a=emulated_ragged_all_to_all))(x, ids, w, wg, wu, wd)
-    y_ref, _ = jax.jit(lambda *a: moe_lib._expert_parallel_ffn(*a, mesh, rules, dispatch="all_gather"))(
+    y_ref, _ = jax.jit(lambda *a: expert_dispatch.expert_parallel_ffn(*a, mesh, rules, dispatch="all_gather"))(
         x, ids, jnp.where(drop, 0.0, w), wg, wu, wd)
     np.testing.assert_array_equal(dropped, drop.sum(-1))
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)

@@ -16,7 +16,7 @@ import pytest
 from coder import stages
 from coder.model import Transformer, sharding
 from coder.model.config import routing_errors
-from coder.model.moe import balancing_warning
+from coder.model.routing import balancing_warning
 from coder.train import losses
 from coder.train.balancing import router_balancing
 from coder.train.trainer import Trainer

@@ -32,7 +32,7 @@ def model_config() -> ml_collections.ConfigDict:
     m.first_k_dense_replace = 1  # the first k layers use a dense SwiGLU instead of MoE
     # aux-loss-free balancing: bias += rate * sign(mean_load - load) after every step. The bias
     # must move by up to the sigmoid scores' range within the run: DeepSeek-V3's 1e-3 suits its
-    # ~10^5 steps; a short run from scratch needs more (coder.model.moe.balancing_warning,
+    # ~10^5 steps; a short run from scratch needs more (coder.model.routing.balancing_warning,
     # logged at start-up when rate x steps < 1; configs/quickstart.py uses 1e-2)
     m.bias_update_rate = 1e-3
     # 0 = dropless (DeepSeek-V3): grouped matmuls over the routed pairs (megablox gmm/tgmm on
@@ -41,7 +41,7 @@ def model_config() -> ml_collections.ConfigDict:
     # and drops the rest (GShard): a fixed [experts, capacity] buffer, c x the routed work
     m.moe_capacity_factor = 0.0
     # dropless expert parallelism: "auto" (ragged_all_to_all on TPU/GPU, all-gather on CPU, which
-    # has no ragged-all-to-all) | "all_gather" | "ragged_all_to_all" (coder.model.moe)
+    # has no ragged-all-to-all) | "all_gather" | "ragged_all_to_all" (coder.model.expert_dispatch)
     m.moe_dispatch = "auto"
     # ragged_all_to_all receive buffer, in units of a device's own pairs (tokens x k): 0 = the
     # worst case, all of the expert group's pairs on one device (expert-parallel size x the

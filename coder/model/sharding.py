@@ -8,7 +8,7 @@ holds every device; the product of the sizes equals the device count (-1 = the r
 
 Axes are `AxisType.Auto`: the XLA partitioner propagates shardings from the parameter shardings
 and the activation constraints (`constrain`), as in MaxText. Expert parallelism uses an explicit
-`shard_map` in `coder.model.moe`.
+`shard_map` in `coder.model.expert_dispatch`.
 
 Activation constraints are applied only inside `activate(mesh, rules)`; outside it (tests on one
 device, tracing for shapes) `constrain` is the identity, so the model code is free of parallelism.

@@ -186,7 +186,7 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
     and check, the mesh against the model (coder.model.sharding.validate, routing included), the
     batch against the mesh's batch axes and grad_accum; a warning when a first stage trains the
     MoE routers from scratch with a balancing bias too slow for its steps
-    (coder.model.moe.balancing_warning); then the executables the stages need (RuntimeError
+    (coder.model.routing.balancing_warning); then the executables the stages need (RuntimeError
     naming the package and the command that installs it).
     """
     names = stage_names(config)
@@ -202,7 +202,7 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
         if name != "compile" and name not in SERVICES:  # compile targets a TPU topology; services train no data batches
             _check_batch(c, n_devices, name)
         if name == names[0] and name != "compile" and not config.init_from:
-            from coder.model.moe import balancing_warning
+            from coder.model.routing import balancing_warning
 
             msg = balancing_warning(c.model, int(c.train.steps))
             if msg:  # routers trained from scratch by a balancing bias too slow for the run

@@ -107,12 +107,12 @@ def model_flops_per_step(model_cfg, batch: int, seq: int) -> float:
 
 def gmm_scale(config, mesh, b: int, t: int) -> float:
     """The fraction of the TPU grouped matmuls' rows a balanced routing fills when the MoE layers
-    see `[b, t]` tokens (coder.model.moe.grouped_rows_fraction); 1 without routed experts."""
-    from coder.model import moe
+    see `[b, t]` tokens (coder.model.expert_dispatch.grouped_rows_fraction); 1 without routed experts."""
+    from coder.model import expert_dispatch
 
     if not int(config.model.n_routed_experts):
         return 1.0
-    return moe.grouped_rows_fraction(config.model, mesh, tuple(tuple(r) for r in config.mesh.rules), b, t)
+    return expert_dispatch.grouped_rows_fraction(config.model, mesh, tuple(tuple(r) for r in config.mesh.rules), b, t)
 
 
 def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,

@@ -183,7 +183,7 @@ def load_imbalance(router_load):
     jit-safe). The trainer logs it from the micro-batch mean of aux["router_load"].
 
     router_load: `[moe_layers, n_routed_experts]`, each row the fraction of the layer's
-    (token, expert) pairs per expert (coder.model.moe.load_fraction: sums to 1). 1.0 = balanced;
+    (token, expert) pairs per expert (coder.model.routing.load_fraction: sums to 1). 1.0 = balanced;
     the maximum is n_routed_experts / num_experts_per_tok (an expert can be in a token's top-k
     once: at most 1/k of the pairs): every token routed to the same k experts.
     """

@@ -548,7 +548,7 @@ def kernel_costs(module: HloModule, gmm_scale: float = 1.0) -> dict[str, tuple[f
     splash attention (`splash_cost`): counted by XLA as zero. megablox (gmm / tgmm): XLA counts
     its cost estimate, 2 m k n over every row of its input; the kernel's grid only visits the
     row tiles of its groups, so its FLOPs are the estimate x gmm_scale, the fraction of rows
-    the routing fills (coder.model.moe.grouped_rows_fraction)."""
+    the routing fills (coder.model.expert_dispatch.grouped_rows_fraction)."""
     out = {}
     for comp, instrs in module.computations.items():
         shapes = {i.name: i.shape for i in instrs}
