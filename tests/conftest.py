@@ -5,16 +5,13 @@ This must run before jax is imported by any test module.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# 8 fake CPU devices; and LLVM -O0 for XLA:CPU's generated code: the suite compiles hundreds of
-# small programs and runs most a few times, so compiling dominates (a tiny model's train step:
-# 16 s to compile at the default level, 8-10 s at -O0, its steps 2x slower). The arithmetic is
-# XLA's own either way: the sync GRPO learning run gave the same rewards to the last digit.
-# Inherited by the processes the tests start. A user's own level is left alone.
+# 8 fake CPU devices, and XLA:CPU flags that halve compile time, which is most of the suite's
+# time (tests/xla_flags.py). Inherited by the processes the tests start. A user's own flags are
+# kept.
+from tests import xla_flags  # noqa: E402  (no jax import)
+
 _flags = os.environ.get("XLA_FLAGS", "")
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
-    if _flag.split("=")[0] not in _flags:
-        _flags = (_flags + " " + _flag).strip()
-os.environ["XLA_FLAGS"] = _flags
+os.environ["XLA_FLAGS"] = xla_flags.merged(_flags, None if xla_flags.DEVICE_COUNT_FLAG in _flags else 8)
 
 # One persistent XLA compilation cache per test session, shared by the xdist workers and the
 # processes tests start (main.py, the two-process jobs, Ray actors, which all compile the same

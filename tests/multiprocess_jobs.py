@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+from tests import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,10 +20,10 @@ def free_port() -> int:
 
 
 def spawn(script: str, args, devices: int) -> subprocess.Popen:
-    """`python script *args` from the repository root with `devices` CPU devices, XLA:CPU at -O0
-    as the suite (tests/conftest.py: these jobs are compile-bound), pipes for stdout / stderr."""
+    """`python script *args` from the repository root with `devices` CPU devices, XLA:CPU
+    compiling as the suite does (tests/xla_flags.py: these jobs are compile-bound), pipes for stdout / stderr."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
+               XLA_FLAGS=xla_flags.merged(os.environ.get("XLA_FLAGS", ""), devices))
     return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("nsa", "attention", "train", "engine")
 
@@ -19,8 +21,8 @@ PARTS = ("nsa", "attention", "train", "engine")
 @pytest.mark.slow
 def test_dry_run_reports_every_part():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # one CPU device, as a user's run (conftest asks for 8); compiled at -O0 as the suite is
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # one CPU device, as a user's run (conftest asks for 8); compiled as the suite is
+    env["XLA_FLAGS"] = xla_flags.one_device(env.get("XLA_FLAGS", ""))
     env.pop("PYTHONPATH", None)  # the script puts the repository root on sys.path itself
     p = subprocess.run([sys.executable, "bench/accelerator.py", "--dry-run"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600, check=False)

@@ -40,6 +40,8 @@ import time
 import numpy as np
 import pytest
 
+from tests import xla_flags
+
 pytestmark = pytest.mark.subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +120,7 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str) -> None:
 
 def _spawn(stage_dir, inputs, sleep_s, actors):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)  # one CPU device: the stage as a single-host run starts it
+    env["XLA_FLAGS"] = xla_flags.one_device(env.get("XLA_FLAGS", ""))  # as a single-host run
     return subprocess.Popen([sys.executable, __file__, stage_dir, inputs, str(sleep_s), actors], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

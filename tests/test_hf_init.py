@@ -31,6 +31,7 @@ from coder.model import hf_import  # noqa: E402
 from coder.model import sharding  # noqa: E402
 from coder.train import checkpoint as ckpt_lib  # noqa: E402
 from coder.train import state as state_lib  # noqa: E402
+from tests import xla_flags  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.abspath(sys.executable)
@@ -248,7 +249,7 @@ def test_sharded_import_equals_unsharded(hf_dir):
 
 
 def _run_main(workdir, *args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = dict(os.environ, XLA_FLAGS=xla_flags.one_device(os.environ.get("XLA_FLAGS", "")))  # one CPU device
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     return subprocess.run([PYTHON, "main.py", "--config=configs/quickstart.py", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -346,7 +347,7 @@ assert tok.decode(tok.encode("x = 1")) == "x = 1"
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None and m.split(".")[0] == "torch"]
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=xla_flags.one_device(os.environ.get("XLA_FLAGS", "")))
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     p = subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

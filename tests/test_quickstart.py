@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests import xla_flags
+
 pytestmark = pytest.mark.subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_quickstart_chain_runs_end_to_end(tmp_path):
     workdir = tmp_path / "qs"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    # one CPU device, as a user's run; XLA:CPU at -O0 as the rest of the suite (tests/conftest.py):
-    # a few steps per stage, so compiling dominates
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # one CPU device, as a user's run; XLA:CPU compiling as fast as the rest of the suite
+    # (tests/xla_flags.py): a few steps per stage, so compiling dominates
+    env["XLA_FLAGS"] = xla_flags.one_device(env.get("XLA_FLAGS", ""))
     cmd = [
         sys.executable, "main.py", "--config=configs/quickstart.py",
         f"--config.workdir={workdir}",

@@ -141,7 +141,10 @@ def test_cycle_trains_gates_and_publishes_and_refuses_a_regression(tmp_path):
         assert rec["feedback_unmatched"] == 1 and rec["trained"] == 7 and rec["stale"] == 0
         assert rec["train_steps"] == 2 and np.isfinite(rec["loss"]) and rec["policy_tokens"] > 0
         assert rec["gate"] == "pass" and rec["version_published"] == 1, rec
-        assert rec["baseline_pass@1"] == 1.0 and rec["candidate_pass@1"] == 1.0
+        # the fitted agent mostly submits "3" at temperature 0.3 (4 samples: 1.0 under XLA:CPU's
+        # fusion emitters, 0.75 under the suite's flags, tests/xla_flags.py); above the 0.5 margin,
+        # so the regressing cycle below, at 0.0, is refused
+        assert rec["baseline_pass@1"] >= 0.75 and rec["candidate_pass@1"] >= 0.75, rec
         assert weight_sync.latest_version(store) == 1
 
         # the server follows the store: version 1 applies in flight

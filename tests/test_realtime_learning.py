@@ -19,7 +19,7 @@ TASKS_EACH = 6 tasks each of the real server, sampling at temperature 1 with the
 and post their feedback. Each cycle of the realtime stage (coder/stages/realtime.py,
 `Loop.cycle`) reads the session's window of the trajectory log, joins the feedback, trains on the
 served version's logged tokens with leave-one-out advantages (`realtime.steps = 2` at
-`realtime.lr = 4e-4`), runs the agent-eval gate on held-out tasks scored by the same test, and
+`realtime.lr = 3e-4`), runs the agent-eval gate on held-out tasks scored by the same test, and
 publishes version v + 1; the server follows the weight store in flight and the next session is
 served by it. The server and the loop share a simulated clock, so each session's records fall
 in its own `realtime.window` (an hour) without waiting for one.
@@ -28,11 +28,22 @@ Cycles: 1 and 2 learn (versions 1, 2); 3's update is made to regress (a test hoo
 trained weights): the gate refuses it, the store and the server stay at version 2 and the
 window's data is not trained on again; 4 and 5 learn from the next sessions (versions 3, 4).
 The test asserts the versions published, that the initial policy passes sometimes but not
-always, that the last session's kept rate (version 4) is at least 0.2 above the first's
-(version 0) and that the share of odd answers among the well-formed calls at least halved;
-it prints every session's rate and answers. Seeded and order-independent (the learner orders a
-window canonically), so a rerun measures the same numbers; one run on 2 shared CPU cores: kept
-rate 0.417 (v0), 0.604 (v1), 0.625, 0.646 (v2), 0.625 (v3), 0.729 (v4), in 145-165 s.
+always, and what it learned, over the last two sessions (versions 3 and 4, 96 requests) against
+the first (version 0, 48): the kept rate at least 0.15 higher, and the share of odd answers among
+the well-formed calls at most 0.6 of the first's. It prints every session's rate and answers.
+Seeded and order-independent (the learner orders a window canonically), so a rerun measures the
+same numbers; but a change in the last bits of the arithmetic (another CPU, other XLA flags)
+changes every sampled token after the first difference, so the margins are set from runs under
+four arithmetics (kept rate of v0 -> mean of v3 and v4; one session's rate has a standard error of
+about 0.07 at 48 requests, the difference of the pooled rates about 0.086):
+- XLA:CPU's fusion emitters (until 2026-11-27), lr 4e-4: 0.417 -> 0.677 (+0.26); the last
+  session's odd share at most half the first's;
+- the suite's flags (tests/xla_flags.py), lr 4e-4: 0.417 -> 0.625 (+0.21; version 1 collapsed to
+  0.06 and recovered), odd share 0.53 -> 0.24;
+- the suite's flags, lr 3e-4 (this test): 0.417 -> 0.635 (+0.22), odd share 0.53 -> 0.26, no
+  session below the first;
+- the suite's flags, lr 2e-4: 0.417 -> 0.583 (+0.17), odd share 0.53 -> 0.31.
+One run takes 135-200 s on 2 shared CPU cores.
 """
 import collections
 import concurrent.futures
@@ -186,7 +197,7 @@ def learning_config(tmp_path, model_cfg):
     c.workdir = str(tmp_path)
     c.serve.update(dict(log_store=str(tmp_path / "trajectories"), weight_store=str(tmp_path / "store"),
                         flush_seconds=0.0, max_len=MAX_LEN, max_tokens=24))
-    c.realtime.update(dict(cycles=CYCLES, window=WINDOW, steps=2, lr=4e-4))
+    c.realtime.update(dict(cycles=CYCLES, window=WINDOW, steps=2, lr=3e-4))
     c.realtime.signals.update(dict(edit_kept=1.0, dissatisfied_followup=0.0, rating=0.0))
     c.rl.update(dict(eval_num_tasks=4, eval_samples=4, eval_k=(1,), eval_regression_margin=0.25, temperature=1.0,
                      max_turns=1, max_turn_tokens=24, context_budget=MAX_LEN, summary_reserve=16, max_summaries=0,
@@ -286,6 +297,10 @@ def test_kept_rate_rises_over_cycles_and_a_regressing_cycle_is_refused(tmp_path)
                       for r in records) + f"; {elapsed:.0f} s")
     assert versions == [1, 2, -1, 3, 4] and loop.state["published"] == 4
     assert 0.2 <= rates[0] <= 0.8, rates  # the initial policy passes sometimes, not always
-    assert rates[-1] >= rates[0] + 0.2, rates
-    odd = [(a.get("1", 0) + a.get("3", 0)) / sum(v for k, v in a.items() if k != "None") for a in answers]
-    assert odd[-1] <= odd[0] / 2, odd  # what it learned: the well-formed calls now mostly submit an even number
+    assert (rates[-1] + rates[-2]) / 2 >= rates[0] + 0.15, rates  # margins: the module docstring
+    odd = lambda a: a.get("1", 0) + a.get("3", 0)
+    calls = lambda a: sum(v for k, v in a.items() if k != "None")
+    last = answers[-2:]
+    # what it learned: the well-formed calls now mostly submit an even number
+    odd_share = (odd(answers[0]) / calls(answers[0]), sum(map(odd, last)) / sum(map(calls, last)))
+    assert odd_share[1] <= 0.6 * odd_share[0], odd_share

@@ -1,0 +1,32 @@
+"""XLA:CPU flags for every process the suite runs (pytest's, and the main.py runs, jax.distributed
+jobs and Ray workers the tests start).
+
+The suite compiles hundreds of small programs and runs most of them a few times, so XLA's compile
+time is most of its time (measured: 67% of four in-process modules' wall time was XLA's backend
+compile, 23% tracing and lowering). Two flags cut it; the arithmetic stays XLA's own:
+- LLVM at -O0 for the generated code (a tiny model's train step: 16 s to compile at the default
+  level, 8-10 s at -O0; its steps run 2x slower, which these few-step tests do not feel);
+- the classic elemental emitters instead of XLA:CPU's MLIR fusion emitters: backend compile
+  time of test_trainer's cast-params test 14.5 -> 8.3 s, of test_engine's speculative test
+  14.8 -> 8.5 s and of test_grpo's MTP-refresh test 19.8 -> 8.2 s (2026-11-27, jax 0.10.2).
+"""
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def merged(flags: str, devices: int | None = None) -> str:
+    """`flags` (an XLA_FLAGS value) with the suite's compile flags added where `flags` does not
+    set them itself (a user's own choice is kept), and `devices` fake CPU devices when given
+    (replacing any device count in `flags`)."""
+    out = [f for f in flags.split() if devices is None or not f.startswith(DEVICE_COUNT_FLAG)]
+    if devices is not None:
+        out.append(f"{DEVICE_COUNT_FLAG}={devices}")
+    for flag in COMPILE_FLAGS:
+        if not any(f.split("=")[0] == flag.split("=")[0] for f in out):
+            out.append(flag)
+    return " ".join(out)
+
+
+def one_device(flags: str) -> str:
+    """`flags` for a process that sees one CPU device, as a user's single-host run does."""
+    return " ".join(f for f in merged(flags).split() if not f.startswith(DEVICE_COUNT_FLAG))
