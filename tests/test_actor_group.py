@@ -19,6 +19,7 @@ from flax import nnx
 from coder.model import Transformer
 from coder.stages import grpo as grpo_stage
 from tests import rl_toy as rl_test
+from tests import xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
@@ -31,10 +32,8 @@ def ray_4_devices():
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the episodes below travel by value
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4"}})
+    flags = xla_flags.merged(os.environ.get("XLA_FLAGS", ""), devices=4)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"XLA_FLAGS": flags}})
     yield
     ray.shutdown()
 
