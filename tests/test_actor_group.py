@@ -1,9 +1,12 @@
 """GRPO with an actor that spans two processes (coder/rl/actor_group.py) under a local Ray: the
-learner in this process (8 CPU devices), the actor a JAX job of two Ray processes with 4 CPU
-devices each, weights through the sharded store (each member reads its own slices).
+actor a JAX job of two Ray processes with 4 CPU devices each, weights through the sharded store
+(each member reads its own slices).
 
-- The run equals the one whose actor is the learner's own 8-device engine (sync mode, fixed
-  keys): same rewards, losses and token counts at every step.
+- With the learner in this process (8 CPU devices), the run equals the one whose actor is the
+  learner's own 8-device engine (sync mode, fixed keys): same rewards, losses and token counts
+  at every step, and the same final agent eval.
+- With the learner a job of two processes (4 devices each) whose process 0 drives the actor and
+  scatters each step's groups (coder/rl/step_channel.py): 4 processes, the same run.
 - A member killed mid-run breaks its group: the group's groups are dropped, the group is
   replaced by a new one that reads the newest version, and the run completes.
 """
@@ -39,6 +42,7 @@ def ray_4_devices():
 
 
 def config(tok, **rl):
+    """Sync GRPO of 2 tasks x 4 rollouts per step, 2 steps; `rl` keys on top."""
     cfg = rl_test.tiny_config(tok, 256)
     cfg.rl.update({"group_size": 4, "tasks_per_step": 2, "max_turns": 1, **rl})
     cfg.grpo["async"] = False
@@ -74,34 +78,96 @@ def tok():
     return rl_test.tokenizer()
 
 
-def test_two_process_actor_equals_the_learners_own_engine(tmp_path, tok, ray_4_devices):
-    """Sync GRPO, 2 steps of 2 tasks x 4 rollouts: actor in the learner's process (8 devices) vs
-    one Ray actor of 2 processes x 4 devices. Same tokens (rewards, prompt and decode counts)
-    and the same losses."""
-    weights = nnx.state(Transformer(config(tok).model, rngs=nnx.Rngs(5)))
+def equal_runs(local: list[dict], other: list[dict], rtol: float) -> None:
+    """The same tokens (rewards, prompt and decode counts) at every step, and the same losses."""
+    assert [r["step"] for r in other] == [r["step"] for r in local] == [1, 2]
+    for a, b in zip(local, other):
+        for key in ("reward", "tokens_per_rollout", "output_tokens", "submitted", "engine_prefill_tokens"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        np.testing.assert_allclose([a["loss"], a["entropy"]], [b["loss"], b["entropy"]], rtol=rtol)
+
+
+TASKS, HELD_OUT = slice(0, 4), slice(4, 6)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tok):
+    """The reference: sync GRPO, 2 steps of 2 tasks x 4 rollouts, the actor in the learner's
+    process (8 devices) -> (metrics, the final agent eval's report)."""
+    tmp_path = tmp_path_factory.mktemp("local")
+    cfg = config(tok, num_actors=0, eval_samples=4)
     tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
-    episode = lambda task: rl_test.SubmitEpisode(rl_test.LUCKY)
-    runs, evals = {}, {}
-    for name, rl in (("local", dict(num_actors=0)), ("group", dict(num_actors=1, actor_processes=2))):
-        cfg = config(tok, **rl)
-        cfg.rl.eval_samples = 4
-        runs[name] = run(tmp_path, name, cfg, tok, episode, model_fn_of(cfg, weights), tasks[:4], tasks[4:])
-        with open(tmp_path / name / "agent_eval" / "step_00000002.json") as f:
-            evals[name] = json.load(f)
+    m = run(tmp_path, "local", cfg, tok, lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
+            model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))), tasks[TASKS], tasks[HELD_OUT])
+    with open(tmp_path / "local" / "agent_eval" / "step_00000002.json") as f:
+        return m, json.load(f)
+
+
+def test_two_process_actor_equals_the_learners_own_engine(tmp_path, tok, ray_4_devices, local_run):
+    """One Ray actor of 2 processes x 4 devices rolls out what the learner's own 8-device engine
+    does (`local_run`): the same tokens and losses, and the same final agent eval."""
+    cfg = config(tok, num_actors=1, actor_processes=2, eval_samples=4)
+    tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
+    group = run(tmp_path, "group", cfg, tok, lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
+                model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))), tasks[TASKS], tasks[HELD_OUT])
+    with open(tmp_path / "group" / "agent_eval" / "step_00000002.json") as f:
+        group_eval = json.load(f)
+    local, local_eval = local_run
     # the final agent eval: on the in-process actor's engine (local), on an engine of the learner's
     # own that follows the store (group): the same version, the same results
-    assert "pass@1" in evals["local"]["summary"]
-    assert evals["local"]["summary"] == evals["group"]["summary"], evals
-    local, group = runs["local"], runs["group"]
-    assert [r["step"] for r in group] == [1, 2]
+    assert "pass@1" in local_eval["summary"]
+    assert local_eval["summary"] == group_eval["summary"], (local_eval, group_eval)
     assert [r["actor_processes"] for r in local] == [1, 1] and [r["actor_processes"] for r in group] == [2, 2]
     # the leader counts the bytes of its own slices of version 1 (that each member reads about its
     # share of every version is tests/test_weight_sync.py's two-process test)
     assert group[1]["sync_versions"] == 1 and group[1]["sync_read_bytes"] > 0
-    for a, b in zip(local, group):
-        for key in ("reward", "tokens_per_rollout", "output_tokens", "submitted", "engine_prefill_tokens"):
-            assert a[key] == b[key], (key, a[key], b[key])
-        np.testing.assert_allclose([a["loss"], a["entropy"]], [b["loss"], b["entropy"]], rtol=1e-5)
+    equal_runs(local, group, rtol=1e-5)
+
+
+def learner_worker(process_id: int, num_processes: int, port: int, workdir: str):
+    """One process of a 2-process learner (4 CPU devices each) whose process 0 drives one Ray
+    actor of 2 processes (a local Ray it starts; its workers inherit this process's 4 devices):
+    stage grpo as `local_run` runs it, without the held-out eval. Prints the metrics (process 0)
+    and the epoch position each process checkpointed."""
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
+                               process_id=process_id)
+    from coder.rl import step_channel
+
+    step_channel.PART_BYTES = 4096  # each step's share travels in several parts
+    tok = rl_test.tokenizer()
+    cfg = config(tok, num_actors=1, actor_processes=2)
+    tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
+    stage_dir = os.path.join(workdir, "grpo")
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks[TASKS],
+                     make_episode=lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
+                     model_fn=model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))))
+    out = {"process": jax.process_index(), "devices": jax.device_count()}
+    with open(os.path.join(stage_dir, "checkpoints", "2", "data", f"process_{process_id}-of-2.json")) as f:
+        out["epoch"] = json.load(f)
+    if process_id == 0:
+        with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
+            out["metrics"] = [json.loads(line) for line in f]
+    print("LEARNER " + json.dumps(out), flush=True)
+
+
+def test_two_process_learner_drives_a_two_process_actor(tmp_path, local_run):
+    """The whole disaggregated layout on 4 processes: a learner job of 2 processes x 4 devices
+    (one global mesh) whose process 0 drives the actors and scatters each step's groups to
+    process 1 (coder/rl/step_channel.py), and one Ray actor of 2 processes x 4 devices. It trains
+    what `local_run` trains: the same tokens and losses (rtol 2e-5, as the two-process trainer
+    test), and both learner processes checkpoint the same epoch position."""
+    from tests import multiprocess_jobs as jobs
+
+    port = jobs.free_port()
+    procs = [jobs.spawn(__file__, (i, 2, port, tmp_path), devices=4) for i in range(2)]
+    outs = [jobs.tagged_json(p, "LEARNER") for p in procs]
+    assert [o["devices"] for o in outs] == [8, 8]
+    assert outs[0]["epoch"] == outs[1]["epoch"] == {"format": 1, "below": 4, "extra": []}
+    m = outs[0]["metrics"]
+    assert [r["actor_processes"] for r in m] == [2, 2] and all(r["rollouts"] == 8 for r in m)
+    equal_runs(local_run[0], m, rtol=2e-5)
 
 
 class KillMember(rl_test.SubmitEpisode):
@@ -146,3 +212,7 @@ def test_a_killed_member_breaks_its_group_and_a_new_group_finishes_the_run(tmp_p
     assert m[-1]["dropped_rollouts_total"] >= 4 and m[-1]["dropped_rollouts_total"] % 4 == 0
     assert all(r["rollouts"] == 4 and r["infra_failures"] == 0 for r in m)
     assert len(os.listdir(pid_dir)) >= 5  # the learner, the first group, a second group's two processes
+
+
+if __name__ == "__main__":
+    learner_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

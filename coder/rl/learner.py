@@ -111,9 +111,10 @@ class Learner:
             source = init_from
             if init_from and not _is_hf(init_from):
                 source = ckpt_lib.step_dir(init_from)  # pinned: init_from's latest step may move
+            checksums = fingerprint(ref)  # a program over the global mesh: every process runs it
             if jax.process_index() == 0:
                 record_path.parent.mkdir(parents=True, exist_ok=True)
-                record_path.write_text(json.dumps({"init_from": source, "checksums": fingerprint(ref)}))
+                record_path.write_text(json.dumps({"init_from": source, "checksums": checksums}))
             return ref
         record = json.loads(record_path.read_text()) if record_path.exists() else None
         source = record["init_from"] if record is not None else init_from

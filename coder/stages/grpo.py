@@ -51,7 +51,7 @@ import jax
 from flax import nnx
 
 from coder.env import pool as env_pool
-from coder.rl import actor_group, actor_learner
+from coder.rl import actor_group, actor_learner, step_channel
 from coder.rl import reward as reward_lib
 from coder.rl.actor import Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
 from coder.rl.learner import Learner
@@ -155,8 +155,13 @@ class GrpoRun:
         processes, pid = jax.process_count(), jax.process_index()
         if b % processes:
             raise ValueError(f"rl.tasks_per_step={b} does not split over {processes} processes (each "
-                             "process's actors roll out its share of every step's tasks)")
+                             "learner process feeds its share of every step's groups)")
         local = b // processes
+        # Ray actors on a learner of several processes: process 0 drives every actor over the
+        # whole epoch and scatters each step's groups (coder/rl/step_channel.py); the actor in
+        # the learner's process (rl.num_actors = 0): every process drives its own over its share
+        self.scatter = processes > 1 and int(rl.num_actors) > 0
+        taken = b if self.scatter else local  # groups per step this process's driver takes
         self.steps = min(int(config.train.steps), len(tasks) // b)
         if self.steps < int(config.train.steps):
             logging.warning("[grpo] %d tasks make %d single-epoch steps of %d tasks, fewer than "
@@ -167,13 +172,23 @@ class GrpoRun:
         self.learner = Learner(config, stage_dir, init_from, model_fn, tokenizer=tokenizer,
                                data_iterator=self.epoch)
         self.trainer = trainer = self.learner.trainer
+        # each process feeds its own rows of a step's batch, or (the batch axes do not span the
+        # processes) every process the whole batch
+        self.shares = trainer.batch_row_shares() if processes > 1 else 1
+        if self.shares != processes and not self.scatter and processes > 1:
+            raise ValueError(f"every process of this {processes}-process learner feeds the whole batch (the "
+                             f"mesh's batch axes do not span the processes: {dict(trainer.mesh.shape)}), but "
+                             "each process's own actor rolls out only its share of the tasks: use Ray actors "
+                             "(rl.num_actors >= 1, driven by process 0) or put data / fsdp over the processes")
         if trainer.step > 0 and len(self.epoch) == 0:
             # a checkpoint without the epoch's position (written before it was saved): the first
             # steps x local tasks, as the synchronous loop used them
-            for pos in range(trainer.step * local):
+            for pos in range(trainer.step * taken):
                 self.epoch.add(pos)
-        # this process's share of the epoch: of every B consecutive tasks, the `local` at its offset
-        order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b]) if (i % b) // local == pid]
+        # the driver's tasks: every task (scatter), or this process's share: of every B
+        # consecutive tasks, the `local` at its offset
+        order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b])
+                 if self.scatter or (i % b) // local == pid]
         self.url = actor_learner.store_url(config, stage_dir)
         self.colocated, self.offload = bool(rl.colocated), bool(rl.offload_optimizer)
         if self.colocated and processes > 1:
@@ -185,14 +200,18 @@ class GrpoRun:
             start = self.weights.publish(trainer.model, trainer.step)  # the actors start from this version
             logging.info("[grpo] weights version %d in %s (%d bytes)", trainer.step, self.url, start["bytes"])
         logging.info("[grpo] %s mode, %s", "async" if config.grpo["async"] else "sync",
-                     f"{rl.num_actors} Ray actor(s)" if int(rl.num_actors) else
+                     f"{rl.num_actors} Ray actor(s)" + (f" driven by process 0 of {processes}" if self.scatter else "")
+                     if int(rl.num_actors) else
                      "the actor in this process" + (", colocated (weights copied on device)" if self.colocated else ""))
-        self.actors = actor_group.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
-                                               model_fn=model_fn, url=self.url,
-                                               model=trainer.model if self.colocated else None, version=trainer.step)
-        self.driver = actor_learner.Driver(config, self.actors, order, self.epoch,
-                                           needed=max(self.steps - trainer.step, 0) * local, local=local,
-                                           version=trainer.step)
+        self.channel = step_channel.StepChannel() if self.scatter else None
+        self.actors = self.driver = None  # scatter: only process 0 has them
+        if pid == 0 or not self.scatter:
+            self.actors = actor_group.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
+                                                   model_fn=model_fn, url=self.url, version=trainer.step,
+                                                   model=trainer.model if self.colocated else None)
+            self.driver = actor_learner.Driver(config, self.actors, order, self.epoch,
+                                               needed=max(self.steps - trainer.step, 0) * taken, local=taken,
+                                               version=trainer.step)
         self.eval_every, self.anchor_every = int(config.grpo.eval_every), int(rl.anchor_every)
         self._eval_engine = None  # the learner's own engine for agent evals when actors are Ray processes
         self.current: StepRecord | None = None  # the batch `fit` is stepping on
@@ -203,7 +222,15 @@ class GrpoRun:
 
     def __next__(self) -> dict:
         """The learner's next batch: the next B finished groups, scored (StopIteration when the
-        epoch's tasks ran out; fit logs it)."""
+        epoch's tasks ran out; fit logs it); scatter: this process's share of them."""
+        if self.driver is None:  # process p > 0 of a scatter: its share, from process 0
+            share = self.channel.receive()
+            if share is None:
+                raise StopIteration
+            groups, rollout, epoch_state = share
+            self.epoch.set_state(epoch_state)  # every process checkpoints process 0's position
+            self.current = StepRecord(rollout, learner_start=time.perf_counter())
+            return self.learner.batch(groups)
         offload = {}
         if self.offload:  # the learner waits: its optimizer state waits in host memory
             t0 = time.perf_counter()
@@ -217,6 +244,8 @@ class GrpoRun:
                 self.trainer.opt_state, _ = state_lib.to_memory(self.trainer.opt_state, "device")
                 offload["offload_s"] += time.perf_counter() - t0
         if groups is None:
+            if self.channel is not None:
+                self.channel.send([None] * jax.process_count())
             raise StopIteration
         record.update(offload)
         t1 = time.perf_counter()
@@ -226,6 +255,12 @@ class GrpoRun:
         if after:
             rollout.update(engine_metrics(before, after, record["step_seconds"]))
         self.current = StepRecord(rollout, learner_start=t1)
+        if self.channel is not None:  # each process's rows in process order (B / P groups each), or all B
+            n = len(groups) // self.shares
+            epoch_state = self.epoch.get_state()
+            shares = [groups[p * n:(p + 1) * n] if self.shares > 1 else groups for p in range(jax.process_count())]
+            self.channel.send([(share, rollout, epoch_state) for share in shares])
+            groups = shares[0]
         return self.learner.batch(groups)
 
     def after_step(self, trainer, metrics) -> dict:
@@ -236,8 +271,10 @@ class GrpoRun:
         else:
             info = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
             sync = dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"], sync_publish_s=info["seconds"])
-        self.driver.published(trainer.step)
-        if self.weights is not None and trainer.step % self.anchor_every == 0:  # drop what no actor still needs
+        if self.driver is not None:
+            self.driver.published(trainer.step)
+        if self.weights is not None and self.driver is not None and trainer.step % self.anchor_every == 0:
+            # drop what no actor still needs (the store's gc runs on process 0)
             self.weights.gc(self.driver.oldest_actor_version())
         jax.block_until_ready(metrics)
         record = dict(self.current.rollout, **sync)
@@ -289,7 +326,8 @@ class GrpoRun:
         if self._eval_engine is not None:
             self._eval_actor.close()
             self._eval_engine.close()
-        self.driver.close()
+        if self.driver is not None:
+            self.driver.close()
         self.trainer.close()
 
 
