@@ -1,7 +1,9 @@
 """Two processes with jax.distributed on localhost (4 CPU devices each) train as one job.
 
 They run the same training steps of a tiny config as one process with 8 devices, each process
-feeding only its own rows of every batch, and must produce the same losses.
+feeding only its own rows of every batch, and must produce the same losses. Each process reads
+its own data shard where a batch's rows split over the processes, and the whole stream where
+the mesh splits only the weights (coder.model.sharding.data_shard).
 
 Resume (`resume_worker`): two processes (2 CPU devices each) with different data shards train a
 few steps, stop, and a new trainer in each resumes: each process gets back its own data
@@ -63,6 +65,16 @@ def worker(process_id: int, num_processes: int, port: int, workdir: str):
     trainer.close()
     if jax.process_index() == 0:
         print("LOSSES " + json.dumps(losses), flush=True)
+    # which data each process reads: its own shard where the batch rows split over the
+    # processes, the whole stream where every process feeds the whole batch (weights split only)
+    from coder.model import sharding
+
+    shards = {}
+    for name, axes in (("data4_fsdp2", dict(data=4, fsdp=2)), ("expert4_tensor2", dict(data=1, expert=4, tensor=2))):
+        c = quickstart.get_config()
+        c.mesh.update(axes)
+        shards[name] = [sharding.batch_row_shares(sharding.make_mesh(c.mesh), c.mesh.rules), *sharding.data_shard(c)]
+    print("SHARDS " + json.dumps(shards), flush=True)
 
 
 class _Shard:
@@ -151,9 +163,14 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     # the pair starts together, so that both reach their first collective at about the same time
     port = jobs.free_port()
     pair = [_spawn(i, 2, 4, port, str(tmp_path / "multi")) for i in range(2)]
-    multi = _losses(pair[0])
-    pair[1].communicate(timeout=600)
-    assert pair[1].returncode == 0
+    out0, err0 = pair[0].communicate(timeout=600)
+    out1, err1 = pair[1].communicate(timeout=600)
+    assert pair[0].returncode == 0 and pair[1].returncode == 0, (err0[-3000:], err1[-3000:])
+    multi = json.loads(next(x for x in out0.splitlines() if x.startswith("LOSSES "))[7:])
+    shards = [json.loads(next(x for x in out.splitlines() if x.startswith("SHARDS "))[7:]) for out in (out0, out1)]
+    # [row shares, data shard index, shard count] per process
+    assert shards == [{"data4_fsdp2": [2, 0, 2], "expert4_tensor2": [1, 0, 1]},
+                      {"data4_fsdp2": [2, 1, 2], "expert4_tensor2": [1, 0, 1]}], shards
     assert len(reference) == STEPS and np.all(np.isfinite(reference))
     np.testing.assert_allclose(multi, reference, rtol=2e-5)
     assert reference[-1] < reference[0]  # it trains

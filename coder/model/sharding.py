@@ -74,6 +74,35 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def batch_row_shares(mesh: Mesh, rules) -> int:
+    """Into how many parts the processes split a batch's rows: the process count when each
+    process feeds rows of its own (the batch mesh axes span the processes), 1 when every process
+    feeds the whole batch (they do not: e.g. data = fsdp = 1, the devices split the weights only).
+    Raises when processes would share some rows but not others."""
+    axes = mesh_axes_of("batch", rules)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    spec = jax.sharding.PartitionSpec(axes if axes else None)
+    rows: dict[int, set] = {}
+    for device, (index,) in jax.sharding.NamedSharding(mesh, spec).devices_indices_map((size,)).items():
+        rows.setdefault(device.process_index, set()).update(range(*index.indices(size)))
+    sets = list(rows.values())
+    if all(r == sets[0] for r in sets):
+        return 1
+    if sum(map(len, sets)) == size and len({len(r) for r in sets}) == 1:
+        return len(sets)
+    raise ValueError(f"the batch mesh axes {axes} split a batch's rows over the {len(sets)} processes "
+                     "unevenly (some rows on several processes, others on one): lay the processes out "
+                     "along data / fsdp")
+
+
+def data_shard(config) -> tuple[int, int]:
+    """(shard index, shard count) of the training data this process reads: its own shard when the
+    processes split a batch's rows (`batch_row_shares`), else the whole stream (shard 0 of 1),
+    as every other process reads it."""
+    shares = batch_row_shares(make_mesh(config.mesh), config.mesh.rules) if jax.process_count() > 1 else 1
+    return (jax.process_index(), shares) if shares > 1 else (0, 1)
+
+
 def _tpu_device_mesh(shape, devices, num_slices: int) -> np.ndarray:
     from jax.experimental import mesh_utils
 

@@ -29,6 +29,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from coder.model import sharding
 from coder.train.losses import lm_loss, lm_loss_fn
 from coder.train.state import load_model
 from coder.train.balancing import router_balancing
@@ -96,7 +97,7 @@ def heldout_loss(trainer, batches: list[dict]) -> float:
 def _pretrain_iterator(config, tok, split):
     from coder.data.pretrain import make_pretrain_iterator
 
-    return make_pretrain_iterator(config, tok, split, jax.process_index(), jax.process_count())
+    return make_pretrain_iterator(config, tok, split, *sharding.data_shard(config))
 
 
 def pretrain(config, stage_dir: str, init_from: str) -> str:
@@ -172,7 +173,7 @@ def sft(config, stage_dir: str, init_from: str) -> str:
     def make_iterator(cfg, tokenizer, split):
         from coder.data.sft import make_sft_iterator
 
-        return make_sft_iterator(cfg, tokenizer, data, split, jax.process_index(), jax.process_count())
+        return make_sft_iterator(cfg, tokenizer, data, split, *sharding.data_shard(cfg))
 
     return _train(c, stage_dir, init_from, make_iterator)
 
@@ -206,7 +207,6 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     """
     from coder.data.pretrain import make_pretrain_iterator
     from coder.train.checkpoint import stage_tokenizer
-    from coder.model import sharding
     from coder.train.metrics import MetricsWriter
 
     if not init_from:
@@ -224,7 +224,7 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
 
     multi = jax.process_count() > 1
     it = make_pretrain_iterator(
-        config, tok, "heldout", jax.process_index(), jax.process_count(), num_epochs=None if multi else 1
+        config, tok, "heldout", *sharding.data_shard(config), num_epochs=None if multi else 1
     )
     batch_axes = sharding.mesh_axes_of("batch", rules)
     row_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes or None))

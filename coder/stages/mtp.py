@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from coder.model import sharding
 from coder.train.distill import MTP_PARAMS, distill_loss_fn
 from coder.train.state import build_model
 from coder.train.trainer import Trainer
@@ -67,7 +68,7 @@ def run(config, stage_dir: str, init_from: str) -> str:
         raise ValueError("stage mtp distils a trained model: set init_from or run it after pretrain in stages")
     c = config
     tok = stage_tokenizer(c, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
-    it = make_pretrain_iterator(c, tok, "train", jax.process_index(), jax.process_count())
+    it = make_pretrain_iterator(c, tok, "train", *sharding.data_shard(c))
     trainer = Trainer(c, stage_dir, distill_loss_fn(float(c.mtp.ce_weight)), trainable=MTP_PARAMS,
                       init_from=init_from, data_iterator=it, tokenizer=tok)
     try:
@@ -75,7 +76,7 @@ def run(config, stage_dir: str, init_from: str) -> str:
             _fresh_mtp_params(trainer)
             logging.info("mtp: MTP modules re-initialised (mtp.fresh)")
         trainer.fit(it, int(c.train.steps))
-        held = make_pretrain_iterator(c, tok, "heldout", jax.process_index(), jax.process_count(),
+        held = make_pretrain_iterator(c, tok, "heldout", *sharding.data_shard(c),
                                       num_epochs=None)
         record = heldout_metrics(trainer, held, int(c.mtp.eval_batches))
         held.close()

@@ -514,24 +514,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ public API
     def batch_row_shares(self) -> int:
-        """Into how many parts the processes split a batch's rows: `jax.process_count()` when
-        each process feeds its own rows (the batch mesh axes span the processes), 1 when every
-        process feeds the whole batch (they do not: e.g. data = fsdp = 1, the devices split the
-        weights only). Raises when processes would share some rows but not others."""
-        axes = sharding.mesh_axes_of("batch", self.rules)
-        size = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
-        sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes if axes else None))
-        rows: dict[int, set] = {}
-        for device, (index,) in sh.devices_indices_map((size,)).items():
-            rows.setdefault(device.process_index, set()).update(range(*index.indices(size)))
-        sets = list(rows.values())
-        if all(r == sets[0] for r in sets):
-            return 1
-        if sum(map(len, sets)) == size and len(set().union(*sets)) == size and len({len(r) for r in sets}) == 1:
-            return len(sets)
-        raise ValueError(f"the batch mesh axes {axes} split a batch's rows over the {len(sets)} processes "
-                         "unevenly (some rows on several processes, others on one): lay the processes "
-                         "out along data / fsdp")
+        """Into how many parts the processes split a batch's rows (coder.model.sharding.batch_row_shares)."""
+        return sharding.batch_row_shares(self.mesh, self.rules)
 
     def device_batch(self, batch: dict) -> dict:
         """Host-local numpy batch -> global jax arrays sharded over the batch mesh axes: each
