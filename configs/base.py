@@ -142,6 +142,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.engine_slots = 0  # rows decoded together at most (0 = tasks_per_step * group_size)
     c.rl.decode_steps = 16  # decode steps per host call, run on device in one lax.while_loop
     c.rl.engine_dtype = ""  # serving weights' dtype ("" = model.dtype; "bfloat16": bf16 engine, f32 learner)
+    # The engine's model-parallel axes (coder.rl.actor.engine_mesh; 0 = the training mesh's): an
+    # actor's slice is often smaller than the learner's, so its engine splits the weights its own
+    # way (e.g. expert=64 on a 64-chip actor slice beside a learner with expert 32 x sequence 8);
+    # rows go over the remaining devices. Used by the RL actors, stage serve and realtime.
+    c.rl.engine_mesh = ml_collections.ConfigDict(dict(expert=0, tensor=0, sequence=0))
     c.rl.concurrent = True  # the actor runs all B x G rollouts at once (False: group by group)
     c.rl.env_workers = 0  # env worker processes running the sandboxes' tool calls (0 = one per rollout, at most 16)
     # Actors and the weight channel (coder/rl/actor_learner.py): 0 actors = one inside the learner's

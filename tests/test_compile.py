@@ -525,5 +525,12 @@ def test_engine_compiles_on_an_actor_slice_of_its_own():
     assert {d.platform for d in emesh.devices.flat} == {"tpu"}
     lowered, setup = C.lower_engine(config, emesh)
     assert set(lowered) == {"prefill", "decode"} and setup["params_bytes_per_chip"] > 0
+    # rl.engine_mesh: the actor's engine splits the experts its own way (rows over the rest)
+    config.rl.engine_mesh.expert = 4
+    emesh, _ = C.engine_target(config, mesh, topo)
+    assert (emesh.shape["expert"], emesh.shape["data"]) == (4, 2)
+    config.rl.engine_mesh.tensor = -1
+    with pytest.raises(ValueError, match="rl.engine_mesh"):
+        C.engine_target(config, mesh, topo)
     config.compile.engine_topology = ""
     assert C.engine_target(config, mesh, topo) == (mesh, topo)

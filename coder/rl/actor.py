@@ -137,13 +137,20 @@ def engine_mesh(config, devices=None):
     """An engine's mesh: `devices` (default: this process's), with the training mesh's expert /
     tensor / sequence axes and everything else over data (rows). The same logical rules as
     training place the weights; FSDP is folded into data (an inference engine gathers nothing
-    per step). On a multi-process job each process's actor decodes on its own devices; an engine
-    over every process's devices (stage serve on several processes) passes `jax.devices()`."""
+    per step). `rl.engine_mesh` sets the expert / tensor / sequence sizes where they are not 0 (an
+    actor slice smaller than the learner's). On a multi-process job each process's actor decodes
+    on its own devices; an engine over every process's devices (stage serve on several
+    processes) passes `jax.devices()`."""
     from coder.model import sharding
 
     cfg = config.mesh.copy_and_resolve_references()
+    own = {axis: int(n) for axis, n in config.rl.engine_mesh.items()}
+    unknown = set(own) - {"expert", "tensor", "sequence"}
+    if unknown or any(n < 0 for n in own.values()):
+        raise ValueError(f"rl.engine_mesh={dict(own)}: sizes >= 0 (0 = the training mesh's) of expert, "
+                         f"tensor and sequence only")
     with cfg.unlocked():
-        cfg.update(dict(data=-1, fsdp=1, num_slices=1))
+        cfg.update(dict(data=-1, fsdp=1, num_slices=1, **{a: n for a, n in own.items() if n}))
     return sharding.make_mesh(cfg, jax.local_devices() if devices is None else devices)
 
 

@@ -113,12 +113,19 @@ SETTINGS = {
 GRPO_BATCH = 64
 
 
+# Disaggregated RL: an actor's engine on a slice of its own ("MODEL,SETTING,ACTOR_TOPOLOGY"): the
+# serving weights in bf16 split over all of the actor's chips by experts (and attention heads /
+# vocabulary over the same axis), rows over nothing else; the rollout batch of one actor. The
+# learner's step is compiled as in SETTING's report (the GRPO step is in that report already).
+ACTOR_ENGINE = dict(engine_batch=128, engine_max_len=SEQ_LEN, engine_prefill_len=1024)
+
+
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
-    model, setting = arg.split(",")
+    model, setting, *actor = arg.split(",")
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
-    c.compile.report_dir = f"docs/scale/{model}_{setting}"
+    c.compile.report_dir = f"docs/scale/{model}_{setting}" + (f"_actors-{actor[0]}" if actor else "")
     if model == "quickstart":  # the tiny config: its own mesh (data parallel), bf16 as on TPU
         c.stages = ()
         c.model.dtype = "bfloat16"
@@ -149,4 +156,16 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.compile.grpo_batch = s.get("grpo_batch", GRPO_BATCH)
     c.compile.grpo_seq_len = SEQ_LEN
     c.grpo.router_replay = True  # the learner routes by the engine's expert ids
+    if actor:
+        c.compile.engine_topology = actor[0]
+        c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)
+        c.rl.engine_dtype = "bfloat16"
+        chips = hardware_chips(actor[0])
+        c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
     return c
+
+
+def hardware_chips(topology: str) -> int:
+    from coder.train.aot import hardware
+
+    return hardware.parse_topology(topology, 1).num_chips
