@@ -1,7 +1,9 @@
 """The actor-learner system of stage grpo: actors on Ray, the learner in the stage's process,
 weights through the weight store (docs/rl.md, section 4).
 
-    learner  (the stage's process; each process of a multi-controller JAX job runs its own)
+    learner  (the stage's process; each process of a multi-controller JAX job runs its own: with
+              Ray actors, process 0's Driver takes every group and scatters them to the others,
+              coder/rl/step_channel.py)
       Driver.take()             the step's B groups of rollouts, as its actors finish them
       Learner.batch, one step   (tokens more than grpo.max_staleness versions old carry no loss)
       learner_weights().publish()  the new version, in the serving dtype, to the weight store
@@ -34,7 +36,8 @@ again (a task lost MAX_ATTEMPTS times is skipped, logged). A dead env worker is 
 InfraError inside a rollout (masked in its group). Any other exception of an actor is a bug and
 stops the run.
 
-Single epoch: each process walks its share of the tasks in order; `Epoch` records which ones
+Single epoch: each driver walks its tasks in order (process 0's all of them with Ray actors,
+each process its share with the actor in its own process); `Epoch` records which ones
 were used (trained on, or skipped) and travels in every checkpoint as the trainer's data state,
 so a resumed stage continues with the next unused tasks. Groups in flight when a run stopped
 were never trained on: the resumed run generates them again (same sampling key, new weights).
