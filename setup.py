@@ -38,7 +38,7 @@ setup(
     extras_require={
         # transformers + CPU torch: reference implementation for the model-equivalence tests;
         # pytest-xdist: the README's test command runs the tests in 2 worker processes (-n 2).
-        # tokenizers + tiktoken: the pretrained tokenizers of tests/test_hf_init.py.
+        # tokenizers + tiktoken: the pretrained tokenizers of tests/model/test_hf_init.py.
         # setuptools >= 70.1 builds wheels without the `wheel` package: the packaging test builds
         # coder with this environment's own tools (a new venv has setuptools 65 and no wheel);
         # filelock: the session-wide fitted toy policy of tests/conftest.py (one fit, both workers).

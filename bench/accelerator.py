@@ -252,7 +252,7 @@ def interpret_params(backend: str):
         from jax.experimental.pallas import tpu as pltpu
 
         return pltpu.InterpretParams()
-    try:  # not exported by plgpu in jax 0.10 (tests/test_nsa_gpu.py imports it the same way)
+    try:  # not exported by plgpu in jax 0.10 (tests/pallas/test_nsa_gpu.py imports it the same way)
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError:
         from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams

@@ -17,7 +17,7 @@ not absolutes).
 Decode: cache bytes read per generated token for DeepSeek-V3's MLA cache (bf16 latent 512 +
 RoPE key 64 per slot, K and V share the latent; compressed K 576 + V 512 per entry), from
 coder.pallas.nsa.decode.bytes_per_token, which counts what decode_step reads (checked against
-decode_step's program in tests/test_nsa_module.py).
+decode_step's program in tests/pallas/test_nsa_module.py).
 """
 import argparse
 import functools

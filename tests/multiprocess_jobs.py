@@ -1,6 +1,6 @@
 """Jobs of several processes in the tests: a test file run as a script once per process of a
-`jax.distributed` job on localhost (tests/test_multiprocess.py, tests/test_engine_multiprocess.py,
-tests/test_weight_sync.py), each process reporting one tagged JSON line on stdout."""
+`jax.distributed` job on localhost (tests/test_multiprocess.py, tests/infer/test_engine_multiprocess.py,
+tests/rl/test_weight_sync.py), each process reporting one tagged JSON line on stdout."""
 import json
 import os
 import socket

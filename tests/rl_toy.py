@@ -1,7 +1,7 @@
 """GRPO's toy environment, shared by the GRPO tests (a helper module: no tests of its own).
 
-The environment (shared with tests/test_actor_learner.py, tests/test_router_replay.py and
-tests/test_grpo_preemption.py, which run the learning tests on it) is light and in-process so a
+The environment (shared with tests/rl/test_actor_learner.py, tests/rl/test_router_replay.py and
+tests/rl/test_grpo_preemption.py, which run the learning tests on it) is light and in-process so a
 learning run takes a few minutes on CPU: the task is "submit the lucky number from 1 to 4" (in
 many phrasings, each used once) with one tool, `submit(answer)`, and the reward is 1 when the
 answer is 3. It goes through exactly the code a sandboxed run uses (the actor's agent loop,
@@ -18,7 +18,7 @@ are negative examples). A wrong loss sign, misaligned targets, masks that miss t
 or weights that never reach the engine leave the reward at chance or lower: each fails the
 learning tests.
 
-A resumed stage continuing the single epoch where it stopped is tests/test_grpo_preemption.py.
+A resumed stage continuing the single epoch where it stopped is tests/rl/test_grpo_preemption.py.
 The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
 """
 import dataclasses

@@ -1,6 +1,6 @@
 """Decoding without a KV cache: every step recomputes the whole sequence.
 
-The baseline the cached engine is checked (tests/test_engine.py) and timed (bench/engine.py)
+The baseline the cached engine is checked (tests/infer/test_engine.py) and timed (bench/engine.py)
 against. It draws with the same per-row, per-position keys as `Engine` (coder/infer/sampling.py),
 so for the same rng and row it samples the same tokens up to floating-point ties.
 """

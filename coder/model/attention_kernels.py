@@ -28,7 +28,7 @@ skips tracing the kernels:
     GPU meshes repeat attention work; heads split as on TPU).
   * Anything else (CPU): `reference_attention`, plain XLA with the `[B, H, T, T]` scores.
 
-All three are equal up to float rounding (tests/test_attention_kernels.py, interpret mode).
+All three are equal up to float rounding (tests/model/test_attention_kernels.py, interpret mode).
 """
 from __future__ import annotations
 

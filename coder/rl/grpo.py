@@ -26,7 +26,7 @@ length bias of GRPO's length standardization that Composer 2 drops).
 Why the KL is folded into the advantage: d/dtheta of the detached penalty term gives
 E_{x~pi}[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref) exactly, while a
 differentiated k1 loss term `mean(log pi - log pi_ref)` has expected gradient
-E_{x~pi}[grad log pi] = 0 (tests/test_grpo.py checks both on a small categorical policy).
+E_{x~pi}[grad log pi] = 0 (tests/rl/test_grpo.py checks both on a small categorical policy).
 
 Off-policy hygiene (docs/rl.md, "Staleness"): a token sampled by policy version v and trained
 at learner version u keeps its loss only if 0 <= u - v <= max_staleness (`staleness_mask`);

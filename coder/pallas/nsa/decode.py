@@ -2,8 +2,8 @@
 
 Reads only what NSA needs for the token at `pos`: the compressed keys/values (S/d of them), the n
 selected blocks of l' tokens, and the last w tokens; never the whole cache. Matches
-reference.nsa at the last position (tests/test_nsa_module.py; the model's cached calls and the
-engine: tests/test_nsa_engine.py).
+reference.nsa at the last position (tests/pallas/test_nsa_module.py; the model's cached calls and the
+engine: tests/model/test_nsa_engine.py).
 
 Shapes: q [B,H,Dk]; k_cache [B,S,G,Dk], v_cache [B,S,G,Dv] (token at slot p = position p);
 k_cmp_cache [B,Sc,G,Dk], v_cmp_cache [B,Sc,G,Dv] with Sc >= ceil(S/d) (entry i summarises slots
@@ -113,7 +113,7 @@ def bytes_per_token(pos: int, cfg: NSAConfig, *, key_bytes: int, value_bytes: in
     not yet visible are masked, not skipped), n * l' slots for the selected blocks (inactive
     repeats too) and min(w, S) window slots. The local blocks lie in the window too, so a kernel
     reading each slot once would read up to 2 l' slots fewer.
-    tests/test_nsa_module.py checks this count against decode_step's program. -> (nsa_bytes, dense_bytes)
+    tests/pallas/test_nsa_module.py checks this count against decode_step's program. -> (nsa_bytes, dense_bytes)
     """
     s_len = pos + 1 if cache_len is None else cache_len
     slot_bytes = key_bytes if shared_kv else key_bytes + value_bytes

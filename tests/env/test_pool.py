@@ -1,0 +1,231 @@
+"""Pool of sandboxed episodes, the CLIs, and SFT transcripts."""
+
+import json
+import os
+import subprocess
+import sys
+
+from coder.env.pool import EpisodePool
+from coder.env.protocol import parse_tool_calls, render_tool_call as rc
+from coder.env.tasks import toy_tasks
+from coder.env.tools import SPECS
+from coder.env.transcripts import minimal_edit, transcript
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _square(x):
+    return x * x
+
+
+def test_pool_runs_episodes_in_parallel_workers():
+    pairs = toy_tasks(3, seed=1)
+    with EpisodePool(2, token_count=len) as pool:
+        assert pool.map(_square, [1, 2, 3, 4]) == [1, 4, 9, 16]
+        obs = pool.reset([(i, t, None) for i, (t, _) in enumerate(pairs)])
+        assert obs == [t.prompt for t, _ in pairs]
+        assert sorted(pool._owner.values()) == [0, 0, 1]  # spread over both workers
+        outs = pool.step(
+            [
+                (i, rc("write_file", {"path": "answer.py", "content": s["answer.py"]}))
+                for i, (_, s) in enumerate(pairs)
+            ]
+        )
+        assert all(not done and "wrote" in o for o, done, _ in outs)
+        # two submit; the third replies without a call, which ends it and scores it as it is
+        outs = pool.step([(0, rc("submit", {})), (1, rc("submit", {})), (2, "no call")])
+        assert [o[2]["reward"] for o in outs] == [1.0, 1.0, 1.0]
+        assert [o[2]["done_reason"] for o in outs] == ["submit", "submit", "no_tool_call"]
+        assert outs[0][2]["messages"][-1]["role"] == "assistant" and not pool._owner
+
+
+def test_make_tasks_and_check_cli(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coder.env.make_tasks",
+            "--source",
+            "toy",
+            "--n",
+            "3",
+            "--seed",
+            "2",
+            "--out",
+            str(tmp_path / "t.jsonl"),
+            "--solutions",
+            str(tmp_path / "s.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    sols = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
+    sols[1]["files"] = {}  # no change: the bug stays
+    with open(tmp_path / "s2.jsonl", "w") as f:
+        for s in sols[:2]:
+            f.write(json.dumps(s) + "\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coder.env.check",
+            "--tasks",
+            str(tmp_path / "t.jsonl"),
+            "--solutions",
+            str(tmp_path / "s2.jsonl"),
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    ids = [json.loads(line)["id"] for line in open(tmp_path / "t.jsonl")]
+    assert [r["id"] for r in rows] == ids
+    assert all(set(r) == {"id", "reward", "passed", "total", "error"} for r in rows)
+    assert (rows[0]["reward"], rows[0]["passed"], rows[0]["error"]) == (1.0, rows[0]["total"], None)
+    assert rows[1]["reward"] == 0.0 and rows[1]["error"]
+    assert rows[2]["error"] == "no solution"
+
+
+def test_transcript_follows_the_agent_loop_format():
+    ((task, sol),) = toy_tasks(1, seed=9)
+    conv, info = transcript(task, sol, seed=0)
+    assert info["reward"] == 1.0 and info["done_reason"] == "submit"
+    msgs = conv["messages"]
+    assert [m["role"] for m in msgs[:2]] == ["system", "user"] and msgs[1]["content"] == task.prompt
+    assert all(set(m) == {"role", "content"} for m in msgs)
+    for a, b in zip(msgs[2::2], msgs[3::2], strict=False):  # assistant / tool alternate
+        assert a["role"] == "assistant" and b["role"] == "tool"
+        calls = parse_tool_calls(a["content"], SPECS)
+        assert calls and all(hasattr(c, "name") for c in calls)
+        assert b["content"].count("<tool_result>") == len(calls)
+    assert (
+        msgs[-1]["role"] == "assistant"
+        and parse_tool_calls(msgs[-1]["content"], SPECS)[0].name == "submit"
+    )
+    assert any("1 passed" in m["content"] for m in msgs if m["role"] == "tool")  # real output
+
+
+def test_minimal_edit_is_unique():
+    old = "a = 1\nb = 2\na = 1\nc = 3\n"
+    new = "a = 1\nb = 2\na = 5\nc = 3\n"
+    o, n, lo, hi = minimal_edit(old, new)
+    assert old.count(o) == 1 and old.replace(o, n) == new and lo <= 3 <= hi
+
+
+def test_per_call_interface_runs_different_workers_in_parallel():
+    import threading
+    import time
+
+    from coder.env.pool import PooledEpisode
+    from coder.env.protocol import ToolCall
+
+    pairs = toy_tasks(2, seed=3)
+    with EpisodePool(2, token_count=len) as pool:
+        eps = [PooledEpisode(pool, t) for t, _ in pairs]
+        assert sorted(pool._owner.values()) == [0, 1]  # one episode per worker
+        assert [s.name for s in eps[0].tools] == [s.name for s in SPECS]
+        spans, errors = {}, []
+
+        def work(i):
+            try:
+                t0 = time.perf_counter()
+                out = eps[i].call(ToolCall("shell", {"command": "sleep 1; echo slept"}, ""))
+                spans[i] = (t0, time.perf_counter())
+                assert "slept" in out
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert max(s for s, _ in spans.values()) < min(e for _, e in spans.values())  # overlapped
+        # The episode interface end to end: fix, submit, score.
+        (_, sol), ep = pairs[0], eps[0]
+        out = ep.call(ToolCall("write_file", {"path": "answer.py", "content": sol["answer.py"]}, ""))
+        assert out.startswith("wrote") and not ep.done
+        assert ep.call(ToolCall("submit", {}, "")) == "submitted" and ep.done
+        reward, info = ep.score()
+        assert reward == 1.0 and info["infra_error"] is None
+        for e in eps:
+            e.close()
+        assert not pool._owner
+
+
+def test_per_call_interface_serializes_one_worker():
+    import threading
+    import time
+
+    from coder.env.protocol import ToolCall
+
+    pairs = toy_tasks(2, seed=4)
+    with EpisodePool(1, token_count=len) as pool:
+        for i, (t, _) in enumerate(pairs):
+            pool.open(i, t)
+        spans = {}
+
+        def work(i):
+            t0 = time.perf_counter()
+            pool.call(i, ToolCall("shell", {"command": "sleep 0.5"}, ""))
+            spans[i] = (t0, time.perf_counter())
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert max(e for _, e in spans.values()) - min(s for s, _ in spans.values()) >= 1.0
+
+
+def test_dead_worker_turns_calls_into_infra_errors_and_is_restarted():
+    import pytest
+
+    from coder.env.pool import PooledEpisode
+    from coder.env.protocol import ToolCall
+    from coder.env.sandbox import InfraError
+
+    ((task, _),) = toy_tasks(1, seed=6)
+    with EpisodePool(1, token_count=len, tools=("shell", "submit")) as pool:
+        ep = PooledEpisode(pool, task)
+        assert [s.name for s in ep.tools] == ["shell", "submit"]
+        assert "exit code: 0" in ep.call(ToolCall("shell", {"command": "true"}, ""))
+        pool._workers[0].proc.kill()
+        pool._workers[0].proc.join()
+        with pytest.raises(InfraError, match="died"):
+            ep.call(ToolCall("shell", {"command": "true"}, ""))
+        with pytest.raises(InfraError):
+            ep.score()
+        ep.close()
+        fresh = PooledEpisode(pool, task)  # the worker is restarted for new episodes
+        assert not fresh.error and "exit code: 0" in fresh.call(ToolCall("shell", {"command": "true"}, ""))
+        with pytest.raises(InfraError):  # the lost episode stays lost
+            ep.call(ToolCall("shell", {"command": "true"}, ""))
+        fresh.close()
+    with pytest.raises(ValueError, match="unknown tools"):
+        EpisodePool(1, token_count=len, tools=("teleport",))
+
+
+def test_hung_worker_times_out_as_infra_error():
+    import pytest
+
+    from coder.env.protocol import ToolCall
+    from coder.env.sandbox import InfraError
+
+    ((task, _),) = toy_tasks(1, seed=7)
+    with EpisodePool(1, timeout_s=3.0, token_count=len) as pool:
+        pool.open("a", task)
+        with pytest.raises(InfraError, match="took more than"):
+            pool.call("a", ToolCall("shell", {"command": "sleep 20"}, ""))
+        pool.open("b", task)  # the killed worker is restarted
+        assert "exit code: 0" in pool.call("b", ToolCall("shell", {"command": "true"}, ""))

@@ -1,0 +1,220 @@
+"""Stage grpo survives preemption exactly: SIGTERM after the first step saves and exits 0; the
+resumed run (grpo.kl_coef > 0) trains the next steps on the next tasks and ends where an
+uninterrupted run ends, metric for metric and weight for weight.
+
+The runs are subprocesses (this file run as a script, like tests/train/test_checkpoint_resume.py):
+stage grpo's `train` on tests/rl_toy.py's in-process toy task ("submit the lucky
+number", reward 1 for "3") with its tiny MoE model, SFT-ed once per test session (tests/conftest.py toy_policy) on the call format
+with a random answer (so rewards differ within a group, the policy moves, and the KL to the
+frozen reference is > 0 from step 2 on). Sync mode (`grpo.async=False`, lockstep), the actor
+inside the stage's process (`rl.num_actors=0`: the driver's thread and the actor's group thread
+run beside the learner when the signal arrives), checkpoints only at the end and on SIGTERM.
+
+Why the resumed run can equal the uninterrupted one bit for bit: in sync mode step s's groups
+are the tasks of positions [s B, (s+1) B) sampled with the learner's version-s weights; a
+group's sampling key is fold_in(key(seed), task index, attempt), independent of timing and of
+which rows share a decode call; the checkpoint holds the params, the optimizer state, the
+router bias, the step and the epoch's position (`actor_learner.Epoch`), and the reference is
+rebuilt from its recorded source and checked (coder.rl.learner). One more condition: the
+engine's behaviour logprobs (which enter the loss through the ratio) depend in their last bits
+on which rows share a decode call (the batch's shapes; the MoE's dense or sorted dispatch,
+chosen by the number of tokens). With concurrent rollouts (rl.concurrent, one thread per
+rollout) that is thread timing, and two fresh runs already differ in the 7th digit of
+grad_norm at step 2 (measured); so the actor here rolls out one group at a time
+(rl.engine_slots = G) with rl.concurrent=False: a group's G rows decode in lockstep, the same
+calls in every run. The groups the driver had
+handed out for the step after the checkpoint (in flight at SIGTERM) were never trained on and
+are not in the saved epoch: the resumed run samples them again, with the same keys and weights.
+
+The script records, per run, every trained batch's task ids (`trained.jsonl`, by wrapping
+`Learner.batch`) and every episode started (`episodes.jsonl`), so the test can see tasks
+trained exactly once and in-flight groups re-generated.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests import xla_flags
+
+pytestmark = pytest.mark.subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 4
+B, G = 2, 4  # tasks per step, rollouts per task
+STAGE_LEN = 256
+COMPARED = ("loss", "reward", "kl", "ratio_mean", "entropy", "policy_tokens", "grad_norm", "pass_rate",
+            "behaviour_logp_abs_diff")
+
+
+# where the actor runs: in the stage's process, or as one Ray actor of two processes (one JAX job
+# of its own, coder/rl/actor_group.py: the disaggregated layout)
+ACTORS = {"in_process": dict(num_actors=0), "actor_group": dict(num_actors=1, actor_processes=2)}
+
+
+def _config(tok, actors="in_process"):
+    from tests import rl_toy as rl_test
+
+    cfg = rl_test.tiny_config(tok, STAGE_LEN)
+    # one group at a time, its rows decoding together (module docstring: bit-exact engine)
+    cfg.rl.update(dict(group_size=G, tasks_per_step=B, concurrent=False, engine_slots=G, **ACTORS[actors]))
+    cfg.grpo.update({"async": False, "kl_coef": 0.05})
+    cfg.train.update(dict(steps=STEPS, ckpt_every=1000, lr=3e-3, warmup_steps=0))
+    return cfg
+
+
+def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str) -> None:
+    """One stage run (the subprocess): the tokenizer and SFT-ed weights from `inputs`; each
+    episode's submit call sleeps `sleep_s` (so the test can signal mid-run); the actor where
+    `actors` (ACTORS) says. Episodes record the stage process's pid (they may run in an actor's)."""
+    from flax import nnx
+
+    from coder.data import tokenizer as tokenizer_lib
+    from coder.model import Transformer
+    from coder.rl import learner as learner_lib
+    from coder.stages import grpo as grpo_stage
+    from coder.train import checkpoint as ckpt_lib
+    from tests import rl_toy as rl_test
+
+    with open(os.path.join(inputs, "tokenizer.json")) as f:
+        tok = tokenizer_lib.from_record(json.load(f))
+    cfg = _config(tok, actors)
+    flat = dict(np.load(os.path.join(inputs, "weights.npz")))
+
+    def model_fn():
+        m = Transformer(cfg.model, rngs=nnx.Rngs(1))
+        nnx.update(m, ckpt_lib.flat_to_state(nnx.state(m), flat))
+        return m
+
+    os.makedirs(stage_dir, exist_ok=True)
+    log = lambda name, rec: open(os.path.join(stage_dir, name), "a").write(json.dumps(rec) + "\n")
+    batch = learner_lib.Learner.batch
+
+    def recording_batch(self, groups, version=None):
+        log("trained.jsonl", {"pid": os.getpid(), "step": self.version + 1,
+                              "tasks": [grp[0].task_id for grp in groups]})
+        return batch(self, groups, version)
+
+    learner_lib.Learner.batch = recording_batch
+
+    class SlowEpisode(rl_test.SubmitEpisode):
+        def call(self, call):
+            time.sleep(sleep_s)
+            return super().call(call)
+
+    stage_pid = os.getpid()
+
+    def make_episode(task):
+        log("episodes.jsonl", {"pid": stage_pid, "task": task.id})
+        return SlowEpisode(rl_test.LUCKY)
+
+    tasks = [t for t, _ in rl_test.make_tasks(STEPS * B + B, seed=0)]  # one step's tasks to spare
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=make_episode,
+                     model_fn=model_fn)
+
+
+def _spawn(stage_dir, inputs, sleep_s, actors):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["XLA_FLAGS"] = xla_flags.one_device(env.get("XLA_FLAGS", ""))  # as a single-host run
+    return subprocess.Popen([sys.executable, __file__, stage_dir, inputs, str(sleep_s), actors], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _final_weights(stage_dir):
+    """(version, {name: array}) of the newest weights the run published: every variable of the
+    learner's model after its last step (float32: the serving dtype is model.dtype here)."""
+    from coder.rl import weight_sync
+
+    return weight_sync.load(os.path.join(stage_dir, "weights"))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, toy_policy):
+    """The tokenizer and the SFT-ed weights both runs start from (the session's fitted toy),
+    written once for the subprocesses."""
+    from coder.data import tokenizer as tokenizer_lib
+    from coder.train import checkpoint as ckpt_lib
+
+    d = tmp_path_factory.mktemp("inputs")
+    with open(d / "tokenizer.json", "w") as f:
+        json.dump(tokenizer_lib.to_record(toy_policy.tokenizer), f)
+    np.savez(d / "weights.npz", **{k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(toy_policy.state).items()})
+    return str(d)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("actors", sorted(ACTORS))
+def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, inputs, actors):
+    """Both layouts: the actor in the stage's process, and a Ray actor of two processes (its
+    groups rebuilt from the store's newest version when the run resumes)."""
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref = _spawn(ref_dir, inputs, 0.0, actors)
+    out = ref.communicate(timeout=900)[0]
+    assert ref.returncode == 0, out[-4000:]
+    proc = _spawn(run_dir, inputs, 0.3, actors)
+    t0 = time.time()
+    while not _jsonl(os.path.join(run_dir, "metrics.jsonl")):  # the first step is logged
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() - t0 < 600, "no first step after 600 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    t_term = time.time()
+    out = proc.communicate(timeout=180)[0]  # no hang with the actor's threads still rolling out
+    assert proc.returncode == 0, out[-4000:]
+    print(f"exited {time.time() - t_term:.1f} s after SIGTERM")
+    stopped = max(r["step"] for r in _jsonl(os.path.join(run_dir, "metrics.jsonl")))
+    assert 1 <= stopped < STEPS
+    assert sorted(int(n) for n in os.listdir(os.path.join(run_dir, "checkpoints"))) == [stopped]
+    with open(os.path.join(run_dir, "checkpoints", str(stopped), "data", "process_0-of-1.json")) as f:
+        assert json.load(f) == {"format": 1, "below": stopped * B, "extra": []}  # tasks used so far
+    first_pid = _jsonl(os.path.join(run_dir, "trained.jsonl"))[0]["pid"]
+
+    resumed = _spawn(run_dir, inputs, 0.0, actors)
+    out = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, out[-4000:]
+
+    # every task trained once, at the uninterrupted run's step; the resumed run starts at the next
+    trained = _jsonl(os.path.join(run_dir, "trained.jsonl"))
+    expected = _jsonl(os.path.join(ref_dir, "trained.jsonl"))
+    assert [(r["step"], r["tasks"]) for r in trained] == [(r["step"], r["tasks"]) for r in expected]
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    assert [r["pid"] == first_pid for r in trained] == [s <= stopped for s in range(1, STEPS + 1)]
+    # the group in flight at SIGTERM (the next step's first task, handed out after the last
+    # publish: one group at a time) was started, not trained, and sampled again on resume
+    started = {}
+    for r in _jsonl(os.path.join(run_dir, "episodes.jsonl")):
+        started.setdefault(r["task"], []).append(r["pid"] == first_pid)
+    untrained = {t for t, runs in started.items() if True in runs} - {t for r in trained[:stopped] for t in r["tasks"]}
+    assert untrained and untrained <= set(trained[stopped]["tasks"]), (untrained, trained[stopped])
+    assert all(started[t].count(False) == G for t in untrained), started
+
+    # the same numbers as the uninterrupted run, step for step (KL to the restored reference included)
+    m, m_ref = _jsonl(os.path.join(run_dir, "metrics.jsonl")), _jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+    assert [r["step"] for r in m] == [r["step"] for r in m_ref] == list(range(1, STEPS + 1))
+    for r, e in zip(m, m_ref):
+        assert {k: r[k] for k in COMPARED} == {k: e[k] for k in COMPARED}, r["step"]
+    assert all(r["kl"] != 0 for r in m[1:]), [r["kl"] for r in m]  # the KL term is live
+    step, weights = _final_weights(run_dir)
+    step_ref, weights_ref = _final_weights(ref_dir)
+    assert step == step_ref == STEPS and weights.keys() == weights_ref.keys()
+    for k in weights:
+        np.testing.assert_array_equal(np.asarray(weights[k]), np.asarray(weights_ref[k]), err_msg=k)
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    _run(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])
