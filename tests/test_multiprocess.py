@@ -149,6 +149,53 @@ def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
     print("RESUME " + json.dumps(out), flush=True)
 
 
+def preempt_worker(process_id: int, num_processes: int, port: int, workdir: str):
+    """A 20-step run in which only process 1 gets SIGTERM (it signals itself while fetching its
+    third batch); prints the step each process stopped at."""
+    import signal
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                               num_processes=num_processes, process_id=process_id)
+    from coder.train.losses import lm_loss_fn
+    from coder.train.trainer import Preempted, Trainer
+    from configs import base
+
+    class Toy(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, 16)) * 0.5)
+            self.lm_head = nnx.Param(jax.random.normal(rngs.params(), (16, 64)) * 0.2)
+
+        def __call__(self, tokens, positions, segment_ids):
+            return jnp.tanh(self.embed[...][tokens]) @ self.lm_head[...], {}
+
+    start = 100 * jax.process_index()
+
+    class Signalled(_Shard):
+        def __next__(self):
+            if jax.process_index() == 1 and self.index - start == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().__next__()
+
+    c = base.get_config()
+    c.model.vocab_size = 64
+    c.train.update(dict(warmup_steps=0, log_every=1, ckpt_every=1000))
+    data = Signalled(start, 8 // jax.process_count())
+    trainer = Trainer(c, os.path.join(workdir, "pretrain"), lm_loss_fn(c.train), model_fn=lambda: Toy(nnx.Rngs(0)),
+                      data_iterator=data, stage="pretrain")
+    try:
+        trainer.fit(data, 20)
+        stopped = None
+    except Preempted as e:
+        stopped = trainer.step
+        del e
+    trainer.close()
+    print("PREEMPT " + json.dumps({"process": jax.process_index(), "stopped": stopped}), flush=True)
+
+
 def _spawn(process_id, num_processes, devices, port, workdir, mode="train"):
     return jobs.spawn(__file__, [process_id, num_processes, port, workdir, mode], devices)
 
@@ -174,6 +221,19 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     assert len(reference) == STEPS and np.all(np.isfinite(reference))
     np.testing.assert_allclose(multi, reference, rtol=2e-5)
     assert reference[-1] < reference[0]  # it trains
+
+
+def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    """Only process 1 gets SIGTERM (while fetching its third batch): both processes finish step
+    3, write its checkpoint together (each its own data position) and stop; without agreeing
+    on it, process 0 would go on into step 4's collectives alone."""
+    port = jobs.free_port()
+    pair = [_spawn(i, 2, 2, port, str(tmp_path), "preempt") for i in range(2)]
+    outs = [jobs.tagged_json(proc, "PREEMPT", timeout=300) for proc in pair]
+    assert [o["stopped"] for o in outs] == [3, 3], outs
+    step_dir = tmp_path / "pretrain" / "checkpoints" / "3"
+    for i, index in ((0, 3), (1, 103)):
+        assert json.loads((step_dir / "data" / f"process_{i}-of-2.json").read_text()) == {"index": index}
 
 
 @pytest.mark.slow  # ~40 s on 2 busy cores (two interpreters, two trainers each)
@@ -259,5 +319,5 @@ def test_grpo_and_agent_eval_on_a_4_device_mesh_and_on_two_processes(tmp_path):
 
 
 if __name__ == "__main__":
-    main = {"resume": resume_worker, "grpo": grpo_worker}.get(sys.argv[5] if sys.argv[5:] else "", worker)
+    main = {"resume": resume_worker, "grpo": grpo_worker, "preempt": preempt_worker}.get(sys.argv[5] if sys.argv[5:] else "", worker)
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -673,7 +673,7 @@ class Trainer:
                     record.update(extra)
                     self.log(record, total_steps=steps, eta_s=eta)
                     t_last, tokens, timed_steps = now, 0, 0
-                if self._preempt:
+                if self._preempted():
                     self.save(force=True)
                     self.ckpt.wait()
                     logging.warning("[%s] SIGTERM: checkpoint at step %d written, exiting", self.stage, self.step)
@@ -690,6 +690,16 @@ class Trainer:
     def _on_sigterm(self, signum, frame):
         del signum, frame
         self._preempt = True
+
+    def _preempted(self) -> bool:
+        """SIGTERM seen by this process or, in a job of several, by any of them: every process
+        stops after the same step (the checkpoint is written by all of them together; a process
+        that stopped alone would leave the others waiting in the next step's collectives)."""
+        if jax.process_count() == 1:
+            return self._preempt
+        from jax.experimental import multihost_utils
+
+        return bool(np.max(multihost_utils.process_allgather(np.int32(self._preempt))))
 
     def close(self):
         """Wait for pending checkpoint writes and close the writers."""
