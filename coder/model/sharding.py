@@ -62,7 +62,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(mesh_cfg, len(devices))
-    slices = int(mesh_cfg.get("num_slices", 1) or 1)
+    slices = int(mesh_cfg.num_slices)
     if devices[0].platform == "tpu":
         dev = _tpu_device_mesh(shape, devices, slices)
     else:

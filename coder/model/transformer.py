@@ -80,7 +80,7 @@ class Transformer(nnx.Module):
         blocks = [Block(cfg, i, rngs) for i in range(cfg.num_hidden_layers)]
         n_dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
         self.moe_stack = nnx.data(None)
-        if cfg.get("scan_layers", False) and cfg.num_hidden_layers - n_dense > 0:
+        if cfg.scan_layers and cfg.num_hidden_layers - n_dense > 0:
             blocks, self.moe_stack = blocks[:n_dense], nnx.data(stack_blocks(blocks[n_dense:]))
         self.layers = nnx.List(blocks)
         self.norm = RMSNorm(d, cfg)

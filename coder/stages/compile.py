@@ -637,9 +637,9 @@ def _run(config, stage_dir: str, init_from: str) -> str:
             moe_a2a_buffer_factor=float(config.model.moe_a2a_buffer_factor),
             grad_accum_dtype=config.train.grad_accum_dtype,
             optimizer_over_data=bool(config.train.optimizer_over_data),
-            params_over_data=bool(config.train.get("params_over_data", False)),
-            reduce_grads_once=bool(config.train.get("reduce_grads_once", False)),
-            cast_params_once=bool(config.train.get("cast_params_once", False)),
+            params_over_data=bool(config.train.params_over_data),
+            reduce_grads_once=bool(config.train.reduce_grads_once),
+            cast_params_once=bool(config.train.cast_params_once),
         ),
     )
     t0 = time.perf_counter()

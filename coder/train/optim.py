@@ -149,7 +149,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """The optimizer of `train_cfg.optimizer`, preceded by global-norm clipping when grad_clip > 0."""
     schedule = lr_schedule(train_cfg)
     name = train_cfg.optimizer
-    mu_dtype = str(train_cfg.get("mu_dtype", "float32"))
+    mu_dtype = str(train_cfg.mu_dtype)
     if mu_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"train.mu_dtype={mu_dtype!r}: choose 'float32' or 'bfloat16'")
     if name == "adamw":
