@@ -24,6 +24,10 @@ SPECIAL_TOKENS = (
     "<summary>",
     "</summary>",
 )
+# The keys of `data.chat_tokens`, one per SPECIAL_TOKENS entry (same order).
+CHAT_TOKEN_NAMES = ("system", "user", "assistant", "tool", "end", "tool_call", "tool_call_end",
+                    "tool_result", "tool_result_end", "summary", "summary_end")
+DEFAULT_CHAT_TOKENS = dict(zip(CHAT_TOKEN_NAMES, SPECIAL_TOKENS))
 RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"  # coder.env.protocol's result tags
 
 

@@ -210,20 +210,19 @@ ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_of(path: str, tokenizer_path: str, chat: tuple, pattern: str):
-    from coder.data import tokenizer as tokenizer_lib
+    from coder.data.pretrained_tokenizer import load_pretrained
 
     hf = read_hf_config(path)
-    return tokenizer_lib.load_pretrained(tokenizer_path or path, dict(chat),
-                                         first_new_id=int(hf["vocab_size"]), pattern=pattern,
-                                         model_config=hf)
+    return load_pretrained(tokenizer_path or path, dict(chat), first_new_id=int(hf["vocab_size"]),
+                           pattern=pattern, model_config=hf)
 
 
 def tokenizer_of(path: str, data_cfg):
     """The tokenizer a stage starting from the Hugging Face checkpoint `path` uses: the one
     beside it (or at `data.tokenizer` when set) with the chat tokens `data.chat_tokens` (the
     ones it lacks get ids from the checkpoint's vocab_size on: the embedding grows), and
-    `data.tiktoken_pattern` for a tiktoken file (coder.data.tokenizer.load_pretrained). Cached:
-    the stage table and the stage ask for it with the same arguments."""
+    `data.tiktoken_pattern` for a tiktoken file (coder.data.pretrained_tokenizer.load_pretrained).
+    Cached: the stage table and the stage ask for it with the same arguments."""
     chat = tuple(sorted(dict(data_cfg.chat_tokens).items()))
     return _tokenizer_of(path, str(data_cfg.tokenizer or ""), chat, str(data_cfg.tiktoken_pattern or ""))
 

@@ -1,5 +1,6 @@
-"""Tokenizer, chat template, bundled corpus (coder/data/tokenizer.py, corpus.py), and which
-tokenizer a stage uses (coder.train.checkpoint.stage_tokenizer: the checkpoint's)."""
+"""Tokenizer, chat template, bundled corpus (coder/data/tokenizer.py, pretrained_tokenizer.py,
+corpus.py), and which tokenizer a stage uses (coder.train.checkpoint.stage_tokenizer: the
+checkpoint's)."""
 import json
 import os
 import pickle
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from coder.data import chat_template, corpus
+from coder.data import pretrained_tokenizer as pt
 from coder.data import tokenizer as tk
 from coder.train import checkpoint as ckpt_lib
 from configs import base
@@ -334,7 +336,7 @@ def _hf_tokenizer_dir(directory, specials=("<s>", "</s>", "<|user|>", "<|im_end|
 def test_hf_tokenizers_kind_uses_the_base_tokens_and_adds_the_others(tmp_path):
     path, size = _hf_tokenizer_dir(tmp_path / "base")
     # `end` named as the base's <|im_end|>; `user` is in the base under coder's own string
-    tok = tk.load_pretrained(path, {"end": "<|im_end|>"}, first_new_id=size + 5)
+    tok = pt.load_pretrained(path, {"end": "<|im_end|>"}, first_new_id=size + 5)
     assert tok.kind == "hf_tokenizers" and (tok.bos_id, tok.eos_id) == (0, 1)
     assert tok.special_id("user") == 2 and tok.end_id == 3
     added = tok.added_tokens
@@ -352,7 +354,7 @@ def test_hf_tokenizers_kind_uses_the_base_tokens_and_adds_the_others(tmp_path):
     assert ids[0] == 2 and ids[-1] == 3 and mask.tolist() == [0.0] * (len(ids) - len(tok.encode("ok")) - 1) + [1.0] * (len(tok.encode("ok")) + 1)
     # the record and pickling rebuild exactly this tokenizer
     record = tk.to_record(tok)
-    assert record["kind"] == "hf_tokenizers" and set(record["files"]) == {"tokenizer.json", tk.CHAT_FILE}
+    assert record["kind"] == "hf_tokenizers" and set(record["files"]) == {"tokenizer.json", pt.CHAT_FILE}
     back = tk.from_record(json.loads(json.dumps(record)))
     assert tk.fingerprint(back) == record["sha256"] and back.encode(CODE) == tok.encode(CODE)
     assert pickle.loads(pickle.dumps(tok)).encode(CODE) == tok.encode(CODE)
@@ -363,11 +365,11 @@ def test_hf_tokenizers_kind_uses_the_base_tokens_and_adds_the_others(tmp_path):
 def test_chat_tokens_errors(tmp_path):
     path, _ = _hf_tokenizer_dir(tmp_path / "base")
     with pytest.raises(ValueError, match="unknown names"):
-        tk.load_pretrained(path, {"nope": "<x>"})
+        pt.load_pretrained(path, {"nope": "<x>"})
     with pytest.raises(ValueError, match="two template tokens to one id"):
-        tk.load_pretrained(path, {"end": "</s>", "tool": "</s>"})
+        pt.load_pretrained(path, {"end": "</s>", "tool": "</s>"})
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        tk.load_pretrained(str(tmp_path))
+        pt.load_pretrained(str(tmp_path))
 
 
 def test_tiktoken_kind(tmp_path):
@@ -385,23 +387,23 @@ def test_tiktoken_kind(tmp_path):
         "bos_token": "[BOS]", "eos_token": "[EOS]",
         "added_tokens_decoder": {str(n): {"content": "[BOS]"}, str(n + 1): {"content": "[EOS]"},
                                  str(n + 3): {"content": "<|im_end|>"}}}))
-    tok = tk.load_pretrained(str(d), {"end": "<|im_end|>"}, first_new_id=n + 8, pattern=pattern)
+    tok = pt.load_pretrained(str(d), {"end": "<|im_end|>"}, first_new_id=n + 8, pattern=pattern)
     assert tok.kind == "tiktoken" and (tok.bos_id, tok.eos_id, tok.end_id) == (n, n + 1, n + 3)
     assert tok.meta["special_tokens"][f"<|reserved_token_{n + 2}|>"] == n + 2  # gaps are named
     assert min(tok.added_tokens.values()) == n + 8 and tok.vocab_size == n + 8 + len(tok.added_tokens)
     assert tok.decode(tok.encode(CODE)) == CODE
     assert tok.encode("[EOS]") == [n + 1] and n + 1 not in tok.encode("[EOS]", allow_special=False)
     record = tk.to_record(tok)
-    assert set(record["files"]) == {"tiktoken.model", tk.CHAT_FILE}
+    assert set(record["files"]) == {"tiktoken.model", pt.CHAT_FILE}
     assert tk.from_record(record).encode(CODE + "<tool_call>") == tok.encode(CODE + "<tool_call>")
     assert pickle.loads(pickle.dumps(tok)).encode(CODE) == tok.encode(CODE)
     # Kimi K2's pattern (the default) compiles in tiktoken
-    assert tk.load_pretrained(str(d)).meta["pattern"] == tk.KIMI_K2_PATTERN
+    assert pt.load_pretrained(str(d)).meta["pattern"] == pt.KIMI_K2_PATTERN
 
 
 def test_stage_tokenizer_of_a_checkpoint_with_a_pretrained_tokenizer(tmp_path):
     path, size = _hf_tokenizer_dir(tmp_path / "base")
-    tok = tk.load_pretrained(path, first_new_id=size)
+    tok = pt.load_pretrained(path, first_new_id=size)
     init = _checkpoint_with(tmp_path / "sft" / "checkpoints", tok)
     cfg = base.get_config()
     got = ckpt_lib.stage_tokenizer(cfg, init, str(tmp_path / "grpo"))

@@ -1,6 +1,6 @@
 """Starting a stage from a Hugging Face checkpoint (`init_from` = a DeepseekV3ForCausalLM directory
-with its own tokenizer), and going back: coder.model.hf_import, coder.data.tokenizer's pretrained
-kinds, coder.stages.inherit_model_config, coder.train.state.load_into, stage_tokenizer.
+with its own tokenizer), and going back: coder.model.hf_import, coder.data.pretrained_tokenizer,
+coder.stages.inherit_model_config, coder.train.state.load_into, stage_tokenizer.
 
 The checkpoint is transformers' own save of a small DeepseekV3ForCausalLM with transformers'
 *default* MTP setting (num_nextn_predict_layers=1, no MTP tensors saved), beside a small BPE
