@@ -103,21 +103,13 @@ class _Shard:
         self.index = int(state["index"])
 
 
-def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
-    """Tokenizer for a run from scratch, 3 steps, stop, resume in a new trainer, 5 steps; prints
-    this process's tokenizer hash and where its cache went, the data position restored and the
-    batches it consumed."""
+def _toy_model():
+    """A 64-token embedding + tanh + head language model (the resume and preemption jobs' model:
+    their subject is the trainer, not the Transformer); built inside the job, after
+    jax.distributed.initialize."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
-                               num_processes=num_processes, process_id=process_id)
-    from coder.data import tokenizer as tk
-    from coder.train.checkpoint import stage_tokenizer
-    from coder.train.losses import lm_loss_fn
-    from coder.train.trainer import Trainer
-    from configs import base
 
     class Toy(nnx.Module):
         def __init__(self, rngs):
@@ -126,6 +118,23 @@ def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
 
         def __call__(self, tokens, positions, segment_ids):
             return jnp.tanh(self.embed[...][tokens]) @ self.lm_head[...], {}
+
+    return Toy(nnx.Rngs(0))
+
+
+def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
+    """Tokenizer for a run from scratch, 3 steps, stop, resume in a new trainer, 5 steps; prints
+    this process's tokenizer hash and where its cache went, the data position restored and the
+    batches it consumed."""
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                               num_processes=num_processes, process_id=process_id)
+    from coder.data import tokenizer as tk
+    from coder.train.checkpoint import stage_tokenizer
+    from coder.train.losses import lm_loss_fn
+    from coder.train.trainer import Trainer
+    from configs import base
 
     c = base.get_config()
     c.data.sources = ({"path": os.path.join(workdir, "corpus.jsonl")},)
@@ -140,7 +149,7 @@ def resume_worker(process_id: int, num_processes: int, port: int, workdir: str):
            "cache": os.path.isdir(cache)}
     for steps in (3, 5):
         data = _Shard(100 * jax.process_index(), rows)
-        trainer = Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=lambda: Toy(nnx.Rngs(0)),
+        trainer = Trainer(c, stage_dir, lm_loss_fn(c.train), model_fn=_toy_model,
                           data_iterator=data, tokenizer=tok, stage="pretrain")
         out[f"restored_{steps}"] = data.index
         trainer.fit(data, steps)
@@ -155,22 +164,12 @@ def preempt_worker(process_id: int, num_processes: int, port: int, workdir: str)
     import signal
 
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     jax.distributed.initialize(coordinator_address=f"localhost:{port}",
                                num_processes=num_processes, process_id=process_id)
     from coder.train.losses import lm_loss_fn
     from coder.train.trainer import Preempted, Trainer
     from configs import base
-
-    class Toy(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Param(jax.random.normal(rngs.params(), (64, 16)) * 0.5)
-            self.lm_head = nnx.Param(jax.random.normal(rngs.params(), (16, 64)) * 0.2)
-
-        def __call__(self, tokens, positions, segment_ids):
-            return jnp.tanh(self.embed[...][tokens]) @ self.lm_head[...], {}
 
     start = 100 * jax.process_index()
 
@@ -184,7 +183,7 @@ def preempt_worker(process_id: int, num_processes: int, port: int, workdir: str)
     c.model.vocab_size = 64
     c.train.update(dict(warmup_steps=0, log_every=1, ckpt_every=1000))
     data = Signalled(start, 8 // jax.process_count())
-    trainer = Trainer(c, os.path.join(workdir, "pretrain"), lm_loss_fn(c.train), model_fn=lambda: Toy(nnx.Rngs(0)),
+    trainer = Trainer(c, os.path.join(workdir, "pretrain"), lm_loss_fn(c.train), model_fn=_toy_model,
                       data_iterator=data, stage="pretrain")
     try:
         trainer.fit(data, 20)
