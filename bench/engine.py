@@ -4,7 +4,7 @@
      a. coder's Engine (MLA latent KV cache, continuous batching, --decode_steps steps per host
         call in one lax.while_loop),
      b. Hugging Face transformers' DeepseekV3ForCausalLM.generate (its own KV cache) on the same
-        weights, exported with coder.model.hf_import.save_hf,
+        weights, exported with coder.model.hf_export.save_hf,
    greedy at batch 1 (and whether the two agree on the tokens), sampled at T = 1 above; and the
    same model without a cache (every step recomputes the whole sequence) at batch 1.
 2. Prefill of a shared-prefix group (G rows, one P-token prompt): the engine prefills the prompt
@@ -61,11 +61,11 @@ def hf_decode(cfg, model, prompt, new_tokens, batch):
     import transformers
     from transformers import DeepseekV3ForCausalLM
 
-    from coder.model import hf_import
+    from coder.model import hf_export
 
     transformers.logging.set_verbosity_error()  # the MTP layers are extra tensors HF ignores
     with tempfile.TemporaryDirectory() as d:
-        hf_import.save_hf(cfg, model, d)
+        hf_export.save_hf(cfg, model, d)
         hf = DeepseekV3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
     ids = torch.tensor([prompt] * batch)
     sample = dict(do_sample=False) if batch == 1 else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)

@@ -56,7 +56,7 @@ def make(directory: str, shard_mb: int) -> None:
     from flax import nnx
 
     from coder.model import Transformer
-    from coder.model.hf_import import save_hf
+    from coder.model.hf_export import save_hf
 
     cfg = model_cfg()
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -129,14 +129,14 @@ def test_pip_install_outside_the_checkout(tmp_path):
     import numpy as np
     from flax import nnx
 
-    from coder.model import Transformer, hf_import
+    from coder.model import Transformer, hf_export
     from configs.base import model_config
 
     cfg = model_config()
     cfg.update(TINY)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     ckpt = tmp_path / "hf"
-    hf_import.save_hf(cfg, model, str(ckpt))
+    hf_export.save_hf(cfg, model, str(ckpt))
     want = {str(k): float(np.asarray(v.get_value()).astype(np.float64).sum())
             for k, v in nnx.to_flat_state(nnx.state(model))}
 

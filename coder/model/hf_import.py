@@ -22,8 +22,9 @@ transformers saves none (its config still says num_nextn_predict_layers=1): a mo
 checkpoint lacks starts fresh, a missing trunk tensor is an error naming it. Embedding and
 output-head rows past the checkpoint's (chat tokens the tokenizer added) start at the mean row.
 
-`load_hf(path)` builds the model from config.json and imports it; `save_hf` writes the same
-layout back (with the tokenizer's files), so transformers loads a trained coder model. A stage
+`load_hf(path)` builds the model from config.json and imports it; coder.model.hf_export's
+`save_hf` writes the same layout back (with the tokenizer's files), so transformers loads a
+trained coder model. A stage
 starts from such a directory through `config.init_from` (coder.stages.inherit_model_config takes
 the architecture from config.json, coder.train.state.load_into calls `import_into`,
 coder.train.checkpoint.stage_tokenizer takes `tokenizer_of` the directory).
@@ -428,8 +429,9 @@ def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) ->
 
 
 # ----------------------------------------------------------------------------- import
-_REV_ATTN = {v[0]: (k, v[1]) for k, v in _ATTN.items()}
-_REV_MTP = {v[0]: (k, v[1]) for k, v in _MTP.items()}
+# our path below a layer -> (HF suffix, conversion): the import's lookup, hf_export's names
+REV_ATTN = {v[0]: (k, v[1]) for k, v in _ATTN.items()}
+REV_MTP = {v[0]: (k, v[1]) for k, v in _MTP.items()}
 
 
 def _sources(p: tuple, shape: tuple, n_layers: int, n_unstacked: int):
@@ -448,16 +450,16 @@ def _sources(p: tuple, shape: tuple, n_layers: int, n_unstacked: int):
         prefixes, rest = [((j,), f"model.layers.{n_unstacked + j}.") for j in range(shape[0])], p[1:]
     elif p[0] == "mtp":
         pre = f"model.layers.{n_layers + p[1]}."
-        if p[2:] in _REV_MTP:
-            name, conv = _REV_MTP[p[2:]]
+        if p[2:] in REV_MTP:
+            name, conv = REV_MTP[p[2:]]
             return [[((), pre + name, conv)]]
         if p[2] != "block":
             return None
         prefixes, rest = [((), pre)], p[3:]
     else:
         return None
-    if rest in _REV_ATTN:
-        name, conv = _REV_ATTN[rest]
+    if rest in REV_ATTN:
+        name, conv = REV_ATTN[rest]
         return [[(s, pre + name, conv) for s, pre in prefixes]]
     if rest in (("mlp", "wg"), ("mlp", "wu"), ("mlp", "wd")):
         leaf = rest[1]
@@ -726,101 +728,3 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, rules=None, scan_layers: bo
     model = make() if mesh is None else sharding.create_sharded(make, mesh, rules)
     import_into(model, path)
     return cfg, model
-
-
-# ----------------------------------------------------------------------------- export
-def _export_tensors(model_cfg, state_flat):
-    """Yield (hf_name, numpy float32) for every parameter, in HF layout."""
-    rev_attn = {v[0]: (k, v[1]) for k, v in _ATTN.items()}
-    rev_mtp = {v[0]: (k, v[1]) for k, v in _MTP.items()}
-    n_layers = model_cfg.num_hidden_layers
-    n_unstacked = min(model_cfg.first_k_dense_replace, n_layers)
-    unstacked = []  # moe_stack.* [layers, ...] -> layers.{i}.* (HF has no stacked layout)
-    for p, var in state_flat:
-        if p[0] == "moe_stack":
-            w = np.asarray(jax.device_get(var.get_value()))
-            unstacked += [(("layers", n_unstacked + j) + p[1:], w[j]) for j in range(w.shape[0])]
-        else:
-            unstacked.append((p, var.get_value()))
-    for p, value in unstacked:
-        w = np.asarray(jax.device_get(value), np.float32)
-        if p == ("embed",):
-            yield "model.embed_tokens.weight", w
-            for k in range(model_cfg.num_mtp_layers):
-                yield f"model.layers.{n_layers + k}.embed_tokens.weight", w
-            continue
-        if p == ("norm", "weight"):
-            yield "model.norm.weight", w
-            continue
-        if p == ("lm_head",):
-            yield "lm_head.weight", w.T
-            for k in range(model_cfg.num_mtp_layers):
-                yield f"model.layers.{n_layers + k}.shared_head.head.weight", w.T
-            continue
-        if p[0] == "layers":
-            prefix, rest = f"model.layers.{p[1]}.", p[2:]
-        elif p[0] == "mtp":
-            prefix = f"model.layers.{n_layers + p[1]}."
-            if p[2:] in rev_mtp:
-                name, _ = rev_mtp[p[2:]]
-                yield prefix + name, w.T if p[2:] == ("eh_proj",) else w
-                continue
-            rest = p[3:]  # below "block"
-        else:
-            raise ValueError(f"no HF name for parameter {p}")
-        if rest in (("mlp", "wg"), ("mlp", "wu"), ("mlp", "wd")):
-            kind = {"wg": "gate", "wu": "up", "wd": "down"}[rest[1]]
-            for e in range(w.shape[0]):
-                yield prefix + f"mlp.experts.{e}.{kind}_proj.weight", np.ascontiguousarray(w[e].T)
-            continue
-        name, conv = rev_attn[rest]
-        if conv == "id":
-            yield prefix + name, w
-        elif conv == "T":
-            yield prefix + name, np.ascontiguousarray(w.T)
-        elif conv == "heads":
-            yield prefix + name, np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
-        elif conv == "o":
-            yield prefix + name, np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
-
-
-def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30, tokenizer=None) -> None:
-    """Write config.json + safetensors shards + index, in the DeepSeek-V3 HF layout, so
-    transformers' DeepseekV3ForCausalLM loads it; the MTP modules are layers
-    `num_hidden_layers + k` (DeepSeek-V3's names; transformers ignores them). `tokenizer`: the
-    checkpoint's tokenizer (coder.data.tokenizer); a pretrained kind writes files transformers'
-    AutoTokenizer loads (`export_hf`: tokenizer.json with the added chat tokens, a chat template),
-    coder's own sentencepiece kind its tokenizer.model; bos / eos ids go into config.json."""
-    from safetensors.numpy import save_file
-
-    os.makedirs(path, exist_ok=True)
-    config = hf_config(model_cfg)
-    if tokenizer is not None:
-        config.update(bos_token_id=int(tokenizer.bos_id), eos_token_id=int(tokenizer.eos_id))
-        if hasattr(tokenizer, "export_hf"):
-            tokenizer.export_hf(path)
-        else:
-            for name, data in tokenizer.files().items():
-                with open(os.path.join(path, name), "wb") as f:
-                    f.write(data)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    state = nnx.to_flat_state(nnx.state(model))
-    weight_map, shard, size, n = {}, {}, 0, 0
-
-    def flush():
-        nonlocal shard, size, n
-        if shard:
-            fname = f"model-{n:05d}.safetensors"
-            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-            shard, size, n = {}, 0, n + 1
-
-    for name, w in _export_tensors(model_cfg, state):
-        shard[name] = np.ascontiguousarray(w)  # safetensors writes the raw buffer, ignoring strides
-        size += w.nbytes
-        if size >= max_shard_bytes:
-            flush()
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

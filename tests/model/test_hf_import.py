@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from coder.model import Transformer  # noqa: E402
-from coder.model import hf_import  # noqa: E402
+from coder.model import hf_export, hf_import  # noqa: E402
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
             num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -75,7 +75,7 @@ def test_import_matches_transformers_and_round_trips(case, tmp_path):
     assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits
 
     # export -> transformers -> the same logits
-    hf_import.save_hf(cfg, model, str(tmp_path / "ours"))
+    hf_export.save_hf(cfg, model, str(tmp_path / "ours"))
     hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(
         str(tmp_path / "ours"), attn_implementation="eager").eval()
     np.testing.assert_allclose(_theirs(hf2, tokens), ref, atol=1e-4, rtol=0)
@@ -91,7 +91,7 @@ def test_mtp_layers_round_trip(tmp_path):
                     qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
                     num_mtp_layers=2, dtype="float32"))
     model = Transformer(cfg, rngs=nnx.Rngs(3))
-    hf_import.save_hf(cfg, model, str(tmp_path))
+    hf_export.save_hf(cfg, model, str(tmp_path))
     names = set(json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"])
     for k in range(2):  # MTP modules are layers num_hidden_layers + k, DeepSeek-V3 names
         for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
@@ -162,7 +162,7 @@ def test_scanned_model_imports_and_exports_per_layer_names(tmp_path):
     tokens = _tokens()
     ref = _theirs(hf, tokens)
     np.testing.assert_allclose(_ours(model, tokens)[0], ref, atol=1e-4, rtol=0)
-    hf_import.save_hf(cfg, model, str(tmp_path / "ours"))
+    hf_export.save_hf(cfg, model, str(tmp_path / "ours"))
     hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(
         str(tmp_path / "ours"), attn_implementation="eager").eval()
     np.testing.assert_allclose(_theirs(hf2, tokens), ref, atol=1e-4, rtol=0)
@@ -256,7 +256,7 @@ def test_kimi_k25_wrapper_with_int4_experts_imports_its_text_model(tmp_path, cap
                     num_mtp_layers=0, dtype="float32"))
     model = Transformer(cfg, rngs=nnx.Rngs(5))
     plain = tmp_path / "plain"
-    hf_import.save_hf(cfg, model, str(plain))
+    hf_export.save_hf(cfg, model, str(plain))
     index = json.load(open(plain / "model.safetensors.index.json"))["weight_map"]
     tensors = {}
     for fn in set(index.values()):
@@ -295,7 +295,7 @@ def test_kimi_k25_wrapper_with_int4_experts_imports_its_text_model(tmp_path, cap
     log = caplog.text
     assert "kimi_k25 wrapper" in log and "2 tensors of its other towers" in log and "INT4" in log, log
     assert cfg2.n_routed_experts == 4 and cfg2.num_hidden_layers == 2
-    got = {n: np.asarray(w) for n, w in hf_import._export_tensors(cfg2, nnx.to_flat_state(nnx.state(model2)))}
+    got = {n: np.asarray(w) for n, w in hf_export._export_tensors(cfg2, nnx.to_flat_state(nnx.state(model2)))}
     assert got.keys() == tensors.keys()
     for name, w in tensors.items():
         if name in expected:

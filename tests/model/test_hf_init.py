@@ -27,7 +27,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from coder import stages  # noqa: E402
 from coder.data import chat_template  # noqa: E402
 from coder.data import tokenizer as tk  # noqa: E402
-from coder.model import hf_import  # noqa: E402
+from coder.model import hf_export  # noqa: E402
 from coder.model import sharding  # noqa: E402
 from coder.train import checkpoint as ckpt_lib  # noqa: E402
 from coder.train import state as state_lib  # noqa: E402
@@ -209,7 +209,7 @@ def test_stage_model_from_hf_equals_transformers(hf_dir, caplog, tmp_path):
 def _check_export(c, model, tok, out, vocab):
     """save_hf with the tokenizer: transformers loads the weights (same logits as ours) and the
     tokenizer (same ids, same chat rendering)."""
-    hf_import.save_hf(c.model, model, out, tokenizer=tok)
+    hf_export.save_hf(c.model, model, out, tokenizer=tok)
     names = set(json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"])
     assert "model.layers.2.eh_proj.weight" in names  # the MTP module goes back too
     hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
