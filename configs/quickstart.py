@@ -86,6 +86,9 @@ def get_config():
     # prompt short (~300 tokens), and a turn / rollout budget that fits the transcripts' ~45
     # agent tokens. Groups of 8: after SFT ~1 in 10 rollouts passes, so most groups of 4 tied.
     # At grpo.lr 3e-3 the broken-call rate rose from 6% to 88% within 6 steps.
+    # Open (issue #30): groups no longer all tie, but no measured run learned. 4 steps end at
+    # reward 0.10 from -0.06 only by chance of the tasks drawn: 12 steps drift down to -0.25,
+    # the held-out pass@1 goes 0.056 -> 0 (2 of 36 samples passed before), the KL grows.
     c.rl.tools = ("write_file", "submit")
     c.rl.context_budget = 1024
     c.rl.max_turns = 3
