@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
         summary_end="</summary>"))
     c.data.tiktoken_pattern = ""  # pre-tokenizer regex of a tiktoken.model tokenizer ("" = Kimi K2's)
     c.data.tokenizer_vocab_size = 4096  # vocabulary of a tokenizer trained by coder
+    # a tokenizer trained by coder also learns the agent's format: the toy transcripts' system
+    # prompt and replies (rl.tools, sft.toy_*), each tool call's fixed text one piece
+    c.data.tokenizer_agent_text = False
     c.data.seq_len = 256  # packed row length
     c.data.batch_size = 8  # global batch (rows), split over data-parallel hosts
     c.data.max_bad_fraction = 0.01  # fail if more than this fraction of records is bad
@@ -122,6 +125,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft = ml_collections.ConfigDict()
     c.sft.data = ""  # conversations JSONL (path/glob/URL); "" = transcripts of the env's toy tasks
     c.sft.toy_tasks = 24  # toy tasks transcribed (real tool runs) when sft.data is ""
+    c.sft.toy_edit_tool = "edit_file"  # how those transcripts fix a file: "edit_file" (old -> new) or "write_file" (whole)
     c.sft.steps = 100  # optimizer steps of this stage
     c.sft.lr = 1e-3  # peak learning rate of this stage
     c.sft.seq_len = 0  # packed row length (0 = data.seq_len)

@@ -41,6 +41,11 @@ def get_config():
     c.data.seq_len = 256
     c.data.batch_size = 4
     c.data.tokenizer_vocab_size = 2048
+    # The tokenizer also learns the agent's format (the toy transcripts' system prompt and
+    # replies), each tool call's fixed text one token: with the stdlib's pieces alone a call was
+    # ~35 tokens of JSON punctuation and this model, sampling, broke nearly every one of them
+    # (an extra closing brace, `:` for a key).
+    c.data.tokenizer_agent_text = True
 
     c.train.steps = 150
     c.train.lr = 3e-3
@@ -56,12 +61,19 @@ def get_config():
     c.longctx.steps = 40
     c.longctx.lr = 1e-3
 
-    # SFT on transcripts of the 36 training toy tasks (the 9 held-out ones are the agent eval's)
-    c.sft.steps = 60
+    # SFT on transcripts of the 36 training toy tasks (the 9 held-out ones are the agent eval's),
+    # one ~400-token conversation per row. Steps, not conversations, bound the fit: after 150
+    # steps 28% of the sampled rollouts still broke a call and none passed; after 300, 12% broke
+    # and 9% passed (5% of the held-out tasks'), so GRPO's groups no longer all tie.
+    c.sft.steps = 300
     c.sft.lr = 3e-3
-    c.sft.seq_len = 1024
+    c.sft.seq_len = 448
     c.sft.batch_size = 2
     c.sft.toy_tasks = 36
+    # The transcripts fix answer.py by writing it whole: the fixed file follows from the prompt
+    # alone, while edit_file's `old` must copy the file exactly, which this model got wrong in
+    # nearly every rollout (every GRPO group tied at a broken call: no learning signal).
+    c.sft.toy_edit_tool = "write_file"
 
     # MTP self-distillation: the trunk is frozen, the MTP module learns the main head's
     # distribution (its held-out acceptance rate is logged); GRPO keeps it distilled
@@ -70,21 +82,26 @@ def get_config():
     c.mtp.eval_batches = 2
 
     # GRPO on the env's toy tasks in the bwrap sandbox, the agent eval on the held-out ones
-    # before the first step and after the last; the three tools a toy task needs keep the system
-    # prompt short, and a turn / rollout budget that fits the transcripts' ~250 agent tokens.
-    c.rl.tools = ("read_file", "edit_file", "submit")
+    # before the first step and after the last; the two tools a toy task needs keep the system
+    # prompt short (~300 tokens), and a turn / rollout budget that fits the transcripts' ~45
+    # agent tokens. Groups of 8: after SFT ~1 in 10 rollouts passes, so most groups of 4 tied.
+    # At grpo.lr 3e-3 the broken-call rate rose from 6% to 88% within 6 steps.
+    # Open (issue #30): groups no longer all tie, but no measured run learned. 4 steps end at
+    # reward 0.10 from -0.06 only by chance of the tasks drawn: 12 steps drift down to -0.25,
+    # the held-out pass@1 goes 0.056 -> 0 (2 of 36 samples passed before), the KL grows.
+    c.rl.tools = ("write_file", "submit")
     c.rl.context_budget = 1024
-    c.rl.max_turns = 4
-    c.rl.max_turn_tokens = 128
-    c.rl.max_rollout_tokens = 512
-    c.rl.group_size = 4
+    c.rl.max_turns = 3
+    c.rl.max_turn_tokens = 64
+    c.rl.max_rollout_tokens = 192
+    c.rl.group_size = 8
     c.rl.tasks_per_step = 2
     c.grpo.steps = 4
     c.grpo.lr = 1e-3
     c.grpo.warmup_steps = 1  # a constant lr after one warmup step (optax's warmup starts at lr 0)
     c.grpo.min_lr_ratio = 1.0
     c.rl.eval_num_tasks = 9
-    c.rl.eval_samples = 2
+    c.rl.eval_samples = 4
 
     c.eval.batches = 8
     c.eval.agent_tasks = 2  # pass@k of the final model on held-out toy tasks

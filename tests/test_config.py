@@ -147,6 +147,11 @@ def test_every_chosen_stage_is_validated_at_start_up():
     c.stages = ("mtp", "sft")
     with pytest.raises(ValueError, match=r"stage mtp starts from a trained model: set init_from"):
         stages.validate(c, n_devices=2, check_tools=False)
+    c = quickstart.get_config()
+    c.stages = ("pretrain", "sft")
+    c.rl.tools = ("read_file", "edit_file", "submit")  # the quickstart's toy transcripts write_file
+    with pytest.raises(ValueError, match=r"sft.toy_edit_tool='write_file'.*not among the offered tools"):
+        stages.validate(c, n_devices=1, check_tools=False)
 
 
 def test_stage_overrides_are_data():

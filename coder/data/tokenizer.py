@@ -196,14 +196,17 @@ def _trainer_options(vocab_size: int, model_type: str) -> dict:
     )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, model_type: str = "unigram") -> Tokenizer:
-    """Trains a tokenizer on `texts` (the caller bounds their size: training time ~ text size)."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, model_type: str = "unigram",
+                    symbols: Iterable[str] = ()) -> Tokenizer:
+    """Trains a tokenizer on `texts` (the caller bounds their size: training time ~ text size).
+    `symbols`: strings that are always one piece each (ids after the special tokens')."""
     proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_chunks(texts),
-        model_writer=proto,
-        **_trainer_options(vocab_size, model_type),
-    )
+    options = _trainer_options(vocab_size, model_type)
+    # SentencePiece matches symbols in the text after it has escaped spaces as U+2581: a symbol
+    # holding a plain space would never match
+    symbols = [s.replace(" ", "\u2581") for s in symbols]
+    options["user_defined_symbols"] += [s for s in symbols if s not in options["user_defined_symbols"]]
+    spm.SentencePieceTrainer.train(sentence_iterator=_chunks(texts), model_writer=proto, **options)
     return Tokenizer(proto.getvalue())
 
 
@@ -230,6 +233,27 @@ def _corpus_sample(config, max_chars: int) -> list[str]:
     return sample_texts(docs, max_chars)
 
 
+# The agent text is ~12k characters for the quickstart's 36 toy tasks against a 3M-character corpus
+# sample: repeated so its words (file names, the replies' phrases) weigh enough to get pieces.
+_AGENT_TEXT_REPEATS = 20
+
+
+def _agent_sample(config) -> tuple[list[str], list[str]]:
+    """(texts, symbols) of the agent's format (data.tokenizer_agent_text): the system prompt and
+    scripted replies of the SFT toy transcripts (rl.tools, sft.toy_tasks, sft.toy_edit_tool), and
+    the fixed text of the offered tools' calls as one piece each (protocol.call_fragments): the
+    call syntax of a tiny model's replies is then a few tokens it cannot break midway."""
+    from coder.env import transcripts
+    from coder.env.episode import select_tools
+    from coder.env.protocol import call_fragments
+
+    tools = tuple(config.rl.tools)
+    texts = transcripts.toy_agent_texts(int(config.sft.toy_tasks), int(config.seed), tools=tools,
+                                        system_preamble=config.rl.system_prompt or None,
+                                        edit_tool=config.sft.toy_edit_tool)
+    return texts * _AGENT_TEXT_REPEATS, call_fragments(select_tools(tools))
+
+
 def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "coder", "tokenizers")
 
@@ -245,18 +269,23 @@ def load_or_train(config, cache_dir: str | None = None, max_chars: int = 3_000_0
     """
     if config.data.tokenizer:
         return load_config(config, config.data.tokenizer)
-    texts = _corpus_sample(config, max_chars)
+    texts, symbols = _corpus_sample(config, max_chars), []
+    if config.data.tokenizer_agent_text:
+        agent_texts, symbols = _agent_sample(config)
+        texts += agent_texts
     key = hashlib.sha256()
     key.update(f"v{_TRAINER_VERSION}:{config.data.tokenizer_vocab_size}:".encode())
     for text in texts:
         key.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+    key.update(json.dumps(symbols).encode())
     path = os.path.join(cache_dir or default_cache_dir(), f"tokenizer-{key.hexdigest()[:16]}.model")
     what = "data.sources" if config.data.sources else f"corpus {config.data.corpus}"
+    what += " and the agent's format" if symbols else ""
     source = f"trained on {what}, vocab {config.data.tokenizer_vocab_size} (cached at {path})"
     if os.path.exists(path):
         tokenizer = Tokenizer.load(path)
     else:
-        tokenizer = train_tokenizer(texts, config.data.tokenizer_vocab_size)
+        tokenizer = train_tokenizer(texts, config.data.tokenizer_vocab_size, symbols=symbols)
         tokenizer.save(path)
     tokenizer.source = source
     return tokenizer

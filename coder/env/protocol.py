@@ -58,6 +58,20 @@ def render_tool_call(name: str, arguments: dict) -> str:
     return f"{CALL_OPEN}{body}{CALL_CLOSE}"
 
 
+def call_fragments(tools: list[ToolSpec]) -> list[str]:
+    """The fixed text of each tool's calls, between its string arguments: for write_file
+    `{"name": "write_file", "arguments": {"path": "`, `", "content": "` and `"}}` (the tags are
+    special tokens already). As tokenizer symbols they make a call a few tokens plus its
+    arguments, so a tiny model cannot break its syntax midway (coder.data.tokenizer)."""
+    mark = "\0"
+    out = []
+    for t in tools:
+        strings = [k for k, v in t.parameters.get("properties", {}).items() if v.get("type") == "string"]
+        text = render_tool_call(t.name, {k: mark for k in strings})[len(CALL_OPEN):-len(CALL_CLOSE)]
+        out += [f for f in text.split(json.dumps(mark)[1:-1]) if f and f not in out]
+    return out
+
+
 def render_tool_results(outputs: list[str]) -> str:
     """The tool message for one assistant turn: one wrapped result per call, in call order."""
     return "".join(f"{RESULT_OPEN}{o}{RESULT_CLOSE}" for o in outputs)

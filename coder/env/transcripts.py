@@ -2,7 +2,10 @@
 
 For a task and its reference solution a scripted agent runs the tests, reads the code around
 the change, applies it with `edit_file` (the smallest unique replacement; `write_file` for new
-files), runs the tests again and submits. The script's replies are fed through the same
+files), runs the tests again and submits. With `edit_tool="write_file"` it writes each changed
+file whole instead: the fixed file is all the agent produces, with no exact copy of the read
+output to get right (a tiny model's edit_file calls break on that copy), and the transcript is
+shorter. The script's replies are fed through the same
 `Episode` the RL loop uses, so every tool message holds the real output of the call in a
 sandbox, and the text follows the agent-loop format exactly (`coder.env.protocol`). Only
 conversations whose episode scored reward 1 are kept.
@@ -68,11 +71,25 @@ def minimal_edit(old_text: str, new_text: str) -> tuple[str, str, int, int]:
             i2, j2 = i2 + 1, j2 + 1
 
 
-def script(task, solution: dict, rng: random.Random, tools=None):
+EDIT_TOOLS = ("edit_file", "write_file")
+
+
+def check_edit_tool(edit_tool: str, tools=None) -> None:
+    """Stops on an edit tool the script has no form for, or one the agent is not offered."""
+    if edit_tool not in EDIT_TOOLS:
+        raise ValueError(f"edit tool {edit_tool!r}: the transcripts apply a fix with one of {EDIT_TOOLS}")
+    if tools and edit_tool not in tools:
+        raise ValueError(f"edit tool {edit_tool!r} is not among the offered tools {tuple(tools)}")
+
+
+def script(task, solution: dict, rng: random.Random, tools=None, edit_tool: str = "edit_file"):
     """Yield the scripted agent's replies (a generator: it may look at nothing but the task).
 
     tools: the tool names the agent is offered (None: all); calls of tools not offered are
-    left out, so the transcript teaches only calls the RL agent can make (issue #17)."""
+    left out, so the transcript teaches only calls the RL agent can make (issue #17).
+    edit_tool: how a changed file is fixed: "edit_file" (the smallest unique replacement) or
+    "write_file" (the whole new file)."""
+    check_edit_tool(edit_tool, tools)
     offered = (lambda name: True) if tools is None else set(tools).__contains__
     if offered("run_tests"):
         yield rng.choice(_OPEN) + "\n" + render_tool_call("run_tests", {})
@@ -89,13 +106,21 @@ def script(task, solution: dict, rng: random.Random, tools=None):
         if old_text == new_text:
             continue
         old, new, lo, hi = minimal_edit(old_text, new_text)
-        yield (
-            rng.choice(_READ).format(path=path)
-            + "\n"
-            + render_tool_call(
-                "read_file", {"path": path, "start_line": max(1, lo - 8), "end_line": hi + 8}
+        if offered("read_file"):
+            yield (
+                rng.choice(_READ).format(path=path)
+                + "\n"
+                + render_tool_call(
+                    "read_file", {"path": path, "start_line": max(1, lo - 8), "end_line": hi + 8}
+                )
             )
-        )
+        if edit_tool == "write_file":
+            yield (
+                rng.choice(_EDIT)
+                + "\n"
+                + render_tool_call("write_file", {"path": path, "content": new_text})
+            )
+            continue
         yield (
             rng.choice(_EDIT)
             + "\n"
@@ -106,7 +131,8 @@ def script(task, solution: dict, rng: random.Random, tools=None):
     yield rng.choice(_DONE) + "\n" + render_tool_call("submit", {})
 
 
-def transcript(task, solution: dict, seed: int = 0, **episode_kwargs) -> tuple[dict | None, dict]:
+def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file",
+               **episode_kwargs) -> tuple[dict | None, dict]:
     """({"messages": [...]} or None if the episode did not score 1, final info)."""
     episode_kwargs.setdefault("token_count", len)
     ep = Episode(**episode_kwargs)
@@ -114,7 +140,8 @@ def transcript(task, solution: dict, seed: int = 0, **episode_kwargs) -> tuple[d
     info = dict(ep.info)
     try:
         offered = [t.name for t in ep.tools] if episode_kwargs.get("tools") else None
-        for text in script(task, solution, random.Random(f"{seed}/{task.id}"), tools=offered):
+        rng = random.Random(f"{seed}/{task.id}")
+        for text in script(task, solution, rng, tools=offered, edit_tool=edit_tool):
             _, done, info = ep.step(text)
             if done:
                 break
@@ -131,28 +158,48 @@ def _one(item):
 
 
 def _transcribe(item):
-    """(task, solution, seed[, episode kwargs]) -> conversation or None (an EpisodePool worker)."""
+    """(task, solution, seed[, transcript kwargs]) -> conversation or None (an EpisodePool worker)."""
     task, solution, seed, *kw = item
     conv, _ = transcript(task, solution, seed, **(kw[0] if kw else {}))
     return conv
 
 
-def toy_transcripts(n: int, seed: int, workers: int = 2, tools=(), system_preamble=None) -> list[dict]:
+def toy_transcripts(n: int, seed: int, workers: int = 2, tools=(), system_preamble=None,
+                    edit_tool: str = "edit_file") -> list[dict]:
     """Conversations solving `n` of the env's toy tasks, with real tool outputs.
 
     Only transcripts whose episode scored reward 1 come back from the env; fewer than half of
     them is an environment problem worth stopping for. tools/system_preamble: the agent RL
     runs (rl.tools, rl.system_prompt); () / None keep all tools and the default preamble.
+    edit_tool: see `script`.
     """
     from coder.env.tasks import toy_tasks
 
-    kw = {"tools": tuple(tools), "system_preamble": system_preamble}
+    check_edit_tool(edit_tool, tools)  # here, not in each worker
+    kw = {"tools": tuple(tools), "system_preamble": system_preamble, "edit_tool": edit_tool}
     items = [(task, solution, seed, kw) for task, solution in toy_tasks(n, seed)]
     with EpisodePool(max(1, min(workers, n)), token_count=len) as pool:
         convs = [c for c in pool.map(_transcribe, items) if c is not None]
     if len(convs) < max(1, n // 2):
         raise RuntimeError(f"only {len(convs)} of {n} toy-task transcripts succeeded: check the sandbox (bwrap)")
     return convs
+
+
+def toy_agent_texts(n: int, seed: int, tools=(), system_preamble=None, edit_tool: str = "edit_file") -> list[str]:
+    """The text of `toy_transcripts(n, seed, ...)` that does not need a sandbox to produce: the
+    system prompt, each task's prompt and the scripted agent's replies (no tool outputs), for
+    training a tokenizer on the agent's format (coder.data.tokenizer: data.tokenizer_agent_text)."""
+    from coder.env.episode import select_tools
+    from coder.env.protocol import render_system_prompt
+    from coder.env.tasks import toy_tasks
+
+    check_edit_tool(edit_tool, tools)
+    texts = [render_system_prompt(select_tools(tuple(tools)), system_preamble)]
+    for task, solution in toy_tasks(n, seed):
+        replies = script(task, solution, random.Random(f"{seed}/{task.id}"), tools=tuple(tools) or None,
+                         edit_tool=edit_tool)
+        texts.append("\n".join([task.prompt, *replies]))
+    return texts
 
 
 def main(argv=None) -> int:

@@ -65,7 +65,7 @@ STAGES = {
     "mtp": Stage("coder.stages.mtp:run", _steps_lr("mtp"), derive="coder.stages.mtp:mtp_config"),
     "sft": Stage("coder.stages.lm:sft",
                  _steps_lr("sft") + (("sft.seq_len", "data.seq_len"), ("sft.batch_size", "data.batch_size")),
-                 tools=lambda c: () if c.sft.data else tuple(SANDBOX_TOOLS)),
+                 check="coder.stages.lm:check_sft", tools=lambda c: () if c.sft.data else tuple(SANDBOX_TOOLS)),
     "grpo": Stage("coder.stages.grpo:run", _steps_lr("grpo") + (("grpo.ckpt_every", "train.ckpt_every"),
                                                                 ("grpo.warmup_steps", "train.warmup_steps"),
                                                                 ("grpo.min_lr_ratio", "train.min_lr_ratio")),

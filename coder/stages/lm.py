@@ -153,7 +153,8 @@ def _sft_data(config, stage_dir: str) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         # the agent RL runs: its tools (rl.tools) and system prompt (rl.system_prompt)
         convs = transcripts.toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1),
-                                            tools=tuple(config.rl.tools), system_preamble=config.rl.system_prompt or None)
+                                            tools=tuple(config.rl.tools), system_preamble=config.rl.system_prompt or None,
+                                            edit_tool=config.sft.toy_edit_tool)
         tmp = path.parent / (path.name + ".tmp")
         tmp.write_text("".join(json.dumps(conv) + "\n" for conv in convs))
         tmp.rename(path)  # a preempted run never leaves half a file behind
@@ -163,6 +164,17 @@ def _sft_data(config, stage_dir: str) -> str:
 
         multihost_utils.sync_global_devices("sft_transcripts")
     return os.fspath(path)
+
+
+def check_sft(config) -> None:
+    """The toy transcripts' edit tool (sft.toy_edit_tool), at start-up, when they are the data."""
+    if not config.sft.data:
+        from coder.env import transcripts
+
+        try:
+            transcripts.check_edit_tool(config.sft.toy_edit_tool, tuple(config.rl.tools))
+        except ValueError as e:
+            raise ValueError(f"sft.toy_edit_tool={config.sft.toy_edit_tool!r} (with rl.tools={tuple(config.rl.tools)}): {e}") from None
 
 
 def sft(config, stage_dir: str, init_from: str) -> str:

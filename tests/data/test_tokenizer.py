@@ -161,6 +161,34 @@ def test_load_or_train_caches_by_corpus_and_vocab(tmp_path):
     assert tk.load_or_train(cfg, str(cache)).model_proto == first.model_proto
 
 
+def test_agent_text_makes_each_calls_fixed_text_one_token(tmp_path):
+    """data.tokenizer_agent_text: the offered tools' call scaffolding (protocol.call_fragments)
+    is one piece each, the text round-trips, and the option is part of the cache key."""
+    from coder.env.protocol import render_tool_call
+
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as f:
+        for text in _small_corpus_texts(60_000):
+            f.write(json.dumps({"text": text}) + "\n")
+    cfg = base.get_config()
+    cfg.data.sources = ({"path": str(data)},)
+    cfg.data.tokenizer_vocab_size = 400
+    cfg.rl.tools, cfg.sft.toy_tasks, cfg.sft.toy_edit_tool = ("write_file", "submit"), 4, "write_file"
+    cache = tmp_path / "cache"
+    plain = tk.load_or_train(cfg, str(cache))
+    cfg.data.tokenizer_agent_text = True
+    agent = tk.load_or_train(cfg, str(cache))
+    assert len(os.listdir(cache)) == 2 and "agent's format" in agent.source
+    call = render_tool_call("write_file", {"path": "answer.py", "content": "def f():\n    return 3\n"})
+    ids = agent.encode(call)
+    assert agent.decode(ids) == call and len(ids) < len(plain.encode(call)) // 2
+    pieces = [agent.id_to_piece(i).replace("\u2581", " ") for i in ids]
+    assert pieces[:2] == ["<tool_call>", '{"name": "write_file", "arguments": {"path": "']
+    assert '", "content": "' in pieces and pieces[-2:] == ['"}}', "</tool_call>"]
+    submit = render_tool_call("submit", {})
+    assert len(agent.encode(submit)) == 3
+
+
 def test_concurrent_load_or_train_processes_agree(tmp_path):
     """Two processes racing to train the same cached tokenizer both succeed, with one file."""
     import subprocess

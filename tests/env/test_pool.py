@@ -114,6 +114,30 @@ def test_transcript_follows_the_agent_loop_format():
     assert any("1 passed" in m["content"] for m in msgs if m["role"] == "tool")  # real output
 
 
+def test_transcript_with_write_file_rewrites_the_file_whole():
+    import random
+
+    import pytest
+
+    from coder.env.transcripts import script, toy_agent_texts
+
+    ((task, sol),) = toy_tasks(1, seed=9)
+    tools = ("write_file", "submit")
+    conv, info = transcript(task, sol, seed=9, edit_tool="write_file", tools=tools)
+    assert info["reward"] == 1.0 and info["done_reason"] == "submit"
+    calls = [c for m in conv["messages"] if m["role"] == "assistant" for c in parse_tool_calls(m["content"], SPECS)]
+    assert [c.name for c in calls] == ["write_file", "submit"]  # only the offered tools
+    assert calls[0].arguments == {"path": "answer.py", "content": sol["answer.py"]}
+    # the text a tokenizer learns the agent's format from: the same replies, no sandbox
+    system, text = toy_agent_texts(1, 9, tools=tools, edit_tool="write_file")
+    assert system == conv["messages"][0]["content"]
+    assert text == "\n".join([task.prompt] + [m["content"] for m in conv["messages"] if m["role"] == "assistant"])
+    with pytest.raises(ValueError, match="edit_file', 'write_file"):
+        next(script(task, sol, random.Random(0), edit_tool="patch"))
+    with pytest.raises(ValueError, match="not among the offered tools"):
+        next(script(task, sol, random.Random(0), tools=("edit_file", "submit"), edit_tool="write_file"))
+
+
 def test_minimal_edit_is_unique():
     old = "a = 1\nb = 2\na = 1\nc = 3\n"
     new = "a = 1\nb = 2\na = 5\nc = 3\n"

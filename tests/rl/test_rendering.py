@@ -1,7 +1,7 @@
 """The agent SFT teaches is the agent RL runs: same system prompt, user turn and tool messages.
 
-An SFT transcript of a toy task (built the way stage sft builds its data, with `rl.tools` and
-`rl.system_prompt`, real sandboxed tool runs) and the RL agent's rendering of the same task and
+An SFT transcript of a toy task (built the way stage sft builds its data, with `rl.tools`,
+`rl.system_prompt` and `sft.toy_edit_tool`, real sandboxed tool runs) and the RL agent's rendering of the same task and
 tool outputs must give the same ids, including a tool output holding a special-token string.
 """
 import pytest
@@ -17,7 +17,8 @@ from configs import quickstart
 def setup():
     c = quickstart.get_config()
     c.rl.system_prompt = "You fix Python bugs."
-    convs = transcripts.toy_transcripts(2, 0, workers=1, tools=tuple(c.rl.tools), system_preamble=c.rl.system_prompt)
+    convs = transcripts.toy_transcripts(2, 0, workers=1, tools=tuple(c.rl.tools), system_preamble=c.rl.system_prompt,
+                                        edit_tool=c.sft.toy_edit_tool)
     import inspect
     import json.decoder
 
