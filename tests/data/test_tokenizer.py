@@ -141,14 +141,24 @@ def test_load_rejects_a_model_without_the_special_layout(tmp_path):
         tk.Tokenizer(proto.getvalue())
 
 
-def test_load_or_train_caches_by_corpus_and_vocab(tmp_path):
-    data = tmp_path / "d.jsonl"
-    with open(data, "w") as f:
-        for text in _small_corpus_texts(60_000):
+def _corpus_file(path, limit_chars: int) -> str:
+    """A JSONL corpus of `_small_corpus_texts(limit_chars)` at `path` (its path as a string)."""
+    with open(path, "w") as f:
+        for text in _small_corpus_texts(limit_chars):
             f.write(json.dumps({"text": text}) + "\n")
+    return str(path)
+
+
+def _corpus_config(tmp_path, limit_chars: int = 60_000):
+    """The base config with data.sources = one such corpus and a 400-piece vocabulary."""
     cfg = base.get_config()
-    cfg.data.sources = ({"path": str(data)},)
+    cfg.data.sources = ({"path": _corpus_file(tmp_path / "d.jsonl", limit_chars)},)
     cfg.data.tokenizer_vocab_size = 400
+    return cfg
+
+
+def test_load_or_train_caches_by_corpus_and_vocab(tmp_path):
+    cfg = _corpus_config(tmp_path)
     cache = tmp_path / "cache"
     first = tk.load_or_train(cfg, str(cache))
     (cached,) = os.listdir(cache)
@@ -166,13 +176,7 @@ def test_agent_text_makes_each_calls_fixed_text_one_token(tmp_path):
     is one piece each, the text round-trips, and the option is part of the cache key."""
     from coder.env.protocol import render_tool_call
 
-    data = tmp_path / "d.jsonl"
-    with open(data, "w") as f:
-        for text in _small_corpus_texts(60_000):
-            f.write(json.dumps({"text": text}) + "\n")
-    cfg = base.get_config()
-    cfg.data.sources = ({"path": str(data)},)
-    cfg.data.tokenizer_vocab_size = 400
+    cfg = _corpus_config(tmp_path)
     cfg.rl.tools, cfg.sft.toy_tasks, cfg.sft.toy_edit_tool = ("write_file", "submit"), 4, "write_file"
     cache = tmp_path / "cache"
     plain = tk.load_or_train(cfg, str(cache))
@@ -194,16 +198,13 @@ def test_concurrent_load_or_train_processes_agree(tmp_path):
     import subprocess
     import sys
 
-    data = tmp_path / "d.jsonl"
-    with open(data, "w") as f:
-        for text in _small_corpus_texts(40_000):
-            f.write(json.dumps({"text": text}) + "\n")
+    data = _corpus_file(tmp_path / "d.jsonl", 40_000)
     script = (
         "import sys, hashlib\n"
         "from configs import base\n"
         "from coder.data import tokenizer as tk\n"
         "cfg = base.get_config()\n"
-        f"cfg.data.sources = ({{'path': {str(data)!r}}},)\n"
+        f"cfg.data.sources = ({{'path': {data!r}}},)\n"
         "cfg.data.tokenizer_vocab_size = 400\n"
         "print(hashlib.sha256(tk.load_or_train(cfg, sys.argv[1]).model_proto).hexdigest())\n"
     )
