@@ -86,9 +86,20 @@ def get_config():
     # prompt short (~300 tokens), and a turn / rollout budget that fits the transcripts' ~45
     # agent tokens. Groups of 8: after SFT ~1 in 10 rollouts passes, so most groups of 4 tied.
     # At grpo.lr 3e-3 the broken-call rate rose from 6% to 88% within 6 steps.
-    # Open (issue #30): groups no longer all tie, but no measured run learned. 4 steps end at
-    # reward 0.10 from -0.06 only by chance of the tasks drawn: 12 steps drift down to -0.25,
-    # the held-out pass@1 goes 0.056 -> 0 (2 of 36 samples passed before), the KL grows.
+    # Open (issue #30): no measured GRPO setting learns, and the held-out pass rate cannot rise at
+    # this size: the model remembers its 36 SFT tasks' numbers instead of copying the number from
+    # the prompt (every toy fix is the task's number `k` in place; scripts/toy_digit_probe.py
+    # teacher-forces the transcripts up to `k`). After these 300 SFT steps p(right k) is 0.16 on
+    # the training tasks (argmax 25%) and 0.05 held-out (argmax 0/9; chance 0.11): the held-out
+    # passes are chance. 400 more SFT steps from there (sft.lr, a new warmup): training 0.49
+    # (argmax 64%), held-out 0.11 (chance), the SFT held-out loss rising 0.15 -> 0.36. GRPO from there (4 tasks x 8 per step, 7 steps,
+    # lr 5e-4, 2 turns) rose from pass rate 0.22 to 0.56 per step, but each step's pass rate
+    # followed the SFT model's p(right k) on that step's new tasks (0.32 0.44 0.42 0.54 0.65
+    # 0.37 0.54 vs pass 0.22 0.31 0.28 0.41 0.50 0.31 0.56: single epoch, each step new tasks)
+    # and p(right k) after GRPO fell (training 0.49 -> 0.44, the 8 tasks it never drew 0.54 ->
+    # 0.40): the task mix, not learning. From these 300 steps (2 x 8, 4 steps, lr 1e-3): reward
+    # -0.06 -> 0.10 by the tasks drawn, 12 steps drift to -0.25, held-out pass@1 0.056 -> 0;
+    # 4 x 8, 6 steps, lr 5e-4: pass rate 0.06-0.16 per step, no trend, held-out 0.
     c.rl.tools = ("write_file", "submit")
     c.rl.context_budget = 1024
     c.rl.max_turns = 3
