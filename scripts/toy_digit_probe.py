@@ -86,7 +86,8 @@ def main(argv=None) -> None:
         p, hit = digit_probs(ckpt, convs)
         print(f"{ckpt}: p(right number) train {p[:n].mean():.3f} (argmax {hit[:n].mean():.3f}), "
               f"held-out {p[n:].mean():.3f} (argmax {hit[n:].mean():.3f}); chance 0.111")
-        print("  per GRPO step's tasks:", " ".join(f"{p[i:i + g].mean():.2f}" for i in range(0, n - g + 1, g)))
+        steps = " ".join(f"{p[i:i + g].mean():.2f}" for i in range(0, n - g + 1, g))
+        print("  per GRPO step's tasks:", steps)
 
 
 if __name__ == "__main__":
