@@ -94,9 +94,9 @@ def get_config():
     # passes are chance. 400 more SFT steps from there (sft.lr, a new warmup): training 0.49
     # (argmax 64%), held-out 0.11 (chance), the SFT held-out loss rising 0.15 -> 0.36. GRPO
     # from there (4 tasks x 8 per step, 7 steps, lr 5e-4, 2 turns) rose from pass rate 0.22 to
-    # 0.56 per step, but each step's pass rate
-    # followed the SFT model's p(right k) on that step's new tasks (0.32 0.44 0.42 0.54 0.65
-    # 0.37 0.54 vs pass 0.22 0.31 0.28 0.41 0.50 0.31 0.56: single epoch, each step new tasks)
+    # 0.56 per step, but each step's pass rate followed the SFT model's p(right k) on that
+    # step's new tasks (0.32 0.44 0.42 0.54 0.65 0.37 0.54 vs pass 0.22 0.31 0.28 0.41 0.50 0.31
+    # 0.56: single epoch, each step new tasks)
     # and p(right k) after GRPO fell (training 0.49 -> 0.44, the 8 tasks it never drew 0.54 ->
     # 0.40): the task mix, not learning. From these 300 steps (2 x 8, 4 steps, lr 1e-3): reward
     # -0.06 -> 0.10 by the tasks drawn, 12 steps drift to -0.25, held-out pass@1 0.056 -> 0;
