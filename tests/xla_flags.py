@@ -3,14 +3,24 @@ jobs and Ray workers the tests start).
 
 The suite compiles hundreds of small programs and runs most of them a few times, so XLA's compile
 time is most of its time (measured: 67% of four in-process modules' wall time was XLA's backend
-compile, 23% tracing and lowering). Two flags cut it; the arithmetic stays XLA's own:
+compile, 23% tracing and lowering). Three flags cut it (none allows fast math):
 - LLVM at -O0 for the generated code (a tiny model's train step: 16 s to compile at the default
   level, 8-10 s at -O0; its steps run 2x slower, which these few-step tests do not feel);
 - the classic elemental emitters instead of XLA:CPU's MLIR fusion emitters: backend compile
   time of test_trainer's cast-params test 14.5 -> 8.3 s, of test_engine's speculative test
-  14.8 -> 8.5 s and of test_grpo's MTP-refresh test 19.8 -> 8.2 s (2026-11-27, jax 0.10.2).
+  14.8 -> 8.5 s and of test_grpo's MTP-refresh test 19.8 -> 8.2 s (2026-11-27, jax 0.10.2);
+- LLVM code generation in one piece (`parallel_codegen_split_count=1`) rather than split over a
+  thread pool, which on 2 cores shared by two xdist workers only adds overhead: the quickstart
+  model's value_and_grad compiled in 0.68-0.70 s of CPU instead of 0.85-1.20 s, and
+  tests/model/test_nsa_engine.py + tests/infer/test_engine.py took 60-65 s of CPU instead of
+  71-74 s (2026-11-27).
+And one flag for the run time: Eigen's matmuls single-threaded (`multi_thread_eigen=false`);
+its thread pool on 2 cores shared by two xdist workers only contends (5 steps of that model:
+0.60 s of CPU, 0.77 s threaded). The last two flags change the last bits of some results (the
+model's gradient digest differs), so the learning tests' margins were checked under them.
 """
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                 "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_multi_thread_eigen=false")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
