@@ -106,7 +106,7 @@ _TOY = {
     ),
     "scale": (
         "`scale(x)` in answer.py should multiply x by {k}.",
-        "def scale(x):\n    return x\n",
+        "def scale(x):\n    return x + 1\n",  # not `x`: with k = 1 that would pass unfixed
         "def scale(x):\n    return x * {k}\n",
         "def test_scale():\n    assert scale(3) == 3 * {k}\n    assert scale(0) == 0\n",
     ),

@@ -45,6 +45,28 @@ def test_toy_tasks_are_reproducible_distinct_and_solvable():
         assert score_solution(task, {}).reward == 0.0
 
 
+def _passes(files: dict) -> bool:
+    """The toy task's test functions run on `files` in this process (the tests are plain asserts)."""
+    scope = {}
+    exec(compile(files["answer.py"], "answer.py", "exec"), scope)
+    test_src = files["test_answer.py"].split("\n", 1)[1]  # without `from answer import ...`
+    exec(compile(test_src, "test_answer.py", "exec"), scope)
+    try:
+        for name in [n for n in scope if n.startswith("test_")]:
+            scope[name]()
+    except AssertionError:
+        return False
+    return True
+
+
+def test_every_toy_task_fails_as_given_and_passes_fixed():
+    """All 45 toy tasks: the given answer.py fails its test (none is solved by doing nothing, as
+    scale with k = 1 once was), the reference passes."""
+    for task, sol in toy_tasks(45, seed=0):
+        assert not _passes(task.files), task.id
+        assert _passes({**task.files, **sol}), task.id
+
+
 SRC = """
 def f(xs, n):
     total = 0
