@@ -1,13 +1,14 @@
 """Does a checkpoint copy the toy task's number, or remember it? (issue #30's diagnosis)
 
-    python scripts/toy_digit_probe.py CKPT [CKPT ...] [--seed 0] [--train 36] [--group 4]
+    python scripts/toy_digit_probe.py CKPT [CKPT ...] [--seed 0] [--group 4]
 
 Every toy task (coder.env.tasks.toy_tasks) is solved by writing answer.py with one number `k`
 taken from the prompt ("multiply x by 8" -> `return x * 8`); the rest of a quickstart rollout
 is format the SFT model gets right. This teacher-forces each task's SFT transcript (write_file
 tools, the quickstart's) up to that number and prints the model's probability of the right `k`
-and whether it is the argmax: on the training tasks (the first `--train`, the ones SFT saw)
-and on the held-out ones (the rest, the agent eval's). Held-out near chance (p ~ 0.11, 9
+and whether it is the argmax: on the training tasks (the first `sft.toy_tasks` of
+configs/quickstart.py, the ones SFT saw) and on the held-out ones (the next `rl.eval_num_tasks`,
+the agent eval's). Held-out near chance (p ~ 0.11, 9
 numbers) means the model remembers its training tasks instead of copying the number, and no
 RL on other tasks can raise the held-out pass rate by sharpening. `--group`: also the mean p
 over each consecutive group of that many training tasks (GRPO's tasks per step, in its order):
@@ -22,13 +23,13 @@ import argparse
 import numpy as np
 
 
-def transcripts(seed: int) -> list[tuple[str, list]]:
-    """(task id, messages) of every toy task, in toy_tasks' (= the RL stages') order."""
+def transcripts(seed: int, n: int) -> list[tuple[str, list]]:
+    """(task id, messages) of the first `n` toy tasks, in toy_tasks' (= the RL stages') order."""
     from coder.env.tasks import toy_tasks
     from coder.env.transcripts import transcript
 
     out = []
-    for task, solution in toy_tasks(45, seed):
+    for task, solution in toy_tasks(n, seed):
         conv, _ = transcript(task, solution, seed, edit_tool="write_file", tools=("write_file", "submit"))
         if conv is None:
             raise RuntimeError(f"{task.id}: the scripted transcript did not pass (check bwrap)")
@@ -77,11 +78,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpts", nargs="+")
     ap.add_argument("--seed", type=int, default=0, help="config.seed of the run (it orders the tasks)")
-    ap.add_argument("--train", type=int, default=36, help="training tasks (45 - rl.eval_num_tasks)")
     ap.add_argument("--group", type=int, default=4, help="tasks per GRPO step (rl.tasks_per_step)")
     args = ap.parse_args(argv)
-    convs = transcripts(args.seed)
-    n, g = args.train, args.group
+    from configs import quickstart
+
+    config = quickstart.get_config()
+    n, g = config.sft.toy_tasks, args.group
+    convs = transcripts(args.seed, n + config.rl.eval_num_tasks)
     for ckpt in args.ckpts:
         p, hit = digit_probs(ckpt, convs)
         print(f"{ckpt}: p(right number) train {p[:n].mean():.3f} (argmax {hit[:n].mean():.3f}), "
