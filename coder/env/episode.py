@@ -138,11 +138,9 @@ class Episode:
             infra_error=None,
         )
         try:
-            if snapshot is None:
-                self.sandbox = Sandbox(task, limits=self.limits, root=self.sandbox_root)
-            else:
-                self.sandbox = Sandbox(None, limits=self.limits, root=self.sandbox_root)
-                self.sandbox.restore(snapshot)
+            self.sandbox = Sandbox(
+                task, limits=self.limits, root=self.sandbox_root, snapshot=snapshot
+            )
         except (InfraError, OSError) as e:
             self._fail_infra(f"sandbox could not start: {e}")
         return task.prompt

@@ -19,16 +19,22 @@ sandbox at generation time; the module's tests must first pass on the original (
 module belongs to exactly one split (train / heldout) by a hash of its name
 (coder.data.corpus.task_module_split). The pretraining corpus holds the files of the held-out
 modules (`M.py`, `test/test_M.py`) out of its train split, so held-out tasks are not pretrained on.
+
+The reference solution is the installed module, so the task's sandbox shows the mutant over
+every installed copy of M (coder.env.sandbox); modules frozen into the interpreter (os,
+posixpath, ...) make no tasks, since their original code cannot be hidden.
 """
 
 from __future__ import annotations
 
+import _imp
 import ast
 import dataclasses
 import functools
 import os
 import random
 import shlex
+import sys
 import sysconfig
 import time
 
@@ -106,6 +112,10 @@ def pytest_preloaded(limits: Limits | None = None) -> frozenset:
 
 
 def usable(module: str, preloaded: frozenset) -> bool:
+    if _imp.is_frozen(module) or module in sys.builtin_module_names:
+        # Its original code is compiled into the interpreter (`_imp.get_frozen_object`): a
+        # sandbox cannot hide it, so the task would hand out its own solution.
+        return False
     if module not in preloaded:
         return True
     test_src = module_files(module)[1]

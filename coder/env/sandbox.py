@@ -17,6 +17,12 @@ What the agent sees: /usr (and /bin, /lib symlinks), the running Python's prefix
 /proc of its own pid namespace, a minimal /dev, and /workspace (the only writable host path).
 No network (an empty network namespace), no host home, no /work, no host /tmp.
 
+The workspace's own top-level modules are hidden everywhere else: each installed copy of a module
+or package the task defines (in every interpreter's standard library and site-packages visible
+inside) shows the task's starting text, and its bytecode shows empty. A stdlib bug-fix task's
+reference solution is the installed module; without this, `import M; open(M.__file__)` handed
+it to the agent (`installed_copies`, `Sandbox._shadow_installed`).
+
 Every command is a new process tree: shell state (cwd, variables, background jobs) does not
 survive between commands. When the command's main process exits, bwrap's init exits and the
 kernel kills everything left in the pid namespace; on a timeout the host kills bwrap, which
@@ -31,6 +37,8 @@ is race-free because no agent process is alive between commands.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import os
 import random
 import selectors
@@ -138,6 +146,59 @@ def _python_prefixes() -> list[str]:
     return out
 
 
+def workspace_modules(files) -> dict[str, tuple[str, ...]]:
+    """Top-level Python modules a workspace defines: {name: (its paths in the workspace)}.
+
+    `M.py` at the root (or under `src/`) is module M; a directory with an `__init__.py` there is
+    package M with every file under it. These are the names whose installed copies a sandbox
+    hides (`installed_copies`)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(files):
+        parts = path.split("/")
+        if parts[0] == "src" and len(parts) > 1:
+            parts = parts[1:]
+        if len(parts) == 1 and parts[0].endswith(".py") and parts[0][:-3].isidentifier():
+            out.setdefault(parts[0][:-3], []).append(path)
+        elif len(parts) > 1 and parts[0].isidentifier():
+            top = path[: len(path) - len("/".join(parts[1:]))]  # "pkg/" or "src/pkg/"
+            if top + "__init__.py" in files:
+                out.setdefault(parts[0], []).append(path)
+    return {name: tuple(paths) for name, paths in out.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """Every directory visible inside a sandbox from which some Python imports modules: each
+    standard library (a directory holding `os.py`, wherever an interpreter is installed under
+    /usr or the bound prefixes: Debian's, pyenv's, one bundled with a cloud SDK) and every
+    site- / dist-packages. One walk per process (~0.3 s over a /usr of 260k entries)."""
+    out = set()
+    for base in ["/usr", *_python_prefixes()]:
+        for dirpath, dirnames, filenames in os.walk(base):
+            if "os.py" in filenames:
+                out.add(dirpath)
+            for name in ("site-packages", "dist-packages"):
+                if name in dirnames:  # listed, not descended: packages hold no `os.py`
+                    out.add(os.path.join(dirpath, name))
+                    dirnames.remove(name)
+    return tuple(sorted(os.path.realpath(p) for p in out))
+
+
+@functools.lru_cache(maxsize=4096)
+def installed_copies(name: str) -> tuple[str, ...]:
+    """Host paths of module `name`'s installed source and bytecode in every `_library_dirs`
+    directory: `name.py`, the package directory `name/`, `__pycache__/name.*.pyc`, and Python 2's
+    `name.pyc`. The sandbox shows the task's own starting text over each of them."""
+    out = []
+    for root in _library_dirs():
+        source, package = os.path.join(root, f"{name}.py"), os.path.join(root, name)
+        out += [source] if os.path.isfile(source) else []
+        out += [package] if os.path.isdir(package) else []
+        out += glob.glob(os.path.join(root, "__pycache__", glob.escape(name) + ".*.pyc"))
+        out += [p for p in (os.path.join(root, f"{name}.pyc"),) if os.path.isfile(p)]
+    return tuple(sorted(set(out)))
+
+
 def _stream_cap(limit: int):
     """Return (feed, finish) keeping the first and last limit/2 bytes of a stream."""
     head, tail = bytearray(), bytearray()
@@ -226,7 +287,13 @@ class Sandbox:
     Use as a context manager or call `close()`; a finalizer cleans up if neither happens.
     """
 
-    def __init__(self, task=None, limits: Limits | None = None, root: str | None = None):
+    def __init__(
+        self,
+        task=None,
+        limits: Limits | None = None,
+        root: str | None = None,
+        snapshot: Snapshot | None = None,
+    ):
         self.limits = limits or Limits()
         self._bwrap = find_bwrap()
         self._privileged = os.geteuid() == 0
@@ -244,14 +311,16 @@ class Sandbox:
             self._chown(self.workspace)
             self._write_etc()
             self._prefixes = _python_prefixes()
+            self._shadows = self._shadow_installed(task.files) if task is not None else ()
             probe = self.run("id -u", timeout_s=30)
             if probe.exit_code != 0 or probe.stdout.strip() != str(self._inner_uid):
                 raise SandboxError(
                     f"sandbox failed to start (exit {probe.exit_code}): {probe.stderr.strip()[:500]}"
                 )
-            if task is not None:
-                for path, text in task.files.items():
-                    self.write(path, text)
+            if snapshot is not None:
+                self.restore(snapshot)
+            elif task is not None:
+                self._populate(task)
         except BaseException:
             self.close()
             raise
@@ -295,6 +364,62 @@ class Sandbox:
             f.write(f"root:x:0:\nagent:x:{u}:\n")
         for name in ("passwd", "group"):
             os.chmod(os.path.join(etc, name), 0o644)
+
+    def _populate(self, task) -> None:
+        """Write the task's starting workspace."""
+        for path, text in task.files.items():
+            self.write(path, text)
+
+    def _shadow_installed(self, files: dict) -> tuple:
+        """((host path, inner path), ...) read-only mounts that hide every installed copy of the
+        workspace's own modules behind the task's starting text of that module.
+
+        Why: a stdlib bug-fix task's reference solution *is* the installed module, and a release
+        task's is the next version of an installed package; any path that reads an installed
+        copy (`import M; open(M.__file__)`, `cat`, the `.pyc`, another interpreter's standard
+        library) would hand the agent the answer. Showing the starting text (not an empty file)
+        keeps working whatever imports M before the workspace is on sys.path (pytest itself);
+        bytecode is shown empty, which importlib treats as stale and recompiles."""
+        mounts = []
+        shadow = os.path.join(self.dir, "shadow")
+        empty = os.path.join(shadow, ".empty")
+        for name, paths in workspace_modules(files).items():
+            copies = installed_copies(name)
+            if not copies:
+                continue
+            os.makedirs(shadow, 0o755, exist_ok=True)
+            if not os.path.exists(empty):
+                open(empty, "wb").close()
+                os.chmod(empty, 0o644)
+            staged = os.path.join(shadow, name)  # the starting text: name.py or the package dir
+            for path in paths:
+                rel = path.split("/", 1)[1] if path.startswith("src/") else path
+                dst = os.path.join(shadow, rel)
+                os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
+                with open(dst, "w", encoding="utf-8") as f:
+                    f.write(files[path])
+                os.chmod(dst, 0o644)
+            for copy in copies:
+                if copy.endswith(".pyc"):
+                    mounts.append((empty, copy))
+                elif os.path.isdir(copy):
+                    if os.path.isdir(staged):
+                        mounts.append((staged, copy))
+                    else:  # the workspace has M.py, an installation has package M/
+                        mounts.append((self._empty_dir(shadow), copy))
+                else:
+                    src = staged + ".py"
+                    mounts.append((src if os.path.isfile(src) else empty, copy))
+        for dirpath, dirnames, _ in os.walk(shadow):
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), 0o755)
+        return tuple(mounts)
+
+    @staticmethod
+    def _empty_dir(shadow: str) -> str:
+        path = os.path.join(shadow, ".empty-dir")
+        os.makedirs(path, 0o755, exist_ok=True)
+        return path
 
     def close(self) -> None:
         """Kill anything still running and delete every file of this sandbox."""
@@ -372,6 +497,8 @@ class Sandbox:
             for parent in reversed(parents):
                 a += ["--perms", "0755", "--dir", parent]
             a += ["--ro-bind", prefix, prefix]
+        for host, inner in self._shadows:
+            a += ["--ro-bind", host, inner]
         a += ["--bind", self.workspace, WORKDIR]
         for host, inner, writable in binds:
             a += ["--bind" if writable else "--ro-bind", host, inner]

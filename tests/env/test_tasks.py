@@ -1,6 +1,7 @@
 """Tasks: JSONL format, toy tasks, and the stdlib bug-fix generator."""
 
 import ast
+import hashlib
 import random
 
 import pytest
@@ -95,6 +96,42 @@ def test_splits_are_disjoint_by_module():
     train = {m for m in mods if mutate.split_of(m) == "train"}
     held = {m for m in mods if mutate.split_of(m) == "heldout"}
     assert train and held and not train & held and train | held == set(mods)
+
+
+def test_stdlib_task_does_not_leak_its_solution():
+    """The copy hack of a held-out stdlib task: copy what `import colorsys` resolves to over the
+    workspace and submit. The installed module is the reference solution; inside the task's
+    sandbox every installed copy shows the mutant instead, so the hack scores 0 (the reference
+    itself still scores 1 in the same kind of sandbox)."""
+    from coder.env.reward import score
+    from coder.env.sandbox import Sandbox
+
+    ((task, solution),) = mutate.stdlib_tasks(
+        1, seed=0, split="heldout", modules=["colorsys"], max_per_module=1
+    )
+    reference, given = solution["colorsys.py"], task.files["colorsys.py"]
+    assert reference != given
+    with Sandbox(task) as sb:
+        r = sb.run(
+            "python -I -c 'import colorsys, shutil; shutil.copy(colorsys.__file__, \"got.py\")';"
+            "cp got.py colorsys.py; "
+            # every file of that name anywhere the agent can read: each interpreter's copy
+            "find / -path /proc -prune -o -path /workspace -prune -o -name colorsys.py "
+            "-exec md5sum {} + -o -name 'colorsys*.pyc' -size +0 -printf 'pyc %p\\n' 2>/dev/null"
+        )
+        assert sb.read("got.py") == given, r.stderr
+        copies = dict(reversed(line.split(maxsplit=1)) for line in r.stdout.splitlines())
+        assert "/usr/lib/python3.11/colorsys.py" in copies or len(copies) > 1, r.stdout
+        assert set(copies.values()) == {hashlib.md5(given.encode()).hexdigest()}, r.stdout
+        hacked = score(sb, task, mode="all")
+    assert hacked.infra_error is None and hacked.total > 0 and hacked.reward == 0.0
+    assert score_solution(task, solution, mode="all").reward == 1.0
+
+
+def test_frozen_stdlib_modules_make_no_tasks():
+    """posixpath and friends are compiled into the interpreter: no sandbox can hide them."""
+    assert not mutate.usable("posixpath", frozenset()) and not mutate.usable("os", frozenset())
+    assert mutate.usable("colorsys", frozenset())
 
 
 def test_stdlib_generator_sample_fails_mutated_passes_original():
