@@ -5,7 +5,11 @@
 1. per-command latency: `bash -c true` and `python -c pass` in a plain subprocess vs in the
    sandbox (bwrap + setpriv + prlimit), and the ratio;
 2. snapshot / restore time of a toy, a stdlib-task-sized and a 2 MB many-file workspace;
-3. episodes/s of the pool with 1, 2 and 4 workers (toy tasks, scripted fix + submit + scoring).
+3. a rollout's sandbox start and reset (p50 / p99 ms) for a toy, a stdlib-sized and a
+   repository-sized workspace: built from the task (every file written) against forked from one
+   prepared tree (coder.env.prepared: overlayfs copy-on-write where the host allows it), and the
+   bytes each rollout's workspace adds on disk;
+4. episodes/s of the pool with 1, 2 and 4 workers (toy tasks, scripted fix + submit + scoring).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coder.env import mutate  # noqa: E402
 from coder.env.pool import EpisodePool  # noqa: E402
+from coder.env.prepared import PreparedWorkspaces  # noqa: E402
 from coder.env.protocol import render_tool_call  # noqa: E402
 from coder.env.sandbox import Sandbox, Snapshot  # noqa: E402
 from coder.env.tasks import Task, toy_tasks  # noqa: E402
@@ -91,6 +96,60 @@ def snapshots(reps: int) -> None:
             )
 
 
+def _percentiles_ms(times: list[float]) -> str:
+    q = statistics.quantiles(times, n=100, method="inclusive")
+    return f"p50 {1000 * q[49]:7.2f}  p99 {1000 * q[98]:7.2f}"
+
+
+def _disk_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        total += sum(os.lstat(os.path.join(dirpath, f)).st_blocks * 512 for f in files)
+    return total
+
+
+def rollout_start(reps: int) -> None:
+    print(
+        "== rollout start / reset (ms): from the task (files written) vs forked from one "
+        "prepared tree; bytes on disk per rollout"
+    )
+    mod, test = mutate.module_files("argparse")
+    cases = {
+        "toy (2 files)": toy_tasks(1, 0)[0][0].files,
+        "stdlib argparse (2 files)": {"argparse.py": mod, "test_argparse.py": test},
+        "repository (2000 x 10 KB)": {
+            f"pkg{i % 40}/m{i}.py": ("x = 1\n" * 1700) for i in range(2000)
+        },
+    }
+    cache = PreparedWorkspaces()
+    try:
+        for label, files in cases.items():
+            task = Task("b", "", files, {})
+            base = cache.get(task)
+            plain, forked, resets, plain_bytes, fork_bytes = [], [], [], 0, 0
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                with Sandbox(task) as sb:
+                    plain.append(time.perf_counter() - t0)
+                    plain_bytes = _disk_bytes(sb.workspace)
+                t0 = time.perf_counter()
+                with Sandbox(task, base=base) as sb:
+                    forked.append(time.perf_counter() - t0)
+                    cow = sb.copy_on_write
+                    fork_bytes = _disk_bytes(os.path.join(sb.dir, "upper" if cow else "ws"))
+                    sb.write(sorted(files)[0], "changed\n")
+                    t0 = time.perf_counter()
+                    sb.reset()
+                    resets.append(time.perf_counter() - t0)
+            print(
+                f"{label:28s} from task {_percentiles_ms(plain)} ({plain_bytes / 1e6:6.2f} MB)"
+                f" | forked{' (overlay)' if cow else ' (copy)'} {_percentiles_ms(forked)} "
+                f"({fork_bytes / 1e6:6.3f} MB) | reset {_percentiles_ms(resets)}"
+            )
+    finally:
+        cache.close()
+
+
 def _episode_texts(solution: dict) -> list[str]:
     return [
         render_tool_call("write_file", {"path": "answer.py", "content": solution["answer.py"]}),
@@ -129,6 +188,7 @@ def main() -> None:
     print(f"cpus: {os.cpu_count()}  load average: {os.getloadavg()[0]:.1f}")
     latency(args.reps)
     snapshots(max(5, args.reps // 3))
+    rollout_start(max(10, args.reps))
     pool_throughput(args.episodes)
 
 

@@ -39,6 +39,7 @@ import traceback
 from typing import Callable, Sequence
 
 from coder.env import protocol, reward, tools
+from coder.env.prepared import prepared
 from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
 
 _DIAGNOSTIC = re.compile(r"^\S+:\d+:\d+: ")  # ruff concise output: path:line:col: CODE message
@@ -138,8 +139,10 @@ class Episode:
             infra_error=None,
         )
         try:
+            # Every rollout of a task forks one prepared tree (coder.env.prepared).
+            base = None if snapshot else prepared(self.sandbox_root, self.limits).get(task)
             self.sandbox = Sandbox(
-                task, limits=self.limits, root=self.sandbox_root, snapshot=snapshot
+                task, limits=self.limits, root=self.sandbox_root, snapshot=snapshot, base=base
             )
         except (InfraError, OSError) as e:
             self._fail_infra(f"sandbox could not start: {e}")
