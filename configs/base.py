@@ -151,6 +151,11 @@ def get_config() -> ml_collections.ConfigDict:
     # way (e.g. expert=64 on a 64-chip actor slice beside a learner with expert 32 x sequence 8);
     # rows go over the remaining devices. Used by the RL actors, stage serve and realtime.
     c.rl.engine_mesh = ml_collections.ConfigDict(dict(expert=0, tensor=0, sequence=0))
+    # "training": the engine places weights and caches by mesh.rules; "data_parallel": rows
+    # split over the expert axes too, each chip caching and attending its own rows with the
+    # non-expert weights whole, experts reached by all-to-all (DeepSeek-V3's serving layout;
+    # coder.model.sharding.data_parallel_attention). MLA's cache has no head axis to split.
+    c.rl.engine_attention = "training"
     c.rl.concurrent = True  # the actor runs all B x G rollouts at once (False: group by group)
     c.rl.env_workers = 0  # env worker processes running the sandboxes' tool calls (0 = one per rollout, at most 16)
     # Actors and the weight channel (coder/rl/actor_learner.py): 0 actors = one inside the learner's

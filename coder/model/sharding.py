@@ -204,6 +204,29 @@ def without_axis(rules, axis: str) -> tuple:
     return tuple(out)
 
 
+def data_parallel_attention(rules) -> tuple:
+    """`rules` for an inference engine laid out as DeepSeek-V3 serves: rows (`batch`) split over
+    the mesh axes that split the experts too, every other logical axis but `exp` off those axes.
+
+    Each chip then holds its own rows' KV cache and runs attention, the dense layers and the
+    head for them with replicated weights; the MoE layers send each chip's routed tokens to their
+    experts' chips and back (coder.model.expert_dispatch: ragged_all_to_all on TPU / GPU). Under
+    the training rules MLA's latent cache `[rows, slots, kv_lora_rank]` has no head axis to split,
+    so with rows over no axis every chip held every row's cache (2.2 GB per 32k DeepSeek-V3 row).
+    The price: the non-expert weights are whole on every chip (docs/scale has the figures)."""
+    table = rules_dict(rules.items() if isinstance(rules, dict) else rules)
+    exp_axes = mesh_axes_of("exp", rules)
+    out = []
+    for name, target in table.items():
+        targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        if name == "batch":
+            targets += tuple(a for a in exp_axes if a not in targets)
+        elif name != "exp":
+            targets = tuple(t for t in targets if t not in exp_axes)
+        out.append((name, None if not targets else targets[0] if len(targets) == 1 else targets))
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------- context
 _CTX = threading.local()
 

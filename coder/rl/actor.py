@@ -154,6 +154,23 @@ def engine_mesh(config, devices=None):
     return sharding.make_mesh(cfg, jax.local_devices() if devices is None else devices)
 
 
+ENGINE_ATTENTION = ("training", "data_parallel")
+
+
+def engine_rules(config) -> tuple:
+    """The logical rules an engine places weights, caches and activations by: the training rules
+    (`rl.engine_attention="training"`), or rows split over the expert axes with attention data
+    parallel (`"data_parallel"`, coder.model.sharding.data_parallel_attention). Used by the RL
+    actors, stage serve, realtime and the compile stage's engine report."""
+    from coder.model import sharding
+
+    rules = tuple(tuple(r) for r in config.mesh.rules)
+    mode = config.rl.engine_attention
+    if mode not in ENGINE_ATTENTION:
+        raise ValueError(f"rl.engine_attention={mode!r}: one of {ENGINE_ATTENTION}")
+    return sharding.data_parallel_attention(rules) if mode == "data_parallel" else rules
+
+
 def make_engine(model, config, *, mesh=None):
     """The RL engine on `mesh` (default: `engine_mesh(config)`), with its own copy of the
     model's weights in `rl.engine_dtype`; slots for the larger of a step's B x G rollouts and an
@@ -164,7 +181,7 @@ def make_engine(model, config, *, mesh=None):
     slots = int(rl.engine_slots) or max(int(rl.tasks_per_step) * int(rl.group_size), int(rl.eval_samples))
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
                   max_slots=slots, decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
-                  mesh=engine_mesh(config) if mesh is None else mesh, rules=config.mesh.rules,
+                  mesh=engine_mesh(config) if mesh is None else mesh, rules=engine_rules(config),
                   follower_timeout_s=float(rl.actor_timeout_s))
 
 

@@ -412,8 +412,9 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
 
     from coder.infer.engine import Engine
     from coder.model import Transformer, sharding
+    from coder.rl.actor import engine_rules
 
-    rules = tuple(tuple(r) for r in config.mesh.rules)
+    rules = engine_rules(config)
     cc, rl = config.compile, config.rl
     rows = int(cc.engine_batch or rl.group_size)
     slots = int(cc.engine_max_len or rl.context_budget)

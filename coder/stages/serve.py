@@ -107,7 +107,7 @@ def build_engine(config, init_from: str = ""):
     import jax
 
     from coder.infer.engine import Engine
-    from coder.rl.actor import engine_mesh
+    from coder.rl.actor import engine_mesh, engine_rules
     from coder.stages import inherit_model_config
     from coder.train.state import build_model, load_into
 
@@ -128,7 +128,7 @@ def build_engine(config, init_from: str = ""):
     devices = jax.devices() if jax.process_count() > 1 else None
     engine = Engine(model, config.model, max_len=served_len(config), max_slots=int(s.max_slots),
                     decode_steps=int(s.decode_steps), speculative_k=int(s.speculative_k), dtype=s.dtype or None,
-                    mesh=engine_mesh(config, devices), rules=config.mesh.rules)
+                    mesh=engine_mesh(config, devices), rules=engine_rules(config))
     return engine, model, tok, path
 
 

@@ -221,3 +221,38 @@ def test_sharded_engine_equals_single_device(model_and_cfg):
     gens = bf16.generate(bf16.start_group(PROMPTS[0], 2), params, jax.random.key(3))
     assert all(len(g.tokens) == 10 for g in gens)
     bf16.close()
+
+
+@pytest.mark.slow
+def test_data_parallel_attention_engine_equals_single_device(model_and_cfg):
+    """rl.engine_attention="data_parallel" on 8 fake devices (expert=4 x data=2): each device
+    holds one of the 8 rows' KV cache and the non-expert weights whole, the experts stay split,
+    and the rows decode to the single-device engine's tokens and logprobs (greedy and sampled)."""
+    cfg, model = model_and_cfg
+    mcfg = get_config().mesh
+    mcfg.update(dict(data=2, fsdp=1, expert=4, tensor=1))
+    mesh = sharding.make_mesh(mcfg)
+    rules = sharding.data_parallel_attention(mcfg.rules)
+    assert sharding.mesh_axes_of("batch", rules) == ("data", "fsdp", "expert")
+    assert sharding.mesh_axes_of("exp", rules) == ("expert",)
+    out = {}
+    for name, kw in (("single", {}), ("dp", dict(mesh=mesh, rules=rules))):
+        engine = make_engine(model, cfg, decode_steps=4, max_slots=8, **kw)
+        out[name] = []
+        for params in (PARAMS[0], SamplingParams(temperature=1.0, max_new_tokens=10)):
+            g = engine.start_group(PROMPTS[0], 8)
+            out[name] += engine.generate(g, params, jax.random.key(3))
+            g.close()
+        if name == "dp":
+            caches = jax.tree.leaves(engine._store.cache)
+            assert caches and all(c.addressable_shards[0].data.shape[0] == c.shape[0] // 8
+                                  for c in caches)  # one row per device
+            flat = [(v.get_metadata().get("logical_axes", (None,)), v.get_value())
+                    for _, v in nnx.to_flat_state(engine._state)]
+            assert all(x.sharding.is_fully_replicated for axes, x in flat if "exp" not in axes)
+            assert all(not x.sharding.is_fully_replicated for axes, x in flat if axes[:1] == ("exp",))
+        engine.close()
+    for a, b in zip(out["single"], out["dp"]):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
