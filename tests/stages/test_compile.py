@@ -529,6 +529,14 @@ def test_engine_compiles_on_an_actor_slice_of_its_own():
     config.rl.engine_mesh.expert = 4
     emesh, _ = C.engine_target(config, mesh, topo)
     assert (emesh.shape["expert"], emesh.shape["data"]) == (4, 2)
+    # rl.engine_attention="data_parallel": the 8 rows split over data x expert, one per chip
+    config.rl.engine_attention = "data_parallel"
+    config.compile.engine_batch = 8
+    _, setup = C.lower_engine(config, emesh)
+    assert set(setup["rows_split_over"]) == {"data", "fsdp", "expert"}
+    config.rl.engine_attention = "heads"
+    with pytest.raises(ValueError, match="rl.engine_attention"):
+        C.lower_engine(config, emesh)
     config.rl.engine_mesh.tensor = -1
     with pytest.raises(ValueError, match="rl.engine_mesh"):
         C.engine_target(config, mesh, topo)
