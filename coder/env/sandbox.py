@@ -515,6 +515,27 @@ class Sandbox:
             )
         return Result(code, stdout, stderr, timed_out, trunc_o or trunc_e, time.monotonic() - t0)
 
+    def start(self, cmd: str) -> subprocess.Popen:
+        """Start `cmd` (bash) as a long-lived process of this sandbox, with pipes on stdin,
+        stdout and stderr (coder.env.terminal's shell). The caller reads and reaps it, then
+        calls `release`; `close()` kills it if it is still registered."""
+        if self.closed:
+            raise SandboxError("sandbox is closed")
+        proc = subprocess.Popen(
+            self._argv(cmd, ()),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        self._procs.add(proc)
+        return proc
+
+    def release(self, proc: subprocess.Popen) -> None:
+        """Forget a process of `start` that its owner has killed and reaped."""
+        self._procs.discard(proc)
+
     # ---- files (host side, confined to the workspace) --------------------------------------
     def resolve(self, path: str) -> str:
         """Host path of a workspace path; ValueError if it resolves outside the workspace."""
