@@ -17,10 +17,12 @@ What the agent sees: /usr (and /bin, /lib symlinks), the running Python's prefix
 /proc of its own pid namespace, a minimal /dev, and /workspace (the only writable host path).
 No network (an empty network namespace), no host home, no /work, no host /tmp.
 
-Every command is a new process tree: shell state (cwd, variables, background jobs) does not
+Every `run()` is a new process tree: shell state (cwd, variables, background jobs) does not
 survive between commands. When the command's main process exits, bwrap's init exits and the
 kernel kills everything left in the pid namespace; on a timeout the host kills bwrap, which
-takes the namespace down the same way (`--die-with-parent`).
+takes the namespace down the same way (`--die-with-parent`). The agent's shell is the one
+exception: `start()` runs a long-lived process under the same bwrap command line, the bash of
+coder.env.terminal, whose state persists between calls and which `close()` kills.
 
 Snapshots are in-memory copies of the workspace's files (workspaces are small: a module and its
 tests), so they can be pickled to pool workers; restore rewrites the tree. Host-side reads and
