@@ -27,8 +27,10 @@ In the text interface an episode ends on `submit`, on a reply with no tool call,
 The calls of one reply run concurrently where they are independent (`call_many`): calls that
 change the workspace (`tools.EXCLUSIVE`: write_file, edit_file, shell) each run alone, after
 every call before them and before every call after them; the calls between two of them
-(reads, grep, lint, tests, think) run at once. Outputs come back in call order, so a turn means
-what it would mean run one call after another. `shell` runs in the episode's `Terminal`
+(reads, grep, lint, tests, think) run at once, except that a host-side file tool never runs
+beside the agent's tests (`tools.may_overlap`: agent code could race its path checks).
+Outputs come back in call order, so a turn means what it would mean run one call after
+another. `shell` runs in the episode's `Terminal`
 (coder.env.terminal), one session from reset to close; scoring closes it first, so nothing the
 agent left running can touch the workspace while it is scored.
 
@@ -318,14 +320,14 @@ class Episode:
 
 
 def _phases(calls: list) -> list[list]:
-    """Consecutive calls grouped so that each group may run at once: a call that changes the
-    workspace (`tools.EXCLUSIVE`) is a group of its own."""
+    """Consecutive calls grouped so that each group may run at once (`tools.may_overlap`): a
+    call that changes the workspace is a group of its own."""
     phases: list[list] = []
     for c in calls:
-        if c.name in tools.EXCLUSIVE or not phases or phases[-1][0].name in tools.EXCLUSIVE:
-            phases.append([c])
-        else:
+        if phases and all(tools.may_overlap(c.name, x.name) for x in phases[-1]):
             phases[-1].append(c)
+        else:
+            phases.append([c])
     return phases
 
 

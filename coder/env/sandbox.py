@@ -27,7 +27,8 @@ coder.env.terminal, whose state persists between calls and which `close()` kills
 Snapshots are in-memory copies of the workspace's files (workspaces are small: a module and its
 tests), so they can be pickled to pool workers; restore rewrites the tree. Host-side reads and
 writes resolve paths and refuse anything that lands outside the workspace (symlinks, `..`); this
-is race-free because no agent process is alive between commands.
+is race-free only while no agent process runs: `run()`'s are gone when it returns, and the
+tools stop the terminal's around their host-side file access (`Terminal.frozen`).
 """
 
 from __future__ import annotations

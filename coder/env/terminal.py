@@ -35,6 +35,7 @@ one and its output says that state was lost), CLOSED (calls raise `SandboxError`
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import secrets
@@ -146,22 +147,41 @@ def _ns_ids(pid: int) -> tuple[int, int] | None:
         return None
 
 
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, D, T, Z, ...); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     """Not yet dead. A zombie is dead: its orphaned kind waits for the host's init to reap it,
     which may take seconds, and holds nothing but its pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return _state(pid) not in (None, "Z", "X")
+
+
+def _wait_stopped(pids, timeout_s: float = 2.0) -> bool:
+    """Whether every one of `pids` is stopped (or dead) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(_state(p) not in (None, "T", "t", "Z", "X") for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _signal(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kill(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    _signal(pids, signal.SIGKILL)
 
 
 class Terminal:
@@ -177,6 +197,7 @@ class Terminal:
         self._proc: subprocess.Popen | None = None
         self._out = self._err = None
         self._shell_pid = 0  # the shell's pid inside its namespace
+        self._shell_host = self._init_host = 0  # host pids of the shell and its namespace's init
         self._jobs: set[int] = set()  # background job groups (namespace pids) before this call
         self._lost = ""  # why the previous session ended: told at the start of the next one
 
@@ -192,6 +213,12 @@ class Terminal:
             self.state = State.NEW
             raise SandboxError(f"terminal: the shell failed to start: {r.stderr.strip()[:500]}")
         self._shell_pid = int(r.stdout)
+        for pid in _proc_tree(self._proc.pid):
+            ns = _ns_ids(pid)
+            if ns and ns[0] == 1:
+                self._init_host = pid
+            elif ns and ns[0] == self._shell_pid:
+                self._shell_host = pid
 
     def _end_session(self) -> None:
         """Kills the shell and every process of its namespace; waits until they are gone."""
@@ -221,6 +248,46 @@ class Terminal:
         with self._lock:
             self._end_session()
             self.state = State.CLOSED
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Every process of the session stopped (SIGSTOP) while the block runs; no call runs.
+
+        The host-side file tools check a path (`Sandbox.resolve`), then open it: with no agent
+        process running in between, no background job can swap a directory of the workspace
+        for a symlink out of it. A shell alone (no other process) cannot act while it waits for
+        its next command and is left alone; a session that cannot be stopped is killed (the
+        next call says so)."""
+        with self._lock:
+            stopped = self._stop_all() if self.state is State.READY else []
+            try:
+                yield
+            finally:
+                _signal(reversed(stopped), signal.SIGCONT)  # the shell last: its jobs run again
+
+    def _stop_all(self) -> list[int]:
+        """Stops the shell, then every other process of its namespace but init; the pids it
+        stopped, shell first (processes the agent had stopped itself are not among them)."""
+        others = [
+            p for p in _proc_tree(self._proc.pid) if p not in (self._init_host, self._shell_host)
+        ]
+        if not others:
+            return []
+        stopped, todo = [], [self._shell_host]  # first alone: it must not see its jobs stop
+        for _ in range(20):
+            todo = [p for p in todo if _state(p) not in (None, "T", "t", "Z", "X")]
+            _signal(todo, signal.SIGSTOP)
+            stopped += todo
+            if not _wait_stopped(todo):
+                break
+            todo = [
+                p for p in _proc_tree(self._proc.pid) if p not in stopped and p != self._init_host
+            ]
+            if not [p for p in todo if _state(p) not in (None, "T", "t", "Z", "X")]:
+                return stopped
+        self._lost = "the previous one could not be paused for a file tool and was killed"
+        self._end_session()
+        return []
 
     # ---- calls -----------------------------------------------------------------------------
     def run(self, command: str, timeout_s: float | None = None) -> Result:

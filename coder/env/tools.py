@@ -27,6 +27,18 @@ THINK = "think"
 # Tools that change the workspace (shell may): each runs alone among the calls of a turn, after
 # the calls before it (coder.env.episode.Episode.call_many); the shell's session is one terminal.
 EXCLUSIVE = frozenset({"write_file", "edit_file", "shell"})
+# Tools that open workspace paths from the host: they run with the terminal's processes stopped
+# (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
+# tool that runs the agent's code (its tests), which could race them the same way.
+HOST_SIDE = frozenset({"read_file", "write_file", "edit_file", "search"})
+RUNS_AGENT_CODE = frozenset({"run_tests", "shell"})
+
+
+def may_overlap(a: str, b: str) -> bool:
+    """Whether calls of tools `a` and `b` in one turn may run at the same time."""
+    if a in EXCLUSIVE or b in EXCLUSIVE:
+        return False
+    return not ({a, b} & HOST_SIDE and {a, b} & RUNS_AGENT_CODE)
 
 
 @dataclasses.dataclass
@@ -273,4 +285,7 @@ FUNCTIONS = {
 
 def call(ctx: ToolContext, name: str, args: dict) -> str:
     """Run one validated tool call; the output is capped."""
+    if name in HOST_SIDE:
+        with ctx.terminal.frozen():
+            return cap(FUNCTIONS[name](ctx, args), ctx.max_output_chars)
     return cap(FUNCTIONS[name](ctx, args), ctx.max_output_chars)

@@ -206,3 +206,18 @@ def _host_procs() -> list[tuple[str, int]]:
         if not fields["State"].strip().startswith("Z"):
             out.append((fields["Name"].strip(), int(fields["Uid"].split()[0])))
     return out
+
+
+def test_phases_keep_writers_alone_and_file_tools_apart_from_tests():
+    from coder.env.episode import _phases
+
+    turn = "read_file grep lint write_file run_tests run_tests grep read_file shell think search"
+    phases = _phases([ToolCall(n, {}, "") for n in turn.split()])
+    assert [[c.name for c in p] for p in phases] == [
+        ["read_file", "grep", "lint"],
+        ["write_file"],
+        ["run_tests", "run_tests", "grep"],
+        ["read_file"],  # not beside the tests: the agent's code could race its path check
+        ["shell"],
+        ["think", "search"],
+    ]

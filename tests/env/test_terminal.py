@@ -125,3 +125,21 @@ def test_sandbox_close_ends_the_session():
     assert _live_procs_of(uid) == []
     with pytest.raises(SandboxError):
         t.run("true")
+
+
+def test_frozen_pauses_background_jobs_and_resumes_them(term):
+    ticks = os.path.join(term.sandbox.workspace, "ticks")
+    term.run("(while :; do echo x >> ticks; sleep 0.01; done) & sleep 100 &")
+    time.sleep(0.2)
+    with term.frozen():
+        n = os.path.getsize(ticks)
+        time.sleep(0.3)
+        assert os.path.getsize(ticks) == n  # nothing of the session runs
+    time.sleep(0.3)
+    assert os.path.getsize(ticks) > n  # and it runs again
+    r = term.run("jobs")
+    assert r.stdout.count("Running") == 2 and "Stopped" not in r.stdout + r.stderr
+    term.run("kill %1 %2")
+    with term.frozen():  # the shell alone: nothing to stop
+        pass
+    assert term.run("echo ok").stdout == "ok\n"
