@@ -45,7 +45,7 @@ import subprocess
 import threading
 import time
 
-from coder.env.sandbox import Result, Sandbox, SandboxError, _stream_cap
+from coder.env.sandbox import Result, Sandbox, SandboxError, _process_identity, _stream_cap
 
 _SHELL = "exec /bin/bash --noprofile --norc -s"
 _PREAMBLE = b'set -m\n__coder_rc=0\n__coder_status() { return "$1"; }\n'
@@ -198,6 +198,7 @@ class Terminal:
         self._out = self._err = None
         self._shell_pid = 0  # the shell's pid inside its namespace
         self._shell_host = self._init_host = 0  # host pids of the shell and its namespace's init
+        self._shell_id = None  # the shell's `_process_identity`
         self._jobs: set[int] = set()  # background job groups (namespace pids) before this call
         self._lost = ""  # why the previous session ended: told at the start of the next one
 
@@ -219,6 +220,7 @@ class Terminal:
                 self._init_host = pid
             elif ns and ns[0] == self._shell_pid:
                 self._shell_host = pid
+        self._shell_id = _process_identity(self._shell_host)  # its pid may be reused once it ends
 
     def _end_session(self) -> None:
         """Kills the shell and every process of its namespace; waits until they are gone."""
@@ -259,19 +261,28 @@ class Terminal:
         its next command and is left alone; a session that cannot be stopped is killed (the
         next call says so)."""
         with self._lock:
-            stopped = self._stop_all() if self.state is State.READY else []
+            live = self.state is State.READY and self._proc.poll() is None
+            live = live and _process_identity(self._shell_host) == self._shell_id
+            stopped = self._stop_all() if live else []  # no shell: its namespace is gone
             try:
                 yield
             finally:
                 _signal(reversed(stopped), signal.SIGCONT)  # the shell last: its jobs run again
 
+    def _others_alive(self) -> bool:
+        """Whether a process besides init and the shell is in the session's pid namespace, read
+        from the namespace's own /proc (reached through the shell's root): a few entries, where
+        the host's /proc holds every process of the machine."""
+        try:
+            names = os.listdir(f"/proc/{self._shell_host}/root/proc")
+        except OSError:
+            return True  # cannot tell: assume so
+        return sum(n.isdigit() for n in names) > 2
+
     def _stop_all(self) -> list[int]:
         """Stops the shell, then every other process of its namespace but init; the pids it
         stopped, shell first (processes the agent had stopped itself are not among them)."""
-        others = [
-            p for p in _proc_tree(self._proc.pid) if p not in (self._init_host, self._shell_host)
-        ]
-        if not others:
+        if not self._others_alive():
             return []
         stopped, todo = [], [self._shell_host]  # first alone: it must not see its jobs stop
         for _ in range(20):
