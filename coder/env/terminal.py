@@ -17,15 +17,16 @@ The command runs with `eval` at the top level of the shell (so `cd`, variables a
 stay; `return`, `break` or a syntax error only fail that command), its stdin is /dev/null (the
 pipe is the shell's script, never the command's input), and its stdout and stderr are
 temporary redirections, so `exec >&-` cannot close the shell's own pipes. The end marker is
-`\\x1e<call id> <exit code> [background job pids]\\x1e\\n` with a random id per call; output
+`\\x1e<call id> <exit code>\\x1e\\n` with a random id per call; output
 before it is the call's (capped head + tail, as `Sandbox.run` does), bytes after it (a
 background job's later output) are kept for the next call.
 
-Timeouts. The shell runs with job control (`set -m`), so every foreground pipeline is a process
-group of its own. On a timeout the host kills, through /proc, every process of the sandbox's
-pid namespace except the shell and its init whose group is not a background job the shell
-reported before the call: the command dies, the shell prints its marker, and cwd, variables
-and background jobs are kept. A shell that still does not answer (a loop of builtins, `exec
+Timeouts. The shell runs with job control (`set -m`), so every pipeline is a process group of
+its own. Before each call the host notes the process groups alive in the session (from the
+namespace's own /proc: a few entries); on a timeout it kills, through the host's /proc, every
+process of the namespace but init and the shell whose group is new or the shell's own (a
+command substitution): the command dies, the shell prints its marker, and cwd, variables and
+background jobs (disowned or `nohup`ed ones too) are kept. A shell that still does not answer (a loop of builtins, `exec
 sleep 99`) is killed with its whole namespace.
 
 States (`State`): NEW (no shell yet: the first call starts one), READY (a shell waits for a
@@ -67,9 +68,7 @@ def _call_script(call_id: str, command: str) -> bytes:
         'exec 61>&1 62>&2; __coder_status "$__coder_rc"; '  # `$?` is the previous command's
         'eval "$__coder_cmd" </dev/null >&61 2>&62; __coder_rc=$?; '
         f"builtin printf '\\036%s %s\\036\\n' {call_id} \"$__coder_rc\" >&2; "
-        f"builtin printf '\\036%s %s ' {call_id} \"$__coder_rc\"; builtin jobs -p; "
-        "builtin printf '\\036\\n'; "
-        "\n"
+        f"builtin printf '\\036%s %s\\036\\n' {call_id} \"$__coder_rc\"\n"
     )
     return b"IFS= builtin read -r -d '' __coder_cmd\n" + command.encode() + b"\0" + run.encode()
 
@@ -199,11 +198,13 @@ class Terminal:
         self._shell_pid = 0  # the shell's pid inside its namespace
         self._shell_host = self._init_host = 0  # host pids of the shell and its namespace's init
         self._shell_id = None  # the shell's `_process_identity`
-        self._jobs: set[int] = set()  # background job groups (namespace pids) before this call
+        self._shell_group = 0  # the shell's process group inside its namespace
+        self._kept: set[int] = set()  # process groups a timeout spares (namespace ids)
         self._lost = ""  # why the previous session ended: told at the start of the next one
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
+        self._shell_pid = self._shell_host = self._init_host = self._shell_group = 0
         self._proc = self.sandbox.start(_SHELL)
         self._out, self._err = _Stream(self._proc.stdout), _Stream(self._proc.stderr)
         os.set_blocking(self._proc.stdin.fileno(), False)
@@ -219,7 +220,7 @@ class Terminal:
             if ns and ns[0] == 1:
                 self._init_host = pid
             elif ns and ns[0] == self._shell_pid:
-                self._shell_host = pid
+                self._shell_host, self._shell_group = pid, ns[1]
         self._shell_id = _process_identity(self._shell_host)  # its pid may be reused once it ends
 
     def _end_session(self) -> None:
@@ -279,6 +280,21 @@ class Terminal:
             return True  # cannot tell: assume so
         return sum(n.isdigit() for n in names) > 2
 
+    def _ns_groups(self) -> set[int]:
+        """Process groups alive in the session's namespace, as it numbers them."""
+        root, groups = f"/proc/{self._shell_host}/root/proc", set()
+        try:
+            names = [n for n in os.listdir(root) if n.isdigit()] if self._shell_host else []
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                with open(f"{root}/{name}/stat") as f:
+                    groups.add(int(f.read().rsplit(")", 1)[1].split()[2]))
+            except (OSError, IndexError, ValueError):
+                pass
+        return groups
+
     def _stop_all(self) -> list[int]:
         """Stops the shell, then every other process of its namespace but init; the pids it
         stopped, shell first (processes the agent had stopped itself are not among them)."""
@@ -332,12 +348,11 @@ class Terminal:
         tag = b"\x1e" + call_id.encode() + b" "
         for s in (self._out, self._err):
             s.begin(tag, self.sandbox.limits.output_bytes)
+        self._kept = self._ns_groups() - {self._shell_group}
         outcome = self._exchange(preamble + _call_script(call_id, command), t0 + timeout_s)
         stdout, trunc_o = self._out.finish()
         stderr, trunc_e = self._err.finish()
         code = int(self._out.marker[0]) if self._out.marker else -signal.SIGKILL
-        if self._out.marker:
-            self._jobs = {int(p) for p in self._out.marker[1:]}
         timed_out = outcome != "done" and outcome != "exited"
         if outcome == "timeout":
             code = -signal.SIGKILL
@@ -403,12 +418,12 @@ class Terminal:
 
     def _kill_foreground(self) -> None:
         """Kills the running command: every process of the namespace except its init, the
-        shell, and the background jobs the shell reported before this call."""
+        shell, and the process groups alive before this call (but the shell's)."""
         if self._proc is None:
             return
         victims = []
         for pid in _proc_tree(self._proc.pid):
             ids = _ns_ids(pid)
-            if ids and ids[0] not in (1, self._shell_pid) and ids[1] not in self._jobs:
+            if ids and ids[0] not in (1, self._shell_pid) and ids[1] not in self._kept:
                 victims.append(pid)
         _kill(victims)

@@ -143,3 +143,11 @@ def test_frozen_pauses_background_jobs_and_resumes_them(term):
     with term.frozen():  # the shell alone: nothing to stop
         pass
     assert term.run("echo ok").stdout == "ok\n"
+
+
+def test_timeout_spares_disowned_and_orphaned_background_processes(term):
+    term.run("sleep 100 & disown; (sleep 200 &); nohup sleep 300 >/dev/null 2>&1 &")
+    r = term.run("x=$(sleep 30)", timeout_s=1)  # a command substitution: the shell's own group
+    assert r.timed_out
+    procs = term.run("ps -e -o args=").stdout.splitlines()
+    assert {"sleep 100", "sleep 200", "sleep 300"} <= set(procs) and "sleep 30" not in procs
