@@ -29,6 +29,15 @@ command substitution): the command dies, the shell prints its marker, and cwd, v
 background jobs (disowned or `nohup`ed ones too) are kept. A shell that still does not answer (a loop of builtins, `exec
 sleep 99`) is killed with its whole namespace.
 
+Host-side file access. The file tools read and write the workspace from the host after checking
+the path (`Sandbox.resolve`); `frozen()` stops every process of the session meanwhile, so no
+background job can swap a directory for a symlink between the check and the open.
+
+Limits are the sandbox's, per process: the shell lives for the whole episode, so its CPU-time
+limit (`Limits.cpu_s`) counts every builtin it ran, and background jobs count in the sandbox
+uid's process limit beside the other tools' commands. A shell killed by a limit is a shell
+that ended (below).
+
 States (`State`): NEW (no shell yet: the first call starts one), READY (a shell waits for a
 command), DEAD (the shell ended: `exit`, killed, not interruptible; the next call starts a new
 one and its output says that state was lost), CLOSED (calls raise `SandboxError`).
