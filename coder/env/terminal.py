@@ -79,7 +79,12 @@ def _call_script(call_id: str, command: str) -> bytes:
         f"builtin printf '\\036%s %s\\036\\n' {call_id} \"$__coder_rc\" >&2; "
         f"builtin printf '\\036%s %s\\036\\n' {call_id} \"$__coder_rc\"\n"
     )
-    return b"IFS= builtin read -r -d '' __coder_cmd\n" + command.encode() + b"\0" + run.encode()
+    return (
+        b"IFS= builtin read -r -d '' __coder_cmd\n"
+        + command.encode(errors="replace")
+        + b"\0"
+        + run.encode()
+    )
 
 
 class _Stream:

@@ -63,6 +63,7 @@ def test_output_edge_cases(term):
     assert term.run("return 1; break; echo alive").stdout == "alive\n"
     assert term.run("printf '\\xff\\xfe'").stdout == "\ufffd\ufffd"  # not UTF-8: replaced
     assert "NUL" in term.run("echo a\0b").stderr
+    assert term.run("echo \ud800").stdout == "?\n"  # a lone surrogate (valid in JSON)
 
 
 def test_timeout_kills_the_command_and_keeps_the_session(term):
