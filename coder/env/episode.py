@@ -30,9 +30,9 @@ every call before them and before every call after them; the calls between two o
 (reads, grep, lint, tests, think) run at once, except that a host-side file tool never runs
 beside the agent's tests (`tools.may_overlap`: agent code could race its path checks).
 Outputs come back in call order, so a turn means what it would mean run one call after
-another. `shell` runs in the episode's `Terminal`
-(coder.env.terminal), one session from reset to close; scoring closes it first, so nothing the
-agent left running can touch the workspace while it is scored.
+another. `shell` runs in the episode's `Terminal` (coder.env.terminal), one session from reset
+to close; scoring closes it first, so nothing the agent left running can touch the workspace
+while it is scored.
 
 `info`: turns, tool_calls, broken_calls, tool_output_chars, tool_output_tokens, done_reason,
 and once scored: reward, passed, total, score_error, infra_error. `infra_error` is set when the
