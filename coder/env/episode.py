@@ -5,6 +5,7 @@ Text interface (scripted agents, SFT transcripts, tests):
     obs, done, info = ep.step(model_text)      # one assistant reply: all its calls, in order
 Per-call interface (coder/rl/agent.py, which parses calls from sampled token ids itself):
     ep.reset(task); out = ep.call(tool_call)   # one parsed protocol.ToolCall -> output text
+    outs = ep.call_many(tool_calls)            # one turn's calls: independent ones concurrently
     ep.done; n = ep.lint_count(); reward, info = ep.score(); ep.close()
 (`step` also accepts a `protocol.ToolCall` and then behaves as `call`.)
 
@@ -23,6 +24,16 @@ In the text interface an episode ends on `submit`, on a reply with no tool call,
 (`coder.env.reward`) and its sandbox closed. Any broken tool call makes the rollout a failure
 (reward 0) even if the tests pass: broken calls are negative examples (docs/contracts.md, "Tool calls"; docs/rl.md).
 
+The calls of one reply run concurrently where they are independent (`call_many`): calls that
+change the workspace (`tools.EXCLUSIVE`: write_file, edit_file, shell) each run alone, after
+every call before them and before every call after them; the calls between two of them
+(reads, grep, lint, tests, think) run at once, except that a host-side file tool never runs
+beside the agent's tests (`tools.may_overlap`: agent code could race its path checks).
+Outputs come back in call order, so a turn means what it would mean run one call after
+another. `shell` runs in the episode's `Terminal` (coder.env.terminal), one session from reset
+to close; scoring closes it first, so nothing the agent left running can touch the workspace
+while it is scored.
+
 `info`: turns, tool_calls, broken_calls, tool_output_chars, tool_output_tokens, done_reason,
 and once scored: reward, passed, total, score_error, infra_error. `infra_error` is set when the
 harness failed (sandbox would not start, a tool or the scorer crashed): the RL loop masks such a
@@ -36,13 +47,16 @@ from __future__ import annotations
 
 import re
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from coder.env import protocol, reward, tools
 from coder.env.prepared import prepared
 from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
+from coder.env.terminal import Terminal
 
 _DIAGNOSTIC = re.compile(r"^\S+:\d+:\d+: ")  # ruff concise output: path:line:col: CODE message
+_MAX_CONCURRENT_CALLS = 8  # each may be a bwrap process tree of the sandbox's uid (its nproc)
 
 
 def select_tools(names: Sequence[str] = ()) -> list[protocol.ToolSpec]:
@@ -85,6 +99,7 @@ class Episode:
         self._tool_map = {t.name: t for t in self.tools}
         self.system_prompt = protocol.render_system_prompt(self.tools, system_preamble)
         self.sandbox: Sandbox | None = None
+        self.terminal: Terminal | None = None  # the shell tool's session, from reset to close
         self.task = None
         self.done = True
         self.scored = False
@@ -144,14 +159,21 @@ class Episode:
             self.sandbox = Sandbox(
                 task, limits=self.limits, root=self.sandbox_root, snapshot=snapshot, base=base
             )
+            self.terminal = Terminal(self.sandbox, self.tool_timeout_s)  # its shell starts lazily
         except (InfraError, OSError) as e:
             self._fail_infra(f"sandbox could not start: {e}")
         return task.prompt
 
     def close(self) -> None:
+        self._close_terminal()
         if self.sandbox is not None:
             self.sandbox.close()
             self.sandbox = None
+
+    def _close_terminal(self) -> None:
+        if self.terminal is not None:
+            self.terminal.close()
+            self.terminal = None
 
     def _fail_infra(self, msg: str) -> None:
         self.info.update(infra_error=msg, done_reason="infra_error", reward=None)
@@ -162,27 +184,51 @@ class Episode:
     def call(self, c: protocol.ToolCall) -> str:
         """Run one parsed, validated call; `submit` ends the episode. Raises InfraError when
         the harness fails (the episode is then over and `info["infra_error"]` says why)."""
+        return self.call_many([c])[0]
+
+    def call_many(self, calls: Sequence[protocol.ToolCall]) -> list[str]:
+        """Run the parsed calls of one turn, independent ones concurrently (module docstring);
+        their outputs in call order. The calls after a `submit` are not run: the outputs end
+        with submit's. Raises InfraError as `call` does."""
         if self.info.get("infra_error"):
             raise InfraError(self.info["infra_error"])
         if self.done:
             raise RuntimeError("call() after the episode ended; call reset()")
-        if c.name not in self._tool_map:
-            raise ValueError(f"tool {c.name!r} is not offered in this episode")
-        self.info["tool_calls"] += 1
-        if c.name == tools.SUBMIT:
+        calls = list(calls)
+        for i, c in enumerate(calls):
+            if c.name not in self._tool_map:
+                raise ValueError(f"tool {c.name!r} is not offered in this episode")
+            if c.name == tools.SUBMIT:
+                del calls[i + 1 :]
+                break
+        self.info["tool_calls"] += len(calls)
+        work = [c for c in calls if c.name != tools.SUBMIT]
+        outputs = []
+        for phase in _phases(work):
+            results = self._run_concurrently(phase)
+            for ok, value in results:
+                if not ok:
+                    self._fail_infra(value)
+                    raise InfraError(self.info["infra_error"])
+                outputs.append(value)
+        if len(work) < len(calls):
             self.done = True
             self.info["done_reason"] = "submit"
-            return "submitted"
-        try:
-            return tools.call(self._context(), c.name, c.arguments)
-        except SandboxError as e:
-            self._fail_infra(f"sandbox failed during {c.name}: {e}")
-        except Exception:  # a harness bug, not the agent's doing: mask, do not score
-            self._fail_infra(f"tool {c.name} crashed:\n{traceback.format_exc(limit=5)}")
-        raise InfraError(self.info["infra_error"])
+            outputs.append("submitted")
+        return outputs
+
+    def _run_concurrently(self, calls: list) -> list[tuple[bool, str]]:
+        """(True, output) or (False, why the harness failed) per call, in order."""
+        ctx = self._context()
+        if len(calls) == 1:
+            return [_run_tool(ctx, calls[0])]
+        with ThreadPoolExecutor(min(len(calls), _MAX_CONCURRENT_CALLS)) as pool:
+            return list(pool.map(lambda c: _run_tool(ctx, c), calls))
 
     def _context(self) -> tools.ToolContext:
-        return tools.ToolContext(self.sandbox, self.task, self.max_output_chars, self.tool_timeout_s)
+        return tools.ToolContext(
+            self.sandbox, self.task, self.max_output_chars, self.tool_timeout_s, self.terminal
+        )
 
     def lint_count(self) -> int:
         """ruff diagnostics in the workspace (the lint tool's `path:line:col: CODE message`
@@ -211,23 +257,23 @@ class Episode:
         info["turns"] += 1
         self.messages.append({"role": "assistant", "content": model_text})
         calls = protocol.parse_tool_calls(model_text, self.tools)
-        outputs = []
-        for i, c in enumerate(calls):
-            if isinstance(c, protocol.BrokenToolCall):
-                info["broken_calls"] += 1
-                outputs.append(f"error: broken tool call: {c.reason}")
-                continue
-            try:
-                out = self.call(c)
-            except InfraError:
-                return "", True, dict(self.info)
-            if self.done:  # submit: later calls are not run, and the agent is told so
-                left = len(calls) - i - 1
-                outputs.append(
-                    out + (f"; the {left} call(s) after submit were not run" if left else "")
-                )
-                break
-            outputs.append(out)
+        ends = [i for i, c in enumerate(calls) if getattr(c, "name", None) == tools.SUBMIT]
+        turn = calls[: ends[0] + 1] if ends else calls  # calls after submit are not run
+        good = [c for c in turn if not isinstance(c, protocol.BrokenToolCall)]
+        info["broken_calls"] += len(turn) - len(good)
+        try:
+            done_outputs = iter(self.call_many(good) if good else [])
+        except InfraError:
+            return "", True, dict(self.info)
+        outputs = [
+            f"error: broken tool call: {c.reason}"
+            if isinstance(c, protocol.BrokenToolCall)
+            else next(done_outputs)
+            for c in turn
+        ]
+        left = len(calls) - len(turn)
+        if left:  # the agent is told
+            outputs[-1] += f"; the {left} call(s) after submit were not run"
         observation = protocol.render_tool_results(outputs) if outputs else ""
         info["tool_output_chars"] += len(observation)
         info["tool_output_tokens"] += self.token_count(observation) if observation else 0
@@ -254,6 +300,7 @@ class Episode:
         """
         if not self.scored:
             self.scored = True
+            self._close_terminal()  # nothing the agent left running may touch the workspace
             try:
                 s = reward.score(
                     self.sandbox, self.task, mode=self.reward_mode, timeout_s=self.test_timeout_s
@@ -271,3 +318,26 @@ class Episode:
                 self.info.update(reward=r, passed=s.passed, total=s.total, score_error=err)
                 self.close()
         return float(self.info["reward"] or 0.0), dict(self.info)
+
+
+def _phases(calls: list) -> list[list]:
+    """Consecutive calls grouped so that each group may run at once (`tools.may_overlap`): a
+    call that changes the workspace is a group of its own."""
+    phases: list[list] = []
+    for c in calls:
+        if phases and all(tools.may_overlap(c.name, x.name) for x in phases[-1]):
+            phases[-1].append(c)
+        else:
+            phases.append([c])
+    return phases
+
+
+def _run_tool(ctx: tools.ToolContext, c: protocol.ToolCall) -> tuple[bool, str]:
+    """(True, output), or (False, why) when the harness failed: a sandbox error, or a crash
+    of the tool (a harness bug, not the agent's doing: masked, not scored)."""
+    try:
+        return True, tools.call(ctx, c.name, c.arguments)
+    except SandboxError as e:
+        return False, f"sandbox failed during {c.name}: {e}"
+    except Exception:
+        return False, f"tool {c.name} crashed:\n{traceback.format_exc(limit=5)}"

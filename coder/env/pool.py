@@ -16,6 +16,7 @@ episode interface of coder/rl/agent.py):
 
     pool.open(key, task)                        # a new episode on the least loaded worker
     out = pool.call(key, tool_call)             # one protocol.ToolCall -> output text
+    outs = pool.call_many(key, tool_calls)      # one turn: Episode.call_many in the worker
     pool.done(key); pool.lint_count(key); reward, info = pool.score(key)
     pool.close_episode(key)
 
@@ -93,6 +94,10 @@ def run_command(episodes: dict, episode_kwargs: dict, cmd: str, batch: list) -> 
                 key, call = item
                 ep = episodes[key]
                 out.append((ep.call(call), ep.done))
+            elif cmd == "calls":
+                key, calls = item
+                ep = episodes[key]
+                out.append((ep.call_many(calls), ep.done))
             elif cmd == "lint":
                 out.append(episodes[item].lint_count())
             elif cmd == "score":
@@ -415,6 +420,16 @@ class EpisodePool:
             self._done[key] = bool(done)
         return out
 
+    def call_many(self, key, tool_calls) -> list[str]:
+        """Runs one turn's `protocol.ToolCall`s in episode `key` (`Episode.call_many`: the
+        independent ones concurrently, in its worker); their outputs in call order."""
+        w, epoch = self._route(key)
+        what = f"episode {key!r}: {','.join(c.name for c in tool_calls)}"
+        out, done = self._request(w, epoch, "calls", (key, list(tool_calls)), what)
+        with self._mu:
+            self._done[key] = bool(done)
+        return out
+
     def done(self, key) -> bool:
         """The episode ended (`submit`), as its last call reported."""
         with self._mu:
@@ -485,6 +500,10 @@ class PooledEpisode:
     def call(self, tool_call) -> str:
         self._check()
         return self.pool.call(self.key, tool_call)
+
+    def call_many(self, tool_calls) -> list[str]:
+        self._check()
+        return self.pool.call_many(self.key, tool_calls)
 
     def lint_count(self) -> int:
         self._check()

@@ -23,15 +23,18 @@ inside) shows the task's starting text, and its bytecode shows empty. A stdlib b
 reference solution is the installed module; without this, `import M; open(M.__file__)` handed
 it to the agent (`installed_copies`, `Sandbox._shadow_installed`).
 
-Every command is a new process tree: shell state (cwd, variables, background jobs) does not
+Every `run()` is a new process tree: shell state (cwd, variables, background jobs) does not
 survive between commands. When the command's main process exits, bwrap's init exits and the
 kernel kills everything left in the pid namespace; on a timeout the host kills bwrap, which
-takes the namespace down the same way (`--die-with-parent`).
+takes the namespace down the same way (`--die-with-parent`). The agent's shell is the one
+exception: `start()` runs a long-lived process under the same bwrap command line, the bash of
+coder.env.terminal, whose state persists between calls and which `close()` kills.
 
 Snapshots are in-memory copies of the workspace's files (workspaces are small: a module and its
 tests), so they can be pickled to pool workers; restore rewrites the tree. Host-side reads and
 writes resolve paths and refuse anything that lands outside the workspace (symlinks, `..`); this
-is race-free because no agent process is alive between commands.
+is race-free only while no agent process runs: `run()`'s are gone when it returns, and the
+tools stop the terminal's around their host-side file access (`Terminal.frozen`).
 """
 
 from __future__ import annotations
@@ -739,6 +742,27 @@ class Sandbox:
                 f"\n[command timed out after {timeout_s:g} s; all its processes were killed]\n"
             )
         return Result(code, stdout, stderr, timed_out, trunc_o or trunc_e, time.monotonic() - t0)
+
+    def start(self, cmd: str) -> subprocess.Popen:
+        """Start `cmd` (bash) as a long-lived process of this sandbox, with pipes on stdin,
+        stdout and stderr (coder.env.terminal's shell). The caller reads and reaps it, then
+        calls `release`; `close()` kills it if it is still registered."""
+        if self.closed:
+            raise SandboxError("sandbox is closed")
+        proc = subprocess.Popen(
+            self._argv(cmd, ()),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        self._procs.add(proc)
+        return proc
+
+    def release(self, proc: subprocess.Popen) -> None:
+        """Forget a process of `start` that its owner has killed and reaped."""
+        self._procs.discard(proc)
 
     # ---- files (host side, confined to the workspace) --------------------------------------
     def resolve(self, path: str) -> str:

@@ -1,8 +1,12 @@
 """The agent's tools. Each is a `ToolSpec` (name, description, JSON schema, rendered into the
 system prompt by `coder.env.protocol`) plus a function `(ToolContext, arguments) -> str`.
 
-Commands the model chooses (shell, grep patterns, lint, tests) run inside the sandbox; file
-reads and writes run on the host but are confined to the workspace by `Sandbox.resolve`.
+Commands the model chooses run inside the sandbox: `shell` in the episode's persistent terminal
+(coder.env.terminal: cwd, variables and background jobs carry over between calls), grep, lint
+and tests each in a fresh process (`Sandbox.run`), so the agent's shell state cannot change
+what they report. File reads and writes run on the host but are confined to the workspace by
+`Sandbox.resolve`; so are grep's paths. `think` runs nothing: a scratchpad whose tokens count as
+thinking in the length penalty (coder/rl/agent.py).
 Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with a note saying
 how much was cut. Tool errors the agent caused (missing file, non-unique edit) are ordinary
 outputs starting with "error:"; only harness failures raise.
@@ -16,8 +20,25 @@ import shlex
 from coder.env import search as search_lib
 from coder.env.protocol import ToolSpec
 from coder.env.sandbox import Result, Sandbox
+from coder.env.terminal import Terminal
 
 SUBMIT = "submit"
+THINK = "think"
+# Tools that change the workspace (shell may): each runs alone among the calls of a turn, after
+# the calls before it (coder.env.episode.Episode.call_many); the shell's session is one terminal.
+EXCLUSIVE = frozenset({"write_file", "edit_file", "shell"})
+# Tools that open workspace paths from the host: they run with the terminal's processes stopped
+# (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
+# tool that runs the agent's code (its tests), which could race them the same way.
+HOST_SIDE = frozenset({"read_file", "write_file", "edit_file", "search"})
+RUNS_AGENT_CODE = frozenset({"run_tests", "shell"})
+
+
+def may_overlap(a: str, b: str) -> bool:
+    """Whether calls of tools `a` and `b` in one turn may run at the same time."""
+    if a in EXCLUSIVE or b in EXCLUSIVE:
+        return False
+    return not ({a, b} & HOST_SIDE and {a, b} & RUNS_AGENT_CODE)
 
 
 @dataclasses.dataclass
@@ -26,6 +47,12 @@ class ToolContext:
     task: object  # coder.env.tasks.Task
     max_output_chars: int = 8000  # each tool output is cut to this many characters
     command_timeout_s: float = 60.0  # default and cap for shell/grep/lint/run_tests
+    # the shell's session; None: a new one, closed with the sandbox (an episode passes its own)
+    terminal: Terminal | None = None
+
+    def __post_init__(self):
+        if self.terminal is None:
+            self.terminal = Terminal(self.sandbox, self.command_timeout_s)
 
 
 def cap(text: str, limit: int) -> str:
@@ -53,7 +80,7 @@ def _timeout(ctx: ToolContext, args: dict) -> float:
 
 
 def shell(ctx: ToolContext, args: dict) -> str:
-    return _format_result(ctx.sandbox.run(args["command"], timeout_s=_timeout(ctx, args)))
+    return _format_result(ctx.terminal.run(args["command"], timeout_s=_timeout(ctx, args)))
 
 
 def read_file(ctx: ToolContext, args: dict) -> str:
@@ -116,10 +143,13 @@ def edit_file(ctx: ToolContext, args: dict) -> str:
 
 
 def grep(ctx: ToolContext, args: dict) -> str:
+    path = args.get("path", ".")
+    try:  # the sandbox shows more than the workspace (/usr, the Python prefixes): not grep's
+        ctx.sandbox.resolve(path)
+    except ValueError as e:
+        return f"error: {e}"
     flags = "-rnI" + ("i" if args.get("ignore_case") else "")
-    cmd = (
-        f"grep {flags} -E -e {shlex.quote(args['pattern'])} -- {shlex.quote(args.get('path', '.'))}"
-    )
+    cmd = f"grep {flags} -E -e {shlex.quote(args['pattern'])} -- {shlex.quote(path)}"
     r = ctx.sandbox.run(cmd, timeout_s=min(30.0, ctx.command_timeout_s))
     if r.exit_code == 1 and not r.stderr:
         return "no matches"
@@ -159,6 +189,10 @@ def run_tests(ctx: ToolContext, args: dict) -> str:
     return _format_result(ctx.sandbox.run(cmd, timeout_s=ctx.command_timeout_s))
 
 
+def think(ctx: ToolContext, args: dict) -> str:
+    return "noted"
+
+
 def submit(ctx: ToolContext, args: dict) -> str:
     return "submitted"
 
@@ -178,8 +212,9 @@ def _obj(props: dict, required: list) -> dict:
 SPECS = [
     ToolSpec(
         "shell",
-        "Run a bash command in /workspace (fresh shell each call, no network). "
-        "Returns the exit code, stdout and stderr.",
+        "Run a bash command in your terminal (starts in /workspace, no network). One shell "
+        "session per task: cd, exported variables and background jobs (cmd &) persist between "
+        "calls; stdin is empty. Returns the exit code, stdout and stderr.",
         _obj({"command": _STR, "timeout_s": {"type": "number", "minimum": 1}}, ["command"]),
     ),
     ToolSpec(
@@ -207,7 +242,7 @@ SPECS = [
     ),
     ToolSpec(
         "grep",
-        "Search files for an extended regular expression; prints file:line:text.",
+        "Search files in the workspace for an extended regular expression; prints file:line:text.",
         _obj({"pattern": _STR, "path": _STR, "ignore_case": {"type": "boolean"}}, ["pattern"]),
     ),
     ToolSpec(
@@ -226,6 +261,12 @@ SPECS = [
         "Run the task's test command (optionally on one test path).",
         _obj({"path": _STR}, []),
     ),
+    ToolSpec(
+        THINK,
+        "Think: a scratchpad for planning or reasoning about what you found. Runs nothing, "
+        "changes nothing.",
+        _obj({"thought": _STR}, ["thought"]),
+    ),
     ToolSpec(SUBMIT, "Finish: your changes in /workspace are the solution.", _obj({}, [])),
 ]
 FUNCTIONS = {
@@ -237,10 +278,14 @@ FUNCTIONS = {
     "search": search,
     "lint": lint,
     "run_tests": run_tests,
+    THINK: think,
     SUBMIT: submit,
 }
 
 
 def call(ctx: ToolContext, name: str, args: dict) -> str:
     """Run one validated tool call; the output is capped."""
+    if name in HOST_SIDE:
+        with ctx.terminal.frozen():
+            return cap(FUNCTIONS[name](ctx, args), ctx.max_output_chars)
     return cap(FUNCTIONS[name](ctx, args), ctx.max_output_chars)

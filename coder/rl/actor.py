@@ -10,7 +10,7 @@ produces groups of rollouts with it; scoring of finished groups (rewards and adv
   processes of this host, coder.env.pool, or Ray actors on CPU nodes, coder.env.ray_pool, as
   `env.workers_backend` says) while the other rows keep decoding.
 - `rl.concurrent=False`: task after task with `Agent.run_group` (a group's rows decode together,
-  tool calls run one after another on this thread, in local sandboxes).
+  each row's tool calls run on this thread, in local sandboxes).
 The sampling key of task i is `fold_in(rng, i)` in both modes, and a row's tokens do not depend
 on which rows share its decode batches, so both modes sample the same rollouts.
 

@@ -24,7 +24,7 @@ trained on: generated text is decoded only to *parse* calls, never re-encoded.
 
 The machine never touches an engine or a sandbox, so a test drives it with fake generations
 and tool outputs. Two drivers live here: `Agent.run_group` (the G rows of one task decode
-together, tool calls run one after another on the calling thread) and `drive` (one thread per
+together, each row's tool calls run on the calling thread) and `drive` (one thread per
 rollout, for coder.rl.actor's concurrent mode); `serve_env` answers the env actions of both.
 
 **Self-summarization.** Before a turn, if the generation has fewer than `rl.summary_reserve`
@@ -42,7 +42,9 @@ infrastructure's, not the agent's: the rollout gets `infra_error`, ends at once 
 `infra`, and is masked out of its group.
 
 Episode interface the drivers use (coder.env.episode.Episode, or coder.env.pool.PooledEpisode in
-an env worker): `tools` (protocol.ToolSpec list), `call(tool_call) -> str`, `done`,
+an env worker): `tools` (protocol.ToolSpec list), `call(tool_call) -> str`, optionally
+`call_many(tool_calls) -> [str]` (one turn's calls at once: the env episodes run the independent
+ones concurrently; without it the calls run one after another), `done`,
 `score() -> (test_reward in [0, 1], info)`, `lint_count()` (only with the `lint_introduced`
 reward on), `close()`.
 """
@@ -67,6 +69,7 @@ SUMMARY_REQUEST = (
 )
 SUMMARY_PREFIX = "Summary of your progress so far:\n"
 EDIT_TOOLS = ("write_file", "edit_file")
+THINK_TOOL = "think"  # a scratchpad call: its tokens count as thinking, not tool I/O
 
 SAMPLE, TOOLS, LINT, SCORE, DONE = "sample", "tools", "lint", "score", "done"
 
@@ -197,7 +200,7 @@ class AgentRun:
             r.output_tokens += len(sampled)
             r.final_text = text
             return self._end("answer")
-        in_calls = a.tokens_in_calls(body)
+        in_calls = a.tokens_in_calls(body, self.tools)
         r.tool_io_tokens += in_calls
         r.thinking_tokens += len(sampled) - in_calls
         self._calls = tuple(calls)
@@ -413,16 +416,26 @@ class Agent:
         model's embedding is padded to a multiple of 128) have no text and are skipped."""
         return self.tok.decode([i for i in ids if i < self.tok.vocab_size])
 
-    def tokens_in_calls(self, ids: Sequence[int]) -> int:
-        """Sampled tokens inside `<tool_call>...</tool_call>` spans, tags included."""
-        n, inside = 0, False
+    def tokens_in_calls(self, ids: Sequence[int], tools=()) -> int:
+        """Sampled tokens inside `<tool_call>...</tool_call>` spans, tags included, except the
+        spans of well-formed `think` calls among `tools`: those are thinking written as a
+        call, and the length penalty counts them as thinking."""
+        spans, inside = [], False
         for t in ids:
             if t == self.call_open:
                 inside = True
-            n += inside
+                spans.append([])
+            if inside:
+                spans[-1].append(t)
             if t == self.call_close:
                 inside = False
-        return n
+        think = [t for t in tools if t.name == THINK_TOOL]
+        return sum(len(s) for s in spans if not (think and self._is_call_of(s, think)))
+
+    def _is_call_of(self, span: Sequence[int], tools) -> bool:
+        """The span is one well-formed call of one of `tools`."""
+        calls = protocol.parse_tool_calls(self.decode(span), tools)
+        return len(calls) == 1 and isinstance(calls[0], protocol.ToolCall)
 
     def summary_ids(self, body: Sequence[int]) -> list[int]:
         """The sampled `<summary>...</summary>` span (the whole reply if the tags are missing)."""
@@ -448,7 +461,8 @@ class Agent:
         """G rollouts of one task (G = len(episodes)), sharing one prefilled prompt.
 
         Each round, every unfinished row samples (the rows of one engine group in one
-        `generate` call), then the rows' tool calls run one after another on this thread.
+        `generate` call), then the rows' tool calls run on this thread, row after row (a
+        row's independent calls concurrently, when its episode has `call_many`).
         `episodes` are fresh env episodes of the task, one per rollout; they are closed here.
         """
         try:
@@ -500,10 +514,7 @@ def serve_env(run: AgentRun, episode, action) -> None:
     if isinstance(action, RunTools):
         outputs, error = [], ""
         try:
-            for call in action.calls:
-                outputs.append(episode.call(call))
-                if episode.done:
-                    break
+            outputs = run_calls(episode, action.calls)
         except Exception as e:  # noqa: BLE001 - the harness failed, not the agent
             error = infra_message(e)
         r.tool_time_s += time.perf_counter() - t0
@@ -524,6 +535,21 @@ def serve_env(run: AgentRun, episode, action) -> None:
         run.on_score(reward, info, error)
     else:
         raise TypeError(f"serve_env: {action!r} is not an env action")
+
+
+def run_calls(episode, calls) -> list[str]:
+    """Outputs of one turn's calls, in order, up to the one that ends the episode (`submit`):
+    through the episode's `call_many` when it has one (env episodes: independent calls at
+    once), else one `call` after another."""
+    many = getattr(episode, "call_many", None)
+    if many is not None:
+        return list(many(calls))
+    outputs = []
+    for call in calls:
+        outputs.append(episode.call(call))
+        if episode.done:
+            break
+    return outputs
 
 
 class Lease:

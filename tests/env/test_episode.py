@@ -1,5 +1,7 @@
 """Episode: text and per-call interfaces, ending conditions, counters, infra errors."""
 
+import os
+
 import pytest
 
 from coder.env import sandbox as sandbox_lib
@@ -133,3 +135,89 @@ def test_tools_selection_timeout_and_lint_count():
     ep.sandbox.write("bad.py", "x = 1\n")
     assert ep.lint_count() == 0
     ep.close()
+
+
+def test_independent_calls_of_a_turn_run_concurrently_in_order():
+    import dataclasses
+    import time
+
+    # run_tests runs the task's test command in a fresh sandbox process: here a 0.5 s sleep.
+    task = dataclasses.replace(TASK, test_command="sleep 0.5; echo tests of")
+    ep = Episode(len)
+    ep.reset(task)
+    calls = [ToolCall("run_tests", {"path": p}, "") for p in ("a", "b", "c")]
+    t0 = time.monotonic()
+    serial = [ep.call(c) for c in calls]
+    serial_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    outs = ep.call_many(calls)
+    parallel_s = time.monotonic() - t0
+    assert outs == serial == [f"exit code: 0\ntests of {p}" for p in ("a", "b", "c")]
+    assert parallel_s < 0.6 * serial_s, (parallel_s, serial_s)  # ~1/3 unloaded
+    assert ep.info["tool_calls"] == 6
+    ep.close()
+
+
+def test_calls_that_change_the_workspace_keep_their_order():
+    ep = Episode(len)
+    ep.reset(TASK)
+    w = ToolCall("write_file", {"path": "n.txt", "content": "1"}, "")
+    r = ToolCall("read_file", {"path": "n.txt"}, "")
+    sh = ToolCall("shell", {"command": "echo 2 >> n.txt; cat n.txt"}, "")
+    outs = ep.call_many([r, w, r, r, sh, r, ToolCall("submit", {}, ""), w])
+    assert outs[0].startswith("error") and outs[1].startswith("wrote")
+    assert outs[2] == outs[3] == "1\t1" and outs[4] == "exit code: 0\n12" and outs[5] == "1\t12"
+    assert outs[6] == "submitted" and len(outs) == 7 and ep.done  # nothing after submit runs
+    assert ep.sandbox.read("n.txt") == "12\n"
+    ep.close()
+
+
+def test_scoring_closes_the_shell_first(monkeypatch):
+    from coder.env import reward
+
+    seen = {}
+
+    def score(sb, *a, **k):  # the sandbox's processes alive when scoring starts (host view)
+        seen["jobs"] = [n for n, uid in _host_procs() if uid == sb.uid and n != "bwrap"]
+        return real(sb, *a, **k)
+
+    real = reward.score
+    monkeypatch.setattr(reward, "score", score)
+    ep = Episode(len)
+    ep.reset(TASK)
+    ep.call(ToolCall("write_file", {"path": "answer.py", "content": SOLUTION["answer.py"]}, ""))
+    ep.call(ToolCall("shell", {"command": "sleep 100 &"}, ""))  # would live on into scoring
+    ep.call(ToolCall("submit", {}, ""))
+    sb = ep.sandbox
+    assert ep.score()[0] == 1.0 and ep.terminal is None
+    assert seen["jobs"] == []
+    assert sb.closed
+
+
+def _host_procs() -> list[tuple[str, int]]:
+    """(command name, uid) of the live processes of the host."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if not fields["State"].strip().startswith("Z"):
+            out.append((fields["Name"].strip(), int(fields["Uid"].split()[0])))
+    return out
+
+
+def test_phases_keep_writers_alone_and_file_tools_apart_from_tests():
+    from coder.env.episode import _phases
+
+    turn = "read_file grep lint write_file run_tests run_tests grep read_file shell think search"
+    phases = _phases([ToolCall(n, {}, "") for n in turn.split()])
+    assert [[c.name for c in p] for p in phases] == [
+        ["read_file", "grep", "lint"],
+        ["write_file"],
+        ["run_tests", "run_tests", "grep"],
+        ["read_file"],  # not beside the tests: the agent's code could race its path check
+        ["shell"],
+        ["think", "search"],
+    ]

@@ -253,3 +253,24 @@ def test_hung_worker_times_out_as_infra_error():
             pool.call("a", ToolCall("shell", {"command": "sleep 20"}, ""))
         pool.open("b", task)  # the killed worker is restarted
         assert "exit code: 0" in pool.call("b", ToolCall("shell", {"command": "true"}, ""))
+
+
+def test_pooled_turn_runs_its_independent_calls_concurrently():
+    import dataclasses
+    import time
+
+    from coder.env.pool import PooledEpisode
+    from coder.env.protocol import ToolCall
+
+    ((task, _),) = toy_tasks(1, seed=8)
+    task = dataclasses.replace(task, test_command="sleep 1; echo ran")  # run_tests: 1 s each
+    with EpisodePool(1, token_count=len) as pool:
+        ep = PooledEpisode(pool, task)
+        calls = [ToolCall("run_tests", {"path": p}, "") for p in "abc"]
+        calls += [ToolCall("submit", {}, ""), ToolCall("run_tests", {}, "")]
+        t0 = time.perf_counter()
+        outs = ep.call_many(calls)
+        took = time.perf_counter() - t0
+        assert outs == [f"exit code: 0\nran {p}" for p in "abc"] + ["submitted"] and ep.done
+        assert took < 0.6 * 3 * 1.0, took  # one after another: over 3 s
+        ep.close()

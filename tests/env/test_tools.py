@@ -52,7 +52,7 @@ def test_write_and_edit_file(ctx):
 
 
 def test_shell_grep_lint_tests(ctx):
-    out = call(ctx, "shell", command="echo hi; echo err >&2; exit 3")
+    out = call(ctx, "shell", command="echo hi; echo err >&2; (exit 3)")
     assert out == "exit code: 3\nhi\n[stderr]\nerr"
     assert "mod.py:4:def parse_header" in call(ctx, "grep", pattern="def parse_", path=".")
     assert call(ctx, "grep", pattern="zzz_nothing") == "no matches"
@@ -61,6 +61,35 @@ def test_shell_grep_lint_tests(ctx):
     assert "F401" in lint and "os" in lint  # unused import found by ruff in the sandbox
     assert "1 passed" in call(ctx, "run_tests")
     assert "(timed out)" in call(ctx, "shell", command="sleep 5", timeout_s=1)
+
+
+def test_shell_is_one_persistent_session(ctx):
+    call(ctx, "shell", command="cd /tmp; export SEEN=1; sleep 60 &")
+    out = call(ctx, "shell", command='pwd; echo "seen=$SEEN"; jobs')
+    assert out.startswith("exit code: 0\n/tmp\nseen=1\n") and "sleep 60" in out
+    out = call(ctx, "shell", command="exit 7")
+    assert out.startswith("exit code: 7") and "next call starts a new one" in out
+    out = call(ctx, "shell", command="pwd")
+    assert out.startswith("exit code: 0\n/workspace") and "new shell session" in out
+    # the other tools run in fresh processes: the shell's state does not reach them
+    call(ctx, "shell", command="export PYTEST_ADDOPTS=--co; cd /tmp")
+    assert "1 passed" in call(ctx, "run_tests")
+
+
+def test_grep_is_confined_to_the_workspace(ctx):
+    ctx.sandbox.run("ln -sfn /usr sneaky")
+    for path in ("/usr", "/etc/passwd", "..", "sub/../../tmp", "sneaky", "sneaky/lib"):
+        out = call(ctx, "grep", pattern="root", path=path)
+        assert out.startswith("error:") and "workspace" in out, (path, out)
+    assert call(ctx, "grep", pattern="def parse_", path="/workspace/mod.py").startswith("4:def")
+    assert call(ctx, "grep", pattern="def parse_", path="./mod.py").startswith("4:def")
+    ctx.sandbox.remove("sneaky")
+
+
+def test_think_runs_nothing(ctx):
+    before = ctx.sandbox.snapshot()
+    assert call(ctx, "think", thought="rm -rf / would be bad; read mod.py first") == "noted"
+    assert ctx.sandbox.snapshot() == before
 
 
 def test_output_is_capped_with_a_note(ctx):

@@ -205,6 +205,44 @@ def test_usage_counts_split_thinking_tool_io_output(tok):
     assert (r.tool_calls, r.turns, r.test_reward, r.correct) == (1, 2, 0.5, False)
 
 
+def test_think_calls_count_as_thinking(tok):
+    think = protocol.render_tool_call("think", {"thought": "f returns 0; the test wants 3"})
+    read = protocol.render_tool_call("read_file", {"path": "a.py"})
+    turn1 = tok.encode("Plan. " + think + read) + [tok.end_id]
+    final = tok.encode("Done.") + [tok.end_id]
+
+    class Thinking(FakeEpisode):
+        def __init__(self):
+            super().__init__(score=0.5)
+            self.tools = [t for t in env_tools.SPECS if t.name in ("think", "read_file", "submit")]
+
+    def respond(ctx, row):
+        return turn1 if tok.special_id("tool") not in ctx else final
+
+    agent = agent_lib.Agent(ScriptedEngine(respond), tok, rl_cfg(), sampling(rl_cfg()))
+    ep = Thinking()
+    (r,) = agent.run_group("t", "task", [ep], jax.random.key(0))
+    assert ep.calls == ["think", "read_file"] and r.tool_calls == 2
+    obs = agent.tool_message_ids([f"output of {n}: " + "x = 1\n" * 3 for n in ep.calls])
+    assert r.tool_io_tokens == len(tok.encode(read)) + len(obs)
+    assert r.thinking_tokens == len(turn1) - len(tok.encode(read))  # the think call included
+    assert r.thinking_tokens >= len(tok.encode("Plan. " + think))
+
+
+def test_run_calls_uses_the_episodes_call_many():
+    class Batched(FakeEpisode):
+        def call_many(self, calls):
+            self.batches = [c.name for c in calls]
+            return [f"out {c.name}" for c in calls]
+
+    ep = Batched()
+    calls = [protocol.ToolCall("read_file", {"path": p}, "") for p in "ab"]
+    assert agent_lib.run_calls(ep, calls) == ["out read_file"] * 2 and ep.batches == ["read_file"] * 2
+    plain = FakeEpisode()  # without call_many: one call after another, up to submit
+    calls.insert(1, protocol.ToolCall("submit", {}, ""))
+    assert agent_lib.run_calls(plain, calls)[1] == "submitted" and plain.calls == ["read_file", "submit"]
+
+
 def test_self_summarization_chain(tok):
     summary = tok.encode("<summary>read answer.py; f returns 0; change it to 3</summary>")
     read = call_ids(tok, "read_file", {"path": "answer.py"})
