@@ -187,6 +187,19 @@ def source(repo: str, cache: str = CACHE) -> tuple[str, bool]:
     return _find_repo(local), True
 
 
+def resolve(repo: str, commit: str, cache: str = CACHE) -> str:
+    """The full sha of `commit` (any revision name) in a local or archived repository; a remote
+    repository's commit must already be a full sha. Raises RepoError."""
+    os.makedirs(cache, 0o700, exist_ok=True)
+    src, local = source(repo, cache)
+    if local:
+        rev = f"{commit}^{{commit}}"
+        return _git("rev-parse", "--verify", "--end-of-options", rev, cwd=src).strip()
+    if not _SHA.match(commit):
+        raise RepoError(f"{repo}: a remote repository's commit must be a full sha, not {commit!r}")
+    return commit
+
+
 _CHECKOUTS: dict = {}
 
 
@@ -198,13 +211,7 @@ def checkout(repo: str, commit: str, cache: str = CACHE) -> Checkout:
         return _CHECKOUTS[key]
     os.makedirs(cache, 0o700, exist_ok=True)
     src, local = source(repo, cache)
-    if local:
-        sha = _git("rev-parse", "--verify", "--end-of-options", f"{commit}^{{commit}}", cwd=src)
-        sha = sha.strip()
-    elif _SHA.match(commit):
-        sha = commit
-    else:
-        raise RepoError(f"{repo}: a remote repository's commit must be a full sha, not {commit!r}")
+    sha = resolve(repo, commit, cache)
     final = os.path.join(cache, sha)
     if not os.path.isfile(os.path.join(final, "manifest.json")):
         tmp = tempfile.mkdtemp(prefix=f"{sha[:12]}.tmp-", dir=cache)
