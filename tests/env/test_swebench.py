@@ -179,6 +179,18 @@ def test_agent_sees_neither_the_hidden_tests_nor_the_fix(fixture, tmp_path):
         assert os.path.isfile(os.path.join(sb.workspace, "tests", "test_fix.py"))  # at scoring
 
 
+def test_snapshot_of_a_repository_workspace(fixture, tmp_path):
+    """G rollouts start from one snapshot (coder.env.pool): the restored workspace is the
+    checkout, .git included, still hiding the installed copies of the repository's modules."""
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    with Sandbox(task) as sb:
+        snap = sb.snapshot()
+    with Sandbox(task, snapshot=snap) as sb:
+        assert "calc/ops.py" not in sb.run("git status --short").stdout
+        r = sb.run("git log --format=%H; python -I -c 'import colorsys; print(colorsys.GIVEN)'")
+        assert r.stdout.split("\n")[:2] == [fixture["base"], "the repository text"], r.stderr
+
+
 def test_episode_solves_a_repository_task(fixture, tmp_path):
     (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
     ep = Episode(len, reward_mode="resolved")
