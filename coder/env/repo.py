@@ -207,7 +207,7 @@ def checkout(repo: str, commit: str, cache: str = CACHE) -> Checkout:
     """The prepared tree of `repo` at `commit` (a sha or, for a local repository, any revision
     name); see the module docstring. Raises RepoError."""
     key = (repo, commit, cache)
-    if key in _CHECKOUTS:
+    if key in _CHECKOUTS and os.path.isdir(_CHECKOUTS[key].dir):  # a tmp cleaner may remove it
         return _CHECKOUTS[key]
     os.makedirs(cache, 0o700, exist_ok=True)
     src, local = source(repo, cache)

@@ -424,6 +424,8 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
 def apply_patch(sb: Sandbox, patch: str) -> str | None:
     """`git apply` a unified diff to the workspace, inside the sandbox (as its user, so new
     files are the agent's); None when it applied, else git's complaint."""
+    if shutil.which("git") is None:  # the sandbox runs the host's /usr/bin
+        raise SandboxError("git is not installed: patch solutions need it (apt-get install git)")
     token = secrets.token_hex(8)
     host = os.path.join(sb.dir, f"patch-{token}")
     os.mkdir(host, 0o700)

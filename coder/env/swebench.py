@@ -70,9 +70,9 @@ def mirror_path(repos: str, repo: str) -> str:
     """The local mirror of `repo` ("owner/name", or SWE-smith's "swesmith/owner__name.sha8")
     under `repos`: a directory or an archive. ValueError naming the paths tried."""
     owner, _, name = repo.partition("/")
-    stems = [f"{owner}__{name}"]
+    stems = [] if owner == "swesmith" else [f"{owner}__{name}"]
     if owner == "swesmith" or "__" in name:  # SWE-smith: the mirror is named owner__name.sha8
-        stems = [name, name.rsplit(".", 1)[0]]
+        stems += [name, name.rsplit(".", 1)[0]]
     tried = []
     for stem in stems:
         for suffix in ("", *repo_lib.ARCHIVE_SUFFIXES):

@@ -1,6 +1,7 @@
 """Repository tasks (task format v2) and the SWE-bench importer, on a fixture repository built
 here: a tiny package with two bugs (`add`, `mul`), a later commit with the fix and its tests."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -131,7 +132,9 @@ def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path):
     assert task.fail_to_pass == tuple(F2P) and task.pass_to_pass == tuple(P2P)
     assert task.prompt == "add() subtracts and mul() adds." and task.source == "swebench"
     m = task.metadata
-    assert (m["source"], m["repo"], m["files_changed"]) == ("swebench", "acme/calc", ["calc/ops.py"])
+    assert (m["source"], m["repo"], m["files_changed"]) == (
+        "swebench", "acme/calc", ["calc/ops.py"]
+    )
     assert (m["lines_added"], m["lines_removed"]) == (2, 2) and m["version"] == "1.0"
     assert sols == {"acme__calc-1": fixture["gold"]}
     s = score_solution(task, sols[task.id], mode="resolved")
@@ -208,6 +211,14 @@ def test_archive_repository_and_swe_smith_rows(fixture, tmp_path):
     (task,), sols = _import(fixture, tmp_path, [fixture["instance"]], repos=fixture["archives"])
     assert task.repo.endswith("acme__calc.tar.gz") and task.commit == fixture["base"]
     assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
+    import fsspec  # any fsspec URL of an archive (gs://...): the in-memory file system here
+
+    with fsspec.open("memory://mirrors/acme__calc.tar.gz", "wb") as f:
+        f.write((fixture["archives"] / "acme__calc.tar.gz").read_bytes())
+    file_url = "file://" + str(fixture["repos"] / "acme__calc")
+    for repo in ("memory://mirrors/acme__calc.tar.gz", file_url):
+        t = dataclasses.replace(task, repo=repo)
+        assert score_solution(t, sols[task.id], mode="resolved").reward == 1.0, repo
     bug = _git(fixture["repos"] / "acme__calc", "diff", fixture["fix"], fixture["base"], "--",
                "calc")
     smith = {
@@ -238,6 +249,11 @@ def test_exit_status_scoring_setup_and_errors(fixture, tmp_path):
     assert (s.reward, s.total) == (0.0, 1) and "exit status 1" in s.error
     with Sandbox(plain) as sb:
         assert sb.read("built.txt") == "built\n"
+    no_ids = Task(task.id, "p", {}, {}, repo=task.repo, commit=task.commit,
+                  test_patch=task.test_patch)  # pytest: the cases of test_patch's files count
+    s = score_solution(no_ids, {"calc/ops.py": OPS_FIXED}, mode="all")
+    assert (s.reward, s.passed, s.total) == (1.0, 2, 2), s.output
+    assert score_solution(no_ids, {"calc/ops.py": OPS_HALF}).reward == 0.5
     with pytest.raises(SandboxError, match="setup failed"):
         Sandbox(Task("t/bad", "p", {}, {}, repo=task.repo, commit=task.commit, setup="exit 3"))
     with pytest.raises(SandboxError, match="t/nocommit"):
