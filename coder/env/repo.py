@@ -134,16 +134,27 @@ def _find_repo(root: str) -> str:
 
 
 def _unpack(repo: str, cache: str) -> str:
-    """Download (fsspec) and unpack an archive once; the directory of the repository in it."""
-    final = os.path.join(cache, "archives", hashlib.sha256(repo.encode()).hexdigest()[:20])
+    """Download (fsspec) and unpack an archive once per version of it (its URL, size and
+    modification time or etag); the directory of the repository in it."""
+    local = _local_path(repo)
+    try:
+        if local is None:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(repo)
+            version = json.dumps(fs.info(path), sort_keys=True, default=str)
+        else:
+            st = os.stat(local)
+            version = f"{st.st_size} {st.st_mtime_ns}"
+    except (OSError, ValueError) as e:
+        raise RepoError(f"{repo}: cannot read the archive: {e}") from e
+    key = hashlib.sha256(f"{repo}\0{version}".encode()).hexdigest()[:20]
+    final = os.path.join(cache, "archives", key)
     if not os.path.isdir(final):
         os.makedirs(os.path.dirname(final), 0o700, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="unpack-", dir=os.path.dirname(final))
         try:
-            local = _local_path(repo)
             if local is None:
-                import fsspec
-
                 name = os.path.join(tmp, "archive" + _suffix(repo))
                 with fsspec.open(repo, "rb") as src, open(name, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
