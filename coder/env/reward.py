@@ -135,6 +135,14 @@ def _force_write(sb: Sandbox, path: str, text: str) -> None:
     sb.write("/".join(parts), text)
 
 
+def _no_symlink_on_the_way(sb: Sandbox, full: str) -> bool:
+    """Whether no component of `full` below the workspace root is a symlink."""
+    rel = os.path.relpath(full, sb.workspace)
+    return os.path.realpath(full) == os.path.normpath(
+        os.path.join(os.path.realpath(sb.workspace), rel)
+    )
+
+
 def _unchanged(sb: Sandbox, path: str, data: bytes) -> bool:
     """Whether the workspace holds exactly `data` at `path` as a regular file reached through no
     symlink (checked with lstat first, so nothing the agent left is followed or opened)."""
@@ -145,7 +153,7 @@ def _unchanged(sb: Sandbox, path: str, data: bytes) -> bool:
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != len(data):
         return False
-    if os.path.realpath(full) != os.path.normpath(os.path.abspath(full)):
+    if not _no_symlink_on_the_way(sb, full):
         return False
     with open(full, "rb") as f:
         return f.read() == data
@@ -155,7 +163,7 @@ def _force_remove(sb: Sandbox, path: str) -> None:
     """Delete `path` unless a symlink leads to it (then nothing is at that path to delete)."""
     full = os.path.join(sb.workspace, path)
     parent = os.path.dirname(full)
-    if os.path.realpath(parent) != os.path.normpath(parent) or not os.path.lexists(full):
+    if not _no_symlink_on_the_way(sb, parent) or not os.path.lexists(full):
         return
     if os.path.isdir(full) and not os.path.islink(full):
         shutil.rmtree(full)

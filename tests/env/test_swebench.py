@@ -182,6 +182,25 @@ def test_agent_sees_neither_the_hidden_tests_nor_the_fix(fixture, tmp_path):
         assert os.path.isfile(os.path.join(sb.workspace, "tests", "test_fix.py"))  # at scoring
 
 
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        "printf 'def test_add():\\n    pass\\n' > tests/test_fix.py",  # the hidden test's path
+        "printf 'import os\\nos._exit(0)\\n' > conftest.py",  # a tracked control file
+        "rm -rf tests && ln -s /tmp tests",  # the test directory swapped for a symlink
+        "rm tests/test_ops.py && printf 'def test_neg():\\n    pass\\n' > tests/x.py",
+    ],
+)
+def test_repository_cheats_score_zero(fixture, tmp_path, cheat):
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    with Sandbox(task) as sb:
+        sb.write("calc/ops.py", OPS_HALF.replace("return -x", "return x"))  # P2P broken too
+        assert sb.run(cheat).exit_code == 0
+        s = score(sb, task, mode="fraction")
+        assert (s.reward, s.passed) == (0.0, 1), s.output
+        assert s.not_passed == (F2P[1], P2P[0])
+
+
 def test_snapshot_of_a_repository_workspace(fixture, tmp_path):
     """G rollouts start from one snapshot (coder.env.pool): the restored workspace is the
     checkout, .git included, still hiding the installed copies of the repository's modules."""
