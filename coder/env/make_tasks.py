@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--solutions", default="", help="also write reference solutions here")
     p.add_argument("--input", default="", help="swebench: instances JSONL")
     p.add_argument("--repos", default="", help="swebench: directory of mirrors owner__name")
-    p.add_argument("--test-command", default=DEFAULT_TEST_COMMAND, help="swebench: pytest")
+    p.add_argument(
+        "--test-command", default=DEFAULT_TEST_COMMAND, help="swebench: every task's pytest command"
+    )
     p.add_argument("--setup", default="", help="swebench: setup command of every task")
     args = p.parse_args(argv)
     if args.source == "swebench":

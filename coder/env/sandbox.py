@@ -306,7 +306,8 @@ _REAPED: set = set()
 
 
 class Sandbox:
-    """One isolated workspace. `Sandbox(task)` copies `task.files` in; see the module docstring.
+    """One isolated workspace. `Sandbox(task)` copies the task's starting workspace in
+    (`_populate`: a v2 task's repository tree, then `task.files`); see the module docstring.
 
     Use as a context manager or call `close()`; a finalizer cleans up if neither happens.
     """

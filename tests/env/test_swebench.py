@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 
-from coder.env import make_tasks, repo as repo_lib, swebench
+from coder.env import check, make_tasks, repo as repo_lib, swebench
 from coder.env.episode import Episode
 from coder.env.protocol import render_tool_call as rc
 from coder.env.reward import score, score_solution
@@ -126,7 +126,7 @@ def _import(fx, tmp_path, rows, repos=None, extra=()):
     return read_tasks(out), read_solutions(sols)
 
 
-def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path):
+def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path, capsys):
     (task,), sols = _import(fixture, tmp_path, [fixture["instance"]])
     assert task.repo == str(fixture["repos"] / "acme__calc") and task.commit == fixture["base"]
     assert task.fail_to_pass == tuple(F2P) and task.pass_to_pass == tuple(P2P)
@@ -149,6 +149,10 @@ def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path):
     assert score_solution(task, "", mode="fraction").reward == 0.0  # P2P alone earns nothing
     broke_p2p = {"calc/ops.py": OPS_FIXED.replace("return -x", "return x")}
     assert score_solution(task, broke_p2p, mode="fraction").reward == 0.0
+    check.main(["--tasks", str(tmp_path / "t.jsonl"), "--solutions", str(tmp_path / "s.jsonl"),
+                "--workers", "1", "--mode", "resolved"])  # patch solutions through the CLI
+    row = json.loads(capsys.readouterr().out)
+    assert (row["id"], row["reward"], row["total"], row["error"]) == ("acme__calc-1", 1.0, 3, None)
     s = score_solution(task, "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n"
                        "@@ -1 +1 @@\n-x\n+y\n")
     assert s.reward == 0.0 and "does not apply" in s.error and not s.infra_error
