@@ -85,7 +85,7 @@ class TreeFiles(Mapping):
         return path in self._paths
 
 
-def _git(*args, cwd: str | None = None, stdin: str | None = None) -> str:
+def _git(*args, cwd: str | None = None, stdin: str | None = None, index: str = "") -> str:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": tempfile.gettempdir(),
@@ -94,6 +94,7 @@ def _git(*args, cwd: str | None = None, stdin: str | None = None) -> str:
         "GIT_CONFIG_GLOBAL": os.devnull,
         "GIT_TERMINAL_PROMPT": "0",
         "GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.abspath(cwd or ".")),
+        **({"GIT_INDEX_FILE": index} if index else {}),
     }
     r = subprocess.run(
         ["git", "-c", "safe.directory=*", "-c", "init.defaultBranch=main", *args],
@@ -209,6 +210,26 @@ def resolve(repo: str, commit: str, cache: str = CACHE) -> str:
     if not _SHA.match(commit):
         raise RepoError(f"{repo}: a remote repository's commit must be a full sha, not {commit!r}")
     return commit
+
+
+def applies(repo: str, commit: str, patch: str, cache: str = CACHE) -> bool:
+    """Whether `patch` applies to `commit` of a local or archived repository (checked against a
+    throwaway index of that commit: no checkout)."""
+    src, local = source(repo, cache)
+    if not local:
+        raise RepoError(f"{repo}: only a local repository can check a patch without a checkout")
+    fd, index = tempfile.mkstemp(prefix="index-", dir=cache)
+    os.close(fd)
+    try:
+        os.unlink(index)
+        _git("read-tree", commit, cwd=src, index=index)
+        _git("apply", "--cached", "--check", "-", cwd=src, stdin=patch, index=index)
+        return True
+    except RepoError:
+        return False
+    finally:
+        if os.path.exists(index):
+            os.unlink(index)
 
 
 _CHECKOUTS: dict = {}

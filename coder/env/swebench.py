@@ -22,8 +22,10 @@ Variants whose fields were checked against their dataset cards (Hugging Face, 20
 - SWE-smith: `instance_id`, `repo` ("swesmith/owner__name.<sha8>", the mirror is
   `DIR/owner__name.<sha8>` or `DIR/owner__name`), `patch`, FAIL_TO_PASS / PASS_TO_PASS lists,
   `image_name`, `problem_statement`; no `base_commit` nor `test_patch`. The workspace is the
-  mirror's branch named after the instance (SWE-smith commits each bug to a branch of that name)
-  and `patch` is the diff that introduced the bug: the gold solution is its reverse.
+  mirror's branch named after the instance (checked to exist), taken to hold the bug; `patch`
+  is read as the diff that introduced it, so the gold solution is its reverse when that applies
+  to the branch (checked against a throwaway index), else `patch` itself when that applies, else
+  the instance is an error. Not confirmed against SWE-smith's own harness.
 Not handled: R2E-Gym (`repo_name`, `commit_hash`, tests as `expected_output_json`: no
 FAIL_TO_PASS list). Test ids must be pytest node ids for scoring (`coder.env.reward`): ids in
 another runner's form (django's `test_x (module.Class)`, sympy's bare names) import, but score
@@ -162,7 +164,6 @@ def instance_to_task(
     gold = row.get("patch") or ""
     if smith:
         commit = iid  # the mirror's branch holding this instance's bug
-        gold = reverse_patch(gold) if gold else ""
     elif row.get("base_commit"):
         commit = row["base_commit"]
     else:
@@ -171,6 +172,11 @@ def instance_to_task(
         commit = repo_lib.resolve(mirror, commit)
     except repo_lib.RepoError as e:
         raise ValueError(f"instance {iid!r}: commit {commit!r} not in {mirror}: {e}") from e
+    if smith and gold:  # `patch` made the bug: its reverse is the fix (whichever applies)
+        if repo_lib.applies(mirror, commit, reverse_patch(gold)):
+            gold = reverse_patch(gold)
+        elif not repo_lib.applies(mirror, commit, gold):
+            raise ValueError(f"instance {iid!r}: patch applies to {commit[:12]} in neither way")
     install = _json_field(row, "install_config", dict, {})
     cmd = install.get("test_cmd")
     if isinstance(cmd, list) and len(cmd) == 1:

@@ -258,6 +258,22 @@ def test_archive_repository_and_swe_smith_rows(fixture, tmp_path):
     assert task.test_patch == "" and swebench.reverse_patch(sols[task.id]) == bug
     assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
     assert score_solution(task, "", mode="resolved").reward == 0.0
+    (task,), sols = _import(fixture, tmp_path, [dict(smith, patch=fixture["gold"])])
+    assert sols[task.id] == fixture["gold"]  # a `patch` that is already the fix is kept
+    with pytest.raises(ValueError, match="in neither way"):
+        nope = "diff --git a/none.py b/none.py\n--- a/none.py\n+++ b/none.py\n@@ -1 +1 @@\n-x\n+y\n"
+        swebench.import_instances([dict(smith, patch=nope)], str(fixture["repos"]))
+
+
+def test_swe_rebench_install_config_and_list_fields(fixture, tmp_path):
+    cmd = "pytest --no-header -rA --tb=line --color=no -p no:cacheprovider -W ignore::UserWarning"
+    row = dict(fixture["instance"], FAIL_TO_PASS=F2P, PASS_TO_PASS=P2P,  # lists (SWE-Gym)
+               install_config=json.dumps({"python": "3.11", "test_cmd": cmd}),
+               docker_image="swerebench/acme-calc", meta={"is_lite": False})
+    (task,), sols = _import(fixture, tmp_path, [row])
+    assert task.test_command == cmd and task.metadata["variant"] == "swe-rebench"
+    assert task.metadata["install_config"]["python"] == "3.11" and task.metadata["docker_image"]
+    assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
 
 
 def test_exit_status_scoring_setup_and_errors(fixture, tmp_path):
