@@ -1,15 +1,16 @@
 """Write generated tasks: `python -m coder.env.make_tasks --source stdlib|toy --n N --seed S
 --out F.jsonl [--split train|heldout] [--solutions S.jsonl]`, or import SWE-bench-style
 instances: `python -m coder.env.make_tasks --source swebench --input I.jsonl --repos DIR
---out T.jsonl [--solutions S.jsonl] [--test-command CMD] [--setup CMD]`.
+--out T.jsonl [--solutions S.jsonl] [--test-command CMD] [--setup CMD] [--verify]`.
 
 stdlib: verified bug-fix tasks from the installed standard library (coder.env.mutate; each
 mutant is checked in the sandbox, so this takes a few seconds per task). toy: one-line fixes
 (coder.env.tasks.toy_tasks). swebench: repository tasks (task format v2) from SWE-bench,
 SWE-Gym, SWE-rebench or SWE-smith instances over local mirrors `DIR/owner__name`
-(coder.env.swebench). `--solutions` also writes the reference solutions (files, or the gold
-patches as {"id", "patch"}), the input of `python -m coder.env.check` and of
-`coder.env.transcripts`.
+(coder.env.swebench; `--verify` drops the tasks whose gold patch does not score 1, or whose
+unchanged workspace does not score 0, in this machine's sandbox). `--solutions` also writes
+the reference solutions (files, or the gold patches as {"id", "patch"}), the input of
+`python -m coder.env.check` and of `coder.env.transcripts`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def main(argv=None) -> int:
         "--test-command", default=DEFAULT_TEST_COMMAND, help="swebench: every task's pytest command"
     )
     p.add_argument("--setup", default="", help="swebench: setup command of every task")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="swebench: keep only tasks whose gold patch scores 1 and unchanged workspace 0 here",
+    )
+    p.add_argument("--workers", type=int, default=4, help="swebench --verify: sandbox workers")
     args = p.parse_args(argv)
     if args.source == "swebench":
         if not args.input or not args.repos:
@@ -51,6 +58,10 @@ def main(argv=None) -> int:
             read_jsonl(args.input), args.repos, args.test_command, args.setup
         )
         args.n = len(pairs)
+        if args.verify:
+            pairs, dropped = swebench.verify(pairs, workers=args.workers)
+            for tid, why in dropped.items():
+                print(f"dropped {tid}: {why}", file=sys.stderr)
     elif args.n is None:
         p.error(f"--source {args.source} needs --n")
     elif args.source == "toy":

@@ -31,6 +31,9 @@ FAIL_TO_PASS list). Test ids must be pytest node ids for scoring (`coder.env.rew
 another runner's form (django's `test_x (module.Class)`, sympy's bare names) import, but score
 as an infrastructure error.
 
+`verify` (`make_tasks --verify`) keeps the tasks whose gold patch scores 1 and whose unchanged
+workspace scores 0 in this machine's sandbox.
+
 The environment: the sandbox runs the host's Python read-only, so a repository's dependencies
 must already be installed there (`pip install -e .` inside is impossible offline); `--setup`
 gives every task a setup command run in its sandbox after checkout.
@@ -44,6 +47,9 @@ import os
 import re
 
 from coder.env import repo as repo_lib
+from coder.env.pool import EpisodePool
+from coder.env.reward import score_solution
+from coder.env.sandbox import Limits
 from coder.env.tasks import DEFAULT_TEST_COMMAND, Task
 
 
@@ -218,6 +224,31 @@ def instance_to_task(
         metadata=meta,
     )
     return task, gold
+
+
+def _verify_one(item) -> tuple[str, str | None]:
+    task, gold, timeout_s = item
+    limits = Limits(timeout_s=timeout_s, cpu_s=int(timeout_s))
+    s = score_solution(task, gold, limits=limits, mode="all", timeout_s=timeout_s)
+    if s.infra_error or s.reward != 1.0:
+        return task.id, f"the gold patch scores {s.reward:g}: {s.infra_error or s.error}"
+    s = score_solution(task, {}, limits=limits, mode="fraction", timeout_s=timeout_s)
+    if s.infra_error or s.reward != 0.0:
+        return task.id, f"the unchanged workspace scores {s.reward:g}: {s.infra_error or s.error}"
+    return task.id, None
+
+
+def verify(
+    pairs: list[tuple[Task, str]], workers: int = 4, timeout_s: float = 300.0
+) -> tuple[list[tuple[Task, str]], dict[str, str]]:
+    """(the pairs whose gold patch scores 1 and whose unchanged workspace scores 0 in this
+    machine's sandbox, {dropped task id: why}): a task whose tests cannot pass here (a missing
+    dependency, a different interpreter) would only ever teach reward 0."""
+    if not pairs:
+        return [], {}
+    with EpisodePool(max(1, min(workers, len(pairs))), token_count=len) as pool:
+        why = dict(pool.map(_verify_one, [(t, g, timeout_s) for t, g in pairs]))
+    return [(t, g) for t, g in pairs if why[t.id] is None], {k: v for k, v in why.items() if v}
 
 
 def import_instances(

@@ -153,6 +153,15 @@ def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path, caps
                 "--workers", "1", "--mode", "resolved"])  # patch solutions through the CLI
     row = json.loads(capsys.readouterr().out)
     assert (row["id"], row["reward"], row["total"], row["error"]) == ("acme__calc-1", 1.0, 3, None)
+    broken = dict(fixture["instance"], instance_id="acme__calc-2",  # a test that does not exist
+                  FAIL_TO_PASS=json.dumps([*F2P, "tests/test_fix.py::test_gone"]))
+    inp = tmp_path / "v.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in [fixture["instance"], broken]))
+    assert make_tasks.main(["--source", "swebench", "--input", str(inp), "--repos",
+                            str(fixture["repos"]), "--out", str(tmp_path / "v_t.jsonl"),
+                            "--verify", "--workers", "1"]) == 1  # one of two dropped
+    assert [t.id for t in read_tasks(tmp_path / "v_t.jsonl")] == ["acme__calc-1"]
+    assert "dropped acme__calc-2: the gold patch scores 0" in capsys.readouterr().err
     s = score_solution(task, "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n"
                        "@@ -1 +1 @@\n-x\n+y\n")
     assert s.reward == 0.0 and "does not apply" in s.error and not s.infra_error
