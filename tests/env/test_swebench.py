@@ -4,6 +4,7 @@ here: a tiny package with two bugs (`add`, `mul`), a later commit with the fix a
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 
@@ -111,10 +112,14 @@ def fixture(tmp_path_factory):
     archives.mkdir()
     with tarfile.open(archives / "acme__calc.tar.gz", "w:gz") as t:
         t.add(repo, arcname="acme__calc")
-    return dict(
+    unpacked = os.path.join(repo_lib.CACHE, "archives")
+    before = set(os.listdir(unpacked)) if os.path.isdir(unpacked) else set()
+    yield dict(
         root=root, repos=repos, archives=archives, base=base, fix=fix, gold=gold,
         instance=instance, smith_id=smith_id,
     )
+    for name in set(os.listdir(unpacked)) - before if os.path.isdir(unpacked) else ():
+        shutil.rmtree(os.path.join(unpacked, name), ignore_errors=True)  # this run's archives
 
 
 def _import(fx, tmp_path, rows, repos=None, extra=()):
