@@ -189,7 +189,7 @@ def instance_to_task(
         cmd = cmd[0]
     if isinstance(cmd, str) and re.match(r"^(python\S* -m )?pytest\b", cmd.strip()):
         test_command = cmd.strip()
-    stats = repo_lib.patch_stats(row.get("patch") or "")
+    stats = repo_lib.patch_stats(gold)  # the reference fix (SWE-smith: the reversed patch)
     meta = {
         "source": "swebench",
         "variant": "swe-smith" if smith else "swe-rebench" if install else "swe-bench",
