@@ -210,7 +210,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.output_kb = 64  # command output kept per stream (head + tail; the rest is dropped)
     c.env.max_output_chars = 8000  # one tool result is cut to this many characters
     c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
-    c.env.reward_mode = "fraction"  # "fraction" of hidden tests passed | "all" (all-or-nothing)
+    # "fraction" of hidden (FAIL_TO_PASS) tests passed | "all" (all-or-nothing; on repository tasks
+    # SWE-bench's resolution rule, also named "resolved"): coder.env.reward.REWARD_MODES
+    c.env.reward_mode = "fraction"
     c.env.test_timeout_s = 300.0  # wall time of the scoring test run
     # where the env workers (rl.env_workers) run: "local" = processes of the actor's host; "ray" =
     # Ray actors (coder/env/ray_pool.py) on the cluster at rl.ray_address, e.g. its CPU nodes

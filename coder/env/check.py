@@ -1,6 +1,7 @@
 """Score given solutions: `python -m coder.env.check --tasks T.jsonl --solutions S.jsonl`.
 
-Each solution (`{"id", "files"}`) is written over its task's workspace in a fresh sandbox and
+Each solution (`{"id", "files"}` written over its task's workspace, or `{"id", "patch"}` applied
+to it with `git apply`) goes into a fresh sandbox of its task and
 the hidden tests are run (coder.env.reward); tasks are scored in parallel worker processes.
 Prints one JSON line per task, in task order: {"id", "reward", "passed", "total", "error"}.
 `error` is null for a clean run; infrastructure failures are prefixed "infra: ". A task without
@@ -14,7 +15,7 @@ import json
 import sys
 
 from coder.env.pool import EpisodePool
-from coder.env.reward import score_solution
+from coder.env.reward import REWARD_MODES, score_solution
 from coder.env.sandbox import Limits
 from coder.env.tasks import read_solutions, read_tasks
 
@@ -31,9 +32,11 @@ def main(argv=None) -> int:
         prog="python -m coder.env.check", description=__doc__.split("\n")[0]
     )
     p.add_argument("--tasks", required=True, help="Task JSONL")
-    p.add_argument("--solutions", required=True, help='solutions JSONL: {"id", "files"} per line')
+    p.add_argument(
+        "--solutions", required=True, help='solutions JSONL: {"id", "files" | "patch"} per line'
+    )
     p.add_argument("--workers", type=int, default=4, help="parallel sandbox worker processes")
-    p.add_argument("--mode", choices=("fraction", "all"), default="fraction", help="reward mode")
+    p.add_argument("--mode", choices=sorted(REWARD_MODES), default="fraction", help="reward mode")
     p.add_argument("--timeout", type=float, default=300.0, help="test run wall time per task (s)")
     args = p.parse_args(argv)
     tasks = read_tasks(args.tasks)

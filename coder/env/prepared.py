@@ -30,8 +30,8 @@ from coder.env.tasks import content_id
 
 
 def task_key(task) -> str:
-    """Id and content of the task's starting workspace."""
-    return content_id(task.id, json.dumps(task.files, sort_keys=True))
+    """Id and content of the task (files, repository, commit, setup: what the tree is made of)."""
+    return content_id(task.id, json.dumps(task.to_json(), sort_keys=True, default=str))
 
 
 def _open_to_every_uid(tree: str) -> None:

@@ -16,6 +16,24 @@
    the report, pytest's "interrupted"/"no tests" statuses, or a timeout give 0. Skipped tests
    count as not passed, so skipping (e.g. raising SkipTest from the module) earns nothing.
 
+Repository tasks (v2, `Task.repo`): step 1 puts back every tracked test / test-configuration
+file of the task's commit and writes `test_patch`'s result over the files it touches (computed
+from the pristine checkout, `coder.env.repo.patched_files`: the agent never sees the patch);
+the repository's tracked files are not "added by the agent" in step 2. With `fail_to_pass` /
+`pass_to_pass` ids (pytest node ids, relative to the workspace root), pytest runs on their files
+with `--rootdir=/workspace` and exactly those ids count: reward modes below. The exit-status
+cross-check then covers the whole report, since tests outside the ids may fail before and after
+the fix. A v2 task with no ids and a test command that is not pytest scores by its exit status
+(0 = pass: reward 1 of 1); that command runs as the task wrote it, so it is only as hard to
+subvert as the files step 1 restores.
+
+Reward modes (`REWARD_MODES`, a function of the counted outcomes): `fraction` = the fraction
+of FAIL_TO_PASS ids that pass, 0 if any PASS_TO_PASS id broke (those pass before any change,
+so counting them would pay for doing nothing); a v1 task's hidden tests all count as
+FAIL_TO_PASS, so this is passed / total there. `all` = 1 iff every counted test passes: on a
+task with ids that is SWE-bench's resolution rule (every FAIL_TO_PASS and every PASS_TO_PASS
+test passes), which `resolved` names; the two names are one rule.
+
 Limit: the tests import the agent's code into the pytest process, so code written to subvert
 that process from inside (forge this report format, monkey-patch `unittest.TestCase` asserts)
 is not excluded by this layer; the random report path (only in that process's argv) and the
@@ -32,10 +50,12 @@ import secrets
 import shlex
 import shutil
 import site
+import stat
 import sys
 import xml.etree.ElementTree as ET
 
-from coder.env.sandbox import Sandbox, SandboxError
+from coder.env import repo as repo_lib
+from coder.env.sandbox import WORKDIR, Sandbox, SandboxError, task_checkout
 
 _CONTROL_FILES = {
     "conftest.py",
@@ -59,6 +79,20 @@ class Score:
     infra_error: str | None = None  # the harness failed: mask this rollout, do not score it
     output: str = ""  # tail of the test run's output, for logs
     not_passed: tuple = ()  # pytest node ids of hidden test cases that failed or were skipped
+
+
+def _fraction(f2p_passed: int, f2p_total: int, p2p_passed: int, p2p_total: int) -> float:
+    if p2p_passed < p2p_total:
+        return 0.0
+    return f2p_passed / f2p_total if f2p_total else 1.0
+
+
+def _all_pass(f2p_passed: int, f2p_total: int, p2p_passed: int, p2p_total: int) -> float:
+    return float(f2p_passed == f2p_total and p2p_passed == p2p_total)
+
+
+# mode -> reward(f2p_passed, f2p_total, p2p_passed, p2p_total); see the module docstring.
+REWARD_MODES = {"fraction": _fraction, "all": _all_pass, "resolved": _all_pass}
 
 
 def _is_test_path(path: str) -> bool:
@@ -101,12 +135,80 @@ def _force_write(sb: Sandbox, path: str, text: str) -> None:
     sb.write("/".join(parts), text)
 
 
-def _clean_workspace(sb: Sandbox, task) -> None:
+def _no_symlink_on_the_way(sb: Sandbox, full: str) -> bool:
+    """Whether no component of `full` below the workspace root is a symlink."""
+    rel = os.path.relpath(full, sb.workspace)
+    return os.path.realpath(full) == os.path.normpath(
+        os.path.join(os.path.realpath(sb.workspace), rel)
+    )
+
+
+def _unchanged(sb: Sandbox, path: str, data: bytes) -> bool:
+    """Whether the workspace holds exactly `data` at `path` as a regular file reached through no
+    symlink (checked with lstat first, so nothing the agent left is followed or opened)."""
+    full = os.path.join(sb.workspace, path)
+    try:
+        st = os.lstat(full)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != len(data):
+        return False
+    if not _no_symlink_on_the_way(sb, full):
+        return False
+    with open(full, "rb") as f:
+        return f.read() == data
+
+
+def _force_remove(sb: Sandbox, path: str) -> None:
+    """Delete `path` unless a symlink leads to it (then nothing is at that path to delete)."""
+    full = os.path.join(sb.workspace, path)
+    parent = os.path.dirname(full)
+    if not _no_symlink_on_the_way(sb, parent) or not os.path.lexists(full):
+        return
+    if os.path.isdir(full) and not os.path.islink(full):
+        shutil.rmtree(full)
+    else:
+        os.unlink(full)
+
+
+def _restore_tests(sb: Sandbox, task) -> set:
+    """Step 1: the task's test files as shipped, the hidden tests over them. Returns the paths
+    that belong to the task (never deleted as the agent's additions)."""
+    keep = set(task.files) | set(task.tests)
+    for path, text in task.files.items():
+        if _is_test_path(path):
+            _force_write(sb, path, text)
+    if getattr(task, "repo", ""):
+        co = task_checkout(task)
+        keep |= co.tracked
+        for path in co.paths:
+            if _is_test_path(path) and path not in task.files:
+                data = co.read(path)
+                if not _unchanged(sb, path, data):
+                    _force_write(sb, path, data)
+        if task.test_patch:
+            try:
+                patched = repo_lib.patched_files(co, task.test_patch)
+            except repo_lib.RepoError as e:
+                raise SandboxError(f"test_patch does not apply to {task.commit[:12]}: {e}")
+            for path, data in patched.items():
+                keep.add(path)
+                if data is None:
+                    _force_remove(sb, path)
+                else:
+                    _force_write(sb, path, data)
+    for path, text in task.tests.items():
+        _force_write(sb, path, text)
+    return keep
+
+
+def _clean_workspace(sb: Sandbox, keep: set) -> None:
     global _PROTECTED
     if _PROTECTED is None:
         _PROTECTED = _protected_module_names()
-    keep = set(task.files) | set(task.tests)
     for dirpath, dirnames, filenames in os.walk(sb.workspace, topdown=True):
+        if dirpath == sb.workspace and ".git" in dirnames:
+            dirnames.remove(".git")  # pytest never looks inside; git's files are not modules
         for d in list(dirnames):
             full = os.path.join(dirpath, d)
             rel = os.path.relpath(full, sb.workspace)
@@ -178,22 +280,73 @@ def parse_junit(xml_bytes: bytes, test_files: list[str]) -> tuple[int, int, int,
     return passed, bad, total, not_passed
 
 
+def _case_key(test_id: str) -> tuple[str, str]:
+    """(junit classname, name) pytest's JUnit report gives the test of node id `test_id`."""
+    path, bracket, params = test_id.partition("[")
+    names = path.split("::")
+    names[0] = _module_of(names[0])
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def junit_cases(xml_bytes: bytes) -> dict:
+    """{(classname, name): "passed" | "failed" | "skipped"} of every case in a JUnit report
+    (a case listed twice keeps its worst outcome)."""
+    rank = {"passed": 0, "skipped": 1, "failed": 2}
+    out = {}
+    for case in ET.fromstring(xml_bytes).iter("testcase"):
+        tags = {child.tag for child in case}
+        if tags & {"failure", "error"}:
+            status = "failed"
+        else:
+            status = "skipped" if "skipped" in tags else "passed"
+        key = (case.get("classname", ""), case.get("name", ""))
+        if rank[status] >= rank[out.get(key, "passed")]:
+            out[key] = status
+    return out
+
+
+def _score_exit_status(sb: Sandbox, task, timeout_s: float) -> Score:
+    """A v2 task with no test ids and a command that is not pytest: exit status 0 passes."""
+    try:
+        _clean_workspace(sb, _restore_tests(sb, task))
+        res = sb.run(task.test_command, timeout_s=timeout_s)
+    except SandboxError as e:
+        return Score(0.0, 0, 0, infra_error=f"sandbox: {e}")
+    except OSError as e:
+        return Score(0.0, 0, 0, infra_error=f"scoring I/O: {e}")
+    output = (res.stdout + res.stderr)[-4000:]
+    if res.timed_out:
+        return Score(0.0, 0, 1, f"tests timed out after {timeout_s:g} s", output=output)
+    if res.exit_code != 0:
+        return Score(0.0, 0, 1, f"test command exit status {res.exit_code}", output=output)
+    return Score(1.0, 1, 1, output=output)
+
+
 def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -> Score:
-    """Reward of the workspace as it is now; see the module docstring. mode: fraction | all."""
-    if mode not in ("fraction", "all"):
-        raise ValueError(f"reward mode {mode!r}: use 'fraction' or 'all'")
+    """Reward of the workspace as it is now; see the module docstring. mode: a key of
+    REWARD_MODES (fraction | all | resolved)."""
+    if mode not in REWARD_MODES:
+        raise ValueError(f"reward mode {mode!r}: use one of {sorted(REWARD_MODES)}")
+    ids = tuple(getattr(task, "fail_to_pass", ())) + tuple(getattr(task, "pass_to_pass", ()))
+    v2 = bool(getattr(task, "repo", ""))
     try:
         args = pytest_args(task.test_command)
     except ValueError as e:
+        if v2 and not ids:
+            return _score_exit_status(sb, task, timeout_s)
         return Score(0.0, 0, 0, infra_error=str(e))
+    not_node_ids = [i for i in ids if "::" not in i]
+    if not_node_ids:
+        return Score(
+            0.0, 0, 0, infra_error=f"test ids that are not pytest node ids: {not_node_ids[:3]}"
+        )
+    if v2:
+        args = [f"--rootdir={WORKDIR}", *args, *sorted({i.split("::", 1)[0] for i in ids})]
     report_host = None
     try:
-        for path, text in task.files.items():
-            if _is_test_path(path):
-                _force_write(sb, path, text)
-        for path, text in task.tests.items():
-            _force_write(sb, path, text)
-        _clean_workspace(sb, task)
+        keep = _restore_tests(sb, task)
+        _clean_workspace(sb, keep)
         token = secrets.token_hex(8)
         report_host = os.path.join(sb.dir, f"report-{token}")
         os.mkdir(report_host, 0o700)
@@ -224,9 +377,20 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         with open(report_file, "rb") as f:
             data = f.read()
         try:
-            passed, bad, total, not_passed = parse_junit(
-                data, sorted(os.path.normpath(p) for p in task.tests)
-            )
+            if ids:
+                cases = junit_cases(data)
+                bad = sum(v == "failed" for v in cases.values())  # the whole run's, for the check
+                ok = {i for i in ids if cases.get(_case_key(i)) == "passed"}
+                passed, total = len(ok), len(ids)
+                not_passed = [i for i in ids if i not in ok]
+            else:
+                counted = set(task.tests)
+                if v2 and task.test_patch:
+                    counted |= {p for p in repo_lib.patch_stats(task.test_patch)["files"]
+                                if p.endswith(".py")}
+                passed, bad, total, not_passed = parse_junit(
+                    data, sorted(os.path.normpath(p) for p in counted)
+                )
         except ET.ParseError as e:
             return Score(0.0, 0, 0, f"unreadable test report: {e}", output=output)
     except SandboxError as e:
@@ -254,22 +418,53 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         )
     if total == 0:
         return Score(0.0, 0, 0, "no tests of the task ran", output=output)
-    if mode == "all":
-        reward = 1.0 if passed == total else 0.0
+    if ids:
+        f2p_passed = sum(1 for i in task.fail_to_pass if i not in not_passed)
+        p2p_passed = sum(1 for i in task.pass_to_pass if i not in not_passed)
+        counts = (f2p_passed, len(task.fail_to_pass), p2p_passed, len(task.pass_to_pass))
     else:
-        reward = passed / total
+        counts = (passed, total, 0, 0)
+    reward = REWARD_MODES[mode](*counts)
     err = None if passed == total else f"{total - passed} of {total} tests did not pass"
     return Score(reward, passed, total, err, output=output, not_passed=tuple(not_passed))
 
 
+def apply_patch(sb: Sandbox, patch: str) -> str | None:
+    """`git apply` a unified diff to the workspace, inside the sandbox (as its user, so new
+    files are the agent's); None when it applied, else git's complaint."""
+    if shutil.which("git") is None:  # the sandbox runs the host's /usr/bin
+        raise SandboxError("git is not installed: patch solutions need it (apt-get install git)")
+    token = secrets.token_hex(8)
+    host = os.path.join(sb.dir, f"patch-{token}")
+    os.mkdir(host, 0o700)
+    try:
+        with open(os.path.join(host, "p.diff"), "w", encoding="utf-8") as f:
+            f.write(patch)
+        sb._chown(host)
+        sb._chown(os.path.join(host, "p.diff"))
+        inner = f"/tmp/.p{token}"
+        r = sb.run(
+            f"git apply --whitespace=nowarn {inner}/p.diff", binds=((host, inner, False),)
+        )
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+    return None if r.exit_code == 0 else (r.stdout + r.stderr).strip()[-1000:] or "git apply failed"
+
+
 def score_solution(
-    task, files: dict, limits=None, mode: str = "fraction", timeout_s: float = 300.0
+    task, solution, limits=None, mode: str = "fraction", timeout_s: float = 300.0
 ) -> Score:
-    """Score `files` written over the task's workspace in a fresh sandbox."""
+    """Score a solution in a fresh sandbox of the task: {path: text} written over the workspace,
+    or a unified diff (str) applied to it (one that does not apply scores 0)."""
     try:
         with Sandbox(task, limits=limits) as sb:
-            for path, text in files.items():
-                _force_write(sb, path, text)
+            if isinstance(solution, str):
+                err = apply_patch(sb, solution) if solution.strip() else None
+                if err:
+                    return Score(0.0, 0, 0, f"patch does not apply: {err}")
+            else:
+                for path, text in solution.items():
+                    _force_write(sb, path, text)
             return score(sb, task, mode=mode, timeout_s=timeout_s)
     except SandboxError as e:
         return Score(0.0, 0, 0, infra_error=f"sandbox: {e}")

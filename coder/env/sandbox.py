@@ -17,6 +17,9 @@ What the agent sees: /usr (and /bin, /lib symlinks), the running Python's prefix
 /proc of its own pid namespace, a minimal /dev, and /workspace (the only writable host path).
 No network (an empty network namespace), no host home, no /work, no host /tmp.
 
+A v2 task's workspace is its repository's tree at `commit` (coder/env/repo.py: no later
+history; prepared once per process and copied in), then `task.files`, then its `setup` run.
+
 The workspace's own top-level modules are hidden everywhere else: each installed copy of a module
 or package the task defines (in every interpreter's standard library and site-packages visible
 inside) shows the task's starting text, and its bytecode shows empty. A stdlib bug-fix task's
@@ -39,6 +42,7 @@ tools stop the terminal's around their host-side file access (`Terminal.frozen`)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import glob
@@ -54,6 +58,9 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
+
+from coder.env import repo as repo_lib
 
 WORKDIR = "/workspace"  # where the workspace is mounted inside the sandbox
 _UID_BASE = 200_000  # sandbox uids: [_UID_BASE, _UID_BASE + _UID_RANGE), unused on the host
@@ -196,6 +203,23 @@ def workspace_modules(files) -> dict[str, tuple[str, ...]]:
     return {name: tuple(paths) for name, paths in out.items()}
 
 
+def task_checkout(task) -> "repo_lib.Checkout":
+    """The prepared tree of a v2 task's repository at its commit (SandboxError if it cannot be
+    made)."""
+    try:
+        return repo_lib.checkout(task.repo, task.commit)
+    except repo_lib.RepoError as e:
+        raise SandboxError(f"task {task.id!r}: {e}") from e
+
+
+def starting_files(task) -> Mapping:
+    """{path: text} the agent starts from: `task.files` over, for a v2 task, every tracked file
+    of its repository at `commit` (read lazily: only the modules `_shadow_installed` stages)."""
+    if not getattr(task, "repo", ""):
+        return task.files
+    return collections.ChainMap(task.files, task_checkout(task).files())
+
+
 @functools.lru_cache(maxsize=1)
 def _library_dirs() -> tuple[str, ...]:
     """Every directory visible inside a sandbox from which some Python imports modules: each
@@ -320,7 +344,8 @@ _REAPED: set = set()
 
 
 class Sandbox:
-    """One isolated workspace. `Sandbox(task)` copies `task.files` in; see the module docstring.
+    """One isolated workspace. `Sandbox(task)` copies the task's starting workspace in
+    (`_populate`: a v2 task's repository tree, then `task.files`); see the module docstring.
 
     Use as a context manager or call `close()`; a finalizer cleans up if neither happens.
     """
@@ -352,7 +377,9 @@ class Sandbox:
             self._chown(self.workspace)
             self._write_etc()
             self._prefixes = _python_prefixes()
-            self._shadows = self._shadow_installed(task.files) if task is not None else ()
+            self._shadows = (
+                self._shadow_installed(starting_files(task)) if task is not None else ()
+            )
             if base is not None:
                 self._start_from_base(root)
             probe = self.run("id -u", timeout_s=30)
@@ -409,16 +436,33 @@ class Sandbox:
             os.chmod(os.path.join(etc, name), 0o644)
 
     def _populate(self, task) -> None:
-        """Write the task's starting workspace."""
+        """Write the task's starting workspace: a v2 task's repository at its commit (a copy of
+        the tree `coder.env.repo` prepared once per process, owned by the sandbox's user), then
+        `task.files` over it, then the task's `setup` commands run inside (a failure is an
+        infrastructure error naming the task)."""
+        if task.repo:
+            try:
+                repo_lib.copy_into(
+                    task_checkout(task), self.workspace, self.uid if self._privileged else None
+                )
+            except repo_lib.RepoError as e:
+                raise SandboxError(f"task {task.id!r}: {e}") from e
         for path, text in task.files.items():
             self.write(path, text)
+        if task.setup:
+            r = self.run(task.setup)
+            if r.exit_code != 0:
+                raise SandboxError(
+                    f"task {task.id!r}: setup failed (exit {r.exit_code}): "
+                    f"{(r.stdout + r.stderr).strip()[-1000:]}"
+                )
 
     def _start_from_base(self, root: str) -> None:
         """Make the workspace a copy of the prepared directory `self.base`, which is never
         modified. With overlayfs (root on the host) the workspace is an overlay mount whose lower
-        layer is `base`: starting costs a mount and a metadata-only chown, whatever the size of
-        the tree, and a rollout's writes land in this sandbox's own upper layer (the G rollouts
-        of a group share one prepared tree). Elsewhere the tree is copied.
+        layer is `base`: starting costs a mount, whatever the size of the tree, and a rollout's
+        writes land in this sandbox's own upper layer (the G rollouts of a group share one
+        prepared tree). Elsewhere the tree is copied.
 
         The prepared tree is world-writable (coder.env.prepared) instead of owned by this
         sandbox's uid: chown-ing it through the overlay copies every inode up (0.7 ms a file,
@@ -461,7 +505,7 @@ class Sandbox:
             os.mkdir(self.workspace, 0o755)
         self._start_from_base(os.path.dirname(self.dir))
 
-    def _shadow_installed(self, files: dict) -> tuple:
+    def _shadow_installed(self, files: Mapping) -> tuple:
         """((host path, inner path), ...) read-only mounts that hide every installed copy of the
         workspace's own modules behind the task's starting text of that module.
 

@@ -1,9 +1,15 @@
 """Tasks and solutions: the JSONL formats of docs/contracts.md ("Task"), and the toy task source.
 
-Task line: {"id", "prompt", "files": {path: text}, "tests": {path: text}, "test_command",
+Task line (v1): {"id", "prompt", "files": {path: text}, "tests": {path: text}, "test_command",
 "language", "source"}. `files` is the repository the agent starts from (it may hold visible
 tests); `tests` are the scoring tests, copied over whatever is there only at scoring.
-Solution line: {"id", "files": {path: text}} (files written over the task's files).
+Task line (v2, a repository snapshot): the same keys plus `repo` and `commit` (the workspace is
+that commit's tree, `coder.env.repo`; `files` and `tests` are then optional and written over
+it), `setup` (shell run once in the sandbox after checkout), `fail_to_pass` / `pass_to_pass`
+(test ids that decide the reward), `test_patch` (a hidden unified diff applied only at scoring)
+and `metadata` (free-form: source, repository name, size of the reference change, ...).
+Solution line: {"id", "files": {path: text}} (files written over the task's files) or
+{"id", "patch": unified diff} (applied to the workspace with `git apply`).
 
 Sources: JSONL files (`read_tasks`), the stdlib bug-fix generator (`coder.env.mutate`), and
 `toy_tasks` below: one-line fixes a tiny model can learn, for RL smoke tests.
@@ -19,32 +25,81 @@ import random
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 
 
+# v2 keys and their defaults; `to_json` leaves them out at these values, so a v1 task's line is
+# exactly what it was.
+_V2 = {
+    "repo": "",
+    "commit": "",
+    "setup": "",
+    "fail_to_pass": (),
+    "pass_to_pass": (),
+    "test_patch": "",
+    "metadata": {},
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     id: str
     prompt: str
-    files: dict  # path -> text: the workspace the agent starts from
+    files: dict  # path -> text: the workspace the agent starts from (over `repo`'s tree, if any)
     tests: dict  # path -> text: hidden scoring tests
     test_command: str = DEFAULT_TEST_COMMAND
     language: str = "python"
     source: str = "jsonl"
+    # ---- v2: a repository snapshot (docs/contracts.md, "Task") ----
+    repo: str = ""  # local path, file:// or git URL, or an archive (.tar.gz / .zip; fsspec URL)
+    commit: str = ""  # the workspace is this commit's tree (required with `repo`)
+    setup: str = ""  # bash run once in the sandbox after checkout, before the agent starts
+    fail_to_pass: tuple = ()  # test ids (pytest node ids) that must pass
+    pass_to_pass: tuple = ()  # test ids that passed before and must still pass
+    test_patch: str = ""  # unified diff of hidden tests: applied at scoring only
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def test_ids(self) -> tuple:
+        return tuple(self.fail_to_pass) + tuple(self.pass_to_pass)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for key, default in _V2.items():
+            if out[key] == default or (isinstance(default, tuple) and not out[key]):
+                del out[key]
+            elif isinstance(default, tuple):
+                out[key] = list(out[key])
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> "Task":
-        missing = [k for k in ("id", "prompt", "files", "tests") if k not in obj]
+        tid = obj.get("id", "?")
+        v2 = bool(obj.get("repo"))
+        required = ("id", "prompt") if v2 else ("id", "prompt", "files", "tests")
+        missing = [k for k in required if k not in obj]
         if missing:
-            raise ValueError(f"task {obj.get('id', '?')!r} lacks keys {missing}")
+            raise ValueError(f"task {tid!r} lacks keys {missing}")
         unknown = set(obj) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"task {obj['id']!r} has unknown keys {sorted(unknown)}")
+            raise ValueError(f"task {tid!r} has unknown keys {sorted(unknown)}")
+        obj = {"files": {}, "tests": {}, **obj}
         for key in ("files", "tests"):
             if not isinstance(obj[key], dict) or not all(
                 isinstance(p, str) and isinstance(t, str) for p, t in obj[key].items()
             ):
-                raise ValueError(f"task {obj['id']!r}: {key} must map paths to text")
+                raise ValueError(f"task {tid!r}: {key} must map paths to text")
+        for key in ("repo", "commit", "setup", "test_patch"):
+            if not isinstance(obj.get(key, ""), str):
+                raise ValueError(f"task {tid!r}: {key} must be a string")
+        for key in ("fail_to_pass", "pass_to_pass"):
+            ids = obj.get(key, ())
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+                raise ValueError(f"task {tid!r}: {key} must be a list of test ids")
+            obj[key] = tuple(ids)
+        if not isinstance(obj.get("metadata", {}), dict):
+            raise ValueError(f"task {tid!r}: metadata must be an object")
+        if v2 and not obj.get("commit"):
+            raise ValueError(f"task {tid!r}: repo needs a commit")
+        if not v2 and any(obj.get(k) for k in ("commit", "setup", "test_patch")):
+            raise ValueError(f"task {tid!r}: commit, setup and test_patch need a repo")
         return cls(**{**obj, "test_command": obj.get("test_command") or DEFAULT_TEST_COMMAND})
 
 
@@ -71,18 +126,29 @@ def write_tasks(path: str, tasks: list[Task]) -> None:
     write_jsonl(path, [t.to_json() for t in tasks])
 
 
-def read_solutions(path: str) -> dict[str, dict]:
-    """{task id: {path: text}} from a solutions JSONL file."""
+def read_solutions(path: str) -> dict[str, dict | str]:
+    """{task id: {path: text}, or a unified diff (str) for a `patch` solution}."""
     out = {}
     for o in read_jsonl(path):
+        if "patch" in o and "files" not in o:
+            if not isinstance(o["patch"], str):
+                raise ValueError(f"solution {o.get('id')!r}: patch must be a unified diff")
+            out[o["id"]] = o["patch"]
+            continue
         if not isinstance(o.get("files"), dict):
-            raise ValueError(f"solution {o.get('id')!r}: files must map paths to text")
+            raise ValueError(
+                f"solution {o.get('id')!r}: needs files (a map of paths to text) or patch"
+            )
         out[o["id"]] = o["files"]
     return out
 
 
-def write_solutions(path: str, solutions: dict[str, dict]) -> None:
-    write_jsonl(path, [{"id": k, "files": v} for k, v in solutions.items()])
+def write_solutions(path: str, solutions: dict[str, dict | str]) -> None:
+    """Files solutions as {"id", "files"}, patch solutions (str) as {"id", "patch"}."""
+    write_jsonl(
+        path,
+        [{"id": k, "patch" if isinstance(v, str) else "files": v} for k, v in solutions.items()],
+    )
 
 
 def content_id(*parts: str) -> str:

@@ -212,6 +212,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     tasks = read_tasks(args.tasks)
     sols = read_solutions(args.solutions)
+    patches = sorted(k for k, v in sols.items() if isinstance(v, str))
+    if patches:  # the scripted agent writes files; a diff would need the repository's text
+        p.error(f"patch solutions {patches[:3]}: transcripts need {{'id', 'files'}} solutions")
     todo = [(t, sols[t.id], args.seed) for t in tasks if t.id in sols]
     with EpisodePool(max(1, min(args.workers, len(todo) or 1)), token_count=len) as pool:
         results = pool.map(_one, todo)

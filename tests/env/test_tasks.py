@@ -37,6 +37,38 @@ def test_task_jsonl_roundtrip_and_validation(tmp_path):
         Task.from_json({"id": "c", "prompt": "p", "files": {"a": 1}, "tests": {}})
 
 
+def test_task_v2_roundtrip_validation_and_patch_solutions(tmp_path):
+    v1 = Task("a", "p", {"x.py": "1"}, {"test_x.py": "2"})
+    assert set(v1.to_json()) == {"id", "prompt", "files", "tests", "test_command", "language",
+                                 "source"}  # a v1 line is what it was
+    line = {"id": "r", "prompt": "p", "repo": "/m/acme__calc", "commit": "abc", "setup": "true",
+            "fail_to_pass": ["t.py::a"], "pass_to_pass": [], "test_patch": "diff",
+            "metadata": {"source": "swebench", "lines_added": 2}}
+    v2 = Task.from_json(line)
+    assert v2.files == {} == v2.tests and v2.test_ids == ("t.py::a",)
+    js = v2.to_json()
+    assert js["fail_to_pass"] == ["t.py::a"] and "pass_to_pass" not in js  # empty: left out
+    assert Task.from_json(js) == v2
+    write_tasks(tmp_path / "t.jsonl", [v1, v2])
+    assert read_tasks(tmp_path / "t.jsonl") == [v1, v2]
+    for bad, match in [
+        ({"repo": "x"}, "'r'.*needs a commit"),
+        ({"repo": "x", "commit": "c", "fail_to_pass": "t.py::a"}, "'r'.*fail_to_pass"),
+        ({"repo": "x", "commit": "c", "metadata": []}, "'r'.*metadata"),
+        ({"repo": "x", "commit": 3}, "'r'.*commit must be a string"),
+        ({"files": {}, "tests": {}, "test_patch": "d"}, "'r'.*need a repo"),
+        ({"files": {}}, "'r'.*lacks"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Task.from_json({"id": "r", "prompt": "p", **bad})
+    sols = {"a": {"x.py": "3"}, "r": "diff --git a/x.py b/x.py\n"}
+    write_solutions(tmp_path / "s.jsonl", sols)
+    assert read_solutions(tmp_path / "s.jsonl") == sols
+    (tmp_path / "bad.jsonl").write_text('{"id": "r", "patch": 1}\n')
+    with pytest.raises(ValueError, match="'r'.*patch"):
+        read_solutions(tmp_path / "bad.jsonl")
+
+
 def test_toy_tasks_are_reproducible_distinct_and_solvable():
     a, b = toy_tasks(12, seed=3), toy_tasks(12, seed=3)
     assert a == b and len({t.id for t, _ in a}) == 12

@@ -1,0 +1,262 @@
+"""SWE-bench-style instances -> task format v2 (`python -m coder.env.make_tasks --source swebench
+--input I.jsonl --repos DIR --out T.jsonl [--solutions S.jsonl]`).
+
+One instance per JSONL line. Fields read (SWE-bench's names):
+- `instance_id` -> the task id; `problem_statement` -> the prompt (nothing else is shown);
+- `repo` ("owner/name") -> the local mirror `DIR/owner__name` (a git repository, or an archive
+  `DIR/owner__name.tar.gz` / `.tgz` / `.zip`); no network is used;
+- `base_commit` -> the commit the workspace starts from (checked to exist in the mirror);
+- `test_patch` -> the task's hidden `test_patch` (applied only at scoring);
+- `FAIL_TO_PASS` / `PASS_TO_PASS` -> `fail_to_pass` / `pass_to_pass`: JSON strings of lists
+  (the released SWE-bench files) or lists (SWE-Gym, SWE-smith);
+- `patch` -> the gold solution written by `--solutions` as {"id", "patch"}, and the metadata's
+  size of the reference change (`lines_added`, `lines_removed`, `files_changed`);
+- `version`, `environment_setup_commit`, `created_at`, `hints_text` (optional) -> metadata.
+
+Variants whose fields were checked against their dataset cards (Hugging Face, 2026-11):
+- SWE-bench / Lite / Verified, SWE-Gym, nebius/SWE-bench-extra: the fields above (SWE-Gym and
+  SWE-bench-extra carry FAIL_TO_PASS / PASS_TO_PASS as lists; SWE-bench-extra adds `meta`).
+- SWE-rebench: SWE-bench's fields plus `install_config` (a dict, or a JSON string of one; its
+  `test_cmd`, when it runs pytest, becomes the task's test command), `docker_image`, `meta`
+  (kept in the metadata).
+- SWE-smith: `instance_id`, `repo` ("swesmith/owner__name.<sha8>", the mirror is
+  `DIR/owner__name.<sha8>` or `DIR/owner__name`), `patch`, FAIL_TO_PASS / PASS_TO_PASS lists,
+  `image_name`, `problem_statement`; no `base_commit` nor `test_patch`. The workspace is the
+  mirror's branch named after the instance (checked to exist), taken to hold the bug; `patch`
+  is read as the diff that introduced it, so the gold solution is its reverse when that applies
+  to the branch (checked against a throwaway index), else `patch` itself when that applies, else
+  the instance is an error. Not confirmed against SWE-smith's own harness.
+Not handled: R2E-Gym (`repo_name`, `commit_hash`, tests as `expected_output_json`: no
+FAIL_TO_PASS list). Test ids must be pytest node ids for scoring (`coder.env.reward`): ids in
+another runner's form (django's `test_x (module.Class)`, sympy's bare names) import, but score
+as an infrastructure error.
+
+`verify` (`make_tasks --verify`) keeps the tasks whose gold patch scores 1 and whose unchanged
+workspace scores 0 in this machine's sandbox.
+
+The environment: the sandbox runs the host's Python read-only, so a repository's dependencies
+must already be installed there (`pip install -e .` inside is impossible offline); `--setup`
+gives every task a setup command run in its sandbox after checkout.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+
+from coder.env import repo as repo_lib
+from coder.env.pool import EpisodePool
+from coder.env.reward import score_solution
+from coder.env.sandbox import Limits
+from coder.env.tasks import DEFAULT_TEST_COMMAND, Task
+
+
+def _json_field(row: dict, key: str, kind, default):
+    value = row.get(key)
+    if value is None or value == "":
+        return default
+    if isinstance(value, str) and kind is not str:
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"instance {row.get('instance_id')!r}: {key} is not JSON: {e}")
+    if not isinstance(value, kind):
+        raise ValueError(f"instance {row.get('instance_id')!r}: {key} must be a {kind.__name__}")
+    return value
+
+
+def _test_ids(row: dict, key: str) -> tuple:
+    ids = _json_field(row, key, list, [])
+    if not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"instance {row.get('instance_id')!r}: {key} must list test ids")
+    return tuple(ids)
+
+
+def mirror_path(repos: str, repo: str) -> str:
+    """The local mirror of `repo` ("owner/name", or SWE-smith's "swesmith/owner__name.sha8")
+    under `repos`: a directory or an archive. ValueError naming the paths tried."""
+    owner, _, name = repo.partition("/")
+    stems = [] if owner == "swesmith" else [f"{owner}__{name}"]
+    if owner == "swesmith" or "__" in name:  # SWE-smith: the mirror is named owner__name.sha8
+        stems += [name, name.rsplit(".", 1)[0]]
+    tried = []
+    for stem in stems:
+        for suffix in ("", *repo_lib.ARCHIVE_SUFFIXES):
+            path = os.path.join(os.path.abspath(repos), stem + suffix)
+            tried.append(path)
+            if os.path.exists(path):
+                return path
+    raise ValueError(f"no local mirror of {repo!r}: tried {tried}")
+
+
+def reverse_patch(patch: str) -> str:
+    """The unified diff that undoes `patch` (git's format: renames, modes and new / deleted
+    files swap too)."""
+    out, old_line = [], None
+    swaps = {
+        "new file mode ": "deleted file mode ",
+        "deleted file mode ": "new file mode ",
+        "old mode ": "new mode ",
+        "new mode ": "old mode ",
+        "rename from ": "rename to ",
+        "rename to ": "rename from ",
+        "copy from ": "copy to ",
+        "copy to ": "copy from ",
+    }
+    in_hunk = [0, 0]
+    for line in patch.split("\n"):
+        if in_hunk[0] > 0 or in_hunk[1] > 0:
+            if line.startswith("+"):
+                out.append("-" + line[1:])
+                in_hunk[1] -= 1
+            elif line.startswith("-"):
+                out.append("+" + line[1:])
+                in_hunk[0] -= 1
+            else:
+                out.append(line)
+                if not line.startswith("\\"):
+                    in_hunk = [in_hunk[0] - 1, in_hunk[1] - 1]
+            continue
+        m = re.match(r"^@@ -(\d+(?:,\d+)?) \+(\d+(?:,\d+)?) @@(.*)$", line)
+        if m:
+            old, new = m.group(1), m.group(2)
+            out.append(f"@@ -{new} +{old} @@{m.group(3)}")
+            in_hunk = [int(old.split(",")[1]) if "," in old else 1,
+                       int(new.split(",")[1]) if "," in new else 1]
+            continue
+        if (g := re.match(r"^diff --git a/(.+) b/(.+)$", line)) is not None:
+            out.append(f"diff --git a/{g.group(2)} b/{g.group(1)}")
+        elif (g := re.match(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(.*)$", line)) is not None:
+            out.append(f"index {g.group(2)}..{g.group(1)}{g.group(3)}")
+        elif line.startswith("--- "):
+            old_line = line[4:]
+            continue
+        elif line.startswith("+++ ") and old_line is not None:
+            new_path = line[4:]
+            out.append("--- " + _reprefix(new_path, "a/"))
+            out.append("+++ " + _reprefix(old_line, "b/"))
+            old_line = None
+        else:
+            for a, b in swaps.items():
+                if line.startswith(a):
+                    line = b + line[len(a):]
+                    break
+            out.append(line)
+    return "\n".join(out)
+
+
+def _reprefix(path: str, prefix: str) -> str:
+    if path.startswith(("a/", "b/")):
+        return prefix + path[2:]
+    return path
+
+
+def instance_to_task(
+    row: dict, repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = ""
+) -> tuple[Task, str]:
+    """(the task, its gold patch) of one instance; ValueError naming the instance and field."""
+    iid = row.get("instance_id")
+    if not isinstance(iid, str) or not iid:
+        raise ValueError(f"an instance lacks instance_id: keys {sorted(row)[:12]}")
+    for key in ("repo", "problem_statement"):
+        if not isinstance(row.get(key), str) or not row[key]:
+            raise ValueError(f"instance {iid!r}: {key} missing")
+    mirror = mirror_path(repos, row["repo"])
+    smith = not row.get("base_commit") and (
+        "image_name" in row or row["repo"].startswith("swesmith/")
+    )
+    gold = row.get("patch") or ""
+    if smith:
+        commit = iid  # the mirror's branch holding this instance's bug
+    elif row.get("base_commit"):
+        commit = row["base_commit"]
+    else:
+        raise ValueError(f"instance {iid!r}: base_commit missing")
+    try:
+        commit = repo_lib.resolve(mirror, commit)
+    except repo_lib.RepoError as e:
+        raise ValueError(f"instance {iid!r}: commit {commit!r} not in {mirror}: {e}") from e
+    if smith and gold:  # `patch` made the bug: its reverse is the fix (whichever applies)
+        if repo_lib.applies(mirror, commit, reverse_patch(gold)):
+            gold = reverse_patch(gold)
+        elif not repo_lib.applies(mirror, commit, gold):
+            raise ValueError(f"instance {iid!r}: patch applies to {commit[:12]} in neither way")
+    install = _json_field(row, "install_config", dict, {})
+    cmd = install.get("test_cmd")
+    if isinstance(cmd, list) and len(cmd) == 1:
+        cmd = cmd[0]
+    if isinstance(cmd, str) and re.match(r"^(python\S* -m )?pytest\b", cmd.strip()):
+        test_command = cmd.strip()
+    stats = repo_lib.patch_stats(gold)  # the reference fix (SWE-smith: the reversed patch)
+    meta = {
+        "source": "swebench",
+        "variant": "swe-smith" if smith else "swe-rebench" if install else "swe-bench",
+        "repo": row["repo"],
+        "instance_id": iid,
+        "base_commit": commit,
+        "lines_added": stats["lines_added"],
+        "lines_removed": stats["lines_removed"],
+        "files_changed": stats["files"],
+    }
+    for key in ("version", "environment_setup_commit", "created_at", "hints_text",
+                "image_name", "docker_image"):
+        if row.get(key) not in (None, ""):
+            meta[key] = row[key]
+    if install:
+        meta["install_config"] = install
+    if isinstance(row.get("meta"), dict):
+        meta["meta"] = row["meta"]
+    task = Task(
+        id=iid,
+        prompt=row["problem_statement"],
+        files={},
+        tests={},
+        test_command=test_command,
+        source="swebench",
+        repo=mirror,
+        commit=commit,
+        setup=setup,
+        fail_to_pass=_test_ids(row, "FAIL_TO_PASS"),
+        pass_to_pass=_test_ids(row, "PASS_TO_PASS"),
+        test_patch=row.get("test_patch") or "",
+        metadata=meta,
+    )
+    return task, gold
+
+
+def _verify_one(item) -> tuple[str, str | None]:
+    task, gold, timeout_s = item
+    limits = Limits(timeout_s=timeout_s, cpu_s=int(timeout_s))
+    s = score_solution(task, gold, limits=limits, mode="all", timeout_s=timeout_s)
+    if s.infra_error or s.reward != 1.0:
+        return task.id, f"the gold patch scores {s.reward:g}: {s.infra_error or s.error}"
+    s = score_solution(task, {}, limits=limits, mode="fraction", timeout_s=timeout_s)
+    if s.infra_error or s.reward != 0.0:
+        return task.id, f"the unchanged workspace scores {s.reward:g}: {s.infra_error or s.error}"
+    return task.id, None
+
+
+def verify(
+    pairs: list[tuple[Task, str]], workers: int = 4, timeout_s: float = 300.0
+) -> tuple[list[tuple[Task, str]], dict[str, str]]:
+    """(the pairs whose gold patch scores 1 and whose unchanged workspace scores 0 in this
+    machine's sandbox, {dropped task id: why}): a task whose tests cannot pass here (a missing
+    dependency, a different interpreter) would only ever teach reward 0."""
+    if not pairs:
+        return [], {}
+    with EpisodePool(max(1, min(workers, len(pairs))), token_count=len) as pool:
+        why = dict(pool.map(_verify_one, [(t, g, timeout_s) for t, g in pairs]))
+    return [(t, g) for t, g in pairs if why[t.id] is None], {k: v for k, v in why.items() if v}
+
+
+def import_instances(
+    rows: list[dict], repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = ""
+) -> list[tuple[Task, str]]:
+    """Every instance as (task, gold patch); duplicate ids are an error."""
+    out = [instance_to_task(r, repos, test_command, setup) for r in rows]
+    dup = sorted(i for i, n in collections.Counter(t.id for t, _ in out).items() if n > 1)
+    if dup:
+        raise ValueError(f"duplicate instance ids {dup[:5]}")
+    return out

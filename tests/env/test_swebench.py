@@ -1,0 +1,333 @@
+"""Repository tasks (task format v2) and the SWE-bench importer, on a fixture repository built
+here: a tiny package with two bugs (`add`, `mul`), a later commit with the fix and its tests."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+from coder.env import check, make_tasks, repo as repo_lib, swebench
+from coder.env.episode import Episode
+from coder.env.protocol import render_tool_call as rc
+from coder.env.reward import score, score_solution
+from coder.env.sandbox import Sandbox, SandboxError
+from coder.env.tasks import Task, read_solutions, read_tasks
+
+OPS_BUGGY = (
+    "def add(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a + b\n\n\n"
+    "def neg(x):\n    return -x\n"
+)
+OPS_FIXED = OPS_BUGGY.replace("return a - b", "return a + b").replace(
+    "def mul(a, b):\n    return a + b", "def mul(a, b):\n    return a * b"
+)
+OPS_HALF = OPS_BUGGY.replace("return a - b", "return a + b")  # add fixed, mul still wrong
+TEST_OPS = "from calc.ops import neg\n\n\ndef test_neg():\n    assert neg(2) == -2\n"
+TEST_FIX = (
+    "import pytest\n\nfrom calc.ops import add, mul\n\n\n"
+    "def test_add():\n    assert add(2, 3) == 5\n\n\n"
+    "class TestMul:\n"
+    "    @pytest.mark.parametrize('a,b', [(2, 3)])\n"
+    "    def test_mul(self, a, b):\n        assert mul(a, b) == 6\n"
+)
+F2P = ["tests/test_fix.py::test_add", "tests/test_fix.py::TestMul::test_mul[2-3]"]
+P2P = ["tests/test_ops.py::test_neg"]
+
+
+def _git(cwd, *args) -> str:
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(cwd),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_AUTHOR_NAME": "a",
+        "GIT_AUTHOR_EMAIL": "a@x",
+        "GIT_COMMITTER_NAME": "a",
+        "GIT_COMMITTER_EMAIL": "a@x",
+        "GIT_AUTHOR_DATE": "2024-01-01T00:00:00Z",  # fixed: the same shas in every run, so the
+        "GIT_COMMITTER_DATE": "2024-01-01T00:00:00Z",  # checkout cache is reused
+    }
+    return subprocess.run(
+        ["git", "-c", "init.defaultBranch=main", *args],
+        cwd=cwd, env=env, check=True, capture_output=True, text=True,
+    ).stdout
+
+
+def _commit(repo, files: dict, msg: str) -> str:
+    for path, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(repo, path)) or repo, exist_ok=True)
+        with open(os.path.join(repo, path), "w") as f:
+            f.write(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", msg)
+    return _git(repo, "rev-parse", "HEAD").strip()
+
+
+@pytest.fixture(scope="module")
+def fixture(tmp_path_factory):
+    """Mirrors dir with `acme__calc` (3 commits on main + a SWE-smith-style bug branch), an
+    archive of it, and one instance in SWE-bench's exact JSON shape."""
+    root = tmp_path_factory.mktemp("swe")
+    repos = root / "repos"
+    repo = repos / "acme__calc"
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q")
+    _commit(
+        repo,
+        {
+            "conftest.py": "",  # pytest puts the repository root on sys.path
+            "calc/__init__.py": "",
+            "calc/ops.py": OPS_BUGGY,
+            "tests/test_ops.py": TEST_OPS,
+            "colorsys.py": "GIVEN = 'the repository text'\n",  # an installed module's name
+        },
+        "calc",
+    )
+    base = _commit(repo, {"README": "calc\n"}, "readme")
+    fix = _commit(repo, {"calc/ops.py": OPS_FIXED, "tests/test_fix.py": TEST_FIX}, "fix")
+    gold = _git(repo, "diff", base, fix, "--", "calc")
+    test_patch = _git(repo, "diff", base, fix, "--", "tests")
+    smith_id = "acme__calc.1a2b3c4d.lm_rewrite__x1"
+    _git(repo, "checkout", "-q", "-b", smith_id, base)
+    _commit(repo, {"tests/test_fix.py": TEST_FIX}, "bug")  # SWE-smith: tests in the branch
+    _git(repo, "checkout", "-q", "main")
+    instance = {
+        "repo": "acme/calc",
+        "instance_id": "acme__calc-1",
+        "base_commit": base,
+        "patch": gold,
+        "test_patch": test_patch,
+        "problem_statement": "add() subtracts and mul() adds.",
+        "hints_text": "",
+        "created_at": "2024-01-01T00:00:00Z",
+        "version": "1.0",
+        "FAIL_TO_PASS": json.dumps(F2P),  # the released datasets' JSON strings
+        "PASS_TO_PASS": json.dumps(P2P),
+        "environment_setup_commit": base,
+    }
+    archives = root / "archives"
+    archives.mkdir()
+    with tarfile.open(archives / "acme__calc.tar.gz", "w:gz") as t:
+        t.add(repo, arcname="acme__calc")
+    unpacked = os.path.join(repo_lib.CACHE, "archives")
+    before = set(os.listdir(unpacked)) if os.path.isdir(unpacked) else set()
+    yield dict(
+        root=root, repos=repos, archives=archives, base=base, fix=fix, gold=gold,
+        instance=instance, smith_id=smith_id,
+    )
+    for name in set(os.listdir(unpacked)) - before if os.path.isdir(unpacked) else ():
+        shutil.rmtree(os.path.join(unpacked, name), ignore_errors=True)  # this run's archives
+
+
+def _import(fx, tmp_path, rows, repos=None, extra=()):
+    inp, out, sols = tmp_path / "i.jsonl", tmp_path / "t.jsonl", tmp_path / "s.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--source", "swebench", "--input", str(inp), "--repos", str(repos or fx["repos"]),
+            "--out", str(out), "--solutions", str(sols), *extra]
+    assert make_tasks.main(argv) == 0
+    return read_tasks(out), read_solutions(sols)
+
+
+def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path, capsys):
+    (task,), sols = _import(fixture, tmp_path, [fixture["instance"]])
+    assert task.repo == str(fixture["repos"] / "acme__calc") and task.commit == fixture["base"]
+    assert task.fail_to_pass == tuple(F2P) and task.pass_to_pass == tuple(P2P)
+    assert task.prompt == "add() subtracts and mul() adds." and task.source == "swebench"
+    m = task.metadata
+    assert (m["source"], m["repo"], m["files_changed"]) == (
+        "swebench", "acme/calc", ["calc/ops.py"]
+    )
+    assert (m["lines_added"], m["lines_removed"]) == (2, 2) and m["version"] == "1.0"
+    assert sols == {"acme__calc-1": fixture["gold"]}
+    s = score_solution(task, sols[task.id], mode="resolved")
+    assert (s.reward, s.passed, s.total, s.error) == (1.0, 3, 3, None), s.output
+    s = score_solution(task, "", mode="resolved")
+    assert (s.reward, s.passed, s.total) == (0.0, 1, 3)
+    assert set(s.not_passed) == set(F2P)
+    half = {"calc/ops.py": OPS_HALF}
+    s = score_solution(task, half, mode="resolved")
+    assert (s.reward, s.passed, s.not_passed) == (0.0, 2, (F2P[1],))
+    assert score_solution(task, half, mode="fraction").reward == 0.5
+    assert score_solution(task, "", mode="fraction").reward == 0.0  # P2P alone earns nothing
+    broke_p2p = {"calc/ops.py": OPS_FIXED.replace("return -x", "return x")}
+    assert score_solution(task, broke_p2p, mode="fraction").reward == 0.0
+    check.main(["--tasks", str(tmp_path / "t.jsonl"), "--solutions", str(tmp_path / "s.jsonl"),
+                "--workers", "1", "--mode", "resolved"])  # patch solutions through the CLI
+    row = json.loads(capsys.readouterr().out)
+    assert (row["id"], row["reward"], row["total"], row["error"]) == ("acme__calc-1", 1.0, 3, None)
+    broken = dict(fixture["instance"], instance_id="acme__calc-2",  # a test that does not exist
+                  FAIL_TO_PASS=json.dumps([*F2P, "tests/test_fix.py::test_gone"]))
+    inp = tmp_path / "v.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in [fixture["instance"], broken]))
+    assert make_tasks.main(["--source", "swebench", "--input", str(inp), "--repos",
+                            str(fixture["repos"]), "--out", str(tmp_path / "v_t.jsonl"),
+                            "--verify", "--workers", "1"]) == 1  # one of two dropped
+    assert [t.id for t in read_tasks(tmp_path / "v_t.jsonl")] == ["acme__calc-1"]
+    assert "dropped acme__calc-2: the gold patch scores 0" in capsys.readouterr().err
+    s = score_solution(task, "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n"
+                       "@@ -1 +1 @@\n-x\n+y\n")
+    assert s.reward == 0.0 and "does not apply" in s.error and not s.infra_error
+
+
+def test_agent_sees_neither_the_hidden_tests_nor_the_fix(fixture, tmp_path):
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    repo = fixture["repos"] / "acme__calc"
+    fixed_blob = _git(repo, "rev-parse", f"{fixture['fix']}:calc/ops.py").strip()
+    test_blob = _git(repo, "rev-parse", f"{fixture['fix']}:tests/test_fix.py").strip()
+    with Sandbox(task) as sb:
+        assert not [p for p in sb.list_files() if "test_fix" in p]
+        assert "tests/test_ops.py" in sb.list_files() and sb.read("calc/ops.py") == OPS_BUGGY
+        r = sb.run(
+            "git log --all --format=%H; echo ---; git status --short; echo ---; "
+            f"git cat-file -e {fixture['fix']} && echo FIX-REACHABLE; "
+            "git cat-file --batch-all-objects --batch-check='%(objectname)'; echo ---; "
+            "find / -path /proc -prune -o -name test_fix.py -print 2>/dev/null; "
+            "python -I -c 'import colorsys; print(colorsys.GIVEN)'"
+        )
+        log, status, objects, rest = r.stdout.split("---\n")
+        assert log.split() == [fixture["base"]] and status == ""
+        assert "FIX-REACHABLE" not in objects and objects.split()
+        assert fixed_blob not in objects and test_blob not in objects
+        assert rest.strip().splitlines() == ["the repository text"], r.stdout + r.stderr
+        st = os.stat(os.path.join(sb.workspace, "calc", "ops.py"))
+        assert st.st_uid == (sb.uid if os.geteuid() == 0 else os.getuid())
+        sb.write("calc/ops.py", OPS_FIXED)
+        assert sb.run("git diff --stat").stdout.strip().startswith("calc/ops.py")
+        assert score(sb, task, mode="resolved").reward == 1.0
+        assert os.path.isfile(os.path.join(sb.workspace, "tests", "test_fix.py"))  # at scoring
+
+
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        "printf 'def test_add():\\n    pass\\n' > tests/test_fix.py",  # the hidden test's path
+        "printf 'import os\\nos._exit(0)\\n' > conftest.py",  # a tracked control file
+        "rm -rf tests && ln -s /tmp tests",  # the test directory swapped for a symlink
+        "rm tests/test_ops.py && printf 'def test_neg():\\n    pass\\n' > tests/x.py",
+    ],
+)
+def test_repository_cheats_score_zero(fixture, tmp_path, cheat):
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    with Sandbox(task) as sb:
+        sb.write("calc/ops.py", OPS_HALF.replace("return -x", "return x"))  # P2P broken too
+        assert sb.run(cheat).exit_code == 0
+        s = score(sb, task, mode="fraction")
+        assert (s.reward, s.passed) == (0.0, 1), s.output
+        assert s.not_passed == (F2P[1], P2P[0])
+
+
+def test_snapshot_of_a_repository_workspace(fixture, tmp_path):
+    """G rollouts start from one snapshot (coder.env.pool): the restored workspace is the
+    checkout, .git included, still hiding the installed copies of the repository's modules."""
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    with Sandbox(task) as sb:
+        snap = sb.snapshot()
+    with Sandbox(task, snapshot=snap) as sb:
+        assert "calc/ops.py" not in sb.run("git status --short").stdout
+        r = sb.run("git log --format=%H; python -I -c 'import colorsys; print(colorsys.GIVEN)'")
+        assert r.stdout.split("\n")[:2] == [fixture["base"], "the repository text"], r.stderr
+
+
+def test_episode_solves_a_repository_task(fixture, tmp_path):
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    ep = Episode(len, reward_mode="resolved")
+    assert ep.reset(task) == task.prompt
+    obs, done, info = ep.step(rc("run_tests", {}) + rc("read_file", {"path": "calc/ops.py"}))
+    assert not done and "return a - b" in obs and "1 passed" in obs  # the visible test only
+    _, done, info = ep.step(
+        rc("write_file", {"path": "calc/ops.py", "content": OPS_FIXED}) + rc("submit", {})
+    )
+    assert done and info["done_reason"] == "submit" and info["infra_error"] is None
+    assert (info["reward"], info["passed"], info["total"]) == (1.0, 3, 3)
+
+
+def test_archive_repository_and_swe_smith_rows(fixture, tmp_path):
+    (task,), sols = _import(fixture, tmp_path, [fixture["instance"]], repos=fixture["archives"])
+    assert task.repo.endswith("acme__calc.tar.gz") and task.commit == fixture["base"]
+    assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
+    import fsspec  # any fsspec URL of an archive (gs://...): the in-memory file system here
+
+    with fsspec.open("memory://mirrors/acme__calc.tar.gz", "wb") as f:
+        f.write((fixture["archives"] / "acme__calc.tar.gz").read_bytes())
+    file_url = "file://" + str(fixture["repos"] / "acme__calc")
+    for repo in ("memory://mirrors/acme__calc.tar.gz", file_url):
+        t = dataclasses.replace(task, repo=repo)
+        assert score_solution(t, sols[task.id], mode="resolved").reward == 1.0, repo
+    bug = _git(fixture["repos"] / "acme__calc", "diff", fixture["fix"], fixture["base"], "--",
+               "calc")
+    smith = {
+        "instance_id": fixture["smith_id"],
+        "repo": "swesmith/acme__calc.1a2b3c4d",
+        "patch": bug,  # SWE-smith's patch introduces the bug
+        "FAIL_TO_PASS": F2P,
+        "PASS_TO_PASS": P2P,
+        "image_name": "swesmith.x86_64.acme__calc.1a2b3c4d",
+        "problem_statement": "mul and add are wrong",
+    }
+    (task,), sols = _import(fixture, tmp_path, [smith])
+    assert task.metadata["variant"] == "swe-smith" and task.metadata["image_name"]
+    assert task.test_patch == "" and swebench.reverse_patch(sols[task.id]) == bug
+    assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
+    assert score_solution(task, "", mode="resolved").reward == 0.0
+    (task,), sols = _import(fixture, tmp_path, [dict(smith, patch=fixture["gold"])])
+    assert sols[task.id] == fixture["gold"]  # a `patch` that is already the fix is kept
+    with pytest.raises(ValueError, match="in neither way"):
+        nope = "diff --git a/none.py b/none.py\n--- a/none.py\n+++ b/none.py\n@@ -1 +1 @@\n-x\n+y\n"
+        swebench.import_instances([dict(smith, patch=nope)], str(fixture["repos"]))
+
+
+def test_swe_rebench_install_config_and_list_fields(fixture, tmp_path):
+    cmd = "pytest --no-header -rA --tb=line --color=no -p no:cacheprovider -W ignore::UserWarning"
+    row = dict(fixture["instance"], FAIL_TO_PASS=F2P, PASS_TO_PASS=P2P,  # lists (SWE-Gym)
+               install_config=json.dumps({"python": "3.11", "test_cmd": cmd}),
+               docker_image="swerebench/acme-calc", meta={"is_lite": False})
+    (task,), sols = _import(fixture, tmp_path, [row])
+    assert task.test_command == cmd and task.metadata["variant"] == "swe-rebench"
+    assert task.metadata["install_config"]["python"] == "3.11" and task.metadata["docker_image"]
+    assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
+
+
+def test_exit_status_scoring_setup_and_errors(fixture, tmp_path):
+    (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
+    cmd = "python -I -c 'import sys; sys.path.insert(0, \".\"); import calc.ops as o; " \
+          "assert o.add(2, 3) == 5'"
+    plain = Task(task.id, "p", {}, {}, test_command=cmd, repo=task.repo, commit=task.commit,
+                 setup="echo built > built.txt")
+    s = score_solution(plain, {"calc/ops.py": OPS_HALF})
+    assert (s.reward, s.passed, s.total, s.infra_error) == (1.0, 1, 1, None)
+    s = score_solution(plain, {})
+    assert (s.reward, s.total) == (0.0, 1) and "exit status 1" in s.error
+    with Sandbox(plain) as sb:
+        assert sb.read("built.txt") == "built\n"
+    no_ids = Task(task.id, "p", {}, {}, repo=task.repo, commit=task.commit,
+                  test_patch=task.test_patch)  # pytest: the cases of test_patch's files count
+    s = score_solution(no_ids, {"calc/ops.py": OPS_FIXED}, mode="all")
+    assert (s.reward, s.passed, s.total) == (1.0, 2, 2), s.output
+    assert score_solution(no_ids, {"calc/ops.py": OPS_HALF}).reward == 0.5
+    with pytest.raises(SandboxError, match="setup failed"):
+        Sandbox(Task("t/bad", "p", {}, {}, repo=task.repo, commit=task.commit, setup="exit 3"))
+    with pytest.raises(SandboxError, match="t/nocommit"):
+        Sandbox(Task("t/nocommit", "p", {}, {}, repo=task.repo, commit="f" * 40))
+    s = score_solution(Task("x", "p", {}, {}, repo=task.repo, commit=task.commit,
+                            fail_to_pass=("test_x (mod.Class)",)), {})
+    assert s.infra_error and "pytest node ids" in s.infra_error
+    bad = dict(fixture["instance"], instance_id="x", base_commit="0" * 40)
+    with pytest.raises(ValueError, match="'x'.*not in"):
+        swebench.import_instances([bad], str(fixture["repos"]))
+    with pytest.raises(ValueError, match="no local mirror"):
+        swebench.import_instances([dict(bad, repo="acme/none")], str(fixture["repos"]))
+
+
+def test_patch_parsing_and_reversal(fixture):
+    gold = fixture["gold"]
+    assert repo_lib.patch_stats(gold) == {
+        "files": ["calc/ops.py"], "lines_added": 2, "lines_removed": 2,
+    }
+    assert swebench.reverse_patch(swebench.reverse_patch(gold)) == gold
+    created = "--- /dev/null\n+++ b/new.py\n@@ -0,0 +1,2 @@\n+a\n+--b\n"
+    assert repo_lib.parse_patch(created) == [
+        {"old": None, "new": "new.py", "added": 2, "removed": 0}
+    ]
