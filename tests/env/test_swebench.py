@@ -237,9 +237,13 @@ def test_episode_solves_a_repository_task(fixture, tmp_path):
     assert ep.reset(task) == task.prompt
     obs, done, info = ep.step(rc("run_tests", {}) + rc("read_file", {"path": "calc/ops.py"}))
     assert not done and "return a - b" in obs and "1 passed" in obs  # the visible test only
-    _, done, info = ep.step(
-        rc("write_file", {"path": "calc/ops.py", "content": OPS_FIXED}) + rc("submit", {})
+    obs, done, _ = ep.step(
+        rc("write_file", {"path": "calc/ops.py", "content": OPS_FIXED})
+        + rc("shell", {"command": "git status --porcelain && git diff --stat | tail -1"})
     )
+    # the rollout forks the prepared tree (another uid's, world-writable): git still works
+    assert not done and " M calc/ops.py" in obs and "1 file changed" in obs, obs
+    _, done, info = ep.step(rc("submit", {}))
     assert done and info["done_reason"] == "submit" and info["infra_error"] is None
     assert (info["reward"], info["passed"], info["total"]) == (1.0, 3, 3)
 
