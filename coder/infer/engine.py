@@ -377,7 +377,11 @@ class Engine:
                 return tree
             return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
 
-        state = put(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._state), state_shardings)
+        def serving(x):  # an abstract model keeps its parameter dtype: serve in `dtype`
+            cast = self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+            return jax.ShapeDtypeStruct(x.shape, self.dtype if cast else x.dtype)
+
+        state = put(jax.tree.map(serving, self._state), state_shardings)
         store = jax.eval_shape(lambda: programs.empty_store(self.cfg, batch, capacity, self.cache_dtype, self.spec_k))
         rows_sh = None
         if store_sharding is not None:

@@ -423,7 +423,8 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
     with model_cfg.unlocked():  # a training layout (whole-weight gathers for a few tokens per row)
         model_cfg.moe_shared_data_parallel = False
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(int(config.seed))))
-    engine = Engine(abstract, model_cfg, max_len=slots, speculative_k=int(rl.speculative_k))
+    engine = Engine(abstract, model_cfg, max_len=slots, speculative_k=int(rl.speculative_k),
+                    dtype=rl.engine_dtype or None)
     state_sh = sharding.state_shardings(nnx.state(abstract), mesh, rules)
     axes = sharding.mesh_axes_of("batch", rules)
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())

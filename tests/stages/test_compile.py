@@ -525,6 +525,9 @@ def test_engine_compiles_on_an_actor_slice_of_its_own():
     assert {d.platform for d in emesh.devices.flat} == {"tpu"}
     lowered, setup = C.lower_engine(config, emesh)
     assert set(lowered) == {"prefill", "decode"} and setup["params_bytes_per_chip"] > 0
+    config.rl.engine_dtype = "bfloat16"  # the serving weights' dtype, not the parameters'
+    assert C.lower_engine(config, emesh)[1]["params_bytes_per_chip"] == pytest.approx(
+        setup["params_bytes_per_chip"] / 2, rel=0.01)
     # rl.engine_mesh: the actor's engine splits the experts its own way (rows over the rest)
     config.rl.engine_mesh.expert = 4
     emesh, _ = C.engine_target(config, mesh, topo)
