@@ -161,6 +161,8 @@ def grep(ctx: ToolContext, args: dict) -> str:
 def search(ctx: ToolContext, args: dict) -> str:
     files = {}
     for rel in ctx.sandbox.list_files():
+        if rel == ".git" or rel.startswith(".git/"):
+            continue  # the repository's object store and hook samples are not its code
         try:
             text = ctx.sandbox.read(rel)
         except (ValueError, OSError):

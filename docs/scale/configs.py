@@ -120,7 +120,11 @@ GRPO_BATCH = 64
 # MLA's latent cache has no head axis, so with rows over no mesh axis every chip holds every
 # row's cache (2.2 GB per 32k row for DeepSeek-V3): 128 rows needed 1.12 TB of temporaries per
 # chip; 16 rows is what one v5p-128 actor decodes together in this layout.
-ACTOR_ENGINE = dict(engine_batch=16, engine_max_len=SEQ_LEN, engine_prefill_len=1024)
+# The actor slice's engine is laid out as DeepSeek-V3 serves (rl.engine_attention="data_parallel"):
+# 128 rows of 32k slots split over the 64 chips (2 rows' latent caches each), the non-expert
+# weights whole on every chip, the experts 64-way; prefill in chunks of 256 tokens per row
+# (1024 needed 117 GiB of temporaries for 128 rows)
+ACTOR_ENGINE = dict(engine_batch=128, engine_max_len=SEQ_LEN, engine_prefill_len=256)
 
 
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
@@ -163,6 +167,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.compile.engine_topology = actor[0]
         c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)
         c.rl.engine_dtype = "bfloat16"
+        c.rl.engine_attention = "data_parallel"
         chips = hardware_chips(actor[0])
         c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
     return c

@@ -102,6 +102,9 @@ def test_search_ranks_the_relevant_chunk(ctx):
     out = call(ctx, "search", query="parse an http header line")
     assert out.startswith("mod.py:1-10 (score") and "def parse_header" in out
     assert out.index("def parse_header") < out.find("test_mod.py:") or "test_mod.py:" not in out
+    ctx.sandbox.write(".git/hooks/pre-commit.sample", "parse an http header line " * 50)
+    out = call(ctx, "search", query="parse an http header line")
+    assert ".git/" not in out and out.startswith("mod.py:1-10")  # git's own files are not code
 
 
 def test_tokenize_and_bm25():
