@@ -89,8 +89,8 @@ def test_tasks_and_solutions_through_fsspec_urls(tmp_path, monkeypatch):
             write_tasks(f"{root}/tasks/{name}.jsonl", tasks)
             write_solutions(f"{root}/solutions/{name}.jsonl", sols[name])
         paths = glob_files(f"{root}/tasks/*.jsonl")
-        assert [p.rsplit("/", 2)[-2:] for p in paths] == [["tasks", "a.jsonl"], ["tasks", "b.jsonl"]]
-        assert all(p.startswith("memory://") for p in paths)
+        assert [p.rsplit("/", 1)[-1] for p in paths] == ["a.jsonl", "b.jsonl"]
+        assert all(p.startswith("memory://") and f"/{bucket}/tasks/" in p for p in paths)
         assert [t for p in paths for t in read_tasks(p)] == a + b
         assert read_tasks(f"{root}/tasks/b.jsonl") == b
         got = [read_solutions(p) for p in glob_files(f"{root}/solutions/*.jsonl")]
