@@ -11,6 +11,9 @@ and `metadata` (free-form: source, repository name, size of the reference change
 Solution line: {"id", "files": {path: text}} (files written over the task's files) or
 {"id", "patch": unified diff} (applied to the workspace with `git apply`).
 
+Files are local paths or fsspec URLs (`gs://...`, `s3://...`, `memory://...`): every read, write
+and glob here goes through fsspec (`glob_files` keeps a URL's protocol in the paths it returns).
+
 Sources: JSONL files (`read_tasks`), the stdlib bug-fix generator (`coder.env.mutate`), and
 `toy_tasks` below: one-line fixes a tiny model can learn, for RL smoke tests.
 """
@@ -20,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import random
+
+import fsspec
 
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 
@@ -103,13 +109,28 @@ class Task:
         return cls(**{**obj, "test_command": obj.get("test_command") or DEFAULT_TEST_COMMAND})
 
 
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
+def glob_files(pattern) -> list[str]:
+    """The files `pattern` (a path or glob: local, or an fsspec URL) names, sorted; [] when none.
+
+    A URL's matches keep its protocol (`gs://b/t/*.jsonl` -> `gs://b/t/a.jsonl`, ...: `fs.glob`
+    drops it), a local pattern's are local paths. Directories are left out."""
+    pattern = os.fspath(pattern)
+    fs, path = fsspec.core.url_to_fs(pattern)
+    found = fs.glob(path, detail=True)
+    files = [p for p, info in found.items() if info.get("type") != "directory"]
+    return sorted(fs.unstrip_protocol(p) if "://" in pattern else p for p in files)
+
+
+def read_jsonl(path) -> list[dict]:
+    """The objects of a JSONL file (a local path or fsspec URL); blank lines are skipped."""
+    with fsspec.open(os.fspath(path), "r", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    with open(path, "w") as f:
+def write_jsonl(path, rows: list[dict]) -> None:
+    """One JSON object a line (UTF-8) to a local path or fsspec URL. A local file's directory
+    must exist (as with `open`; object stores have none to make)."""
+    with fsspec.open(os.fspath(path), "w", encoding="utf-8", auto_mkdir=False) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 

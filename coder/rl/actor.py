@@ -18,7 +18,6 @@ Used by stage `grpo` (coder/stages/grpo.py) and the agent eval (coder/rl/eval.py
 """
 from __future__ import annotations
 
-import glob
 import random
 import threading
 import weakref
@@ -34,14 +33,16 @@ from coder.rl import reward as reward_lib
 
 
 # --- tasks and episodes ------------------------------------------------------------------------
-def _all_tasks(source: str, seed: int) -> list:
+def _all_tasks(source: str, seed: int, key: str) -> list:
+    """The tasks of `source` (config key `key`): "toy", or a Task JSONL path or glob, local or an
+    fsspec URL (`gs://bucket/tasks/*.jsonl`), its files read in sorted order; seeded shuffle."""
     from coder.env import tasks as tasks_lib
 
     if source == "toy":
         return [t for t, _ in tasks_lib.toy_tasks(45, seed)]
-    paths = sorted(glob.glob(source))
+    paths = tasks_lib.glob_files(source)
     if not paths:
-        raise FileNotFoundError(f"rl.tasks / rl.eval_tasks={source!r}: no such JSONL file")
+        raise FileNotFoundError(f"{key}={source!r}: no Task JSONL file matches this path/glob")
     tasks = [t for p in paths for t in tasks_lib.read_tasks(p)]
     random.Random(seed).shuffle(tasks)
     return tasks
@@ -50,14 +51,14 @@ def _all_tasks(source: str, seed: int) -> list:
 def train_tasks(config) -> list:
     """Training tasks in their (seeded) order; with the same source for eval, the last
     `rl.eval_num_tasks` are held out."""
-    tasks = _all_tasks(config.rl.tasks, int(config.seed))
+    tasks = _all_tasks(config.rl.tasks, int(config.seed), "rl.tasks")
     if config.rl.eval_tasks == config.rl.tasks:
         tasks = tasks[: len(tasks) - int(config.rl.eval_num_tasks)]
     return tasks
 
 
 def eval_tasks(config) -> list:
-    tasks = _all_tasks(config.rl.eval_tasks, int(config.seed))
+    tasks = _all_tasks(config.rl.eval_tasks, int(config.seed), "rl.eval_tasks")
     return tasks[len(tasks) - int(config.rl.eval_num_tasks):]
 
 

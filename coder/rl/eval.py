@@ -9,19 +9,20 @@ is computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i) (no huge binomials). Rollout
 infrastructure failure are left out of n for their task; a task with fewer than k valid
 rollouts does not count towards pass@k.
 
-Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` with the summary and every task's
-counts, finish reasons, broken calls and the text of its first rollout (`transcript_text`). A checkpoint whose pass@1 is below the previous report's by more than
+Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` (local or an fsspec URL) with the summary
+and every task's counts, finish reasons, broken calls and the text of its first rollout
+(`transcript_text`). A checkpoint whose pass@1 is below the previous report's by more than
 `rl.eval_regression_margin` is flagged (`regressed` in the report and the returned dict, and a
 warning in the log).
 """
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
 import time
 
+import fsspec
 import jax
 import numpy as np
 
@@ -65,17 +66,18 @@ def is_regression(previous: dict, current: dict, margin: float) -> bool:
 
 
 def previous_report(report_dir: str, step: int) -> dict | None:
-    """The latest report of a step before `step`, or None."""
-    paths = sorted(glob.glob(os.path.join(report_dir, "step_*.json")))
+    """The latest report of a step before `step` in `report_dir` (a local path or fsspec URL),
+    or None."""
+    fs, root = fsspec.core.url_to_fs(report_dir)
+    paths = sorted(fs.glob(root.rstrip("/") + "/step_*.json"))
     best = None
     for p in paths:
-        s = int(os.path.basename(p)[5:-5])
+        s = int(p.rsplit("/", 1)[-1][5:-5])
         if s < step:
             best = p
     if best is None:
         return None
-    with open(best) as f:
-        return json.load(f)
+    return json.loads(fs.cat_file(best))
 
 
 def transcript_text(rollout, tokenizer, limit: int = 4000) -> str:
@@ -92,6 +94,20 @@ def transcript_text(rollout, tokenizer, limit: int = 4000) -> str:
     if len(text) > limit:
         text = text[:limit // 2] + "\n[...]\n" + text[-limit // 2:]
     return text
+
+
+def report_path(report_dir: str, step: int) -> str:
+    return os.path.join(report_dir, f"step_{step:08d}.json")
+
+
+def write_report(report_dir: str, step: int, report: dict) -> str:
+    """Writes `report` to `{report_dir}/step_{step:08d}.json` (a local path or fsspec URL: a
+    `gs://` stage dir writes to the bucket, not to a local directory named `gs:`); its path."""
+    fs, root = fsspec.core.url_to_fs(report_dir)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(report_path(root.rstrip("/"), step), "w") as f:
+        json.dump(report, f, indent=1)
+    return report_path(report_dir, step)
 
 
 def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, tasks=None,
@@ -149,20 +165,18 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     infra = sum(t["infra_failures"] for t in per_task)
     summary = summarize(counts, ks)
     report_dir = os.path.join(stage_dir, "agent_eval")
-    os.makedirs(report_dir, exist_ok=True)
     prev = previous_report(report_dir, step)
     margin = float(rl.eval_regression_margin)
     regressed = prev is not None and is_regression(prev["summary"], summary, margin)
     if regressed:
         logging.warning("agent eval at step %d: pass@1 %.3f regressed from %.3f (step %d) by more than %.3f",
                         step, summary["pass@1"], prev["summary"]["pass@1"], prev["step"], margin)
-    path = os.path.join(report_dir, f"step_{step:08d}.json")
+    path = report_path(report_dir, step)
     if jax.process_index() != 0:  # every process has the same summary; process 0 writes it
         return {**summary, "num_tasks": len(tasks), "infra_failures": infra, "regressed": regressed, "report": path}
     report = {"step": step, "summary": summary, "num_tasks": len(tasks), "samples": int(rl.eval_samples),
               "infra_failures": infra, "regressed": regressed,
               "previous_step": None if prev is None else prev["step"], "tasks": per_task,
               "time_s": time.perf_counter() - t0}
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report_dir, step, report)
     return {**summary, "num_tasks": len(tasks), "infra_failures": infra, "regressed": regressed, "report": path}

@@ -2,14 +2,19 @@
 
 import ast
 import hashlib
+import json
+import os
 import random
+import uuid
 
+import fsspec
 import pytest
 
 from coder.env import mutate
 from coder.env.reward import score_solution
 from coder.env.tasks import (
     Task,
+    glob_files,
     read_solutions,
     read_tasks,
     toy_tasks,
@@ -67,6 +72,42 @@ def test_task_v2_roundtrip_validation_and_patch_solutions(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"id": "r", "patch": 1}\n')
     with pytest.raises(ValueError, match="'r'.*patch"):
         read_solutions(tmp_path / "bad.jsonl")
+
+
+def test_tasks_and_solutions_through_fsspec_urls(tmp_path, monkeypatch):
+    """Task and solution files at fsspec URLs (memory:// here, as gs:// / s3:// in a run): written,
+    globbed (the protocol kept in the paths) and read back with the bytes a local file gets, and
+    no local directory named after the protocol."""
+    monkeypatch.chdir(tmp_path)  # a stray local `memory:` directory would appear here
+    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
+    root = f"memory://{bucket}"
+    a = [Task("a1", "fix é", {"x.py": "1"}, {"test_x.py": "2"}), Task("a2", "p", {}, {})]
+    b = [Task("b1", "q", {"y.py": "3"}, {}, source="toy")]
+    sols = {"a": {"a1": {"x.py": "3"}}, "b": {"b1": "diff --git a/y.py b/y.py\n"}}
+    try:
+        for name, tasks in (("a", a), ("b", b)):
+            write_tasks(f"{root}/tasks/{name}.jsonl", tasks)
+            write_solutions(f"{root}/solutions/{name}.jsonl", sols[name])
+        paths = glob_files(f"{root}/tasks/*.jsonl")
+        assert [p.rsplit("/", 1)[-1] for p in paths] == ["a.jsonl", "b.jsonl"]
+        assert all(p.startswith("memory://") and f"/{bucket}/tasks/" in p for p in paths)
+        assert [t for p in paths for t in read_tasks(p)] == a + b
+        assert read_tasks(f"{root}/tasks/b.jsonl") == b
+        got = [read_solutions(p) for p in glob_files(f"{root}/solutions/*.jsonl")]
+        assert got == [sols["a"], sols["b"]]
+        assert glob_files(f"{root}/tasks/*.json") == [] == glob_files(f"{root}/none/a.jsonl")
+        # the same bytes as a local file (the old writer's: one json.dumps line per task, UTF-8)
+        write_tasks(tmp_path / "a.jsonl", a)
+        local = (tmp_path / "a.jsonl").read_bytes()
+        old = "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in a).encode()
+        assert local == old == fsspec.filesystem("memory").cat_file(f"/{bucket}/tasks/a.jsonl")
+        assert glob_files(str(tmp_path / "*.jsonl")) == [str(tmp_path / "a.jsonl")]  # no file://
+        assert glob_files("*.jsonl") == [os.path.abspath("a.jsonl")]
+        with pytest.raises(FileNotFoundError):  # a local file's directory is not made (as open)
+            write_tasks(tmp_path / "missing" / "t.jsonl", a)
+    finally:
+        fsspec.filesystem("memory").rm(f"/{bucket}", recursive=True)
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]  # no `memory:` (or `gs:`) directory
 
 
 def test_toy_tasks_are_reproducible_distinct_and_solvable():

@@ -6,6 +6,9 @@ is an in-process episode; tests/rl/test_actor_learner.py runs the real engine (i
 and tests/test_quickstart.py real sandboxes.
 """
 import dataclasses
+import json
+import os
+import uuid
 
 import jax
 import ml_collections
@@ -397,6 +400,59 @@ def test_agent_eval_reports_pass_at_k_and_flags_regression(tok, tmp_path):
     with open(res2["report"]) as f:
         report = json.load(f)
     assert report["previous_step"] == 10 and report["tasks"][1]["correct"] == 2
+
+
+def test_rl_task_sources_and_agent_eval_reports_through_fsspec(tok, tmp_path, monkeypatch):
+    """rl.tasks / rl.eval_tasks as an fsspec glob (memory:// here, gs:// in a run) give the tasks a
+    local glob of the same files gives; the agent eval's reports go to a memory:// stage dir and
+    are read back (regression check, coder.report); nothing local is named after the protocol."""
+    import fsspec
+
+    from coder import report as report_lib
+    from coder.env.tasks import Task, write_tasks
+    from coder.rl import eval as eval_lib
+
+    monkeypatch.chdir(tmp_path)
+    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
+    root = f"memory://{bucket}"
+    tasks = [Task(id=f"t{i}", prompt=f"task {i}", files={}, tests={}) for i in range(6)]
+    (tmp_path / "local").mkdir()
+    try:
+        for name, part in (("a", tasks[:4]), ("b", tasks[4:])):
+            write_tasks(f"{root}/tasks/{name}.jsonl", part)
+            write_tasks(tmp_path / "local" / f"{name}.jsonl", part)
+        c = base.get_config()
+        c.rl.update(dict(context_budget=4096, summary_reserve=64, eval_samples=2, eval_k=(1,),
+                         eval_num_tasks=2))
+        c.rl.tasks = c.rl.eval_tasks = f"{root}/tasks/*.jsonl"
+        train, held_out = actor_lib.train_tasks(c), actor_lib.eval_tasks(c)
+        assert len(train) == 4 and len(held_out) == 2
+        assert sorted(t.id for t in train + held_out) == [t.id for t in tasks]
+        c.rl.tasks = c.rl.eval_tasks = str(tmp_path / "local" / "*.jsonl")
+        assert (actor_lib.train_tasks(c), actor_lib.eval_tasks(c)) == (train, held_out)
+        c.rl.eval_tasks = f"{root}/nothing/*.jsonl"
+        with pytest.raises(FileNotFoundError, match=r"rl\.eval_tasks='memory://.*/nothing/"):
+            actor_lib.eval_tasks(c)
+
+        # the report writer alone, then the whole eval (its previous report read back from memory)
+        stage = f"{root}/run/grpo"
+        report_dir = f"{stage}/agent_eval"
+        first = {"step": 10, "summary": {"pass@1": 1.0}, "tasks": []}
+        assert eval_lib.write_report(report_dir, 10, first) == f"{report_dir}/step_00000010.json"
+        assert eval_lib.previous_report(report_dir, 20) == first
+        assert eval_lib.previous_report(report_dir, 10) is None
+        engine = ScriptedEngine(lambda ctx, row: call_ids(tok, "submit", {}))
+        it = iter([1.0, 0.0, 0.0, 0.0])
+        res = eval_lib.run_agent_eval(c, None, tok, stage, step=20, tasks=held_out, engine=engine,
+                                      make_episode=lambda task: FakeEpisode(score=next(it)))
+        assert res["report"] == f"{report_dir}/step_00000020.json" and res["regressed"]
+        with fsspec.open(res["report"]) as f:
+            report = json.load(f)
+        assert report["previous_step"] == 10 and report["summary"]["pass@1"] == 0.25
+        assert [r["step"] for r in report_lib.read_agent_evals(stage)] == [10, 20]
+    finally:
+        fsspec.filesystem("memory").rm(f"/{bucket}", recursive=True)
+    assert sorted(os.listdir(tmp_path)) == ["local"]  # no `memory:` (or `gs:`) directory
 
 
 def test_tool_output_cannot_forge_control_tokens(tok):
