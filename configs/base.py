@@ -141,6 +141,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.tasks = "toy"  # task source: "toy" (coder.env toy tasks) or a Task JSONL path/glob
     c.rl.eval_tasks = "toy"  # held-out tasks of the agent eval: "toy" or a Task JSONL path/glob
     c.rl.group_size = 4  # G: rollouts per task
+    # GRPO's training tasks: the first rl.train_num_tasks of rl.tasks (0 = all), rl.epochs passes
+    # over them (each pass in its own seeded order); rl.eval_trained: the agent eval also runs on
+    # those tasks before the first step and after the last ({stage_dir}/agent_eval_trained/), the
+    # measure of learning where the held-out tasks cannot move (a model too small to generalise)
+    c.rl.train_num_tasks = 0
+    c.rl.epochs = 1
+    c.rl.eval_trained = False
     c.rl.speculative_k = 0  # the engine drafts this many tokens per step with the MTP modules (<= model.num_mtp_layers)
     # The rollout engine (coder/infer/engine.py): continuous batching over a pool of cache slots.
     c.rl.engine_slots = 0  # rows decoded together at most (0 = tasks_per_step * group_size)

@@ -62,6 +62,10 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
     assert 0 < grpo[-1]["mtp_accept_1"] <= 1  # the MTP refresh (grpo.mtp_weight) runs beside the policy
     # the agent eval before the first step (the baseline) and after the last
     assert sorted(os.listdir(workdir / "grpo" / "agent_eval")) == ["step_00000000.json", "step_00000001.json"]
+    # and on GRPO's own training tasks (rl.eval_trained): the quickstart's measure of learning
+    trained = [json.loads((workdir / "grpo" / "agent_eval_trained" / f"step_0000000{s}.json").read_text())
+               for s in (0, 1)]
+    assert [len(r["tasks"]) for r in trained] == [4, 4]  # rl.train_num_tasks
     (ev,) = [json.loads(x) for x in (workdir / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert ev["step"] == 1 and ev["tokens"] > 0  # the grpo checkpoint
     assert "pass@1" in ev
@@ -73,6 +77,7 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
         assert "held-out " in lines[stage] and "loss " in lines[stage], lines
     assert "loss " in lines["sft"], lines
     assert "reward " in lines["grpo"] and "pass@1 " in lines["grpo"] and " -> " in lines["grpo"], lines
+    assert "trained pass@1 " in lines["grpo"], lines
     assert str(workdir / "sft" / "checkpoints") in summary
     assert summary.rstrip().splitlines()[-1] == f"report: {workdir / 'report' / 'report.md'}"
     assert (workdir / "report" / "pretrain.png").stat().st_size > 5000

@@ -48,13 +48,31 @@ def _all_tasks(source: str, seed: int, key: str) -> list:
     return tasks
 
 
-def train_tasks(config) -> list:
-    """Training tasks in their (seeded) order; with the same source for eval, the last
-    `rl.eval_num_tasks` are held out."""
+def trained_tasks(config) -> list:
+    """The distinct training tasks in their (seeded) order: with the same source for eval, the
+    last `rl.eval_num_tasks` are held out; the first `rl.train_num_tasks` of the rest (0 = all)."""
     tasks = _all_tasks(config.rl.tasks, int(config.seed), "rl.tasks")
     if config.rl.eval_tasks == config.rl.tasks:
         tasks = tasks[: len(tasks) - int(config.rl.eval_num_tasks)]
-    return tasks
+    n = int(config.rl.train_num_tasks)
+    if n < 0 or n > len(tasks):
+        raise ValueError(f"rl.train_num_tasks={n}: between 0 (all) and the {len(tasks)} training tasks")
+    return tasks[:n] if n else tasks
+
+
+def train_tasks(config) -> list:
+    """GRPO's task stream: `rl.epochs` passes over `trained_tasks`, each pass in its own seeded
+    order (the first as given). Positions in this list are the epoch's state (a resumed run
+    continues where it stopped)."""
+    tasks, epochs = trained_tasks(config), int(config.rl.epochs)
+    if epochs < 1:
+        raise ValueError(f"rl.epochs={epochs}: at least 1")
+    out = list(tasks)
+    for e in range(1, epochs):
+        again = list(tasks)
+        random.Random(f"{int(config.seed)}/epoch/{e}").shuffle(again)
+        out += again
+    return out
 
 
 def eval_tasks(config) -> list:

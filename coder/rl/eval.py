@@ -111,7 +111,7 @@ def write_report(report_dir: str, step: int, report: dict) -> str:
 
 
 def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, tasks=None,
-                   make_episode=None, engine=None, actor=None) -> dict:
+                   make_episode=None, engine=None, actor=None, name: str = "agent_eval") -> dict:
     """Evaluates `model` as an agent on held-out tasks; writes the report; returns the summary.
 
     Args:
@@ -119,7 +119,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
         eval_regression_margin, and the rollout keys).
       model: the nnx model to evaluate (not modified).
       tokenizer: coder.data.tokenizer.Tokenizer.
-      stage_dir: reports go to `{stage_dir}/agent_eval/`.
+      stage_dir: reports go to `{stage_dir}/{name}/` (`agent_eval`: the held-out tasks;
+        stage grpo's `agent_eval_trained`: its own training tasks, rl.eval_trained).
       step: the checkpoint's step (names the report).
       tasks: held-out `Task`s (default: `coder.rl.actor.eval_tasks(config)`).
       make_episode: `task -> episode` (default: `coder.rl.actor.episode_factory(config)`, a
@@ -164,7 +165,7 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     counts = [(t["n"], t["correct"]) for t in per_task]
     infra = sum(t["infra_failures"] for t in per_task)
     summary = summarize(counts, ks)
-    report_dir = os.path.join(stage_dir, "agent_eval")
+    report_dir = os.path.join(stage_dir, name)
     prev = previous_report(report_dir, step)
     margin = float(rl.eval_regression_margin)
     regressed = prev is not None and is_regression(prev["summary"], summary, margin)

@@ -293,10 +293,12 @@ def summarize(stage: str, stage_dir: str, seconds: float, checkpoint: str) -> di
             if seen:
                 measures[label] = (seen[0] if len(seen) > 1 else None, seen[-1])
         steps = max((r["step"] for r in records), default=None)
-        evals = sorted((epath.Path(stage_dir) / "agent_eval").glob("step_*.json"))
-        if evals:
-            first, last = (json.loads(p.read_text())["summary"]["pass@1"] for p in (evals[0], evals[-1]))
-            measures["pass@1"] = (first if len(evals) > 1 else None, last)
+        # the held-out agent eval's pass@1, then (stage grpo, rl.eval_trained) its training tasks'
+        for label, name in (("pass@1", "agent_eval"), ("trained pass@1", "agent_eval_trained")):
+            evals = sorted((epath.Path(stage_dir) / name).glob("step_*.json"))
+            if evals:
+                first, last = (json.loads(p.read_text())["summary"]["pass@1"] for p in (evals[0], evals[-1]))
+                measures[label] = (first if len(evals) > 1 else None, last)
     return {"stage": stage, "measures": measures, "steps": steps, "seconds": seconds, "checkpoint": checkpoint}
 
 

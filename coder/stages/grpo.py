@@ -53,7 +53,8 @@ from flax import nnx
 from coder.env import pool as env_pool
 from coder.rl import actor_group, actor_learner, step_channel
 from coder.rl import reward as reward_lib
-from coder.rl.actor import Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups, train_tasks
+from coder.rl.actor import (Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups,
+                            train_tasks, trained_tasks)
 from coder.rl.learner import Learner
 from coder.train import state as state_lib
 
@@ -129,6 +130,9 @@ class StepRecord:
     learner_start: float
 
 
+TRAINED_EVAL = "agent_eval_trained"  # reports of the agent eval on the training tasks (rl.eval_trained)
+
+
 class GrpoRun:
     """One run of stage grpo over `tasks` (single epoch): a Learner whose trainer's `fit` drives
     the loop, with this object as its batch iterator and `after_step` as its hook.
@@ -146,11 +150,11 @@ class GrpoRun:
     """
 
     def __init__(self, config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
-                 held_out=None, model_fn=None):
+                 held_out=None, model_fn=None, trained=None):
         validate(config)
         rl = config.rl
         self.config, self.stage_dir, self.tokenizer = config, stage_dir, tokenizer
-        self.make_episode, self.held_out = make_episode, held_out
+        self.make_episode, self.held_out, self.trained = make_episode, held_out, trained
         b = int(rl.tasks_per_step)
         processes, pid = jax.process_count(), jax.process_index()
         if b % processes:
@@ -284,10 +288,11 @@ class GrpoRun:
         return record
 
     # --- eval and the run ----------------------------------------------------------------------
-    def evaluate(self) -> dict:
-        """The held-out agent eval (coder.rl.eval) of the learner's current weights (the store's
-        newest version, or the colocated push), on the in-process actor's engine or, with Ray
-        actors, an engine of the learner's own that follows the store."""
+    def evaluate(self, tasks=None, name: str = "agent_eval") -> dict:
+        """The agent eval (coder.rl.eval) of the learner's current weights (the store's newest
+        version, or the colocated push) on `tasks` (default: the held-out ones), on the
+        in-process actor's engine or, with Ray actors, an engine of the learner's own that follows
+        the store. Reports go to {stage_dir}/{name}/."""
         from coder.rl import eval as eval_lib
 
         from coder.rl import weight_channel
@@ -306,15 +311,25 @@ class GrpoRun:
             self._eval_follower.poll()
             actor = self._eval_actor
         return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
-                                       step=trainer.step, tasks=self.held_out, actor=actor)
+                                       step=trainer.step, tasks=self.held_out if tasks is None else tasks,
+                                       actor=actor, name=name)
 
     def run(self) -> str:
         """Trains to the end of the epoch (or train.steps); returns the checkpoint directory."""
         try:
-            if self.held_out and self.trainer.step == 0 and self.config.grpo.eval_at_start:  # the baseline
-                res = self.evaluate()
-                logging.info("[grpo] agent eval before the first step: %s", _eval_line(res))
+            if self.trainer.step == 0 and self.config.grpo.eval_at_start:  # the baselines
+                if self.trained:
+                    res = self.evaluate(self.trained, TRAINED_EVAL)
+                    logging.info("[grpo] agent eval on the training tasks before the first step: %s",
+                                 _eval_line(res))
+                if self.held_out:
+                    res = self.evaluate()
+                    logging.info("[grpo] agent eval before the first step: %s", _eval_line(res))
             self.trainer.fit(self, self.steps, after_step=self.after_step)  # logging, checkpoints, SIGTERM
+            if self.trained:
+                res = self.evaluate(self.trained, TRAINED_EVAL)
+                logging.info("[grpo] agent eval on the training tasks at step %d: %s", self.trainer.step,
+                             _eval_line(res))
             if self.held_out:
                 res = self.evaluate()
                 logging.info("[grpo] agent eval at step %d: %s", self.trainer.step, _eval_line(res))
@@ -339,10 +354,10 @@ def _eval_line(res: dict) -> str:
 
 
 def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_episode,
-          held_out=None, model_fn=None) -> str:
+          held_out=None, model_fn=None, trained=None) -> str:
     """The GRPO loop over `tasks` (single epoch; `GrpoRun`). Returns the checkpoint directory."""
     return GrpoRun(config, stage_dir, init_from, tokenizer=tokenizer, tasks=tasks, make_episode=make_episode,
-                   held_out=held_out, model_fn=model_fn).run()
+                   held_out=held_out, model_fn=model_fn, trained=trained).run()
 
 
 def run(config, stage_dir: str, init_from: str) -> str:
@@ -352,4 +367,5 @@ def run(config, stage_dir: str, init_from: str) -> str:
     tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
     make_episode = episode_factory(config)
     return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),
-                 make_episode=make_episode, held_out=eval_tasks(config))
+                 make_episode=make_episode, held_out=eval_tasks(config),
+                 trained=trained_tasks(config) if config.rl.eval_trained else None)

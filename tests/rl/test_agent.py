@@ -636,3 +636,25 @@ def test_env_config_reaches_rl_episodes_local_and_pooled():
     c.rl.tools = ("read_file", "teleport")
     with pytest.raises(ValueError, match="teleport"):
         actor_lib.episode_factory(c)
+
+
+def test_training_tasks_subset_and_epochs():
+    """rl.train_num_tasks takes the first N training tasks, rl.epochs passes over them (each in
+    its own seeded order, the first as given): GRPO sees each task once per epoch."""
+    c = base.get_config()
+    c.rl.update(dict(tasks="toy", eval_tasks="toy", eval_num_tasks=9))
+    everything = actor_lib.train_tasks(c)
+    assert len(everything) == 36 and actor_lib.trained_tasks(c) == everything
+    c.rl.update(dict(train_num_tasks=4, epochs=3))
+    trained, stream = actor_lib.trained_tasks(c), actor_lib.train_tasks(c)
+    assert trained == everything[:4] and len(stream) == 12 and stream[:4] == trained
+    for e in range(3):
+        assert sorted(t.id for t in stream[4 * e:4 * e + 4]) == sorted(t.id for t in trained)
+    assert [t.id for t in stream[4:]] != [t.id for t in trained * 2]  # later passes reshuffled
+    assert actor_lib.train_tasks(c) == stream  # seeded
+    assert not set(t.id for t in stream) & set(t.id for t in actor_lib.eval_tasks(c))
+    for key, value in (("train_num_tasks", 37), ("train_num_tasks", -1), ("epochs", 0)):
+        bad = c.copy_and_resolve_references()
+        bad.rl[key] = value
+        with pytest.raises(ValueError, match=f"rl.{key}"):
+            actor_lib.train_tasks(bad)
