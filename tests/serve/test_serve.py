@@ -291,9 +291,17 @@ def test_malformed_call_is_returned_as_text_and_logged_as_broken(served):
     r = c.chat.completions.create(model="tiny", messages=msgs, tools=bad, temperature=0, max_tokens=32)
     ch = r.choices[0]
     assert not ch.message.tool_calls and ch.finish_reason == "stop"
-    assert ch.message.content == CALL  # the model's call: "3" is not an integer
+    # The model's call comes back as text. Which call it writes under this system prompt (the
+    # schema differs from the one it was fitted on) depends on the CPU's rounding: CALL here
+    # ("3" is not an integer), `{"name": {"answer": "3"}}` on an AMD EPYC. Either is broken.
+    text = ch.message.content
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+    spec = protocol.ToolSpec("submit", "Submit your answer.", bad[0]["function"]["parameters"])
+    (parsed,) = protocol.parse_tool_calls(text, [spec])
+    assert isinstance(parsed, protocol.BrokenToolCall)
     rec = _records(served)[-1]
-    assert rec["broken_calls"] == 1 and rec["tool_calls"] == 0 and "integer" in rec["broken_reason"]
+    assert rec["broken_calls"] == 1 and rec["tool_calls"] == 0
+    assert rec["broken_reason"] == parsed.reason, (rec["broken_reason"], parsed.reason)
 
 
 def test_concurrent_requests_batch_together(served):
