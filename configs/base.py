@@ -309,6 +309,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.realtime.steps = 4  # optimizer steps per cycle (the window's completions in as many minibatches)
     c.realtime.lr = 1e-6  # constant learning rate of the stage
     c.realtime.tokens_per_completion = 0  # loss normaliser per completion (0 = serve.max_tokens)
+    # the reward of a served reply with a malformed tool call that got no feedback: a negative
+    # sample, not dropped (coder.rl.realtime.join; the seeds' broken-call hack)
+    c.realtime.broken_call_reward = -1.0
     c.realtime.signals = ml_collections.ConfigDict(
         dict(edit_kept=1.0, dissatisfied_followup=1.0, rating=1.0)
     )  # production signal name -> reward weight (0 = off); registry in coder/rl/realtime.py

@@ -108,12 +108,19 @@ class Joined:
     advantage: float = 0.0
 
 
-def join(completions: list[dict], feedback: list[dict], weights) -> tuple[list[Joined], dict]:
+def join(completions: list[dict], feedback: list[dict], weights,
+         broken_call_reward: float = -1.0) -> tuple[list[Joined], dict]:
     """Completions with at least one signal (time order) and the counts of what was dropped.
+
+    A completion whose reply held a malformed tool call (`broken_calls` > 0 in the log) and got
+    no feedback is kept with reward `broken_call_reward` (realtime.broken_call_reward): dropping
+    it would let a broken call vanish from training, the hack the seeds report for RL (a broken
+    call discarded the rollout instead of counting as a negative).
 
     Counts: `trajectories` (completions read), `feedback`, `feedback_unmatched` (no completion
     of the window), `feedback_off` (a signal whose weight is 0 or that is not configured),
-    `dropped_no_signal`, `with_signal`, `signals_{name}` (feedback matched, per signal).
+    `dropped_no_signal`, `broken_no_signal` (kept as negatives), `with_signal`,
+    `signals_{name}` (feedback matched, per signal).
     """
     weights = {k: float(v) for k, v in dict(weights).items()}
     check_signals(weights)
@@ -125,7 +132,7 @@ def join(completions: list[dict], feedback: list[dict], weights) -> tuple[list[J
         if c["conversation_id"]:
             by_conv[c["conversation_id"]].append(c)
     counts = collections.Counter(trajectories=len(completions), feedback=len(feedback), feedback_unmatched=0,
-                                 feedback_off=0, dropped_no_signal=0)
+                                 feedback_off=0, dropped_no_signal=0, broken_no_signal=0)
     got: dict[tuple, dict] = collections.defaultdict(dict)  # (completion_id, choice) -> {signal: value}
     for f in sorted(feedback, key=lambda f: f["time"]):
         name = f["signal"]
@@ -152,10 +159,14 @@ def join(completions: list[dict], feedback: list[dict], weights) -> tuple[list[J
     for c in completions:
         sig = got.get((c["completion_id"], int(c["choice"])))
         if not sig:
-            counts["dropped_no_signal"] += 1
+            if int(c.get("broken_calls") or 0) > 0:
+                joined.append(Joined(c, {}, float(broken_call_reward)))
+                counts["broken_no_signal"] += 1
+            else:
+                counts["dropped_no_signal"] += 1
             continue
         joined.append(Joined(c, sig, sum(weights[k] * SIGNALS[k](v) for k, v in sig.items())))
-    counts["with_signal"] = len(joined)
+    counts["with_signal"] = len(joined) - counts["broken_no_signal"]
     return joined, dict(counts)
 
 

@@ -28,7 +28,7 @@ that has versions), and its first window is the `realtime.window` seconds before
 server and this stage from the same checkpoint. `realtime.cycles` cycles (0 = forever).
 
 Files in `{workdir}/realtime/`: `metrics.jsonl` (one record per cycle: `step` = the cycle,
-`loss`, `reward`, `trajectories`, `with_signal`, `dropped_no_signal`, `stale`, `signals_{name}`,
+`loss`, `reward`, `trajectories`, `with_signal`, `dropped_no_signal`, `broken_no_signal`, `stale`, `signals_{name}`,
 `trained`, the loss metrics, `gate` = pass | fail | skipped | off, `gate_reason`,
 `baseline_pass@1`, `candidate_pass@1`, `version_served`, `version_published` (-1: none),
 `versions_published`), `state.json` (the committed cycle, version, learner step and the next
@@ -175,13 +175,14 @@ class Loop:
         now = self.clock()
         completions = list(trajectory_log.read_completions(self.log_url, start, end))
         feedback = list(trajectory_log.read_feedback(self.log_url, start, now))
-        joined, counts = realtime_lib.join(completions, feedback, cfg.realtime.signals)
+        joined, counts = realtime_lib.join(completions, feedback, cfg.realtime.signals,
+                                           float(cfg.realtime.broken_call_reward))
         items, dropped = realtime_lib.select(joined, v, self.learner.seq_len)
         adv = realtime_lib.leave_one_out([j.reward for j in items])
         for j, a in zip(items, adv):
             j.advantage = float(a)
         record = {**{k: counts.get(k, 0) for k in ("trajectories", "feedback", "with_signal", "dropped_no_signal",
-                                                  "feedback_unmatched", "feedback_off")},
+                                                  "broken_no_signal", "feedback_unmatched", "feedback_off")},
                   **{k: v_ for k, v_ in counts.items() if k.startswith("signals_")}, **dropped,
                   "trained": len(items), "version_served": v, "version_published": -1,
                   "window_start": start, "window_end": end,

@@ -64,6 +64,13 @@ def test_signals_join_and_leave_one_out_baseline():
     assert [(j.record["completion_id"], j.reward) for j in joined] == [("a", 2.0), ("b", -1.0)]
     assert counts["dropped_no_signal"] == 1 and counts["feedback_unmatched"] == 1 and counts["feedback_off"] == 1
     assert counts["signals_edit_kept"] == 2 and counts["signals_dissatisfied_followup"] == 1
+    # a reply with a malformed tool call and no feedback is a negative, not dropped (the hack)
+    broken = dict(completion_id="d", choice=0, conversation_id="", time=t + 8, broken_calls=1)
+    silent = dict(completion_id="e", choice=0, conversation_id="", time=t + 9, broken_calls=0)
+    joined, counts = realtime.join(comp + [broken, silent], fb, {"edit_kept": 2.0, "dissatisfied_followup": 1.0,
+                                                                  "rating": 0.0}, broken_call_reward=-0.5)
+    assert [(j.record["completion_id"], j.reward) for j in joined] == [("a", 2.0), ("b", -1.0), ("d", -0.5)]
+    assert counts["broken_no_signal"] == 1 and counts["dropped_no_signal"] == 2 and counts["with_signal"] == 2
     adv = realtime.leave_one_out([1.0, 0.0, 0.0, 1.0])
     np.testing.assert_allclose(adv, [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3])  # r_i - mean of the others
     assert realtime.leave_one_out([5.0]).tolist() == [0.0]
