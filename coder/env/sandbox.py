@@ -45,13 +45,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import glob
 import os
 import random
 import selectors
 import shutil
 import signal
-import site
 import stat
 import subprocess
 import sys
@@ -61,6 +59,7 @@ import weakref
 from collections.abc import Mapping
 
 from coder.env import repo as repo_lib
+from coder.env.installed import installed_copies, python_prefixes, workspace_modules
 
 WORKDIR = "/workspace"  # where the workspace is mounted inside the sandbox
 _UID_BASE = 200_000  # sandbox uids: [_UID_BASE, _UID_BASE + _UID_RANGE), unused on the host
@@ -136,26 +135,6 @@ def find_bwrap() -> str:
     return path
 
 
-def _python_prefixes() -> list[str]:
-    """Host directories the sandboxed Python needs, read-only: interpreter and site-packages."""
-    paths = {
-        sys.prefix,
-        sys.base_prefix,
-        os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))),
-    }
-    paths.update(p for p in site.getsitepackages() if os.path.isdir(p))
-    if site.ENABLE_USER_SITE and site.USER_SITE and os.path.isdir(site.USER_SITE):
-        paths.add(site.USER_SITE)
-    out = []
-    for p in sorted(os.path.realpath(p) for p in paths):
-        if p.startswith("/usr/") or p == "/usr":
-            continue  # /usr is mounted whole
-        if any(p == q or p.startswith(q + "/") for q in out):
-            continue
-        out.append(p)
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def overlay_available(root: str) -> bool:
     """Whether this process can mount an overlayfs workspace under `root` (root on the host,
@@ -183,26 +162,6 @@ def _mount_overlay(lower: str, upper: str, work: str, merged: str) -> bool:
     return r.returncode == 0
 
 
-def workspace_modules(files) -> dict[str, tuple[str, ...]]:
-    """Top-level Python modules a workspace defines: {name: (its paths in the workspace)}.
-
-    `M.py` at the root (or under `src/`) is module M; a directory with an `__init__.py` there is
-    package M with every file under it. These are the names whose installed copies a sandbox
-    hides (`installed_copies`)."""
-    out: dict[str, list[str]] = {}
-    for path in sorted(files):
-        parts = path.split("/")
-        if parts[0] == "src" and len(parts) > 1:
-            parts = parts[1:]
-        if len(parts) == 1 and parts[0].endswith(".py") and parts[0][:-3].isidentifier():
-            out.setdefault(parts[0][:-3], []).append(path)
-        elif len(parts) > 1 and parts[0].isidentifier():
-            top = path[: len(path) - len("/".join(parts[1:]))]  # "pkg/" or "src/pkg/"
-            if top + "__init__.py" in files:
-                out.setdefault(parts[0], []).append(path)
-    return {name: tuple(paths) for name, paths in out.items()}
-
-
 def task_checkout(task) -> "repo_lib.Checkout":
     """The prepared tree of a v2 task's repository at its commit (SandboxError if it cannot be
     made)."""
@@ -218,39 +177,6 @@ def starting_files(task) -> Mapping:
     if not getattr(task, "repo", ""):
         return task.files
     return collections.ChainMap(task.files, task_checkout(task).files())
-
-
-@functools.lru_cache(maxsize=1)
-def _library_dirs() -> tuple[str, ...]:
-    """Every directory visible inside a sandbox from which some Python imports modules: each
-    standard library (a directory holding `os.py`, wherever an interpreter is installed under
-    /usr or the bound prefixes: Debian's, pyenv's, one bundled with a cloud SDK) and every
-    site- / dist-packages. One walk per process (~0.3 s over a /usr of 260k entries)."""
-    out = set()
-    for base in ["/usr", *_python_prefixes()]:
-        for dirpath, dirnames, filenames in os.walk(base):
-            if "os.py" in filenames:
-                out.add(dirpath)
-            for name in ("site-packages", "dist-packages"):
-                if name in dirnames:  # listed, not descended: packages hold no `os.py`
-                    out.add(os.path.join(dirpath, name))
-                    dirnames.remove(name)
-    return tuple(sorted(os.path.realpath(p) for p in out))
-
-
-@functools.lru_cache(maxsize=4096)
-def installed_copies(name: str) -> tuple[str, ...]:
-    """Host paths of module `name`'s installed source and bytecode in every `_library_dirs`
-    directory: `name.py`, the package directory `name/`, `__pycache__/name.*.pyc`, and Python 2's
-    `name.pyc`. The sandbox shows the task's own starting text over each of them."""
-    out = []
-    for root in _library_dirs():
-        source, package = os.path.join(root, f"{name}.py"), os.path.join(root, name)
-        out += [source] if os.path.isfile(source) else []
-        out += [package] if os.path.isdir(package) else []
-        out += glob.glob(os.path.join(root, "__pycache__", glob.escape(name) + ".*.pyc"))
-        out += [p for p in (os.path.join(root, f"{name}.pyc"),) if os.path.isfile(p)]
-    return tuple(sorted(set(out)))
 
 
 def _stream_cap(limit: int):
@@ -376,7 +302,7 @@ class Sandbox:
             os.mkdir(self.workspace, 0o755)
             self._chown(self.workspace)
             self._write_etc()
-            self._prefixes = _python_prefixes()
+            self._prefixes = python_prefixes()
             self._shadows = (
                 self._shadow_installed(starting_files(task)) if task is not None else ()
             )
@@ -726,15 +652,7 @@ class Sandbox:
             raise SandboxError("sandbox is closed")
         timeout_s = self.limits.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        proc = subprocess.Popen(
-            self._argv(cmd, binds),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env={"PATH": "/usr/bin:/bin"},
-        )
-        self._procs.add(proc)
+        proc = self._spawn(cmd, binds, stdin=subprocess.DEVNULL)
         caps = {
             proc.stdout: _stream_cap(self.limits.output_bytes),
             proc.stderr: _stream_cap(self.limits.output_bytes),
@@ -793,9 +711,14 @@ class Sandbox:
         calls `release`; `close()` kills it if it is still registered."""
         if self.closed:
             raise SandboxError("sandbox is closed")
+        return self._spawn(cmd, (), stdin=subprocess.PIPE)
+
+    def _spawn(self, cmd: str, binds: tuple, stdin) -> subprocess.Popen:
+        """bwrap running `cmd` in its own session (so its group can be killed), registered for
+        `close()`."""
         proc = subprocess.Popen(
-            self._argv(cmd, ()),
-            stdin=subprocess.PIPE,
+            self._argv(cmd, binds),
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
