@@ -75,8 +75,10 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
         for a, b in zip(store, m):
             for key in ("reward", "tokens_per_rollout", "output_tokens", "engine_prefill_tokens"):
                 assert a[key] == b[key], (name, key, a[key], b[key])
+            # atol: step 2's loss is ~-2e-4 (advantage-weighted terms that nearly cancel), and
+            # one fresh-CI run in three measured 2.6e-10 between the runs (1.2e-6 relative)
             np.testing.assert_allclose([a["loss"], a["entropy"], a["grad_norm"]],
-                                       [b["loss"], b["entropy"], b["grad_norm"]], rtol=1e-6)
+                                       [b["loss"], b["entropy"], b["grad_norm"]], rtol=1e-6, atol=1e-8)
     seen, after, opt_bytes = kinds["offload"]
     assert seen and all(k == {"pinned_host"} for k in seen), seen  # every rollout: on the host
     assert after == {"device"}
