@@ -10,6 +10,7 @@ few steps, stop, and a new trainer in each resumes: each process gets back its o
 position (coder.train.checkpoint writes one data state per process), and the tokenizer of a run
 from scratch is trained once, on process 0, and received by the other.
 """
+import functools
 import json
 import os
 import sys
@@ -258,10 +259,12 @@ def test_two_processes_resume_their_own_data_positions(tmp_path):
     assert (step_dir / "tokenizer" / "metadata").exists()
 
 
-def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str):
+def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str, colocated: bool = False):
     """Two GRPO steps and the agent eval of tests/rl_toy.py's in-process task: the
-    learner on the global mesh (every process's devices), each process's actor (engine) on its
-    own devices with its share of the tasks. Prints the metrics and the eval summary."""
+    learner on the global mesh (every process's devices), and either each process's actor
+    (engine) on its own devices with its share of the tasks, or (`colocated`) one engine over
+    every process's devices, led by process 0, taking turns with the learner. Prints the
+    metrics and the eval summary."""
     import jax
 
     if num_processes > 1:
@@ -278,6 +281,9 @@ def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str):
     cfg.rl.update(dict(group_size=2, tasks_per_step=2, eval_num_tasks=2, eval_samples=2))
     cfg.train.update(dict(steps=2, ckpt_every=1000))
     cfg.grpo.kl_coef = 0.01
+    if colocated:
+        cfg.rl.colocated = cfg.rl.offload_optimizer = True
+        cfg.grpo["async"] = False
     tasks = rl_test.make_tasks(6, seed=0)
     answer = {t.id: k for t, k in tasks}
     stage_dir = os.path.join(workdir, "grpo")
@@ -295,10 +301,14 @@ def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str):
 
 
 @pytest.mark.slow
-def test_grpo_and_agent_eval_on_a_4_device_mesh_and_on_two_processes(tmp_path):
-    """GRPO (learner + engine + agent eval) on one process with 4 devices, and on two processes
-    with 4 devices each (the learner spans both, each actor decodes on its own 4): the stage
-    runs, logs both steps and writes the eval report."""
+def test_grpo_and_agent_eval_on_two_processes_with_own_actors_and_colocated(tmp_path):
+    """GRPO (learner + engine + agent eval) on two processes with 4 devices each, in both
+    layouts of the actor in the learner's job: each process's actor decodes its share of the
+    tasks on its own 4 devices (weights through the store), and colocated, where one engine
+    over all 8 devices (process 0 leads, process 1 follows) takes turns with the learner, each
+    version resharded on device and the optimizer state in host memory while the engine runs.
+    The colocated pair equals one process with the same 8 devices, colocated: the same
+    rollouts, and the same losses to float tolerance."""
     def run(procs):
         outs = []
         for proc in procs:
@@ -307,16 +317,27 @@ def test_grpo_and_agent_eval_on_a_4_device_mesh_and_on_two_processes(tmp_path):
             outs.append(json.loads(next(x for x in out.splitlines() if x.startswith("GRPO "))[5:]))
         return outs
 
-    (single,) = run([_spawn(0, 1, 4, jobs.free_port(), str(tmp_path / "single"), "grpo")])
-    port = jobs.free_port()
-    pair = run([_spawn(i, 2, 4, port, str(tmp_path / "multi"), "grpo") for i in range(2)])
-    assert (single["devices"], pair[0]["devices"], pair[1]["local"]) == (4, 8, 4)
-    for out in (single, pair[0]):
+    (single,) = run([_spawn(0, 1, 8, jobs.free_port(), str(tmp_path / "single"), "colocated")])
+    runs = {}
+    for mode in ("grpo", "colocated"):
+        port = jobs.free_port()
+        runs[mode] = run([_spawn(i, 2, 4, port, str(tmp_path / mode), mode) for i in range(2)])
+    for out in (single, runs["grpo"][0], runs["colocated"][0]):
         assert [m["step"] for m in out["metrics"]] == [1, 2]
         assert all(np.isfinite(m["loss"]) and m["engine_tokens_per_s"] > 0 for m in out["metrics"])
         assert set(out["eval"]) >= {"pass@1"} and 0.0 <= out["eval"]["pass@1"] <= 1.0
+    pair = runs["colocated"]
+    assert (single["devices"], pair[0]["devices"], pair[1]["local"]) == (8, 8, 4)
+    for a, b in zip(single["metrics"], pair[0]["metrics"]):
+        assert b["sync_bytes"] == 0 and b["offload_bytes"] > 0 and b["actor_processes"] == 2
+        for key in ("reward", "tokens_per_rollout", "output_tokens", "engine_prefill_tokens"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        np.testing.assert_allclose([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]], rtol=1e-4, atol=1e-7)
+    assert single["eval"] == pair[0]["eval"]
+    assert runs["grpo"][0]["metrics"][0]["sync_bytes"] > 0
 
 
 if __name__ == "__main__":
-    main = {"resume": resume_worker, "grpo": grpo_worker, "preempt": preempt_worker}.get(sys.argv[5] if sys.argv[5:] else "", worker)
+    main = {"resume": resume_worker, "grpo": grpo_worker, "preempt": preempt_worker,
+            "colocated": functools.partial(grpo_worker, colocated=True)}.get(sys.argv[5] if sys.argv[5:] else "", worker)
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -37,10 +37,13 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
 Over several processes (a multi-controller job, `mesh` spanning every process's devices): each
 process builds the same Engine; process 0, the leader, owns the scheduler and takes every call
 above; the others call `engine.follow()`, which runs the leader's device calls (coder/infer/
-channel.py: their host inputs posted once per call) until the leader's `close()`. Same tokens,
-logprobs and expert ids as one process on the same devices. Weights then come by
-`load_weights` (a `set_weights` state lives on one process). A follower that dies or stalls
-makes the leader's next call raise `channel.FollowerLost` naming it.
+channel.py: their host inputs posted once per call) until the leader's `close()`, or until its
+`settle()` hands them back to their own work for a while (a colocated GRPO job: the learner's
+step runs on the same devices between two phases of rollouts; `follow()` says which). Same
+tokens, logprobs and expert ids as one process on the same devices. Weights then come by
+`load_weights` (a `set_weights` state lives on one process); a state that already spans the
+job's processes (a colocated learner's) is resharded on device into the engine's shardings. A
+follower that dies or stalls makes the leader's next call raise `channel.FollowerLost` naming it.
 
 Recorded logprob of a token: `log_softmax(logits / T)[token]` over the full vocabulary
 (T = 0: `log_softmax(logits)`), see coder/infer/sampling.py; a training forward at the same
@@ -179,6 +182,7 @@ class Engine:
         self._store = None  # programs.Store of `_slots` slots and `_capacity` positions
         self._slots = self._capacity = 0
         self._thread = None
+        self._busy = False  # the engine thread is between taking work and finishing it
         self._closing = False
         self.admission_timeout_s = float(admission_timeout_s)
         self._stuck_since = None
@@ -318,16 +322,34 @@ class Engine:
             self._pending_weights = (loader, version)
             self._wake()
 
-    def follow(self) -> None:
+    def follow(self) -> str:
         """A follower process's part of the engine: run the leader's device calls until the leader
-        closes the engine (returns) or is lost (raises)."""
+        closes the engine ("closed") or settles it ("settled": the leader's `settle()`; call
+        follow() again for its next calls), or is lost (raises)."""
         if self.is_leader:
             raise RuntimeError("follow: this process leads the engine (process 0 takes the calls)")
         while True:
             op, args = self._channel.receive()
             if op == "close":
-                return
+                return "closed"
+            if op == "settle":
+                return "settled"
             self._calls[op](*args)
+
+    def settle(self) -> None:
+        """Leader: wait until the engine is idle (pending weights applied, nothing decoding or
+        waiting for a slot), then, over several processes, hand the followers back: their
+        `follow()` returns "settled", so every process can run programs of its own (a learner's
+        step) until the leader's next call, which the followers take in their next `follow()`.
+        The caller must start no engine work until settle returns."""
+        self._check_leader("settle")
+        with self._lock:
+            while self._busy or self._has_work() or self.sched.admissions:
+                self._check_alive()
+                self._lock.wait(timeout=0.5)
+            self._check_alive()
+            if self._channel is not None:  # under the lock: the engine thread sends nothing meanwhile
+                self._channel.send("settle", ())
 
     def close(self) -> None:
         """Stop the engine's thread (pending calls fail); the followers' `follow()` returns."""
@@ -410,13 +432,13 @@ class Engine:
         """The engine's own copy of `state`: cast to the serving dtype, on the engine's shardings.
         Always fresh buffers: a trainer donates its arrays to each step."""
         def put(x, sh):
-            if isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding != sh:
-                if self._channel is not None:
-                    raise ValueError("the engine's state spans processes in another sharding: load it "
-                                     "with load_weights (each process reads its own slices)")
+            spans = isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding != sh
+            if spans and self._channel is None:
                 x = multihost_utils.process_allgather(x, tiled=True)  # a learner over several hosts
             if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
                 x = x.astype(self.dtype)
+            if spans and self._channel is not None:  # every process is in this call: reshard on device
+                return jax.jit(_identity, out_shardings=sh)(x)
             if not sh.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
                 x = np.asarray(x)  # the same host value on every process: each places its devices' part
                 return jax.make_array_from_callback(x.shape, sh, lambda i, x=x: x[i])
@@ -505,13 +527,19 @@ class Engine:
                 if self._closing:
                     self.sched.fail_all(RuntimeError("the engine was closed"))
                     return
+                self._busy = True
             try:
                 self._iterate()
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets it, never a hang
                 with self._lock:
                     self._broken = e
+                    self._busy = False
                     self.sched.fail_all(e)
+                    self._lock.notify_all()
                 return
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()  # settle() waits for an idle engine
 
     def _iterate(self):
         self._sync_weights()
@@ -733,6 +761,10 @@ def _signature(state):
 
 def _is_abstract(state) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+
+
+def _identity(x):
+    return x
 
 
 @jax.jit

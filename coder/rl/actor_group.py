@@ -275,17 +275,17 @@ def _lost_member(e) -> bool:
     return isinstance(cause, channel.FollowerLost) or "FollowerLost" in str(e)
 
 
-def start_actors(config, *, tokenizer, make_episode, model_fn, url: str, model=None, version: int = 0):
+def start_actors(config, *, tokenizer, make_episode, model_fn, url: str, mesh=None):
     """The actors of `config`: rl.num_actors Ray actors (0 = one in the learner's process,
-    coder.rl.actor_learner.LocalActors), each of rl.actor_processes processes (1 =
-    coder.rl.actor_learner.RayActors, more = `RayActorGroups`). `model` (rl.colocated): the
-    learner's, which the in-process actor's engine copies on device as version `version`."""
+    coder.rl.actor_learner.LocalActors, on `mesh`), each of rl.actor_processes processes (1 =
+    coder.rl.actor_learner.RayActors, more = `RayActorGroups`). rl.colocated: the in-process
+    actor's engine takes the learner's versions on device (`ActorWorker.push`)."""
     from coder.rl.actor_learner import ActorWorker, LocalActors, RayActors, capacity
 
     n, slots, processes = int(config.rl.num_actors), capacity(config), int(config.rl.actor_processes)
     if n == 0:
-        return LocalActors(ActorWorker(config, tokenizer, make_episode, model_fn, url, model=model, version=version),
-                           slots)
+        return LocalActors(ActorWorker(config, tokenizer, make_episode, model_fn, url, mesh=mesh,
+                                       colocated=bool(config.rl.colocated)), slots)
     if processes > 1:
         return RayActorGroups(config, n, processes, tokenizer, make_episode, model_fn, url, slots)
     return RayActors(config, n, tokenizer, make_episode, model_fn, url, slots)

@@ -135,17 +135,18 @@ class ActorWorker:
         its weights are never used: they come from the store.
       url: the weight store; the actor starts from its newest complete version (waiting up to
         `timeout_s` for the first one).
-      model: colocated mode (rl.colocated): the learner's model, which the engine copies on
-        device (its own shardings and dtype); `url` is unused, and the learner gives every
-        version by `push` (no store, no poller).
+      colocated: colocated mode (rl.colocated): the engine is built without weights, `url` is
+        unused, and the learner gives every version by `push` (no store, no poller): each
+        process's staged learner arrays resharded on device into the engine's shardings and
+        dtype (coder.rl.weight_channel.OnDevice).
       mesh: the engine's devices (default: this process's, `coder.rl.actor.engine_mesh`). A mesh
-        over several processes (coder/rl/actor_group.py) makes this the engine's leader: it is
-        built from the abstract model and every process reads its own devices' slices of each
-        version (`Engine.load_weights`); the other processes follow.
+        over several processes (coder/rl/actor_group.py, or a colocated learner's job) makes this
+        the engine's leader: it is built from the abstract model and every process loads its own
+        devices' part of each version (`Engine.load_weights`); the other processes follow.
     """
 
     def __init__(self, config, tokenizer, make_episode, model_fn, url: str, index: int = 0,
-                 timeout_s: float = 600.0, mesh=None, model=None, version: int = 0):
+                 timeout_s: float = 600.0, mesh=None, colocated: bool = False, version: int = -1):
         from flax import nnx
 
         from coder.data import tokenizer as tokenizer_lib
@@ -169,9 +170,8 @@ class ActorWorker:
             return got
 
         graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn or actor_lib.model_fn(config)))
-        if model is not None:  # colocated: the learner's arrays, resharded on device
-            self.engine = actor_lib.make_engine(model, config, mesh=mesh)
-            self.engine.policy_version = int(version)
+        if colocated:  # the learner's arrays, resharded on device at each push
+            self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._abstract), config, mesh=mesh)
             self.follower = None
         elif mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
             # no process holds the whole model: each reads its own devices' slices
@@ -238,11 +238,15 @@ class ActorWorker:
             self._cond.notify_all()
         return True
 
-    def push(self, model, version: int) -> float:
-        """Colocated mode: the learner's `model` as version `version`, copied on device into the
-        engine's shardings and dtype (from its next decode call on). Returns the seconds taken."""
+    def push(self, version: int) -> float:
+        """Colocated mode: the learner's arrays every process staged as `version`
+        (`weight_channel.stage_on_device`), resharded on device into the engine's shardings and
+        dtype from its next decode call on; `Engine.settle()` waits until they are. Returns the
+        seconds taken here."""
+        from coder.rl import weight_channel
+
         t0 = time.perf_counter()
-        self.engine.set_weights(model, version)
+        self.engine.load_weights(weight_channel.OnDevice(int(version)), version)
         with self._cond:
             self.version = int(version)
             self.versions_applied += 1

@@ -111,7 +111,8 @@ def write_report(report_dir: str, step: int, report: dict) -> str:
 
 
 def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, tasks=None,
-                   make_episode=None, engine=None, actor=None, name: str = "agent_eval") -> dict:
+                   make_episode=None, engine=None, actor=None, name: str = "agent_eval",
+                   alone: bool = False) -> dict:
     """Evaluates `model` as an agent on held-out tasks; writes the report; returns the summary.
 
     Args:
@@ -129,6 +130,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
       actor: an existing coder.rl.actor.Actor over that engine (its env workers reused; default:
         one made here and closed after). It rolls out this process's tasks together, each task's
         n samples one engine group (concurrently with rl.concurrent, as training does).
+      alone: this process evaluates every task (the leader of an engine over the job's
+        processes: a colocated GRPO run's process 0); default: each process of the job its share.
     Returns:
       {"pass@k" for k in rl.eval_k, "num_tasks", "infra_failures", "regressed", "report"}.
     """
@@ -145,7 +148,7 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
         actor = stage_lib.Actor(engine, tokenizer, config, make_episode or stage_lib.episode_factory(config))
     rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
     t0 = time.perf_counter()
-    processes, pid = jax.process_count(), jax.process_index()
+    processes, pid = (1, 0) if alone else (jax.process_count(), jax.process_index())
     mine = [i for i in range(len(tasks)) if i % processes == pid]  # each process evaluates its share
     try:
         groups = actor.collect([tasks[i] for i in mine], rng, group_size=int(rl.eval_samples),
@@ -161,7 +164,7 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
                          "infra_failures": len(rollouts) - len(valid),
                          "finish": [r.finish for r in rollouts], "broken_calls": [r.broken_calls for r in rollouts],
                          "sample": transcript_text(rollouts[0], tokenizer) if rollouts else ""})
-    per_task = sorted(_gather(per_task), key=lambda t: t.pop("index"))
+    per_task = sorted(per_task if alone else _gather(per_task), key=lambda t: t.pop("index"))
     counts = [(t["n"], t["correct"]) for t in per_task]
     infra = sum(t["infra_failures"] for t in per_task)
     summary = summarize(counts, ks)

@@ -6,6 +6,9 @@ learner and actors, stage realtime and the servers that follow it).
     StoreLoad(url, version)                             # an Engine.load_weights loader: each
                                                         # process reads its own devices' slices
     EngineFollower(engine, url, template).poll()        # new versions -> an engine, in flight
+    stage_on_device(model, v); OnDevice(v)              # colocated: no store; every process
+                                                        # stages its learner's arrays, and the
+                                                        # engine's loader reshards them on device
 """
 from __future__ import annotations
 
@@ -92,6 +95,44 @@ class StoreLoad:
 
 
 _SHARDED_READS: dict = {}  # url -> [(version, bytes of this process's own slices)] its StoreLoads read
+
+_STAGED: dict = {}  # this process's learner state on device, staged for a colocated engine: version -> flat
+
+
+def stage_on_device(model, version: int) -> None:
+    """Colocated mode: `model`'s variables (the learner's arrays, whatever processes they span)
+    as `version`, for this process's part of the engine's next `OnDevice(version)` load. Nothing
+    is copied here; the newest staged version replaces the older one. Every process of the job
+    stages every version (the load runs on all of them)."""
+    from flax import nnx
+
+    from coder.train import checkpoint as ckpt_lib
+
+    state = model if isinstance(model, nnx.State) else nnx.state(model)
+    _STAGED.clear()
+    _STAGED[int(version)] = ckpt_lib.state_to_flat(state)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnDevice:
+    """A picklable weight loader for `Engine.load_weights` in colocated mode: every process of the
+    engine gives its staged learner arrays of `version` (`stage_on_device`), and the engine
+    reshards them on device into its own shardings and dtype. No host copy, no store.
+
+    The learner's next step donates those arrays, so the engine must have applied the load
+    before it (`Engine.settle()` waits for that)."""
+
+    version: int
+
+    def __call__(self, shardings: dict) -> dict:
+        import jax
+
+        flat = _STAGED.get(self.version)
+        if flat is None:
+            raise RuntimeError(f"process {jax.process_index()}: the engine loads version {self.version} on "
+                               f"device, but this process staged {sorted(_STAGED) or 'none'} "
+                               "(weight_channel.stage_on_device after every learner step, on every process)")
+        return {name: flat[name] for name in shardings}
 
 
 class EngineFollower:

@@ -16,10 +16,11 @@ One learner step:
 actor, each step's tasks rolled out with the learner's latest weights. `rl.num_actors` actors are
 Ray processes (a local Ray instance, or the cluster at `rl.ray_address`); 0 runs the one actor
 inside this process; each Ray actor may span `rl.actor_processes` processes (one engine over
-their devices: coder/rl/actor_group.py). Colocated (`rl.colocated`, sync, the actor in this
-process): no store; after each step the learner's weights are copied on device into the
-engine's shardings (`ActorWorker.push`), and `rl.offload_optimizer` keeps the optimizer state in
-host memory while the actor rolls out (the engine's KV cache gets that device memory).
+their devices: coder/rl/actor_group.py). Colocated (`rl.colocated`, sync): no store; the job's
+processes take turns between an engine over all their devices (process 0 leads it, the others
+follow) and the learner's step, each version resharded on device into the engine
+(coder/rl/colocated.py), and `rl.offload_optimizer` keeps the optimizer state in host memory
+while the engine runs (its KV cache gets that device memory).
 `GrpoRun` connects actors and learner through the trainer's `fit` (it is
 the batch iterator that takes groups from the driver, and its `after_step` hook publishes the
 new weights), which also gives GRPO the shared log / checkpoint cadence and SIGTERM handling;
@@ -51,12 +52,12 @@ import jax
 from flax import nnx
 
 from coder.env import pool as env_pool
-from coder.rl import actor_group, actor_learner, step_channel
+from coder.rl import actor as actor_lib
+from coder.rl import actor_group, actor_learner, colocated, step_channel
 from coder.rl import reward as reward_lib
 from coder.rl.actor import (Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups,
                             train_tasks, trained_tasks)
 from coder.rl.learner import Learner
-from coder.train import state as state_lib
 
 
 def validate(config) -> None:
@@ -161,10 +162,12 @@ class GrpoRun:
             raise ValueError(f"rl.tasks_per_step={b} does not split over {processes} processes (each "
                              "learner process feeds its share of every step's groups)")
         local = b // processes
-        # Ray actors on a learner of several processes: process 0 drives every actor over the
-        # whole epoch and scatters each step's groups (coder/rl/step_channel.py); the actor in
-        # the learner's process (rl.num_actors = 0): every process drives its own over its share
-        self.scatter = processes > 1 and int(rl.num_actors) > 0
+        # Ray actors, or a colocated engine, on a learner of several processes: process 0 drives
+        # every actor over the whole epoch and scatters each step's groups (coder/rl/
+        # step_channel.py); the actor in the learner's process (rl.num_actors = 0, not
+        # colocated): every process drives its own over its share
+        self.colocated = bool(rl.colocated)
+        self.scatter = processes > 1 and (int(rl.num_actors) > 0 or self.colocated)
         taken = b if self.scatter else local  # groups per step this process's driver takes
         self.steps = min(int(config.train.steps), len(tasks) // b)
         if self.steps < int(config.train.steps):
@@ -194,11 +197,6 @@ class GrpoRun:
         order = [(i, t) for i, t in enumerate(tasks[:len(tasks) // b * b])
                  if self.scatter or (i % b) // local == pid]
         self.url = actor_learner.store_url(config, stage_dir)
-        self.colocated, self.offload = bool(rl.colocated), bool(rl.offload_optimizer)
-        if self.colocated and processes > 1:
-            raise ValueError("rl.colocated=True on a job of several processes is not built: the in-process "
-                             "actor's engine is on this process's devices, and the learner's state spans "
-                             "processes (use the weight store: rl.colocated=False)")
         self.weights = None if self.colocated else actor_learner.learner_weights(config, self.url)
         if self.weights is not None:
             start = self.weights.publish(trainer.model, trainer.step)  # the actors start from this version
@@ -209,13 +207,21 @@ class GrpoRun:
                      "the actor in this process" + (", colocated (weights copied on device)" if self.colocated else ""))
         self.channel = step_channel.StepChannel() if self.scatter else None
         self.actors = self.driver = None  # scatter: only process 0 has them
+        # colocated: one engine over the job's devices, process 0's leading
+        mesh = actor_lib.engine_mesh(config, jax.devices()) if self.colocated and processes > 1 else None
         if pid == 0 or not self.scatter:
             self.actors = actor_group.start_actors(config, tokenizer=tokenizer, make_episode=make_episode,
-                                                   model_fn=model_fn, url=self.url, version=trainer.step,
-                                                   model=trainer.model if self.colocated else None)
+                                                   model_fn=model_fn, url=self.url, mesh=mesh)
             self.driver = actor_learner.Driver(config, self.actors, order, self.epoch,
                                                needed=max(self.steps - trainer.step, 0) * taken, local=taken,
                                                version=trainer.step)
+        self.turns = None
+        if self.colocated:
+            worker = self.actors.workers[0] if self.actors is not None else None
+            engine = worker.engine if worker is not None else make_engine(
+                nnx.eval_shape(model_fn or actor_lib.model_fn(config)), config, mesh=mesh)
+            self.turns = colocated.ColocatedTurns(trainer, engine, worker, offload=bool(rl.offload_optimizer))
+            self.turns.stage(trainer.step)
         self.eval_every, self.anchor_every = int(config.grpo.eval_every), int(rl.anchor_every)
         self._eval_engine = None  # the learner's own engine for agent evals when actors are Ray processes
         self.current: StepRecord | None = None  # the batch `fit` is stepping on
@@ -228,6 +234,8 @@ class GrpoRun:
         """The learner's next batch: the next B finished groups, scored (StopIteration when the
         epoch's tasks ran out; fit logs it); scatter: this process's share of them."""
         if self.driver is None:  # process p > 0 of a scatter: its share, from process 0
+            if self.turns is not None:  # follow process 0's rollouts on our devices first
+                self.turns.engine_phase(None)
             share = self.channel.receive()
             if share is None:
                 raise StopIteration
@@ -236,17 +244,12 @@ class GrpoRun:
             self.current = StepRecord(rollout, learner_start=time.perf_counter())
             return self.learner.batch(groups)
         offload = {}
-        if self.offload:  # the learner waits: its optimizer state waits in host memory
-            t0 = time.perf_counter()
-            self.trainer.opt_state, moved = state_lib.to_memory(self.trainer.opt_state, "pinned_host")
-            offload = dict(offload_bytes=moved, offload_s=time.perf_counter() - t0)
-        try:
+        if self.turns is not None:  # the learner waits while the engine runs on its devices
+            pushed_s = self.turns.push_s
+            (groups, record), offload = self.turns.engine_phase(self.driver.take)
+            offload["sync_push_s"] = self.turns.push_s - pushed_s
+        else:
             groups, record = self.driver.take()
-        finally:
-            if self.offload:
-                t0 = time.perf_counter()
-                self.trainer.opt_state, _ = state_lib.to_memory(self.trainer.opt_state, "device")
-                offload["offload_s"] += time.perf_counter() - t0
         if groups is None:
             if self.channel is not None:
                 self.channel.send([None] * jax.process_count())
@@ -269,9 +272,9 @@ class GrpoRun:
 
     def after_step(self, trainer, metrics) -> dict:
         """Publish the step's weights, then its log record (rollout metrics, sync, timing)."""
-        if self.colocated:  # on device, into the engine's shardings: nothing crosses the host
-            seconds = self.actors.workers[0].push(trainer.model, trainer.step)
-            sync = dict(sync_bytes=0, sync_raw_bytes=0, sync_publish_s=seconds)
+        if self.turns is not None:  # the next engine phase reshards it on device: nothing crosses the host
+            self.turns.stage(trainer.step)
+            sync = dict(sync_bytes=0, sync_raw_bytes=0, sync_publish_s=0.0)
         else:
             info = self.weights.publish(trainer.model, trainer.step)  # before the next step's collection
             sync = dict(sync_bytes=info["bytes"], sync_raw_bytes=info["raw_bytes"], sync_publish_s=info["seconds"])
@@ -290,18 +293,26 @@ class GrpoRun:
     # --- eval and the run ----------------------------------------------------------------------
     def evaluate(self, tasks=None, name: str = "agent_eval") -> dict:
         """The agent eval (coder.rl.eval) of the learner's current weights (the store's newest
-        version, or the colocated push) on `tasks` (default: the held-out ones), on the
+        version, or the colocated engine's) on `tasks` (default: the held-out ones), on the
         in-process actor's engine or, with Ray actors, an engine of the learner's own that follows
-        the store. Reports go to {stage_dir}/{name}/."""
+        the store. Reports go to {stage_dir}/{name}/. Colocated over several processes: process 0
+        evaluates every task on the job's engine, the others follow it and return {}."""
         from coder.rl import eval as eval_lib
 
         from coder.rl import weight_channel
 
         trainer = self.trainer
+        tasks = self.held_out if tasks is None else tasks
+        if self.turns is not None:  # an engine phase of its own: the newest staged version
+            def run():
+                return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
+                                               step=trainer.step, tasks=tasks, actor=self.actors.workers[0].actor,
+                                               name=name, alone=True)
+
+            return self.turns.engine_phase(run)[0] or {}
         if isinstance(self.actors, actor_learner.LocalActors):
             worker = self.actors.workers[0]
-            if not self.colocated:  # colocated: after_step pushed this version already
-                worker.sync()  # the store's newest version (this step's), now
+            worker.sync()  # the store's newest version (this step's), now
             actor = worker.actor  # its env workers too
         else:  # an engine of the learner's own, following the store like the actors
             if self._eval_engine is None:
@@ -311,8 +322,7 @@ class GrpoRun:
             self._eval_follower.poll()
             actor = self._eval_actor
         return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
-                                       step=trainer.step, tasks=self.held_out if tasks is None else tasks,
-                                       actor=actor, name=name)
+                                       step=trainer.step, tasks=tasks, actor=actor, name=name)
 
     def run(self) -> str:
         """Trains to the end of the epoch (or train.steps); returns the checkpoint directory."""
@@ -342,12 +352,16 @@ class GrpoRun:
             self._eval_actor.close()
             self._eval_engine.close()
         if self.driver is not None:
-            self.driver.close()
+            self.driver.close()  # colocated: process 0's engine closes, and ...
+        if self.turns is not None:
+            self.turns.close()  # ... the followers take its close
         self.trainer.close()
 
 
 def _eval_line(res: dict) -> str:
     """The agent eval's summary for the console: pass@k, tasks, infra failures."""
+    if not res:
+        return "run by process 0 on the colocated engine"
     parts = [f"{k} {v:.3f}" for k, v in res.items() if k.startswith("pass@")]
     parts.append(f"{res['num_tasks']} tasks, {res['infra_failures']} infra failures")
     return ", ".join(parts) + ("  REGRESSED" if res.get("regressed") else "")

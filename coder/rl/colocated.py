@@ -1,0 +1,89 @@
+"""Colocated GRPO (`rl.colocated`): the learner's own job generates too, on the same devices, in
+turns with the learner's steps (the usual shape on one TPU slice). No weight store: each version
+reaches the engine by an on-device reshard.
+
+Every process of the learner's job holds a part of one engine over the job's devices: process 0's
+is the in-process actor's (`ActorWorker`, its scheduler, agent loops and env workers), the other
+processes follow it (coder/infer/engine.py, several processes). Each step alternates two phases on
+every process:
+
+    engine phase   process 0: load the newest staged version (weight_channel.OnDevice), roll the
+                   step's groups out (or run an agent eval), then `Engine.settle()`: the load
+                   applied, nothing decoding, the followers handed back.
+                   process p > 0: `Engine.follow()` until that settle.
+    learner phase  every process: the learner's step, then `stage()` of its new arrays (no copy;
+                   the next engine phase loads them before the step after donates them).
+
+Between the phases no process has an engine call in flight, so the learner's collectives and the
+engine's never interleave differently on two processes. With `rl.offload_optimizer` the optimizer
+state waits in host memory during every engine phase (the engine's KV cache gets its device
+memory) and comes back for the step.
+"""
+from __future__ import annotations
+
+import time
+
+from coder.rl import weight_channel
+from coder.train import state as state_lib
+
+
+class ColocatedTurns:
+    """The engine phases of one colocated run, on one process of the learner's job.
+
+    Args:
+      trainer: the learner's trainer (its `model` is staged; its `opt_state` offloaded).
+      engine: this process's part of the engine (the in-process actor's on process 0).
+      worker: process 0's ActorWorker (None on the followers).
+      offload: rl.offload_optimizer.
+    """
+
+    def __init__(self, trainer, engine, worker=None, *, offload: bool = False):
+        self.trainer, self.engine, self.worker = trainer, engine, worker
+        self.offload = bool(offload)
+        self.staged = self.pushed = None  # versions: the newest staged, the newest the engine got
+        self.push_s = 0.0  # seconds process 0 spent handing versions to the engine (cumulative)
+
+    @property
+    def leads(self) -> bool:
+        return self.worker is not None
+
+    def stage(self, version: int) -> None:
+        """Every process, after each learner step (and before the first phase): the learner's
+        arrays as `version`, loaded by the next engine phase."""
+        weight_channel.stage_on_device(self.trainer.model, version)
+        self.staged = int(version)
+
+    def engine_phase(self, fn):
+        """Process 0: `fn()` (rollouts or an eval) on the engine holding the newest staged
+        version, then settle; other processes: follow until process 0 settles (None). Returns
+        (fn's result, {offload_bytes, offload_s} when offloading)."""
+        record = {}
+        if self.offload:
+            t0 = time.perf_counter()
+            self.trainer.opt_state, moved = state_lib.to_memory(self.trainer.opt_state, "pinned_host")
+            record = dict(offload_bytes=moved, offload_s=time.perf_counter() - t0)
+        try:
+            if not self.leads:
+                how = self.engine.follow()
+                if how != "settled":
+                    raise RuntimeError(f"colocated: process 0 {how} the engine in the middle of the run")
+                return None, record
+            if self.staged != self.pushed:
+                self.push_s += self.worker.push(self.staged)
+                self.pushed = self.staged
+            try:
+                return fn(), record
+            finally:
+                self.engine.settle()  # the staged arrays are copied: the next step may donate them
+        finally:
+            if self.offload:
+                t0 = time.perf_counter()
+                self.trainer.opt_state, _ = state_lib.to_memory(self.trainer.opt_state, "device")
+                record["offload_s"] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Followers: take process 0's closing call (its engine's close, after the run)."""
+        if not self.leads:
+            how = self.engine.follow()
+            if how != "closed":
+                raise RuntimeError(f"colocated: the run ended but process 0 {how} the engine")
