@@ -1,6 +1,8 @@
 """Stage grpo survives preemption exactly: SIGTERM after the first step saves and exits 0; the
 resumed run (grpo.kl_coef > 0) trains the next steps on the next tasks and ends where an
-uninterrupted run ends, metric for metric and weight for weight.
+uninterrupted run ends, metric for metric and weight for weight. In two layouts: the actor in the
+stage's one process, and disaggregated on 4 processes (a learner job of two processes, each
+signalled, and a Ray actor of two processes).
 
 The runs are subprocesses (this file run as a script, like tests/train/test_checkpoint_resume.py):
 stage grpo's `train` on tests/rl_toy.py's in-process toy task ("submit the lucky
@@ -52,9 +54,12 @@ COMPARED = ("loss", "reward", "kl", "ratio_mean", "entropy", "policy_tokens", "g
             "behaviour_logp_abs_diff")
 
 
-# where the actor runs: in the stage's process, or as one Ray actor of two processes (one JAX job
-# of its own, coder/rl/actor_group.py: the disaggregated layout)
-ACTORS = {"in_process": dict(num_actors=0), "actor_group": dict(num_actors=1, actor_processes=2)}
+# the layouts: (learner processes, the actors' keys). The actor in the stage's process; or the
+# disaggregated layout on 4 processes: a learner job of two processes (one device each, one
+# global mesh; process 0 drives the actors and scatters each step's groups) and one Ray actor of
+# two processes (a JAX job of its own, coder/rl/actor_group.py)
+ACTORS = {"in_process": (1, dict(num_actors=0)),
+          "disaggregated": (2, dict(num_actors=1, actor_processes=2))}
 
 
 def _config(tok, actors="in_process"):
@@ -62,16 +67,23 @@ def _config(tok, actors="in_process"):
 
     cfg = rl_test.tiny_config(tok, STAGE_LEN)
     # one group at a time, its rows decoding together (module docstring: bit-exact engine)
-    cfg.rl.update(dict(group_size=G, tasks_per_step=B, concurrent=False, engine_slots=G, **ACTORS[actors]))
+    cfg.rl.update(dict(group_size=G, tasks_per_step=B, concurrent=False, engine_slots=G, **ACTORS[actors][1]))
     cfg.grpo.update({"async": False, "kl_coef": 0.05})
     cfg.train.update(dict(steps=STEPS, ckpt_every=1000, lr=3e-3, warmup_steps=0))
     return cfg
 
 
-def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str) -> None:
-    """One stage run (the subprocess): the tokenizer and SFT-ed weights from `inputs`; each
-    episode's submit call sleeps `sleep_s` (so the test can signal mid-run); the actor where
-    `actors` (ACTORS) says. Episodes record the stage process's pid (they may run in an actor's)."""
+def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str, process: int, port: int) -> None:
+    """One stage process (the subprocess; `process` of ACTORS[actors][0], a jax.distributed job
+    on `port`): the tokenizer and SFT-ed weights from `inputs`; each episode's submit call sleeps
+    `sleep_s` (so the test can signal mid-run); the actor where `actors` (ACTORS) says. Episodes
+    record the driving process's pid (they may run in an actor's)."""
+    import jax
+
+    processes = ACTORS[actors][0]
+    if processes > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=processes,
+                                   process_id=process)
     from flax import nnx
 
     from coder.data import tokenizer as tokenizer_lib
@@ -95,8 +107,8 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str) -> None:
     log = lambda name, rec: open(os.path.join(stage_dir, name), "a").write(json.dumps(rec) + "\n")
     batch = learner_lib.Learner.batch
 
-    def recording_batch(self, groups, version=None):
-        log("trained.jsonl", {"pid": os.getpid(), "step": self.version + 1,
+    def recording_batch(self, groups, version=None):  # every process logs its share of the step
+        log("trained.jsonl", {"pid": os.getpid(), "process": process, "step": self.version + 1,
                               "tasks": [grp[0].task_id for grp in groups]})
         return batch(self, groups, version)
 
@@ -118,11 +130,23 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str) -> None:
                      model_fn=model_fn)
 
 
-def _spawn(stage_dir, inputs, sleep_s, actors):
+def _spawn(stage_dir, inputs, sleep_s, actors) -> list:
+    """The run's processes (one per learner process), started together."""
+    from tests import multiprocess_jobs as jobs
+
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["XLA_FLAGS"] = xla_flags.one_device(env.get("XLA_FLAGS", ""))  # as a single-host run
-    return subprocess.Popen([sys.executable, __file__, stage_dir, inputs, str(sleep_s), actors], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env["XLA_FLAGS"] = xla_flags.one_device(env.get("XLA_FLAGS", ""))  # one device per host
+    port = jobs.free_port()
+    return [subprocess.Popen([sys.executable, __file__, stage_dir, inputs, str(sleep_s), actors, str(i), str(port)],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(ACTORS[actors][0])]
+
+
+def _finish(procs, timeout) -> None:
+    """Every process of a run exits 0 (else the failing one's output's end)."""
+    for proc in procs:
+        out = proc.communicate(timeout=timeout)[0]
+        assert proc.returncode == 0, out[-4000:]
 
 
 def _jsonl(path):
@@ -130,6 +154,11 @@ def _jsonl(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def _trained(stage_dir) -> list:
+    """trained.jsonl's records in (step, process) order (the processes append concurrently)."""
+    return sorted(_jsonl(os.path.join(stage_dir, "trained.jsonl")), key=lambda r: (r["step"], r["process"]))
 
 
 def _final_weights(stage_dir):
@@ -157,38 +186,40 @@ def inputs(tmp_path_factory, toy_policy):
 @pytest.mark.slow
 @pytest.mark.parametrize("actors", sorted(ACTORS))
 def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, inputs, actors):
-    """Both layouts: the actor in the stage's process, and a Ray actor of two processes (its
-    groups rebuilt from the store's newest version when the run resumes)."""
+    """Both layouts: the actor in the stage's process, and the disaggregated one on 4 processes
+    (a 2-process learner whose every process gets SIGTERM, as a preempted slice's hosts do; the
+    Ray actor group rebuilt from the store's newest version when the run resumes)."""
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    ref = _spawn(ref_dir, inputs, 0.0, actors)
-    out = ref.communicate(timeout=900)[0]
-    assert ref.returncode == 0, out[-4000:]
-    proc = _spawn(run_dir, inputs, 0.3, actors)
+    processes = ACTORS[actors][0]
+    _finish(_spawn(ref_dir, inputs, 0.0, actors), timeout=900)
+    procs = _spawn(run_dir, inputs, 0.3, actors)
     t0 = time.time()
     while not _jsonl(os.path.join(run_dir, "metrics.jsonl")):  # the first step is logged
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        for proc in procs:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.time() - t0 < 600, "no first step after 600 s"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
     t_term = time.time()
-    out = proc.communicate(timeout=180)[0]  # no hang with the actor's threads still rolling out
-    assert proc.returncode == 0, out[-4000:]
+    _finish(procs, timeout=180)  # no hang with the actor's threads still rolling out
     print(f"exited {time.time() - t_term:.1f} s after SIGTERM")
     stopped = max(r["step"] for r in _jsonl(os.path.join(run_dir, "metrics.jsonl")))
     assert 1 <= stopped < STEPS
     assert sorted(int(n) for n in os.listdir(os.path.join(run_dir, "checkpoints"))) == [stopped]
-    with open(os.path.join(run_dir, "checkpoints", str(stopped), "data", "process_0-of-1.json")) as f:
-        assert json.load(f) == {"format": 1, "below": stopped * B, "extra": []}  # tasks used so far
-    first_pid = _jsonl(os.path.join(run_dir, "trained.jsonl"))[0]["pid"]
+    for i in range(processes):  # the tasks used so far, process 0's position on every process
+        with open(os.path.join(run_dir, "checkpoints", str(stopped), "data", f"process_{i}-of-{processes}.json")) as f:
+            assert json.load(f) == {"format": 1, "below": stopped * B, "extra": []}
+    first_pid = _trained(run_dir)[0]["pid"]
 
-    resumed = _spawn(run_dir, inputs, 0.0, actors)
-    out = resumed.communicate(timeout=900)[0]
-    assert resumed.returncode == 0, out[-4000:]
+    _finish(_spawn(run_dir, inputs, 0.0, actors), timeout=900)
 
-    # every task trained once, at the uninterrupted run's step; the resumed run starts at the next
-    trained = _jsonl(os.path.join(run_dir, "trained.jsonl"))
-    expected = _jsonl(os.path.join(ref_dir, "trained.jsonl"))
-    assert [(r["step"], r["tasks"]) for r in trained] == [(r["step"], r["tasks"]) for r in expected]
+    # every task trained once, at the uninterrupted run's step, by the same process; the resumed
+    # run starts at the next
+    trained, expected = _trained(run_dir), _trained(ref_dir)
+    assert [(r["step"], r["process"], r["tasks"]) for r in trained] == \
+        [(r["step"], r["process"], r["tasks"]) for r in expected]
+    trained = [r for r in trained if r["process"] == 0]
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
     assert [r["pid"] == first_pid for r in trained] == [s <= stopped for s in range(1, STEPS + 1)]
     # the group in flight at SIGTERM (the next step's first task, handed out after the last
@@ -196,8 +227,9 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, inputs, acto
     started = {}
     for r in _jsonl(os.path.join(run_dir, "episodes.jsonl")):
         started.setdefault(r["task"], []).append(r["pid"] == first_pid)
-    untrained = {t for t, runs in started.items() if True in runs} - {t for r in trained[:stopped] for t in r["tasks"]}
-    assert untrained and untrained <= set(trained[stopped]["tasks"]), (untrained, trained[stopped])
+    steps = [{t for r in _trained(run_dir) if r["step"] == s for t in r["tasks"]} for s in range(1, STEPS + 1)]
+    untrained = {t for t, runs in started.items() if True in runs} - set().union(*steps[:stopped])
+    assert untrained and untrained <= steps[stopped], (untrained, steps[stopped])
     assert all(started[t].count(False) == G for t in untrained), started
 
     # the same numbers as the uninterrupted run, step for step (KL to the restored reference included)
@@ -217,4 +249,4 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.INFO)
-    _run(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])
+    _run(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
