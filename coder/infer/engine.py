@@ -303,6 +303,10 @@ class Engine:
             raise RuntimeError("set_weights: a load_weights is pending; call one of them at a time")
         model = nnx.merge(self._graphdef, base)
         nnx.update(model, state)
+        if _is_abstract(nnx.state(model)):
+            raise RuntimeError("set_weights: the engine holds no weights for some variables (built from an "
+                               "abstract model, or released by settle(release=True)): give a whole state, or "
+                               "load_weights")
         new = self._place(nnx.state(model))
         if _signature(new) != self._state_struct:
             raise ValueError("set_weights: the new state's structure, shapes or dtypes differ from "
@@ -333,23 +337,41 @@ class Engine:
             if op == "close":
                 return "closed"
             if op == "settle":
+                if args[0]:
+                    self._release_memory()
                 return "settled"
             self._calls[op](*args)
 
-    def settle(self) -> None:
+    def settle(self, release: bool = False) -> None:
         """Leader: wait until the engine is idle (pending weights applied, nothing decoding or
         waiting for a slot), then, over several processes, hand the followers back: their
         `follow()` returns "settled", so every process can run programs of its own (a learner's
         step) until the leader's next call, which the followers take in their next `follow()`.
-        The caller must start no engine work until settle returns."""
+        The caller must start no engine work until settle returns.
+
+        `release`: every process also drops the engine's device memory, its slot pool (KV
+        caches) and its weights (a colocated learner steps in that memory); no row may be held
+        (close every group first). The next `load_weights` brings weights back, and the next
+        group a fresh pool."""
         self._check_leader("settle")
         with self._lock:
             while self._busy or self._has_work() or self.sched.admissions:
                 self._check_alive()
                 self._lock.wait(timeout=0.5)
             self._check_alive()
+            if release and self.sched.rows:
+                raise RuntimeError(f"settle(release=True): {len(self.sched.rows)} row(s) still hold slots "
+                                   "(close their groups first)")
             if self._channel is not None:  # under the lock: the engine thread sends nothing meanwhile
-                self._channel.send("settle", ())
+                self._channel.send("settle", (bool(release),))
+            if release:
+                self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Drop the slot pool and the weights (settle(release=True)); the weights' structure stays."""
+        self._store, self._slots, self._capacity = None, 0, 0
+        self._state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                   self._state)
 
     def close(self) -> None:
         """Stop the engine's thread (pending calls fail); the followers' `follow()` returns."""

@@ -248,8 +248,8 @@ class ActorWorker:
         t0 = time.perf_counter()
         self.engine.load_weights(weight_channel.OnDevice(int(version)), version)
         with self._cond:
+            self.versions_applied += int(version) != self.version  # a reload after a release: not new
             self.version = int(version)
-            self.versions_applied += 1
             self.apply_s += time.perf_counter() - t0
             self._cond.notify_all()
         return time.perf_counter() - t0

@@ -8,16 +8,18 @@ processes follow it (coder/infer/engine.py, several processes). Each step altern
 every process:
 
     engine phase   process 0: load the newest staged version (weight_channel.OnDevice), roll the
-                   step's groups out (or run an agent eval), then `Engine.settle()`: the load
-                   applied, nothing decoding, the followers handed back.
+                   step's groups out (or run an agent eval), then `Engine.settle(release=True)`:
+                   the load applied, nothing decoding, the engine's KV caches and weights freed
+                   on every process, the followers handed back.
                    process p > 0: `Engine.follow()` until that settle.
-    learner phase  every process: the learner's step, then `stage()` of its new arrays (no copy;
-                   the next engine phase loads them before the step after donates them).
+    learner phase  every process: the learner's step, in the device memory the engine freed,
+                   then `stage()` of its new arrays (no copy; the next engine phase loads them
+                   before the step after donates them).
 
 Between the phases no process has an engine call in flight, so the learner's collectives and the
-engine's never interleave differently on two processes. With `rl.offload_optimizer` the optimizer
-state waits in host memory during every engine phase (the engine's KV cache gets its device
-memory) and comes back for the step.
+engine's never interleave differently on two processes. The device memory of a phase is its own
+plus the learner's parameters and optimizer state; with `rl.offload_optimizer` the optimizer
+state waits in host memory during every engine phase and comes back for the step.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class ColocatedTurns:
     def __init__(self, trainer, engine, worker=None, *, offload: bool = False):
         self.trainer, self.engine, self.worker = trainer, engine, worker
         self.offload = bool(offload)
-        self.staged = self.pushed = None  # versions: the newest staged, the newest the engine got
+        self.staged = None  # the newest staged version
         self.push_s = 0.0  # seconds process 0 spent handing versions to the engine (cumulative)
 
     @property
@@ -68,13 +70,12 @@ class ColocatedTurns:
                 if how != "settled":
                     raise RuntimeError(f"colocated: process 0 {how} the engine in the middle of the run")
                 return None, record
-            if self.staged != self.pushed:
-                self.push_s += self.worker.push(self.staged)
-                self.pushed = self.staged
+            self.push_s += self.worker.push(self.staged)  # the last phase released the weights
             try:
                 return fn(), record
             finally:
-                self.engine.settle()  # the staged arrays are copied: the next step may donate them
+                # the staged arrays are copied (the next step may donate them), the memory freed
+                self.engine.settle(release=True)
         finally:
             if self.offload:
                 t0 = time.perf_counter()

@@ -3,8 +3,9 @@ devices; each version reaches the engine on device (no weight store), and with
 rl.offload_optimizer the optimizer state waits in host memory while the actor rolls out.
 
 Sync mode, 2 steps of 2 tasks x 4 rollouts of a random tiny model: the colocated runs give the
-same rollouts and losses as the run through the store; the offloaded run's optimizer state is
-in pinned host memory during every rollout and on the devices for every step.
+same rollouts and losses as the run through the store; the colocated engine holds no device
+memory (no KV cache pool, no weights) during the learner's steps; the offloaded run's optimizer
+state is in pinned host memory during every rollout and on the devices for every step.
 """
 import json
 import os
@@ -60,7 +61,17 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
             return take()
 
         run.driver.take = watched_take
+        after_step, released = run.after_step, []
+
+        def watched_after_step(trainer, metrics, after_step=after_step, released=released, run=run):
+            engine = run.actors.workers[0].engine  # just after the learner's step
+            released.append(engine._store is None and all(
+                isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine._state)))
+            return after_step(trainer, metrics)
+
+        run.after_step = watched_after_step
         run.run()
+        assert released == [name != "store"] * 2, (name, released)
         kinds[name] = (seen, memory_kinds(run.trainer.opt_state),
                        sum(x.nbytes for x in jax.tree.leaves(run.trainer.opt_state)))
         with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
