@@ -187,7 +187,8 @@ def policy_loss(
     Args:
       logp: `[R, T]` log pi_theta of each token (differentiable): the learner's current model.
       behaviour_logp: `[R, T]` logprob recorded by the engine when the token was sampled.
-      ref_logp: `[R, T]` log pi_ref of each token (frozen reference policy).
+      ref_logp: `[R, T]` log pi_ref of each token (frozen reference policy), or None with
+        kl_coef 0 (no reference is kept; no "kl" metric).
       advantages: `[R]` one advantage per row (all tokens of a rollout share it).
       loss_mask: `[R, T]` 1 on policy-sampled tokens, 0 on prompt / tool output / padding.
       clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
@@ -206,11 +207,14 @@ def policy_loss(
     mask = jnp.asarray(loss_mask, jnp.float32)
     logp = jnp.asarray(logp, jnp.float32)
     behaviour_logp = jnp.asarray(behaviour_logp, jnp.float32)
-    ref_logp = jnp.asarray(ref_logp, jnp.float32)
     adv_row = jnp.asarray(advantages, jnp.float32)[:, None]
-
-    kl = jax.lax.stop_gradient(logp - ref_logp)
-    adv = adv_row - kl_coef * kl
+    if ref_logp is None:
+        if kl_coef:
+            raise ValueError(f"kl_coef={kl_coef} needs the reference logprobs (ref_logp)")
+        kl, adv = None, adv_row
+    else:
+        kl = jax.lax.stop_gradient(logp - jnp.asarray(ref_logp, jnp.float32))
+        adv = adv_row - kl_coef * kl
     # Masked-out positions may hold garbage logprobs (padding): zero the log-ratio there so
     # exp() cannot overflow into a NaN that a 0-weight would not remove from the gradient.
     log_ratio = jnp.where(mask > 0, logp - behaviour_logp, 0.0)
@@ -220,7 +224,7 @@ def policy_loss(
 
     n_tok = jnp.maximum(mask.sum(), 1.0)
     metrics = {
-        "kl": (kl * mask).sum() / n_tok,
+        **({} if kl is None else {"kl": (kl * mask).sum() / n_tok}),
         **metrics,
         "policy_tokens": mask.sum(),
         "advantage_mean": (jnp.broadcast_to(adv_row, mask.shape) * mask).sum() / n_tok,
@@ -377,7 +381,7 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
             mask, stale = staleness_mask(batch["staleness"], mask, max_staleness)
         norm = batch.get("normalizer", normalizer)
         value, metrics = policy_loss(
-            logp, batch["behaviour_logp"], batch["ref_logp"], batch["advantages"], mask,
+            logp, batch["behaviour_logp"], batch.get("ref_logp"), batch["advantages"], mask,
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, normalizer=norm, entropy=ent,
             loss=loss, tis_cap=tis_cap,
         )

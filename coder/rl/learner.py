@@ -6,7 +6,8 @@ are handed to an engine (`set_weights(state, version)`) or published under
 staleness (learner version - policy version) and the loss drops the tokens more than
 `grpo.max_staleness` behind (coder.rl.grpo.staleness_mask).
 
-The reference policy is the weights the stage started from. A fresh stage copies the trainer's
+The reference policy is the weights the stage started from, kept (a second copy of the model on
+the learner's devices) only when grpo.kl_coef > 0. A fresh stage copies the trainer's
 initial weights and records, in `{stage_dir}/reference.json`, where they came from (init_from
 pinned to the checkpoint step it resolved to) and a checksum of every variable; a resumed stage
 rebuilds them from that source and checks every checksum, so a resumed run trains against the
@@ -80,16 +81,18 @@ class Learner:
         # checkpoint; a resumed trainer hands the position back to `data_iterator`
         self.trainer = Trainer(config, stage_dir, loss_fn, init_from=init_from, model_fn=model_fn,
                                stage="grpo", tokenizer=tokenizer, data_iterator=data_iterator)
-        self.ref = self._reference(init_from, model_fn)
-        temperature = float(config.rl.temperature)
-        graphdef = nnx.graphdef(self.ref)
+        # no KL term: no reference (at 1T parameters it is a second copy of the model on device)
+        self.ref = self._reference(init_from, model_fn) if float(config.grpo.kl_coef) > 0 else None
+        if self.ref is not None:
+            temperature = float(config.rl.temperature)
+            graphdef = nnx.graphdef(self.ref)
 
-        def ref_logp(state, tokens, positions, segment_ids):
-            logits, _ = nnx.merge(graphdef, state)(tokens, positions, segment_ids)
-            return grpo.target_logp(logits, tokens, segment_ids, temperature)[0]
+            def ref_logp(state, tokens, positions, segment_ids):
+                logits, _ = nnx.merge(graphdef, state)(tokens, positions, segment_ids)
+                return grpo.target_logp(logits, tokens, segment_ids, temperature)[0]
 
-        self._ref_logp = jax.jit(ref_logp)
-        self._ref_state = nnx.state(self.ref)
+            self._ref_logp = jax.jit(ref_logp)
+            self._ref_state = nnx.state(self.ref)
         self.row_multiple = jax.local_device_count() * acc  # rows this process feeds per step
 
     @property
@@ -155,9 +158,10 @@ class Learner:
         rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
         rows = -(-rows // self.row_multiple) * self.row_multiple
         b = trajectory.to_batch(rollouts, seq_bucket(longest, int(self.config.rl.context_budget)), rows)
-        # reference logprobs of the global batch (each process's rows on its own devices)
-        inputs = self.trainer.device_batch({k: b[k] for k in ("tokens", "positions", "segment_ids")})
-        b["ref_logp"] = self._ref_logp(self._ref_state, inputs["tokens"], inputs["positions"], inputs["segment_ids"])
+        if self.ref is not None:  # reference logprobs of the global batch (each process's rows on its devices)
+            inputs = self.trainer.device_batch({k: b[k] for k in ("tokens", "positions", "segment_ids")})
+            b["ref_logp"] = self._ref_logp(self._ref_state, inputs["tokens"], inputs["positions"],
+                                           inputs["segment_ids"])
         # expert_ids stay in the batch with or without replay (-1 = not routed; the loss clamps
         # them for `routing=`): the loss measures the learner's routing against them
         pv = b.pop("policy_version")

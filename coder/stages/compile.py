@@ -333,7 +333,7 @@ def lower_grpo_step(config, mesh):
     batch = {k: _rows(mesh, rules, (b, t), dt) for k, dt in (
         ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
         ("loss_mask", jnp.float32), ("behaviour_logp", jnp.float32), ("ref_logp", jnp.float32),
-        ("staleness", jnp.int32))}
+        ("staleness", jnp.int32)) if k != "ref_logp" or float(config.grpo.kl_coef) > 0}
     batch["advantages"] = _rows(mesh, rules, (b,), jnp.float32)
     layers, k = routing_shape(state, mesh, rules, b, t)
     if layers:

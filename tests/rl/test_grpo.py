@@ -428,6 +428,35 @@ def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from=Tru
         Learner(c, str(tmp_path / "grpo"), init_from, model_fn)
 
 
+def test_without_a_kl_term_the_learner_keeps_no_reference(tmp_path):
+    """grpo.kl_coef = 0: no reference copy of the model (at 1T parameters it would be a second
+    model on the learner's devices), no ref_logp in the batch, no "kl" metric; the step trains.
+    The loss refuses a KL weight without reference logprobs."""
+    from coder.model import Transformer
+    from coder.rl import trajectory
+    from coder.rl.learner import REFERENCE_RECORD, Learner
+    from flax import nnx
+
+    c = _learner_config()
+    c.grpo.kl_coef = 0.0
+    learner = Learner(c, str(tmp_path / "grpo"), "", lambda: Transformer(c.model, rngs=nnx.Rngs(7)))
+    assert learner.ref is None and not (tmp_path / "grpo" / REFERENCE_RECORD).exists()
+    rollouts = []
+    for adv in (1.0, -1.0):
+        gen = trajectory.ContextWindow()
+        gen.add_context([5, 6, 7])
+        gen.add_sampled(types.SimpleNamespace(tokens=[8, 9, 10], logprobs=[-1.0, -2.0, -3.0],
+                                              policy_version=[0, 0, 0]))
+        rollouts.append(trajectory.Rollout(task_id="t", generations=[gen], advantage=adv))
+    b = learner.batch([rollouts])
+    assert "ref_logp" not in b
+    m = learner.trainer.train_step(b)
+    assert "kl" not in m and np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
+    with pytest.raises(ValueError, match="needs the reference logprobs"):
+        grpo.policy_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), None, jnp.ones((1,)), jnp.ones((1, 2)),
+                         clip_low=0.2, clip_high=0.2, kl_coef=0.1, normalizer=1.0)
+
+
 # ---------------------------------------------------------------- the MTP refresh
 
 def test_mtp_refresh_trains_the_mtp_modules_and_leaves_the_policy_gradient_unchanged():
