@@ -168,9 +168,11 @@ def engine_mesh(config, devices=None):
     if unknown or any(n < 0 for n in own.values()):
         raise ValueError(f"rl.engine_mesh={dict(own)}: sizes >= 0 (0 = the training mesh's) of expert, "
                          f"tensor and sequence only")
+    devices = jax.local_devices() if devices is None else list(devices)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})  # a colocated multislice learner's
     with cfg.unlocked():
-        cfg.update(dict(data=-1, fsdp=1, num_slices=1, **{a: n for a, n in own.items() if n}))
-    return sharding.make_mesh(cfg, jax.local_devices() if devices is None else devices)
+        cfg.update(dict(data=-1, fsdp=1, num_slices=slices, **{a: n for a, n in own.items() if n}))
+    return sharding.make_mesh(cfg, devices)
 
 
 ENGINE_ATTENTION = ("training", "data_parallel")

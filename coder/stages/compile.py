@@ -461,16 +461,45 @@ def engine_model_flops(model_cfg, setup: dict) -> dict:
 
 
 def engine_target(config, mesh, topo):
-    """(mesh, topology) the engine is compiled for: the learner's, or `compile.engine_topology`'s
-    slice (an RL actor's, rl.actor_processes hosts) with the engine's own mesh over it
-    (coder.rl.actor.engine_mesh: expert / tensor / sequence as configured, rows over the rest)."""
+    """(mesh, topology) the engine is compiled for, with the engine's own mesh over its chips
+    (coder.rl.actor.engine_mesh: expert / tensor / sequence as configured, rows over the rest), as
+    the runtime builds it: the learner's slice (a colocated run, rl.colocated: one engine over the
+    learner job's devices), or `compile.engine_topology`'s slice (an RL actor's, rl.actor_processes
+    hosts)."""
     from coder.rl.actor import engine_mesh
     from coder.train.aot import hardware
 
     if not config.compile.engine_topology:
-        return mesh, topo
+        return engine_mesh(config, list(mesh.devices.flat)), topo
     etopo = hardware.parse_topology(config.compile.engine_topology, 1)
     return engine_mesh(config, hardware.topology_devices(etopo)), etopo
+
+
+def colocated_memory(config, engine: dict, grpo: dict) -> dict | None:
+    """Per-chip device memory of a colocated run on the learner's slice (coder/rl/colocated.py),
+    phase by phase, from the compiled programs (None unless all of them compiled):
+
+      engine phase   the engine's larger program (weights, KV caches, temporaries) + what the
+                     learner keeps on device meanwhile: its parameters, the frozen reference copy
+                     (grpo.kl_coef > 0) and, unless rl.offload_optimizer, the optimizer state
+      learner phase  the GRPO step + the reference copy (the engine freed its memory at the
+                     phase's end: Engine.settle(release=True))
+    """
+    progs = [engine.get(p) for p in ("prefill", "decode")]
+    if not grpo.get("memory") or not all(p and p.get("memory") for p in progs):
+        return None
+    g = grpo["memory"]
+    reference = g["params_bytes"] if float(config.grpo.kl_coef) > 0 else 0.0
+    optimizer = 0.0 if config.rl.offload_optimizer else g["optimizer_bytes"]
+    engine_bytes = max(p["memory"]["total_bytes"] for p in progs)
+    phases = dict(engine=engine_bytes + g["params_bytes"] + reference + optimizer,
+                  learner=g["total_bytes"] + reference)
+    hbm = g["hbm_bytes"]
+    return dict(engine_phase_bytes=phases["engine"], learner_phase_bytes=phases["learner"],
+                engine_program_bytes=engine_bytes, learner_params_bytes=g["params_bytes"],
+                reference_bytes=reference, optimizer_on_device_bytes=optimizer,
+                offload_optimizer=bool(config.rl.offload_optimizer), hbm_bytes=hbm,
+                fits=bool(max(phases.values()) <= hbm))
 
 
 def compile_engine(config, mesh, topo) -> dict:
@@ -666,6 +695,8 @@ def _run(config, stage_dir: str, init_from: str) -> str:
         report["engine"] = compile_engine(config, *engine_target(config, mesh, topo))
     if config.compile.grpo and report["status"] != "compile_error":
         report["grpo"] = compile_grpo(config, mesh, topo, hlo_dir=stage_dir)
+    if report.get("engine") and report.get("grpo") and not config.compile.engine_topology:
+        report["colocated"] = colocated_memory(config, report["engine"], report["grpo"])
     path = write_report(report, out_dir)
     logging.info("compile report (%s): %s", report["status"], path)
     if report.get("memory"):

@@ -72,6 +72,8 @@ def to_markdown(r: dict) -> str:
         lines += engine_markdown(r["engine"])
     if r.get("grpo"):
         lines += grpo_markdown(r["grpo"])
+    if r.get("colocated"):
+        lines += colocated_markdown(r["colocated"])
     if r.get("advice"):
         lines += ["", "## What would make it fit / run faster", ""]
         lines += [f"- {a}" for a in r["advice"]]
@@ -127,6 +129,21 @@ def engine_markdown(e: dict) -> list[str]:
     row("tokens/s, slice (upper)", lambda x: f"{x['tokens_per_s_upper']:.4g}")
     row("compile s", lambda x: f"{x['compile_seconds']:.0f}")
     return lines
+
+
+def colocated_markdown(c: dict) -> list[str]:
+    """The colocated section of report.md (compile.colocated_memory's entry)."""
+    return ["", "## Colocated RL on this slice (rl.colocated)", "",
+            "Learner and engine take turns on these chips (coder/rl/colocated.py); GiB per chip:", "",
+            "| phase | what is on device | GiB |", "|---|---|---|",
+            f"| engine | the engine's larger program {_gib(c['engine_program_bytes'])} + learner parameters "
+            f"{_gib(c['learner_params_bytes'])} + reference {_gib(c['reference_bytes'])} + optimizer "
+            f"{_gib(c['optimizer_on_device_bytes'])}"
+            + (" (offloaded to host)" if c["offload_optimizer"] else "")
+            + f" | {_gib(c['engine_phase_bytes'])} |",
+            f"| learner | the GRPO step + reference {_gib(c['reference_bytes'])} (the engine released its "
+            f"memory) | {_gib(c['learner_phase_bytes'])} |",
+            "", f"Both phases {'fit' if c['fits'] else 'do not fit'} in {_gib(c['hbm_bytes'])} GiB."]
 
 
 def grpo_markdown(g: dict) -> list[str]:

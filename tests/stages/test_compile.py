@@ -328,6 +328,15 @@ def test_quickstart_engine_programs_compile_for_v5e_2x2(quickstart_report):
     assert (e["topology"], e["chips"], e["hosts"], e["mesh"]["data"]) == ("v5e-4", 4, 1, 4)
     assert e["store_read_bytes_per_host"] == 4 * st["params_bytes_per_chip"]
     assert "reads" in md and "from the weight store" in md
+    # colocated on this slice: the engine phase holds the engine's larger program and the
+    # learner's parameters and optimizer state (kl_coef > 0: its reference copy too); the
+    # learner phase the GRPO step and the reference (the engine released its memory)
+    c, g = r["colocated"], r["grpo"]["memory"]
+    assert config.grpo.kl_coef > 0 and c["reference_bytes"] == g["params_bytes"] > 0
+    engine_bytes = max(e[p]["memory"]["total_bytes"] for p in ("prefill", "decode"))
+    assert c["engine_phase_bytes"] == engine_bytes + 2 * g["params_bytes"] + g["optimizer_bytes"]
+    assert c["learner_phase_bytes"] == g["total_bytes"] + g["params_bytes"]
+    assert c["fits"] and "## Colocated RL on this slice" in md
 
 
 def test_grpo_shape_defaults_to_the_rollout_context():
@@ -543,5 +552,9 @@ def test_engine_compiles_on_an_actor_slice_of_its_own():
     config.rl.engine_mesh.tensor = -1
     with pytest.raises(ValueError, match="rl.engine_mesh"):
         C.engine_target(config, mesh, topo)
+    # no engine_topology: the learner's own chips (a colocated run), the engine's mesh over them
+    config.rl.engine_mesh.tensor = 0
     config.compile.engine_topology = ""
-    assert C.engine_target(config, mesh, topo) == (mesh, topo)
+    emesh, etopo = C.engine_target(config, mesh, topo)
+    assert etopo == topo and set(emesh.devices.flat) == set(mesh.devices.flat)
+    assert (emesh.shape["expert"], emesh.shape["data"]) == (4, 1)
