@@ -5,8 +5,10 @@ Commands the model chooses run inside the sandbox: `shell` in the episode's pers
 (coder.env.terminal: cwd, variables and background jobs carry over between calls), grep, lint
 and tests each in a fresh process (`Sandbox.run`), so the agent's shell state cannot change
 what they report. File reads and writes run on the host but are confined to the workspace by
-`Sandbox.resolve`; so are grep's paths. `think` runs nothing: a scratchpad whose tokens count as
-thinking in the length penalty (coder/rl/agent.py).
+`Sandbox.resolve`; so are grep's paths. `repo_history` runs git in a fresh process over the
+workspace's own history (HEAD's ancestry: coder/env/repo.py copies no later commit). `think`
+runs nothing: a scratchpad whose tokens count as thinking in the length penalty
+(coder/rl/agent.py).
 Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with a note saying
 how much was cut. Tool errors the agent caused (missing file, non-unique edit) are ordinary
 outputs starting with "error:"; only harness failures raise.
@@ -191,6 +193,72 @@ def run_tests(ctx: ToolContext, args: dict) -> str:
     return _format_result(ctx.sandbox.run(cmd, timeout_s=ctx.command_timeout_s))
 
 
+HISTORY_MAX_COUNT = 200  # most commits one `repo_history` log lists
+_SHALLOW_NOTE = (
+    "[shallow history: only the commits listed were copied into this workspace (env.history_depth);"
+    " earlier ones are not available]"
+)
+
+
+def _git(*args: str) -> str:
+    return "git --no-pager -c color.ui=never -c core.quotepath=off " + " ".join(map(shlex.quote, args))
+
+
+def repo_history(ctx: ToolContext, args: dict) -> str:
+    """The workspace's git history, read by git inside the sandbox: `log` (one line per commit,
+    newest first, at most `max_count`), `show` (one commit's message and diff), `blame` (lines
+    `start`..`end` of `path`). Every action reads HEAD's ancestry only (`show` refuses a commit
+    that is not an ancestor of HEAD): the task's commit and what the workspace holds before it
+    (coder/env/repo.py copies no later commit, nor a ref to one). A workspace that is not a git
+    repository, or whose history is shallow, is said so in plain words: the agent asked a fair
+    question about the task, not a broken one."""
+    t = min(30.0, ctx.command_timeout_s)
+    run = lambda *a: ctx.sandbox.run(_git(*a), timeout_s=t)
+    probe = run("rev-parse", "--is-shallow-repository")
+    if probe.exit_code != 0:
+        return "no git history: this task's workspace is not a git repository"
+    if run("rev-parse", "--verify", "-q", "HEAD").exit_code != 0:
+        return "no git history: the workspace's repository has no commits"
+    shallow = probe.stdout.strip() == "true"
+    action, path = args["action"], args.get("path")
+    if path is not None:
+        try:  # what git may read is the workspace's; the path check is grep's
+            ctx.sandbox.resolve(path)
+        except ValueError as e:
+            return f"error: {e}"
+    if action == "log":
+        n = min(int(args.get("max_count", 20)), HISTORY_MAX_COUNT)
+        r = run("log", "--oneline", "--no-decorate", f"-n{n}", "HEAD", "--", *([path] if path else []))
+        out = r.stdout.rstrip("\n") or "no commits touch " + str(path)
+    elif action == "show":
+        commit = args.get("commit", "HEAD")
+        sha = run("rev-parse", "--verify", "-q", "--end-of-options", f"{commit}^{{commit}}")
+        if sha.exit_code != 0:
+            why = " (the history is shallow: earlier commits were not copied in)" if shallow else ""
+            return f"error: no commit {commit!r} in the workspace's history{why}"
+        sha = sha.stdout.strip()
+        if run("merge-base", "--is-ancestor", sha, "HEAD").exit_code != 0:
+            return f"error: {commit!r} is not in the history of HEAD"
+        r = run("show", "--no-decorate", "--stat", "--patch", sha, "--", *([path] if path else []))
+        out, shallow = r.stdout.rstrip("\n"), False  # one commit: nothing to say about the rest
+    elif action == "blame":
+        if not path:
+            return "error: blame needs a path"
+        start, end = int(args.get("start", 1)), args.get("end")
+        if end is not None and int(end) < start:
+            return f"error: end {end} < start {start}"
+        r = run("blame", "-L", f"{start},{'' if end is None else int(end)}", "HEAD", "--", path)
+        out = r.stdout.rstrip("\n")
+        if shallow:  # git marks the lines it could not follow further back with ^
+            out += "\n[lines marked ^ come from the oldest commit copied in: they may be older]"
+            shallow = False
+    else:  # the schema's enum stops this before a call runs; kept for a direct call
+        return f"error: unknown action {action!r}; one of log, show, blame"
+    if r.exit_code != 0 or r.timed_out:
+        return "error: " + _format_result(r)
+    return out + ("\n" + _SHALLOW_NOTE if shallow else "")
+
+
 def think(ctx: ToolContext, args: dict) -> str:
     return "noted"
 
@@ -264,6 +332,25 @@ SPECS = [
         _obj({"path": _STR}, []),
     ),
     ToolSpec(
+        "repo_history",
+        "The repository's git history up to the task's commit (never later commits): "
+        "action=log lists commits, newest first (max_count, optionally only those touching "
+        "path); action=show prints one commit's message and diff (commit, default HEAD; "
+        "optionally only path); action=blame shows the commit that last changed each of lines "
+        "start..end of path.",
+        _obj(
+            {
+                "action": {"type": "string", "enum": ["log", "show", "blame"]},
+                "commit": _STR,
+                "path": _STR,
+                "start": {"type": "integer", "minimum": 1},
+                "end": {"type": "integer", "minimum": 1},
+                "max_count": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX_COUNT},
+            },
+            ["action"],
+        ),
+    ),
+    ToolSpec(
         THINK,
         "Think: a scratchpad for planning or reasoning about what you found. Runs nothing, "
         "changes nothing.",
@@ -280,6 +367,7 @@ FUNCTIONS = {
     "search": search,
     "lint": lint,
     "run_tests": run_tests,
+    "repo_history": repo_history,
     THINK: think,
     SUBMIT: submit,
 }

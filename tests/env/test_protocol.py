@@ -106,6 +106,7 @@ def test_system_prompt_lists_every_tool_schema():
         "search",
         "lint",
         "run_tests",
+        "repo_history",
         "think",
         "submit",
     }
