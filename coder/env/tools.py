@@ -6,7 +6,9 @@ Commands the model chooses run inside the sandbox: `shell` in the episode's pers
 and tests each in a fresh process (`Sandbox.run`), so the agent's shell state cannot change
 what they report. File reads and writes run on the host but are confined to the workspace by
 `Sandbox.resolve`; so are grep's paths. `repo_history` runs git in a fresh process over the
-workspace's own history (HEAD's ancestry: coder/env/repo.py copies no later commit). `think`
+workspace's own history (HEAD's ancestry: coder/env/repo.py copies no later commit).
+`memory_write` / `memory_read` append to and read the notes of the task's repository
+(coder.env.memory, `ToolContext.memory`; off when the episode has no store). `think`
 runs nothing: a scratchpad whose tokens count as thinking in the length penalty
 (coder/rl/agent.py).
 Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with a note saying
@@ -20,15 +22,17 @@ import dataclasses
 import shlex
 
 from coder.env import search as search_lib
+from coder.env.memory import Scope
 from coder.env.protocol import ToolSpec
 from coder.env.sandbox import Result, Sandbox
 from coder.env.terminal import Terminal
 
 SUBMIT = "submit"
 THINK = "think"
-# Tools that change the workspace (shell may): each runs alone among the calls of a turn, after
-# the calls before it (coder.env.episode.Episode.call_many); the shell's session is one terminal.
-EXCLUSIVE = frozenset({"write_file", "edit_file", "shell"})
+# Tools that change state (the workspace, which shell may change; memory_write the notes): each
+# runs alone among the calls of a turn, after the calls before it
+# (coder.env.episode.Episode.call_many); the shell's session is one terminal.
+EXCLUSIVE = frozenset({"write_file", "edit_file", "shell", "memory_write"})
 # Tools that open workspace paths from the host: they run with the terminal's processes stopped
 # (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
 # tool that runs the agent's code (its tests), which could race them the same way.
@@ -51,6 +55,8 @@ class ToolContext:
     command_timeout_s: float = 60.0  # default and cap for shell/grep/lint/run_tests
     # the shell's session; None: a new one, closed with the sandbox (an episode passes its own)
     terminal: Terminal | None = None
+    # the notes of this task's (run, split, repository): coder.env.memory; None: memory is off
+    memory: Scope | None = None
 
     def __post_init__(self):
         if self.terminal is None:
@@ -259,6 +265,25 @@ def repo_history(ctx: ToolContext, args: dict) -> str:
     return out + ("\n" + _SHALLOW_NOTE if shallow else "")
 
 
+_MEMORY_OFF = "memory is off in this episode: no notes are kept or read"
+
+
+def memory_write(ctx: ToolContext, args: dict) -> str:
+    """Appends a note to the task's memory scope (coder.env.memory: same run, split and
+    repository); off (said plainly) where the episode has no store."""
+    return _MEMORY_OFF if ctx.memory is None else ctx.memory.write(args["note"])
+
+
+def memory_read(ctx: ToolContext, args: dict) -> str:
+    if ctx.memory is None:
+        return _MEMORY_OFF
+    query = args.get("query", "")
+    notes = ctx.memory.notes(query)
+    if not notes:
+        return f"no notes{' containing ' + repr(query) if query else ''} for this repository yet"
+    return "\n\n".join(f"[note {i}] {text}" for i, text in enumerate(notes, 1))
+
+
 def think(ctx: ToolContext, args: dict) -> str:
     return "noted"
 
@@ -351,6 +376,19 @@ SPECS = [
         ),
     ),
     ToolSpec(
+        "memory_write",
+        "Save a short note for your later tasks on this same repository (what you learned: "
+        "layout, how to run things, pitfalls). Notes persist across tasks of this repository; "
+        "they cannot be edited or deleted.",
+        _obj({"note": _STR}, ["note"]),
+    ),
+    ToolSpec(
+        "memory_read",
+        "Read the notes saved by your earlier tasks on this repository (optionally only those "
+        "containing query).",
+        _obj({"query": _STR}, []),
+    ),
+    ToolSpec(
         THINK,
         "Think: a scratchpad for planning or reasoning about what you found. Runs nothing, "
         "changes nothing.",
@@ -368,6 +406,8 @@ FUNCTIONS = {
     "lint": lint,
     "run_tests": run_tests,
     "repo_history": repo_history,
+    "memory_write": memory_write,
+    "memory_read": memory_read,
     THINK: think,
     SUBMIT: submit,
 }

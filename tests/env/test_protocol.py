@@ -107,6 +107,8 @@ def test_system_prompt_lists_every_tool_schema():
         "lint",
         "run_tests",
         "repo_history",
+        "memory_write",
+        "memory_read",
         "think",
         "submit",
     }
