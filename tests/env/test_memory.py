@@ -88,3 +88,24 @@ def test_memory_tools_in_episodes(tmp_path):
         assert off.call(call("memory_read")).startswith("memory is off")
     finally:
         off.close()
+
+
+def test_memory_crosses_the_env_workers_of_one_run(tmp_path):
+    """GRPO's path: the factory's episodes in two worker processes share the run's notes of a
+    repository; a held-out task in either worker does not see them."""
+    from configs.base import get_config
+    from coder.env.pool import PooledEpisode
+    from coder.rl.actor import episode_factory
+
+    c = get_config()
+    c.rl.tools = ("memory_write", "memory_read", "submit")
+    call = lambda name, **a: protocol.ToolCall(name, a, "")
+    with episode_factory(c, memory_dir=str(tmp_path / "memory"), eval_ids=["held"]).pool(2) as pool:
+        a, b = PooledEpisode(pool, repo_task("a"), key="a"), PooledEpisode(pool, repo_task("b"), key="b")
+        assert pool._owner["a"] != pool._owner["b"]  # two processes
+        assert a.call(call("memory_write", note="setup.cfg pins pytest 7")).startswith("noted")
+        assert b.call(call("memory_read")) == "[note 1] setup.cfg pins pytest 7"
+        held = PooledEpisode(pool, repo_task("held"), key="held")
+        assert held.call(call("memory_read")) == "no notes for this repository yet"
+        for ep in (a, b, held):
+            ep.close()
