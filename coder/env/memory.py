@@ -12,7 +12,9 @@ erase another's note.
   reads another run's notes.
 - Split: `eval` for the held-out tasks the store was told of (`eval_ids`), `train` for every other
   task. Training rollouts therefore never see a note written while evaluating a held-out task,
-  which would leak the held-out set into training; eval rollouts see only eval notes.
+  which would leak the held-out set into training; eval rollouts see only eval notes. A task
+  that is both trained on and held out counts as held out everywhere: its training rollouts
+  then write the eval split (the safe direction).
 - Repository: `repository_key(task)`: a repository task's `metadata["repo"]` (SWE-bench's
   `owner/name`, the same on every machine) or else its `repo` location; a task without a
   repository (the toy sources, v1 JSONL tasks) uses its task source (`source:<task.source>`):
