@@ -215,6 +215,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.fsize_mb = 64  # largest file a sandboxed process may write
     c.env.tmp_mb = 64  # size of the sandbox's private /tmp and /dev/shm (tmpfs, each)
     c.env.output_kb = 64  # command output kept per stream (head + tail; the rest is dropped)
+    # commits of a repository task's history copied into its workspace (>= 1: the task's commit
+    # itself; more lets the repo_history tool show why code is the way it is); never a later one
+    c.env.history_depth = 1
+    # agent memory (memory_write / memory_read, coder/env/memory.py): notes per run, split and
+    # repository; a write past the cap is refused
+    c.env.memory_max_notes = 64  # notes kept per (split, repository) of a run
+    c.env.memory_max_chars = 2000  # characters of one note
     c.env.max_output_chars = 8000  # one tool result is cut to this many characters
     c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
     # "fraction" of hidden (FAIL_TO_PASS) tests passed | "all" (all-or-nothing; on repository tasks

@@ -10,7 +10,9 @@ Per-call interface (coder/rl/agent.py, which parses calls from sampled token ids
 (`step` also accepts a `protocol.ToolCall` and then behaves as `call`.)
 
 `tools` names the tools offered (`()`: all of coder.env.tools; an unknown name is a ValueError);
-`tool_timeout_s` caps one tool command (default: the limits' `timeout_s`). RL builds every
+`tool_timeout_s` caps one tool command (default: the limits' `timeout_s`). `memory` (a
+coder.env.memory.Memory, or None: the memory tools say memory is off) is the run's notes store;
+each `reset` scopes it to the task's (split, repository). RL builds every
 episode with `Episode.from_config(config.env, ...)` (coder/rl/actor.py), so `config.env` sets
 the sandbox limits of training and eval rollouts alike.
 
@@ -51,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from coder.env import protocol, reward, tools
+from coder.env.memory import Memory, Scope
 from coder.env.prepared import prepared
 from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
 from coder.env.terminal import Terminal
@@ -83,6 +86,7 @@ class Episode:
         system_preamble: str | None = None,
         tools: Sequence[str] = (),
         tool_timeout_s: float | None = None,
+        memory: Memory | None = None,
     ):
         if not callable(token_count):
             raise TypeError("token_count must be a function str -> int (the tokenizer's count)")
@@ -95,6 +99,8 @@ class Episode:
         self.test_timeout_s = test_timeout_s
         self.sandbox_root = sandbox_root
         self.tool_timeout_s = float(tool_timeout_s or self.limits.timeout_s)
+        self.memory = memory  # the run's notes; each reset scopes them to the task (memory.py)
+        self.memory_scope: Scope | None = None
         self.tools = select_tools(tools)  # protocol.ToolSpec list, in prompt order
         self._tool_map = {t.name: t for t in self.tools}
         self.system_prompt = protocol.render_system_prompt(self.tools, system_preamble)
@@ -135,6 +141,7 @@ class Episode:
         """Start `task` (from `snapshot` of its workspace if given); returns the user prompt."""
         self.close()
         self.task = task
+        self.memory_scope = self.memory.scope(task) if self.memory is not None else None
         self.done, self.scored = False, False
         self.messages = [
             {"role": "system", "content": self.system_prompt},
@@ -227,7 +234,8 @@ class Episode:
 
     def _context(self) -> tools.ToolContext:
         return tools.ToolContext(
-            self.sandbox, self.task, self.max_output_chars, self.tool_timeout_s, self.terminal
+            self.sandbox, self.task, self.max_output_chars, self.tool_timeout_s, self.terminal,
+            self.memory_scope,
         )
 
     def lint_count(self) -> int:

@@ -7,20 +7,24 @@ git URL (`https://...`, fetched with git), or an archive of a repository (`.tar.
 `.tar`, `.zip`) at a local path or any fsspec URL (`gs://...`), downloaded and unpacked once
 into the cache.
 
-History: none beyond `commit` itself. The tree comes from `git fetch --depth=1 <repo> <sha>`
-into a fresh repository, so the workspace's `.git` holds exactly the objects of that one commit
-(`git log` shows it, grafted; `git diff` / `git status` show the agent's changes). A later
-commit (where the fix lives) is unreachable by construction: no ref, no object, no packfile
-holds it. Earlier history would not leak anything, but it would be copied into every
-workspace and every in-memory snapshot of it (`Sandbox.snapshot`, pickled to pool workers)
-for no use to the agent.
+History: `commit` and at most `depth - 1` of its ancestors (`env.history_depth`, default 1).
+The tree comes from `git fetch --depth=<depth> <repo> <sha>` into a fresh repository, so the
+workspace's `.git` holds exactly the objects of those commits (`git log` shows them, the
+oldest grafted; `git diff` / `git status` show the agent's changes). A later commit (where the
+fix lives) is unreachable by construction: the fetch asks for `sha` only, so the source sends
+`sha`'s ancestry and nothing else; no ref is created (FETCH_HEAD, which names the host's path,
+is deleted; HEAD is detached at `sha`; no tags), so no object, ref or packfile of the
+workspace holds a descendant of `sha`, and `git log --all` shows what `git log HEAD` shows
+(tests/env/test_tools.py checks both). More history helps the agent (`repo_history`: why a
+line is the way it is) but is copied into every workspace and every in-memory snapshot of it
+(`Sandbox.snapshot`, pickled to pool workers): hence a depth, not the whole history.
 
-Cache: `<tempdir>/coder-repos/<sha>/` (the tree and a manifest of its tracked files), written
-under a temporary name and renamed into place, so concurrent processes (pool workers) never see
-a half-made tree; the first process to finish wins. Copies use `cp --reflink=auto`: a
-copy-on-write clone where the file system has them, a plain copy elsewhere. Hard links would be
-cheaper but the agent (and host-side writes as root) could then change the cached files
-through them.
+Cache: `<tempdir>/coder-repos/<sha>/` (`<sha>.depth<N>/` for a depth N > 1; the tree and a
+manifest of its tracked files), written under a temporary name and renamed into place, so
+concurrent processes (pool workers) never see a half-made tree; the first process to finish
+wins. Copies use `cp --reflink=auto`: a copy-on-write clone where the file system has them, a
+plain copy elsewhere. Hard links would be cheaper but the agent (and host-side writes as root)
+could then change the cached files through them.
 """
 
 from __future__ import annotations
@@ -235,16 +239,19 @@ def applies(repo: str, commit: str, patch: str, cache: str = CACHE) -> bool:
 _CHECKOUTS: dict = {}
 
 
-def checkout(repo: str, commit: str, cache: str = CACHE) -> Checkout:
+def checkout(repo: str, commit: str, cache: str = CACHE, depth: int = 1) -> Checkout:
     """The prepared tree of `repo` at `commit` (a sha or, for a local repository, any revision
-    name); see the module docstring. Raises RepoError."""
-    key = (repo, commit, cache)
+    name) with `depth` commits of history (`commit` and its depth - 1 nearest ancestors); see
+    the module docstring. Raises RepoError."""
+    if int(depth) < 1:
+        raise ValueError(f"history depth {depth}: at least 1 (the task's commit itself)")
+    key = (repo, commit, cache, int(depth))
     if key in _CHECKOUTS and os.path.isdir(_CHECKOUTS[key].dir):  # a tmp cleaner may remove it
         return _CHECKOUTS[key]
     os.makedirs(cache, 0o700, exist_ok=True)
     src, local = source(repo, cache)
     sha = resolve(repo, commit, cache)
-    final = os.path.join(cache, sha)
+    final = os.path.join(cache, sha if int(depth) == 1 else f"{sha}.depth{int(depth)}")
     if not os.path.isfile(os.path.join(final, "manifest.json")):
         tmp = tempfile.mkdtemp(prefix=f"{sha[:12]}.tmp-", dir=cache)
         try:
@@ -252,7 +259,7 @@ def checkout(repo: str, commit: str, cache: str = CACHE) -> Checkout:
             _git("init", "-q", tree)
             url = "file://" + os.path.abspath(src) if local else src
             pack = "git -c uploadpack.allowAnySHA1InWant=true -c 'safe.directory=*' upload-pack"
-            _git("fetch", "-q", "--depth=1", "--no-tags", f"--upload-pack={pack}", url, sha,
+            _git("fetch", "-q", f"--depth={int(depth)}", "--no-tags", f"--upload-pack={pack}", url, sha,
                  cwd=tree)
             _git("-c", "advice.detachedHead=false", "checkout", "-q", "--detach", sha, cwd=tree)
             for name in ("FETCH_HEAD", "ORIG_HEAD"):  # FETCH_HEAD names the host's source path

@@ -179,7 +179,7 @@ def _restore_tests(sb: Sandbox, task) -> set:
         if _is_test_path(path):
             _force_write(sb, path, text)
     if getattr(task, "repo", ""):
-        co = task_checkout(task)
+        co = task_checkout(task, sb.limits.history_depth)  # the sandbox's own checkout
         keep |= co.tracked
         for path in co.paths:
             if _is_test_path(path) and path not in task.files:

@@ -18,7 +18,8 @@ What the agent sees: /usr (and /bin, /lib symlinks), the running Python's prefix
 No network (an empty network namespace), no host home, no /work, no host /tmp.
 
 A v2 task's workspace is its repository's tree at `commit` (coder/env/repo.py: no later
-history; prepared once per process and copied in), then `task.files`, then its `setup` run.
+history, `Limits.history_depth` commits of earlier history; prepared once per process and
+copied in), then `task.files`, then its `setup` run.
 
 The workspace's own top-level modules are hidden everywhere else: each installed copy of a module
 or package the task defines (in every interpreter's standard library and site-packages visible
@@ -77,7 +78,10 @@ class SandboxError(InfraError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-command resource limits. Sizes in bytes; times in seconds."""
+    """What `config.env` bounds in a sandbox: per-command resources (sizes in bytes, times in
+    seconds) and how much of a repository task's git history is copied into the workspace.
+    One value carries both because it is what every builder of a sandbox already passes along
+    (episodes, pool workers, the prepared-tree cache, which it keys)."""
 
     timeout_s: float = 60.0  # wall time; the whole process tree is killed after it
     cpu_s: int = 60  # RLIMIT_CPU of each process
@@ -87,6 +91,12 @@ class Limits:
     nofile: int = 256  # RLIMIT_NOFILE
     tmp_bytes: int = 64 << 20  # size of the private /tmp and /dev/shm (tmpfs: host RAM)
     output_bytes: int = 64 << 10  # kept per stream (head + tail); the rest is counted, dropped
+    history_depth: int = 1  # commits of a repository task's history in its workspace (>= 1)
+
+    def __post_init__(self):
+        if int(self.history_depth) < 1:
+            raise ValueError(f"env.history_depth={self.history_depth}: at least 1 (the task's "
+                             "commit itself; 1 copies no earlier history)")
 
     @classmethod
     def from_config(cls, env_cfg) -> "Limits":
@@ -99,6 +109,7 @@ class Limits:
             fsize_bytes=int(env_cfg.fsize_mb) << 20,
             tmp_bytes=int(env_cfg.tmp_mb) << 20,
             output_bytes=int(env_cfg.output_kb) << 10,
+            history_depth=int(env_cfg.history_depth),
         )
 
 
@@ -162,21 +173,22 @@ def _mount_overlay(lower: str, upper: str, work: str, merged: str) -> bool:
     return r.returncode == 0
 
 
-def task_checkout(task) -> "repo_lib.Checkout":
-    """The prepared tree of a v2 task's repository at its commit (SandboxError if it cannot be
-    made)."""
+def task_checkout(task, depth: int = 1) -> "repo_lib.Checkout":
+    """The prepared tree of a v2 task's repository at its commit, with `depth` commits of
+    history (SandboxError if it cannot be made)."""
     try:
-        return repo_lib.checkout(task.repo, task.commit)
+        return repo_lib.checkout(task.repo, task.commit, depth=depth)
     except repo_lib.RepoError as e:
         raise SandboxError(f"task {task.id!r}: {e}") from e
 
 
-def starting_files(task) -> Mapping:
+def starting_files(task, depth: int = 1) -> Mapping:
     """{path: text} the agent starts from: `task.files` over, for a v2 task, every tracked file
-    of its repository at `commit` (read lazily: only the modules `_shadow_installed` stages)."""
+    of its repository at `commit` (read lazily: only the modules `_shadow_installed` stages;
+    `depth`: the checkout the sandbox copies, so no second one is made)."""
     if not getattr(task, "repo", ""):
         return task.files
-    return collections.ChainMap(task.files, task_checkout(task).files())
+    return collections.ChainMap(task.files, task_checkout(task, depth).files())
 
 
 def _stream_cap(limit: int):
@@ -303,8 +315,9 @@ class Sandbox:
             self._chown(self.workspace)
             self._write_etc()
             self._prefixes = python_prefixes()
+            depth = self.limits.history_depth
             self._shadows = (
-                self._shadow_installed(starting_files(task)) if task is not None else ()
+                self._shadow_installed(starting_files(task, depth)) if task is not None else ()
             )
             if base is not None:
                 self._start_from_base(root)
@@ -368,9 +381,8 @@ class Sandbox:
         infrastructure error naming the task)."""
         if task.repo:
             try:
-                repo_lib.copy_into(
-                    task_checkout(task), self.workspace, self.uid if self._privileged else None
-                )
+                co = task_checkout(task, self.limits.history_depth)
+                repo_lib.copy_into(co, self.workspace, self.uid if self._privileged else None)
             except repo_lib.RepoError as e:
                 raise SandboxError(f"task {task.id!r}: {e}") from e
         for path, text in task.files.items():

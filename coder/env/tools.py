@@ -5,8 +5,12 @@ Commands the model chooses run inside the sandbox: `shell` in the episode's pers
 (coder.env.terminal: cwd, variables and background jobs carry over between calls), grep, lint
 and tests each in a fresh process (`Sandbox.run`), so the agent's shell state cannot change
 what they report. File reads and writes run on the host but are confined to the workspace by
-`Sandbox.resolve`; so are grep's paths. `think` runs nothing: a scratchpad whose tokens count as
-thinking in the length penalty (coder/rl/agent.py).
+`Sandbox.resolve`; so are grep's paths. `repo_history` runs git in a fresh process over the
+workspace's own history (HEAD's ancestry: coder/env/repo.py copies no later commit).
+`memory_write` / `memory_read` append to and read the notes of the task's repository
+(coder.env.memory, `ToolContext.memory`; off when the episode has no store). `think`
+runs nothing: a scratchpad whose tokens count as thinking in the length penalty
+(coder/rl/agent.py).
 Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with a note saying
 how much was cut. Tool errors the agent caused (missing file, non-unique edit) are ordinary
 outputs starting with "error:"; only harness failures raise.
@@ -18,15 +22,17 @@ import dataclasses
 import shlex
 
 from coder.env import search as search_lib
+from coder.env.memory import Scope
 from coder.env.protocol import ToolSpec
 from coder.env.sandbox import Result, Sandbox
 from coder.env.terminal import Terminal
 
 SUBMIT = "submit"
 THINK = "think"
-# Tools that change the workspace (shell may): each runs alone among the calls of a turn, after
-# the calls before it (coder.env.episode.Episode.call_many); the shell's session is one terminal.
-EXCLUSIVE = frozenset({"write_file", "edit_file", "shell"})
+# Tools that change state (the workspace, which shell may change; memory_write the notes): each
+# runs alone among the calls of a turn, after the calls before it
+# (coder.env.episode.Episode.call_many); the shell's session is one terminal.
+EXCLUSIVE = frozenset({"write_file", "edit_file", "shell", "memory_write"})
 # Tools that open workspace paths from the host: they run with the terminal's processes stopped
 # (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
 # tool that runs the agent's code (its tests), which could race them the same way.
@@ -49,6 +55,8 @@ class ToolContext:
     command_timeout_s: float = 60.0  # default and cap for shell/grep/lint/run_tests
     # the shell's session; None: a new one, closed with the sandbox (an episode passes its own)
     terminal: Terminal | None = None
+    # the notes of this task's (run, split, repository): coder.env.memory; None: memory is off
+    memory: Scope | None = None
 
     def __post_init__(self):
         if self.terminal is None:
@@ -191,6 +199,91 @@ def run_tests(ctx: ToolContext, args: dict) -> str:
     return _format_result(ctx.sandbox.run(cmd, timeout_s=ctx.command_timeout_s))
 
 
+HISTORY_MAX_COUNT = 200  # most commits one `repo_history` log lists
+_SHALLOW_NOTE = (
+    "[shallow history: only the commits listed were copied into this workspace (env.history_depth);"
+    " earlier ones are not available]"
+)
+
+
+def _git(*args: str) -> str:
+    return "git --no-pager -c color.ui=never -c core.quotepath=off " + " ".join(map(shlex.quote, args))
+
+
+def repo_history(ctx: ToolContext, args: dict) -> str:
+    """The workspace's git history, read by git inside the sandbox: `log` (one line per commit,
+    newest first, at most `max_count`), `show` (one commit's message and diff), `blame` (lines
+    `start`..`end` of `path`). Every action reads HEAD's ancestry only (`show` refuses a commit
+    that is not an ancestor of HEAD): the task's commit and what the workspace holds before it
+    (coder/env/repo.py copies no later commit, nor a ref to one). A workspace that is not a git
+    repository, or whose history is shallow, is said so in plain words: the agent asked a fair
+    question about the task, not a broken one."""
+    t = min(30.0, ctx.command_timeout_s)
+    run = lambda *a: ctx.sandbox.run(_git(*a), timeout_s=t)
+    probe = run("rev-parse", "--is-shallow-repository")
+    if probe.exit_code != 0:
+        return "no git history: this task's workspace is not a git repository"
+    if run("rev-parse", "--verify", "-q", "HEAD").exit_code != 0:
+        return "no git history: the workspace's repository has no commits"
+    shallow = probe.stdout.strip() == "true"
+    action, path = args["action"], args.get("path")
+    if path is not None:
+        try:  # what git may read is the workspace's; the path check is grep's
+            ctx.sandbox.resolve(path)
+        except ValueError as e:
+            return f"error: {e}"
+    if action == "log":
+        n = min(int(args.get("max_count", 20)), HISTORY_MAX_COUNT)
+        r = run("log", "--oneline", "--no-decorate", f"-n{n}", "HEAD", "--", *([path] if path else []))
+        out = r.stdout.rstrip("\n") or "no commits touch " + str(path)
+    elif action == "show":
+        commit = args.get("commit", "HEAD")
+        sha = run("rev-parse", "--verify", "-q", "--end-of-options", f"{commit}^{{commit}}")
+        if sha.exit_code != 0:
+            why = " (the history is shallow: earlier commits were not copied in)" if shallow else ""
+            return f"error: no commit {commit!r} in the workspace's history{why}"
+        sha = sha.stdout.strip()
+        if run("merge-base", "--is-ancestor", sha, "HEAD").exit_code != 0:
+            return f"error: {commit!r} is not in the history of HEAD"
+        r = run("show", "--no-decorate", "--stat", "--patch", sha, "--", *([path] if path else []))
+        out, shallow = r.stdout.rstrip("\n"), False  # one commit: nothing to say about the rest
+    elif action == "blame":
+        if not path:
+            return "error: blame needs a path"
+        start, end = int(args.get("start", 1)), args.get("end")
+        if end is not None and int(end) < start:
+            return f"error: end {end} < start {start}"
+        r = run("blame", "-L", f"{start},{'' if end is None else int(end)}", "HEAD", "--", path)
+        out = r.stdout.rstrip("\n")
+        if shallow:  # git marks the lines it could not follow further back with ^
+            out += "\n[lines marked ^ come from the oldest commit copied in: they may be older]"
+            shallow = False
+    else:  # the schema's enum stops this before a call runs; kept for a direct call
+        return f"error: unknown action {action!r}; one of log, show, blame"
+    if r.exit_code != 0 or r.timed_out:
+        return "error: " + _format_result(r)
+    return out + ("\n" + _SHALLOW_NOTE if shallow else "")
+
+
+_MEMORY_OFF = "memory is off in this episode: no notes are kept or read"
+
+
+def memory_write(ctx: ToolContext, args: dict) -> str:
+    """Appends a note to the task's memory scope (coder.env.memory: same run, split and
+    repository); off (said plainly) where the episode has no store."""
+    return _MEMORY_OFF if ctx.memory is None else ctx.memory.write(args["note"])
+
+
+def memory_read(ctx: ToolContext, args: dict) -> str:
+    if ctx.memory is None:
+        return _MEMORY_OFF
+    query = args.get("query", "")
+    notes = ctx.memory.notes(query)
+    if not notes:
+        return f"no notes{' containing ' + repr(query) if query else ''} for this repository yet"
+    return "\n\n".join(f"[note {i}] {text}" for i, text in enumerate(notes, 1))
+
+
 def think(ctx: ToolContext, args: dict) -> str:
     return "noted"
 
@@ -264,6 +357,38 @@ SPECS = [
         _obj({"path": _STR}, []),
     ),
     ToolSpec(
+        "repo_history",
+        "The repository's git history up to the task's commit (never later commits): "
+        "action=log lists commits, newest first (max_count, optionally only those touching "
+        "path); action=show prints one commit's message and diff (commit, default HEAD; "
+        "optionally only path); action=blame shows the commit that last changed each of lines "
+        "start..end of path.",
+        _obj(
+            {
+                "action": {"type": "string", "enum": ["log", "show", "blame"]},
+                "commit": _STR,
+                "path": _STR,
+                "start": {"type": "integer", "minimum": 1},
+                "end": {"type": "integer", "minimum": 1},
+                "max_count": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX_COUNT},
+            },
+            ["action"],
+        ),
+    ),
+    ToolSpec(
+        "memory_write",
+        "Save a short note for your later tasks on this same repository (what you learned: "
+        "layout, how to run things, pitfalls). Notes persist across tasks of this repository; "
+        "they cannot be edited or deleted.",
+        _obj({"note": _STR}, ["note"]),
+    ),
+    ToolSpec(
+        "memory_read",
+        "Read the notes saved by your earlier tasks on this repository (optionally only those "
+        "containing query).",
+        _obj({"query": _STR}, []),
+    ),
+    ToolSpec(
         THINK,
         "Think: a scratchpad for planning or reasoning about what you found. Runs nothing, "
         "changes nothing.",
@@ -280,6 +405,9 @@ FUNCTIONS = {
     "search": search,
     "lint": lint,
     "run_tests": run_tests,
+    "repo_history": repo_history,
+    "memory_write": memory_write,
+    "memory_read": memory_read,
     THINK: think,
     SUBMIT: submit,
 }

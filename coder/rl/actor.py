@@ -85,18 +85,25 @@ class EpisodeFactory:
     with the tools of `rl.tools`, the preamble `rl.system_prompt` and the tool timeout
     `rl.tool_timeout_s`. `kwargs` are the same episode's constructor arguments for env workers,
     where the concurrent actor runs it: `pool(n)` starts them on the backend of
-    `env.workers_backend`."""
+    `env.workers_backend`.
 
-    def __init__(self, config):
+    Memory (the memory_write / memory_read tools, coder/env/memory.py): with `memory_dir` (the
+    stage's `{stage_dir}/memory`) the episodes share that run's notes, scoped per repository and
+    split; `eval_ids` are the held-out tasks' ids (their notes are the `eval` split, never read
+    by a training rollout). Without it the memory tools answer that memory is off."""
+
+    def __init__(self, config, memory_dir: str | None = None, eval_ids=()):
         from coder.env import pool as pool_lib
+        from coder.env.memory import Memory
 
         rl, env = config.rl, config.env
         pool_lib.check_config(env)
+        memory = Memory.from_config(env, memory_dir, eval_ids) if memory_dir else None
         # The agent counts the ids it trains on itself; the count is only used by the episode's
         # text interface, which RL does not call.
         self.kwargs = Episode.config_kwargs(
             env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
-            tool_timeout_s=float(rl.tool_timeout_s))
+            tool_timeout_s=float(rl.tool_timeout_s), memory=memory)
         self.backend = str(env.workers_backend)
         self.ray = {"num_cpus": float(env.ray_num_cpus_per_worker), "resource": str(env.ray_resource),
                     "address": str(rl.ray_address)}
@@ -127,8 +134,8 @@ class EpisodeFactory:
         return ep
 
 
-def episode_factory(config) -> EpisodeFactory:
-    return EpisodeFactory(config)
+def episode_factory(config, memory_dir: str | None = None, eval_ids=()) -> EpisodeFactory:
+    return EpisodeFactory(config, memory_dir, eval_ids)
 
 
 # --- engine ------------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
       step: the checkpoint's step (names the report).
       tasks: held-out `Task`s (default: `coder.rl.actor.eval_tasks(config)`).
       make_episode: `task -> episode` (default: `coder.rl.actor.episode_factory(config)`, a
-        sandboxed coder.env Episode with config.env's limits).
+        sandboxed coder.env Episode with config.env's limits and the agent memory of
+        `{stage_dir}/memory`, every task of the eval split).
       engine: an existing Engine holding `model`'s weights (default: a new one).
       actor: an existing coder.rl.actor.Actor over that engine (its env workers reused; default:
         one made here and closed after). It rolls out this process's tasks together, each task's
@@ -145,7 +146,10 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     own_actor = actor is None
     if own_actor:
         engine = engine or stage_lib.make_engine(model, config)
-        actor = stage_lib.Actor(engine, tokenizer, config, make_episode or stage_lib.episode_factory(config))
+        # the default episodes keep their memory in {stage_dir}/memory, all of it the eval split
+        make_episode = make_episode or stage_lib.episode_factory(
+            config, memory_dir=os.path.join(stage_dir, "memory"), eval_ids=[t.id for t in tasks])
+        actor = stage_lib.Actor(engine, tokenizer, config, make_episode)
     rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
     t0 = time.perf_counter()
     processes, pid = (1, 0) if alone else (jax.process_count(), jax.process_index())

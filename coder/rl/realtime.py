@@ -17,10 +17,15 @@ registered with `@signal("name")`; a completion's reward is the sum over its sig
 - `rating`: an explicit rating in [-1, 1] (thumbs down -1, up +1): reward `value`.
 
 **Join** (`join`). Feedback names a completion (`completion_id`, optionally a `choice`) or a
-conversation (`conversation_id`): a conversation's feedback goes to its latest completion
-logged at or before the feedback (the turn the user reacted to). For each (completion,
-signal), the latest feedback wins (a client may correct itself). Completions without any
-signal are dropped (counted); feedback that matches no completion of the window is counted.
+conversation (`conversation_id`). A conversation's feedback credits *every* completion of the
+conversation logged at or before it (every choice of each), with equal weight: the outcome a
+user reports (an edit kept at the end, a complaint) is the product of all the turns that led
+to it, as GRPO's outcome reward applies to every turn of a rollout, not only to its last
+reply. Equal rather than discounted credit: no discount factor to tune, and the same rule as a
+rollout's chain. For each (completion, signal), the latest feedback wins (a client may
+correct itself; a later verdict on a conversation replaces an earlier one on its earlier turns
+too). Completions without any signal are dropped (counted); feedback that matches no
+completion of the window is counted.
 
 **Version** (`select`). The cycle trains the version v the server served and the learner holds:
 a completion keeps loss only on the tokens v sampled (a completion that began under v - 1 and
@@ -144,11 +149,8 @@ def join(completions: list[dict], feedback: list[dict], weights,
             choices = by_id.get(f["completion_id"], {})
             targets = [choices[f["choice"]]] if f["choice"] >= 0 and f["choice"] in choices else (
                 list(choices.values()) if f["choice"] < 0 else [])
-        elif f["conversation_id"]:
-            before = [c for c in by_conv.get(f["conversation_id"], []) if c["time"] <= f["time"]]
-            if before:
-                last = before[-1]["completion_id"]
-                targets = [c for c in before if c["completion_id"] == last]
+        elif f["conversation_id"]:  # every turn the user saw before reacting, equal credit
+            targets = [c for c in by_conv.get(f["conversation_id"], []) if c["time"] <= f["time"]]
         if not targets:
             counts["feedback_unmatched"] += 1
             continue

@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 
 import jax
@@ -379,7 +380,10 @@ def run(config, stage_dir: str, init_from: str) -> str:
     from coder.train.checkpoint import stage_tokenizer
 
     tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
-    make_episode = episode_factory(config)
+    held_out = eval_tasks(config)
+    # the run's agent memory: training tasks write the train split, held-out ones the eval split
+    make_episode = episode_factory(config, memory_dir=os.path.join(stage_dir, "memory"),
+                                   eval_ids=[t.id for t in held_out])
     return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),
-                 make_episode=make_episode, held_out=eval_tasks(config),
+                 make_episode=make_episode, held_out=held_out,
                  trained=trained_tasks(config) if config.rl.eval_trained else None)

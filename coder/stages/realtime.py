@@ -147,7 +147,9 @@ class Loop:
         if self._engine is None:
             self._engine = actor_lib.make_engine(model, self.config)
             self.held_out = actor_lib.eval_tasks(self.config) if self.held_out is None else self.held_out
-            self.make_episode = self.make_episode or actor_lib.episode_factory(self.config)
+            self.make_episode = self.make_episode or actor_lib.episode_factory(  # eval-split memory
+                self.config, memory_dir=os.path.join(self.stage_dir, "memory"),
+                eval_ids=[t.id for t in self.held_out])
         self._engine.set_weights(nnx.state(model))
         return eval_lib.run_agent_eval(self.config, model, self.tok, os.path.join(self.stage_dir, "cycles", f"{cycle:06d}"),
                                        step=step, tasks=self.held_out, make_episode=self.make_episode,

@@ -119,6 +119,11 @@ def test_from_config_reads_the_env_section():
     ep = Episode.from_config(cfg, len, max_turns=3)
     assert ep.limits.memory_bytes == cfg.memory_mb << 20 and ep.limits.nproc == cfg.nproc
     assert ep.max_tool_output_tokens == cfg.max_tool_output_tokens and ep.max_turns == 3
+    cfg.history_depth = 5  # repo history copied into a repository task's workspace (test_tools)
+    assert Episode.from_config(cfg, len).limits.history_depth == 5
+    cfg.history_depth = 0
+    with pytest.raises(ValueError, match="env.history_depth=0"):
+        Episode.from_config(cfg, len)
 
 
 def test_tools_selection_timeout_and_lint_count():

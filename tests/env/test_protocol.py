@@ -106,6 +106,9 @@ def test_system_prompt_lists_every_tool_schema():
         "search",
         "lint",
         "run_tests",
+        "repo_history",
+        "memory_write",
+        "memory_read",
         "think",
         "submit",
     }

@@ -1,5 +1,8 @@
 """Agent tools in a sandbox, and BM25 search."""
 
+import os
+import subprocess
+
 import pytest
 
 from coder.env import search, tools
@@ -105,6 +108,75 @@ def test_search_ranks_the_relevant_chunk(ctx):
     ctx.sandbox.write(".git/hooks/pre-commit.sample", "parse an http header line " * 50)
     out = call(ctx, "search", query="parse an http header line")
     assert ".git/" not in out and out.startswith("mod.py:1-10")  # git's own files are not code
+
+
+def _git(cwd, *args) -> str:
+    env = {"PATH": os.environ["PATH"], "HOME": str(cwd), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@x", "GIT_COMMITTER_NAME": "a",
+           "GIT_COMMITTER_EMAIL": "a@x", "GIT_AUTHOR_DATE": "2024-01-01T00:00:00Z",
+           "GIT_COMMITTER_DATE": "2024-01-01T00:00:00Z"}  # fixed: the same shas every run
+    return subprocess.run(["git", "-c", "init.defaultBranch=main", *args], cwd=cwd, env=env,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    """A repository of five commits; the task sits at the fourth, the fifth holds its fix
+    (on main, a branch and a tag of the source: none may reach the workspace)."""
+    src = tmp_path_factory.mktemp("history")
+    _git(src, "init", "-q")
+    shas = []
+    for i, line in enumerate(["a = 1", "b = 2", "c = 3", "d = 4", "FIXED = 5"]):
+        with open(src / "m.py", "a") as f:
+            f.write(line + "\n")
+        _git(src, "add", "m.py")
+        _git(src, "commit", "-qm", f"commit {i + 1}: {line}")
+        shas.append(_git(src, "rev-parse", "HEAD"))
+    _git(src, "branch", "fix")
+    _git(src, "tag", "v-fixed")
+    return src, shas
+
+
+def test_repo_history_log_show_blame_up_to_the_task_commit(history):
+    src, shas = history
+    task = Task("h", "p", {}, {}, repo=str(src), commit=shas[3])
+    with Sandbox(task, limits=Limits(timeout_s=30, history_depth=3)) as sb:
+        ctx = tools.ToolContext(sb, task, max_output_chars=4000, command_timeout_s=30)
+        log = call(ctx, "repo_history", action="log")
+        assert [line.split(" ", 1)[1] for line in log.splitlines()[:3]] == [
+            "commit 4: d = 4", "commit 3: c = 3", "commit 2: b = 2"]
+        assert "shallow history" in log and "commit 1" not in log  # depth 3: commits 2..4
+        assert len(call(ctx, "repo_history", action="log", max_count=1).splitlines()) == 2
+        show = call(ctx, "repo_history", action="show", commit=shas[2][:10])
+        assert "commit 3: c = 3" in show and "+c = 3" in show and "shallow" not in show
+        blame = call(ctx, "repo_history", action="blame", path="m.py", start=3, end=4)
+        assert blame.splitlines()[0].startswith(shas[2][:7]) and blame.splitlines()[1].startswith(shas[3][:7])
+        assert "c = 3" in blame and "d = 4" in blame and "b = 2" not in blame
+        edge = call(ctx, "repo_history", action="blame", path="m.py", end=1)
+        assert edge.startswith("^") and "may be older" in edge  # line 1 predates the copied history
+        assert call(ctx, "repo_history", action="blame", path="../x").startswith("error:")
+        # the fix (commit 5) is nowhere: not by sha, branch or tag, not through --all, no object
+        for ref in (shas[4], "fix", "v-fixed", "main"):
+            assert call(ctx, "repo_history", action="show", commit=ref).startswith("error: no commit")
+        cmd = (f"git log --all --oneline; git cat-file -e {shas[4]} || echo absent;"
+               f" grep -rl {shas[4]} .git || echo unreferenced; git tag; git branch -a")
+        out = call(ctx, "shell", command=cmd)
+        assert "FIXED" not in out and "absent" in out and "unreferenced" in out and "v-fixed" not in out
+        assert "commit 4" in out and "fix" not in out.replace("FIXED", "")
+    one = Task("h1", "p", {}, {}, repo=str(src), commit=shas[3])  # the default depth: one commit
+    with Sandbox(one, limits=Limits(timeout_s=30)) as sb:
+        ctx = tools.ToolContext(sb, one, max_output_chars=4000, command_timeout_s=30)
+        log = call(ctx, "repo_history", action="log")
+        assert log.splitlines()[0].endswith("commit 4: d = 4") and "shallow history" in log
+        out = call(ctx, "repo_history", action="show", commit="HEAD~1")
+        assert out.startswith("error: no commit 'HEAD~1'") and "history is shallow" in out
+
+
+def test_repo_history_without_a_repository_says_so(ctx):
+    assert call(ctx, "repo_history", action="log") == (
+        "no git history: this task's workspace is not a git repository")
+    with pytest.raises(ValueError, match="env.history_depth=0"):
+        Limits(history_depth=0)
 
 
 def test_tokenize_and_bm25():

@@ -60,8 +60,9 @@ def test_signals_join_and_leave_one_out_baseline():
           dict(completion_id="zzz", conversation_id="", choice=-1, signal="edit_kept", value=1.0, time=t + 6),
           dict(completion_id="c", conversation_id="", choice=-1, signal="rating", value=0.5, time=t + 7)]
     joined, counts = realtime.join(comp, fb, {"edit_kept": 2.0, "dissatisfied_followup": 1.0, "rating": 0.0})
-    # a: the later edit_kept wins; b: the conversation's latest completion gets the follow-up; c: rating off
-    assert [(j.record["completion_id"], j.reward) for j in joined] == [("a", 2.0), ("b", -1.0)]
+    # a: the later edit_kept wins (2), plus c1's follow-up (-1), which credits every turn of the
+    # conversation: b too; c: rating off
+    assert [(j.record["completion_id"], j.reward) for j in joined] == [("a", 1.0), ("b", -1.0)]
     assert counts["dropped_no_signal"] == 1 and counts["feedback_unmatched"] == 1 and counts["feedback_off"] == 1
     assert counts["signals_edit_kept"] == 2 and counts["signals_dissatisfied_followup"] == 1
     # a reply with a malformed tool call and no feedback is a negative, not dropped (the hack)
@@ -69,13 +70,32 @@ def test_signals_join_and_leave_one_out_baseline():
     silent = dict(completion_id="e", choice=0, conversation_id="", time=t + 9, broken_calls=0)
     joined, counts = realtime.join(comp + [broken, silent], fb, {"edit_kept": 2.0, "dissatisfied_followup": 1.0,
                                                                   "rating": 0.0}, broken_call_reward=-0.5)
-    assert [(j.record["completion_id"], j.reward) for j in joined] == [("a", 2.0), ("b", -1.0), ("d", -0.5)]
+    assert [(j.record["completion_id"], j.reward) for j in joined] == [("a", 1.0), ("b", -1.0), ("d", -0.5)]
     assert counts["broken_no_signal"] == 1 and counts["dropped_no_signal"] == 2 and counts["with_signal"] == 2
     adv = realtime.leave_one_out([1.0, 0.0, 0.0, 1.0])
     np.testing.assert_allclose(adv, [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3])  # r_i - mean of the others
     assert realtime.leave_one_out([5.0]).tolist() == [0.0]
     with pytest.raises(ValueError, match="unknown signals"):
         realtime.check_signals({"vibes": 1.0})
+
+
+def test_conversation_feedback_credits_every_completion_of_the_conversation():
+    """A multi-turn conversation's feedback reaches each of its completions logged before it
+    (both choices of an n=2 turn too), with equal credit; not a turn logged after it, nor
+    another conversation's."""
+    t = 10.0
+    turn = lambda cid, choice, conv, dt: dict(completion_id=cid, choice=choice, conversation_id=conv, time=t + dt)
+    comp = [turn("t1", 0, "c", 0), turn("t2", 0, "c", 1), turn("t2", 1, "c", 1), turn("t3", 0, "c", 3),
+            turn("o1", 0, "other", 0.5)]
+    fb = [dict(completion_id="", conversation_id="c", choice=-1, signal="rating", value=-0.5, time=t + 2)]
+    joined, counts = realtime.join(comp, fb, {"rating": 1.0})
+    assert [(j.record["completion_id"], j.record["choice"], j.reward) for j in joined] == [
+        ("t1", 0, -0.5), ("t2", 0, -0.5), ("t2", 1, -0.5)]
+    assert counts["signals_rating"] == 1 and counts["dropped_no_signal"] == 2  # t3 (later), o1
+    # a later verdict on the conversation replaces the earlier one on every turn it reaches
+    fb.append(dict(completion_id="", conversation_id="c", choice=-1, signal="rating", value=1.0, time=t + 4))
+    joined, _ = realtime.join(comp, fb, {"rating": 1.0})
+    assert {(j.record["completion_id"], j.reward) for j in joined} == {("t1", 1.0), ("t2", 1.0), ("t3", 1.0)}
 
 
 def _post(url, body):
