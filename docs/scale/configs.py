@@ -126,13 +126,23 @@ GRPO_BATCH = 64
 # (1024 needed 117 GiB of temporaries for 128 rows)
 ACTOR_ENGINE = dict(engine_batch=128, engine_max_len=SEQ_LEN, engine_prefill_len=256)
 
+# Colocated RL on the learner's slice ("MODEL,SETTING,colocated"; rl.colocated: the learner's job
+# runs the engine in turns with its steps, coder/rl/colocated.py): the engine laid out as on an
+# actor slice (bf16, experts split over every chip, rows data-parallel) over the learner's chips,
+# one 32k row per chip; the optimizer state in host memory while the engine runs
+# (rl.offload_optimizer) and no reference copy (grpo.kl_coef = 0, as Composer 2's recipe,
+# configs/composer_k2.py). The report's colocated section adds up each phase's memory.
+COLOCATED_ENGINE = dict(engine_max_len=SEQ_LEN, engine_prefill_len=256)
+
 
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     model, setting, *actor = arg.split(",")
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
-    c.compile.report_dir = f"docs/scale/{model}_{setting}" + (f"_actors-{actor[0]}" if actor else "")
+    colocated = actor == ["colocated"]
+    c.compile.report_dir = f"docs/scale/{model}_{setting}" + (
+        "_colocated" if colocated else f"_actors-{actor[0]}" if actor else "")
     if model == "quickstart":  # the tiny config: its own mesh (data parallel), bf16 as on TPU
         c.stages = ()
         c.model.dtype = "bfloat16"
@@ -163,7 +173,14 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.compile.grpo_batch = s.get("grpo_batch", GRPO_BATCH)
     c.compile.grpo_seq_len = SEQ_LEN
     c.grpo.router_replay = True  # the learner routes by the engine's expert ids
-    if actor:
+    if colocated:
+        chips = hardware_chips(c.compile.topology)
+        c.compile.update(COLOCATED_ENGINE, engine=True, grpo=True, engine_batch=chips)
+        c.rl.update(dict(engine_dtype="bfloat16", engine_attention="data_parallel", colocated=True,
+                         offload_optimizer=True))
+        c.grpo.update({"kl_coef": 0.0, "async": False})
+        c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
+    elif actor:
         c.compile.engine_topology = actor[0]
         c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)
         c.rl.engine_dtype = "bfloat16"

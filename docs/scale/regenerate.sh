@@ -18,7 +18,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PAIRS=("$@")
 if [[ ${#PAIRS[@]} -eq 0 ]]; then
   PAIRS=(quickstart,v5e-4 deepseek_v3_671b,v5p-512 kimi_k2_1t,v5p-512x2 deepseek_v3_671b,v6e-256x2
-         deepseek_v3_671b,v6e-256x4 deepseek_v3_671b,v5p-512,v5p-128 kimi_k2_1t,v5p-512x2,v5p-256)
+         deepseek_v3_671b,v6e-256x4 deepseek_v3_671b,v5p-512,v5p-128 kimi_k2_1t,v5p-512x2,v5p-256
+         deepseek_v3_671b,v5p-512,colocated)
 fi
 export JAX_PLATFORMS=cpu  # the local backend; the TPU devices are libtpu's compile-only ones
 for pair in "${PAIRS[@]}"; do
