@@ -295,6 +295,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.serve.model_name = "coder"  # the model id of GET /v1/models (a request naming another gets a 404)
     c.serve.max_len = 0  # tokens of prompt + reply per sequence (0 = model.max_position_embeddings)
     c.serve.max_slots = 32  # sequences the engine decodes at once (more requests wait for a slot)
+    # of those, slots that keep finished requests' caches as prefixes: a conversation's next turn
+    # (the same prompt + the reply + new messages) prefills only what is new (0 = off, -1 = a
+    # quarter of serve.max_slots; a new weights version flushes them; requests evict them when
+    # every other slot is busy)
+    c.serve.prefix_cache_slots = -1
     c.serve.decode_steps = 8  # decode steps per engine call (a stream sends tokens this often)
     # speculative decoding: each decode step drafts this many tokens with the MTP modules and the
     # model verifies them in one forward (exact: replies are distributed as plain decoding's);

@@ -137,7 +137,7 @@ class Engine:
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
                  batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=None, speculative_k: int = 0,
                  cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0,
-                 follower_timeout_s: float = 60.0):
+                 follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
@@ -145,6 +145,9 @@ class Engine:
                              f"the model has model.num_mtp_layers={model_cfg.num_mtp_layers}")
         if decode_steps < 1 or max_slots < 1:
             raise ValueError(f"decode_steps={decode_steps}, max_slots={max_slots}: both must be >= 1")
+        if not 0 <= prefix_cache_slots < max_slots:
+            raise ValueError(f"prefix_cache_slots={prefix_cache_slots}: between 0 and max_slots - 1 "
+                             f"(max_slots={max_slots}; cached prefixes hold slots no row decodes in)")
         self.cfg = model_cfg
         self.max_len = int(max_len)
         self.spec_k = int(speculative_k)
@@ -178,7 +181,8 @@ class Engine:
         self.policy_version = 0
         self.sched = Scheduler(max_slots=int(max_slots), max_len=self.max_len, spec_k=self.spec_k,
                                num_steps=self.decode_steps_per_call, moe_layers=self.moe_layers,
-                               top_k=self.top_k_experts, expert_dtype=self.experts_dtype)
+                               top_k=self.top_k_experts, expert_dtype=self.experts_dtype,
+                               prefix_cache_slots=int(prefix_cache_slots))
         self._store = None  # programs.Store of `_slots` slots and `_capacity` positions
         self._slots = self._capacity = 0
         self._thread = None
@@ -190,6 +194,8 @@ class Engine:
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self.compilations = collections.Counter()  # traces per compiled program
         self.prefill_tokens = 0  # real tokens run through prefill (shared prompts count once)
+        self.prefix_hits = 0  # groups that started from a cached prefix
+        self.prefix_tokens = 0  # prompt tokens those groups did not prefill
         self.decode_steps = 0  # decode (or draft + verify) steps
         self.decode_calls = 0  # host calls of the multi-step decode program
         self.emitted = 0  # tokens emitted by decode calls
@@ -369,6 +375,7 @@ class Engine:
 
     def _release_memory(self) -> None:
         """Drop the slot pool and the weights (settle(release=True)); the weights' structure stays."""
+        self.sched.flush_prefixes()
         self._store, self._slots, self._capacity = None, 0, 0
         self._state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                    self._state)
@@ -398,7 +405,8 @@ class Engine:
         decoding / pool slots, over all steps) and, with speculative decoding, the drafts
         accepted at each depth (`accepted_depth{d}`; depth d is examined only when drafts
         1..d-1 were accepted)."""
-        s = dict(prefill_tokens=self.prefill_tokens, decode_steps=self.decode_steps,
+        s = dict(prefill_tokens=self.prefill_tokens, prefix_hits=self.prefix_hits,
+                 prefix_tokens=self.prefix_tokens, decode_steps=self.decode_steps,
                  decode_calls=self.decode_calls, emitted=self.emitted, row_steps=self.row_steps,
                  slot_steps=self.slot_steps, occupancy=self.row_steps / self.slot_steps if self.slot_steps else 0.0,
                  rows_per_step=self.row_steps / self.decode_steps if self.decode_steps else 0.0)
@@ -520,7 +528,7 @@ class Engine:
 
     def _has_work(self) -> bool:
         s = self.sched
-        admissible = bool(s.admissions) and len(s.admissions[0][0]) <= len(s.pool.free)
+        admissible = bool(s.admissions) and len(s.admissions[0][0]) <= len(s.pool.free) + len(s.prefixes)
         return bool(admissible or s.to_release or s.decoding() or self._pending_weights)
 
     def _check_stuck(self) -> None:
@@ -588,6 +596,8 @@ class Engine:
                 self._device("weights", new)
             else:
                 self._state = new
+            with self._lock:
+                self.sched.flush_prefixes()  # computed with the old weights
             self.policy_version = self.policy_version + 1 if version is None else int(version)
 
     def _fit_pool(self, capacity_needed: int) -> None:
@@ -597,7 +607,8 @@ class Engine:
         settles at the workload's concurrency, so programs are not recompiled as groups come
         and go. The capacity grows to the length bucket needed and shrinks only to a quarter
         of itself or less (long rows gone), which bounds the shapes a run compiles."""
-        held = max((r.length for r in self.sched.rows.values()), default=0)
+        held = max([r.length for r in self.sched.rows.values()] +
+                   [len(tokens) for tokens, _ in self.sched.prefixes.values()], default=0)
         slots = max(bucket(self.batch_buckets, max(self.sched.pool.high, 1)), self._slots)
         cap = bucket(self.len_buckets, max(capacity_needed, held, 1))
         if self._capacity and cap < self._capacity and cap * 4 > self._capacity:
@@ -693,6 +704,19 @@ class Engine:
         """Prefill each admitted group's prompt once (in its first row's slot), copy it to the
         group's other slots, and release the waiting start_group calls."""
         seeds = [rows[0] for rows, _ in admitted]
+        reused = [r for r in seeds if r.reuse is not None]
+        if reused:  # cached prefixes: copy their slots, prefill only the rest of each prompt
+            self._fit_pool(max(n for _, n in (r.reuse for r in reused)))
+            b = bucket(self.batch_buckets, len(reused))
+            pad = lambda xs: np.asarray(xs + [self._slots] * (b - len(xs)), np.int32)
+            self._device("copy", pad([r.reuse[0] for r in reused]), pad([r.slot for r in reused]))
+            with self._lock:
+                for r in reused:
+                    slot, n = r.reuse
+                    chunks = self.sched.prefixes[slot][1]  # pinned by admit_ready until now
+                    r.length, r.expert_chunks, r.reuse = n, [np.concatenate(chunks)[:n]], None
+                    self.prefix_hits += 1
+                    self.prefix_tokens += n
         self._prefill(seeds)
         src, dst = [], []
         for rows, _ in admitted:

@@ -13,12 +13,21 @@ Life of a row (one sequence of a group):
   released  its group was closed (or garbage-collected): the slot returns to the pool.
 A row waiting on a tool is "holding": it keeps its slot and its cache while other rows decode.
 
+Prefix cache (`prefix_cache_slots` > 0): a released row's slot keeps its cache as a cached
+prefix (its cached tokens), least recently used first out, at most `prefix_cache_slots` of them.
+A new group whose prompt starts with tokens a cached prefix holds starts from a copy of that
+slot: only the rest of its prompt is prefilled (a conversation's next turn, the same files in
+another prompt). Cached slots are free for the taking: an admission that finds no free slot
+evicts them, least recently used first. New weights make every cached prefix stale: the engine
+flushes them (`flush_prefixes`).
+
 Continuous batching: every decode call runs all decoding rows of all groups together; rows join
 (after their prefill) at the next call and leave when they stop.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import threading
 
@@ -104,6 +113,7 @@ class Row:
     logits_version: int = 0  # policy version of the logits the next token is sampled from
     finish_reason: str | None = None
     slot: int = -1  # -1: no slot yet (waiting) or released
+    reuse: tuple | None = None  # (cached slot, tokens) a new group's first row starts from
     request: Request | None = None  # the generate call decoding this row
     result: Generation | None = None  # what the last request produced, until its caller takes it
 
@@ -145,8 +155,11 @@ class Scheduler:
     """Rows by slot, the admission queue, and the inputs / outputs of each program call."""
 
     def __init__(self, *, max_slots: int, max_len: int, spec_k: int, num_steps: int, moe_layers: int,
-                 top_k: int, expert_dtype):
+                 top_k: int, expert_dtype, prefix_cache_slots: int = 0):
         self.pool = SlotPool(max_slots)
+        self.prefix_cache_slots = int(prefix_cache_slots)
+        # slot -> (cached tokens, their expert-id chunks), least recently used first
+        self.prefixes: collections.OrderedDict[int, tuple[list, list]] = collections.OrderedDict()
         self.max_len, self.spec_k, self.num_steps = max_len, spec_k, num_steps
         self.expert_shape, self.expert_dtype = (moe_layers, top_k), expert_dtype
         self.rows: dict[int, Row] = {}  # slot -> row holding it
@@ -156,10 +169,22 @@ class Scheduler:
     # ------------------------------------------------------------------ admission and release
     def admit_ready(self) -> list[list]:
         """Groups (lists of rows) that get slots now, in FIFO order (a group that does not fit
-        waits, and so do the ones behind it)."""
-        out = []
+        waits, and so do the ones behind it). A group's first row may start from a cached prefix
+        (`Row.reuse`); cached slots are evicted for room, least recently used first, but none a
+        group admitted here reuses (the engine copies them after this call)."""
+        out, pinned = [], set()
         while self.admissions:
             rows, call = self.admissions[0]
+            match = self.longest_prefix(rows[0].tokens)
+            keep = pinned | ({match[0]} if match else set())
+            while len(self.pool.free) < len(rows):
+                victim = next((s for s in self.prefixes if s not in keep), None)
+                if victim is None:
+                    break
+                self._evict(victim)
+            if match and match[0] not in pinned and len(self.pool.free) < len(rows):
+                self._evict(match[0])  # only by giving up its match does the group fit
+                match = None
             slots = self.pool.alloc(len(rows))
             if slots is None:
                 break
@@ -167,20 +192,51 @@ class Scheduler:
             for r, s in zip(rows, slots):
                 r.slot = s
                 self.rows[s] = r
+            if match:
+                rows[0].reuse = match
+                pinned.add(match[0])
+                self.prefixes.move_to_end(match[0])
             out.append((rows, call))
         return out
+
+    def longest_prefix(self, tokens: list) -> tuple[int, int] | None:
+        """(cached slot, n) of the cached prefix sharing the most leading tokens with `tokens`,
+        n < len(tokens) (the last prompt token is prefilled: its logits sample the next token);
+        None when none shares one."""
+        best = None
+        for slot, (cached, _) in self.prefixes.items():
+            n = min(len(cached), len(tokens) - 1)
+            k = next((i for i in range(n) if cached[i] != tokens[i]), n)
+            if k and (best is None or k > best[1]):
+                best = (slot, k)
+        return best
+
+    def _evict(self, slot: int) -> None:
+        del self.prefixes[slot]
+        self.pool.release([slot])
+
+    def flush_prefixes(self) -> None:
+        """Drop every cached prefix (new weights: their caches are stale)."""
+        for slot in list(self.prefixes):
+            self._evict(slot)
 
     def release_closed(self) -> None:
         for s in self.to_release:
             if self.rows.get(s) is not None and self.rows[s].request is None:
-                self.rows.pop(s).slot = -1
-                self.pool.release([s])
+                r = self.rows.pop(s)
+                r.slot = -1
+                if self.prefix_cache_slots and r.length:
+                    self.prefixes[s] = (r.tokens[:r.length], r.expert_chunks)
+                    while len(self.prefixes) > self.prefix_cache_slots:
+                        self._evict(next(iter(self.prefixes)))
+                else:
+                    self.pool.release([s])
         self.to_release = [s for s in self.to_release if s in self.rows]
 
     def stuck(self) -> bool:
         """Groups wait for slots that nothing will free: no row is decoding and no closed
         group is pending release (every slot is held by an open, idle group)."""
-        return bool(self.admissions) and not self.decoding() and not self.to_release
+        return bool(self.admissions) and not self.decoding() and not self.to_release and not self.prefixes
 
     # ------------------------------------------------------------------ work selection
     def decoding(self) -> list[Row]:

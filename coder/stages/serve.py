@@ -46,6 +46,9 @@ def check(config) -> None:
     for key in ("max_slots", "decode_steps", "max_tokens"):
         if int(s[key]) < 1:
             raise ValueError(f"serve.{key}={s[key]} must be >= 1")
+    if not -1 <= int(s.prefix_cache_slots) < int(s.max_slots):
+        raise ValueError(f"serve.prefix_cache_slots={s.prefix_cache_slots} must be in [-1, serve.max_slots="
+                         f"{s.max_slots}) (-1 = a quarter of serve.max_slots, 0 = no prefix cache)")
     for key in ("flush_seconds", "retention_days"):
         if float(s[key]) < 0:
             raise ValueError(f"serve.{key}={s[key]} must be >= 0")
@@ -128,8 +131,15 @@ def build_engine(config, init_from: str = ""):
     devices = jax.devices() if jax.process_count() > 1 else None
     engine = Engine(model, config.model, max_len=served_len(config), max_slots=int(s.max_slots),
                     decode_steps=int(s.decode_steps), speculative_k=int(s.speculative_k), dtype=s.dtype or None,
-                    mesh=engine_mesh(config, devices), rules=engine_rules(config))
+                    mesh=engine_mesh(config, devices), rules=engine_rules(config),
+                    prefix_cache_slots=prefix_cache_slots(config))
     return engine, model, tok, path
+
+
+def prefix_cache_slots(config) -> int:
+    """serve.prefix_cache_slots, -1 resolved to a quarter of serve.max_slots."""
+    n = int(config.serve.prefix_cache_slots)
+    return int(config.serve.max_slots) // 4 if n < 0 else n
 
 
 def build(config, init_from: str = ""):
