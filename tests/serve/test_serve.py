@@ -8,6 +8,7 @@ The server runs under uvicorn in a background thread on a free local port; its e
 real one (a spy records what `generate` returned, to compare with the trajectory log).
 """
 import concurrent.futures
+import copy
 import functools
 import inspect
 import json
@@ -457,11 +458,16 @@ def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_pa
     c.data.tokenizer = str(tmp_path / "tok.model")
     c.serve.update(dict(weight_store=store, model_name="tiny-stage", max_slots=4, poll_seconds=3600.0))
     c = stages.stage_config("serve", c)
+    bad = copy.deepcopy(c)
+    bad.serve.prefix_cache_slots = 4
+    with pytest.raises(ValueError, match=r"serve.prefix_cache_slots=4 must be in \[-1, serve.max_slots=4\)"):
+        serve_stage.check(bad)
     server = serve_stage.build(c, "")
     uv = None
     try:
         assert server.log.url == str(tmp_path / "run" / "serve" / "trajectories")
         assert server.max_len == MAX_LEN and server.max_n == 4
+        assert server.engine.sched.prefix_cache_slots == 1  # -1: a quarter of serve.max_slots
         deadline = time.time() + 60
         while server.engine.policy_version != 3:  # the follower applied the store's version
             assert time.time() < deadline
