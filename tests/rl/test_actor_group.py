@@ -2,11 +2,12 @@
 actor a JAX job of two Ray processes with 4 CPU devices each, weights through the sharded store
 (each member reads its own slices).
 
-- With the learner in this process (8 CPU devices), the run equals the one whose actor is the
-  learner's own 8-device engine (sync mode, fixed keys): same rewards, losses and token counts
-  at every step, and the same final agent eval.
+- With the learner in this process (8 CPU devices), the run equals the colocated one, whose
+  engine is on the learner's own 8 devices (sync mode, fixed keys): same rewards, losses and
+  token counts at every step, and the same final agent eval.
 - With the learner a job of two processes (4 devices each) whose process 0 drives the actor and
-  scatters each step's groups (coder/rl/step_channel.py): 4 processes, the same run.
+  scatters each step's groups (coder/rl/step_channel.py): the disaggregated layout on 4
+  processes, the same run as the colocated one.
 - A member killed mid-run breaks its group: the group's groups are dropped, the group is
   replaced by a new one that reads the newest version, and the run completes.
 """
@@ -92,10 +93,11 @@ TASKS, HELD_OUT = slice(0, 4), slice(4, 6)
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory, tok):
-    """The reference: sync GRPO, 2 steps of 2 tasks x 4 rollouts, the actor in the learner's
-    process (8 devices) -> (metrics, the final agent eval's report)."""
+    """The reference: sync GRPO, 2 steps of 2 tasks x 4 rollouts, colocated (the actor in the
+    learner's process, its engine on the learner's 8 devices, each version resharded on device:
+    rl.colocated) -> (metrics, the final agent eval's report)."""
     tmp_path = tmp_path_factory.mktemp("local")
-    cfg = config(tok, num_actors=0, eval_samples=4)
+    cfg = config(tok, num_actors=0, eval_samples=4, colocated=True)
     tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
     m = run(tmp_path, "local", cfg, tok, lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
             model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))), tasks[TASKS], tasks[HELD_OUT])
@@ -113,11 +115,12 @@ def test_two_process_actor_equals_the_learners_own_engine(tmp_path, tok, ray_4_d
     with open(tmp_path / "group" / "agent_eval" / "step_00000002.json") as f:
         group_eval = json.load(f)
     local, local_eval = local_run
-    # the final agent eval: on the in-process actor's engine (local), on an engine of the learner's
-    # own that follows the store (group): the same version, the same results
+    # the final agent eval: on the colocated engine (local), on an engine of the learner's own
+    # that follows the store (group): the same version, the same results
     assert "pass@1" in local_eval["summary"]
     assert local_eval["summary"] == group_eval["summary"], (local_eval, group_eval)
     assert [r["actor_processes"] for r in local] == [1, 1] and [r["actor_processes"] for r in group] == [2, 2]
+    assert all(r["sync_bytes"] == 0 for r in local) and all(r["sync_bytes"] > 0 for r in group)
     # the leader counts the bytes of its own slices of version 1 (that each member reads about its
     # share of every version is tests/rl/test_weight_sync.py's two-process test)
     assert group[1]["sync_versions"] == 1 and group[1]["sync_read_bytes"] > 0
