@@ -82,7 +82,9 @@ def main(q: dict) -> dict:
         jedi = importlib.import_module(q["module"])  # "jedi"; named by the caller
     except ImportError as e:
         return {"missing": str(e)}
-    project = jedi.Project(ROOT)
+    src = os.path.join(ROOT, "src")  # a src/ layout imports its packages from there (as mypy's
+    # MYPYPATH=src does for the checker)
+    project = jedi.Project(ROOT, added_sys_path=[src] if os.path.isdir(src) else [])
     where = _positions(jedi, project, q)
     if isinstance(where, str):
         return {"error": where}

@@ -107,3 +107,22 @@ def test_bad_arguments_and_a_missing_checker_are_clear_errors(ctx, monkeypatch):
     assert out.startswith("error: the type checker mypy_not_installed is not installed"), out
     out = call(ctx, action="references", symbol="scale")
     assert out.startswith("error: jedi_not_installed is not installed"), out
+
+
+def test_a_src_layout_resolves_its_packages():
+    """src/lib imported as `lib`: mypy (MYPYPATH=src) and jedi (src on its path) both find it;
+    without them the check reports lib as missing and the definition is not found."""
+    files = {
+        "src/lib/__init__.py": "",
+        "src/lib/b.py": "def helper(x: int) -> int:\n    return x\n",
+        "src/lib/a.py": "from lib.b import helper\n\nY: str = helper(1)\n",
+        "tests/test_a.py": "from lib.b import helper\n\n\ndef test_h():\n    assert helper(2) == 2\n",
+    }
+    task = Task("src", "p", files, {})
+    with Sandbox(task, limits=Limits(timeout_s=30)) as sb:
+        ctx = tools.ToolContext(sb, task, command_timeout_s=30)
+        out = call(ctx, action="check")
+        assert out.splitlines()[0].startswith("src/lib/a.py:3:") and "[assignment]" in out, out
+        assert "Found 1 error in 1 file" in out, out  # `lib` resolved: no import-not-found
+        out = call(ctx, action="definition", path="tests/test_a.py", line=5, symbol="helper")
+        assert out.splitlines()[1:] == ["src/lib/b.py:1:5: def helper(x: int) -> int:"], out
