@@ -78,8 +78,8 @@ def check(ctx, path: str) -> str:
         # 2: mypy could not check (a missing path, a syntax error, a bad config): say why
         said = (r.stderr.strip() + "\n" + r.stdout.strip()).strip()
         if not r.timed_out and said:
-            return f"error: mypy could not check {path}:\n" + said
-        return _failure("mypy", r, _timeout(ctx))
+            return f"error: {CHECKER} could not check {path}:\n" + said
+        return _failure(CHECKER, r, _timeout(ctx))
     return r.stdout.strip()
 
 
@@ -109,16 +109,19 @@ def locate(ctx, action: str, args: dict) -> str:
                                     or query["column"] is None):
         return (f"error: {action} needs path, line and column (1-based), or symbol (with path "
                 "and line to pick that occurrence, or alone to look it up by name)")
+    symbol = query["symbol"]
+    if symbol is not None and not all(part.isidentifier() for part in symbol.split(".")):
+        return f"error: symbol {symbol!r} is not a Python name (a dotted one like mod.func is fine)"
     if (query["line"] is None) != (query["path"] is None):
         return f"error: {action} takes path and line together (or neither, with symbol)"
     cmd = f"python -c {shlex.quote(_script())} {shlex.quote(json.dumps(query))}"
     r = ctx.sandbox.run(cmd, timeout_s=_timeout(ctx))
     if r.exit_code != 0 or r.timed_out:
-        return _failure("jedi", r, _timeout(ctx))
+        return _failure(NAVIGATOR, r, _timeout(ctx))
     try:
         out = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return "error: jedi printed no answer:\n" + (r.stdout + r.stderr).strip()[-500:]
+        return f"error: {NAVIGATOR} printed no answer:\n" + (r.stdout + r.stderr).strip()[-500:]
     if "missing" in out:
         return f"error: {NAVIGATOR} is not installed in the sandbox's Python ({out['missing']}); {_INSTALL}"
     if "error" in out:

@@ -50,10 +50,11 @@ def _positions(jedi, project, q) -> tuple:
     env = jedi.InterpreterEnvironment()  # this process's interpreter: no helper subprocess
     if path is None or line is None:
         # a bare symbol: its definitions anywhere in the workspace, by name
+        last = symbol.rsplit(".", 1)[-1]
         found = [
             n
             for n in project.search(symbol, all_scopes=True)
-            if n.name == symbol and n.module_path and str(n.module_path).startswith(ROOT + "/")
+            if n.name == last and n.module_path and str(n.module_path).startswith(ROOT + "/")
         ]
         out = []
         for n in _unique(found):
@@ -73,7 +74,7 @@ def _positions(jedi, project, q) -> tuple:
         m = re.search(r"(?<!\w)" + re.escape(symbol) + r"(?!\w)", text[line - 1])
         if m is None:
             return f"{symbol!r} does not occur on line {line} of {path}"
-        column = m.start() + 1
+        column = m.end() - len(symbol.rsplit(".", 1)[-1]) + 1  # a dotted name: its last part
     return [(script, line, column - 1)]
 
 

@@ -61,6 +61,8 @@ def test_definition_finds_the_def_in_another_file(ctx):
     by_symbol = call(ctx, action="definition", path="pkg/other.py", line=3, symbol="scale")
     assert by_symbol.splitlines()[1:] == [want]
     assert call(ctx, action="definition", symbol="scale").splitlines()[1:] == [want]
+    dotted = call(ctx, action="definition", path="pkg/other.py", line=3, symbol="pkg.util.scale")
+    assert dotted.splitlines()[1:] == [want]
 
 
 def test_references_lists_every_use(ctx):
@@ -93,6 +95,7 @@ def test_bad_arguments_and_a_missing_checker_are_clear_errors(ctx, monkeypatch):
             action="definition", path="pkg/util.py", line=7, column=1
         ),
         "no definition named 'nowhere'": dict(action="definition", symbol="nowhere"),
+        "is not a Python name": dict(action="references", symbol="scale("),
         "Cannot read file": dict(action="check", path="nope.py"),
         "unknown action 'hover'": dict(action="hover"),
     }
