@@ -83,21 +83,45 @@ def check(ctx, path: str) -> str:
     return r.stdout.strip()
 
 
-def _format(action: str, names: list[dict], query: dict) -> str:
-    what = query.get("symbol") or f"{query.get('path')}:{query.get('line')}:{query.get('column')}"
-    if not names:
-        return f"no {'definition' if action == 'definition' else 'references'} found for {what}"
+def _where(n: dict) -> str:
+    where = n["path"] or n["module"] or "?"
+    return where + (f":{n['line']}:{n['column']}" if n["line"] else "")
+
+
+def _rows(action: str, names: list[dict]) -> list[str]:
     rows = []
     for n in names[:MAX_LOCATIONS]:
-        where = n["path"] or n["module"] or "?"
-        if n["line"]:
-            where += f":{n['line']}:{n['column']}"
         mark = " (definition)" if action == "references" and n["definition"] else ""
-        rows.append(f"{where}: {n['code'] or n['type'] + ' ' + n['name']}{mark}")
-    head = (f"{len(names)} reference{'s' if len(names) != 1 else ''} to {what}:"
-            if action == "references" else f"definition of {what}:")
+        rows.append(f"{_where(n)}: {n['code'] or n['type'] + ' ' + n['name']}{mark}")
     more = len(names) - MAX_LOCATIONS
-    return "\n".join([head, *rows] + ([f"[... {more} more not listed]"] if more > 0 else []))
+    return rows + ([f"[... {more} more not listed]"] if more > 0 else [])
+
+
+def _format(action: str, groups: list[dict], query: dict) -> str:
+    """jedi's answer as `path:line:column: code` rows. Definitions: every one found, once.
+    References: one block, or one per definition when a bare symbol names several (two
+    functions called `run` in two modules have different uses)."""
+    what = query.get("symbol") or f"{query.get('path')}:{query.get('line')}:{query.get('column')}"
+    if action == "definition":
+        seen, names = set(), []
+        for g in groups:
+            for n in g["names"]:
+                if _where(n) not in seen:
+                    seen.add(_where(n))
+                    names.append(n)
+        if not names:
+            return f"no definition found for {what}"
+        return "\n".join([f"definition of {what}:", *_rows(action, names)])
+    blocks = []
+    for g in groups:
+        n = len(g["names"])
+        at = f" defined at {_where(g['at'])}" if g["at"] and len(groups) > 1 else ""
+        if n == 0:
+            blocks.append(f"no references found for {what}{at}")
+        else:
+            head = f"{n} reference{'s' if n != 1 else ''} to {what}{at}:"
+            blocks.append("\n".join([head, *_rows(action, g["names"])]))
+    return "\n\n".join(blocks)
 
 
 def locate(ctx, action: str, args: dict) -> str:
@@ -126,7 +150,7 @@ def locate(ctx, action: str, args: dict) -> str:
         return f"error: {NAVIGATOR} is not installed in the sandbox's Python ({out['missing']}); {_INSTALL}"
     if "error" in out:
         return "error: " + out["error"]
-    return _format(action, out["names"], query)
+    return _format(action, out["groups"], query)
 
 
 def diagnostics(ctx, args: dict) -> str:

@@ -3,7 +3,8 @@ Python over /workspace (coder.env.diagnostics passes this file's text to `python
 
 Self-contained on purpose: inside the sandbox the host's source tree is not mounted, so this
 script may import nothing of coder, only the standard library and jedi. It reads one JSON query
-from argv[1] and prints one JSON object: `{"names": [...]}` (each a location), or `{"error":
+from argv[1] and prints one JSON object: `{"groups": [{"at", "names"}, ...]}` (the locations
+found from each position asked about: one, or one per definition `at` of a bare symbol), or `{"error":
 ...}` for a question jedi cannot answer (a symbol not on the line, nothing found), or
 `{"missing": ...}` when jedi (the module `q["module"]` names) is not installed here. Lines are
 1-based, columns 1-based (as mypy and editors count them; jedi's own are 0-based).
@@ -44,22 +45,38 @@ def _unique(names) -> list:
     return out
 
 
+def _order(name) -> tuple:
+    return str(name.module_path or ""), name.line or 0, name.column or 0
+
+
+def _in_workspace(name) -> bool:
+    return bool(name.module_path) and str(name.module_path).startswith(ROOT + "/")
+
+
 def _positions(jedi, project, q) -> tuple:
-    """The (script, line, column0) triples the query points at, or an error string."""
+    """The (script, line, column0, definition) the query points at, or an error string;
+    `definition` is the location of a bare symbol's definition, None for a position given."""
     path, line, column, symbol = q.get("path"), q.get("line"), q.get("column"), q.get("symbol")
     env = jedi.InterpreterEnvironment()  # this process's interpreter: no helper subprocess
     if path is None or line is None:
-        # a bare symbol: its definitions anywhere in the workspace, by name
+        # a bare symbol: the workspace's functions, classes, methods and module or class level
+        # names called so (not the locals of some function), each followed through imports to
+        # the definition it names
         last = symbol.rsplit(".", 1)[-1]
         found = [
             n
             for n in project.search(symbol, all_scopes=True)
-            if n.name == last and n.module_path and str(n.module_path).startswith(ROOT + "/")
+            if n.name == last and _in_workspace(n)
+            and (n.type in ("function", "class") or n.parent().type in ("module", "class"))
         ]
-        out = []
+        targets = []
         for n in _unique(found):
             script = jedi.Script(path=str(n.module_path), project=project, environment=env)
-            out.append((script, n.line, n.column))
+            targets += [t for t in script.goto(n.line, n.column, follow_imports=True) if _in_workspace(t)]
+        out = []
+        for t in sorted(_unique(targets), key=_order):
+            script = jedi.Script(path=str(t.module_path), project=project, environment=env)
+            out.append((script, t.line, t.column, _location(t)))
         return out or f"no definition named {symbol!r} in the workspace"
     full = os.path.join(ROOT, path)
     try:
@@ -75,7 +92,7 @@ def _positions(jedi, project, q) -> tuple:
         if m is None:
             return f"{symbol!r} does not occur on line {line} of {path}"
         column = m.end() - len(symbol.rsplit(".", 1)[-1]) + 1  # a dotted name: its last part
-    return [(script, line, column - 1)]
+    return [(script, line, column - 1, None)]
 
 
 def main(q: dict) -> dict:
@@ -89,13 +106,15 @@ def main(q: dict) -> dict:
     where = _positions(jedi, project, q)
     if isinstance(where, str):
         return {"error": where}
-    names = []
-    for script, line, col in where:
+    groups = []  # the locations found from each position asked about
+    for script, line, col, at in where:
         if q["action"] == "definition":
-            names += script.goto(line, col, follow_imports=True)
+            names = script.goto(line, col, follow_imports=True)
         else:
-            names += script.get_references(line, col, include_builtins=False, scope="project")
-    return {"names": [_location(n) for n in _unique(names)]}
+            names = script.get_references(line, col, include_builtins=False, scope="project")
+        names = sorted(_unique(names), key=_order)
+        groups.append({"at": at, "names": [_location(n) for n in names]})
+    return {"groups": groups}
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ FILES = {
     "pkg/util.py": UTIL,
     "pkg/main.py": MAIN,
     "pkg/other.py": "import pkg.util\n\nVALUE = pkg.util.scale(1, 1)\n",
+    # a second `run`, and a local called `scale` that a lookup by name must not count as a def
+    "pkg/jobs.py": "def run():\n    scale = 2\n    return scale\n\n\nrun()\n",
     # two same-named test helpers: mypy stops ("Duplicate module named") without package bases
     "tests/a/conftest.py": "A = 1\n",
     "tests/b/conftest.py": "B = 2\n",
@@ -78,6 +80,13 @@ def test_references_lists_every_use(ctx):
         "pkg/util.py:1:5",  # the def itself
     }, out
     assert "pkg/util.py:1:5: def scale(x: int, k: int) -> int: (definition)" in rows
+    # a bare name with two definitions: one block of references per definition
+    blocks = call(ctx, action="references", symbol="run").split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == [
+        "2 references to run defined at pkg/jobs.py:1:5:",
+        "1 reference to run defined at pkg/main.py:4:5:",
+    ], blocks
+    assert blocks[0].splitlines()[2] == "pkg/jobs.py:6:1: run()"
 
 
 def test_bad_arguments_and_a_missing_checker_are_clear_errors(ctx, monkeypatch):
