@@ -40,7 +40,7 @@ import shlex
 
 CHECK_TIMEOUT_S = 60.0  # longest one check or lookup may run (a whole large repository can
 # take longer cold: the output then says to check a smaller path)
-MAX_LOCATIONS = 100  # most definitions / references listed; the rest are counted
+MAX_LOCATIONS = 100  # most definitions / references listed in one answer; the rest are counted
 ACTIONS = ("check", "definition", "references")
 CHECKER, NAVIGATOR = "mypy", "jedi"  # the modules run inside the sandbox
 _MYPY_FLAGS = (
@@ -88,12 +88,12 @@ def _where(n: dict) -> str:
     return where + (f":{n['line']}:{n['column']}" if n["line"] else "")
 
 
-def _rows(action: str, names: list[dict]) -> list[str]:
+def _rows(action: str, names: list[dict], total: int) -> list[str]:
     rows = []
-    for n in names[:MAX_LOCATIONS]:
+    for n in names:
         mark = " (definition)" if action == "references" and n["definition"] else ""
         rows.append(f"{_where(n)}: {n['code'] or n['type'] + ' ' + n['name']}{mark}")
-    more = len(names) - MAX_LOCATIONS
+    more = total - len(names)
     return rows + ([f"[... {more} more not listed]"] if more > 0 else [])
 
 
@@ -111,16 +111,17 @@ def _format(action: str, groups: list[dict], query: dict) -> str:
                     names.append(n)
         if not names:
             return f"no definition found for {what}"
-        return "\n".join([f"definition of {what}:", *_rows(action, names)])
+        total = len(names) + sum(g["total"] - len(g["names"]) for g in groups)
+        return "\n".join([f"definition of {what}:", *_rows(action, names, total)])
     blocks = []
     for g in groups:
-        n = len(g["names"])
+        n = g["total"]
         at = f" defined at {_where(g['at'])}" if g["at"] and len(groups) > 1 else ""
         if n == 0:
             blocks.append(f"no references found for {what}{at}")
         else:
             head = f"{n} reference{'s' if n != 1 else ''} to {what}{at}:"
-            blocks.append("\n".join([head, *_rows(action, g["names"])]))
+            blocks.append("\n".join([head, *_rows(action, g["names"], n)]))
     return "\n\n".join(blocks)
 
 
@@ -128,7 +129,7 @@ def locate(ctx, action: str, args: dict) -> str:
     """Definitions or references of the name at (path, line, column), or at `symbol` on that
     line, or of every workspace definition named `symbol` (no path and line), via jedi."""
     query = {k: args.get(k) for k in ("path", "line", "column", "symbol")}
-    query["action"], query["module"] = action, NAVIGATOR
+    query.update(action=action, module=NAVIGATOR, max=MAX_LOCATIONS)
     if query["symbol"] is None and (query["path"] is None or query["line"] is None
                                     or query["column"] is None):
         return (f"error: {action} needs path, line and column (1-based), or symbol (with path "

@@ -3,8 +3,9 @@ Python over /workspace (coder.env.diagnostics passes this file's text to `python
 
 Self-contained on purpose: inside the sandbox the host's source tree is not mounted, so this
 script may import nothing of coder, only the standard library and jedi. It reads one JSON query
-from argv[1] and prints one JSON object: `{"groups": [{"at", "names"}, ...]}` (the locations
-found from each position asked about: one, or one per definition `at` of a bare symbol), or `{"error":
+from argv[1] and prints one JSON object: `{"groups": [{"at", "total", "names"}, ...]}` (the
+locations found from each position asked about: one, or one per definition `at` of a bare
+symbol; at most `max` locations in all, `total` counting each group's), or `{"error":
 ...}` for a question jedi cannot answer (a symbol not on the line, nothing found), or
 `{"missing": ...}` when jedi (the module `q["module"]` names) is not installed here. Lines are
 1-based, columns 1-based (as mypy and editors count them; jedi's own are 0-based).
@@ -17,6 +18,8 @@ import re
 import sys
 
 ROOT = "/workspace"
+CODE_CHARS = 200  # of each location's source line: with `max` locations in all, the answer stays
+# far below the sandbox's output cap (a cut answer would not parse)
 
 
 def _location(name) -> dict:
@@ -30,7 +33,7 @@ def _location(name) -> dict:
         "column": None if name.column is None else name.column + 1,
         "type": name.type,
         "name": name.name,
-        "code": name.get_line_code().strip() if name.line else "",
+        "code": name.get_line_code().strip()[:CODE_CHARS] if name.line else "",
         "definition": name.is_definition(),
     }
 
@@ -107,13 +110,16 @@ def main(q: dict) -> dict:
     if isinstance(where, str):
         return {"error": where}
     groups = []  # the locations found from each position asked about
+    budget = q["max"]  # locations listed in all; the rest are only counted
     for script, line, col, at in where:
         if q["action"] == "definition":
             names = script.goto(line, col, follow_imports=True)
         else:
             names = script.get_references(line, col, include_builtins=False, scope="project")
         names = sorted(_unique(names), key=_order)
-        groups.append({"at": at, "names": [_location(n) for n in names]})
+        kept = names[: max(budget, 0)]
+        budget -= len(kept)
+        groups.append({"at": at, "total": len(names), "names": [_location(n) for n in kept]})
     return {"groups": groups}
 
 

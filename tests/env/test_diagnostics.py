@@ -67,7 +67,7 @@ def test_definition_finds_the_def_in_another_file(ctx):
     assert dotted.splitlines()[1:] == [want]
 
 
-def test_references_lists_every_use(ctx):
+def test_references_lists_every_use(ctx, monkeypatch):
     out = call(ctx, action="references", path="pkg/util.py", line=1, symbol="scale")
     rows = out.splitlines()
     assert rows[0] == "5 references to scale:", out
@@ -87,6 +87,11 @@ def test_references_lists_every_use(ctx):
         "1 reference to run defined at pkg/main.py:4:5:",
     ], blocks
     assert blocks[0].splitlines()[2] == "pkg/jobs.py:6:1: run()"
+    # past MAX_LOCATIONS the rest are counted, not listed (the answer must fit the output cap)
+    monkeypatch.setattr(diagnostics, "MAX_LOCATIONS", 2)
+    rows = call(ctx, action="references", symbol="scale").splitlines()
+    assert rows[0] == "5 references to scale:" and len(rows) == 4, rows
+    assert rows[3] == "[... 3 more not listed]"
 
 
 def test_bad_arguments_and_a_missing_checker_are_clear_errors(ctx, monkeypatch):
