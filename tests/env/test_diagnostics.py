@@ -54,6 +54,7 @@ def test_check_reports_the_planted_type_error_and_unresolved_name(ctx):
     ), out
     assert "Found 2 errors in 1 file" in out  # nothing else: the conftests and util are clean
     assert call(ctx, action="check", path="pkg/util.py").startswith("Success: no issues found")
+    assert sorted(ctx.sandbox.list_files()) == sorted(FILES)  # no cache left in the workspace
 
 
 def test_definition_finds_the_def_in_another_file(ctx):
