@@ -30,6 +30,10 @@ setup(
         "safetensors>=0.4",
         "tensorboardX>=2.6",
         "ruff>=0.6",
+        # the diagnostics tool, run by the sandbox's Python like ruff (coder/env/diagnostics.py
+        # says why these two); tested with mypy 2.4 and jedi 0.20
+        "mypy>=2.4,<3",
+        "jedi>=0.20,<0.21",
         "pytest>=8",  # the sandbox's tasks are scored with pytest
         "ray>=2.40,<3",  # RL orchestration: learner, actors and env workers (local or a cluster)
         "zstandard>=0.22",  # weight sync: zstd-compressed XOR deltas between versions

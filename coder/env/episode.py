@@ -29,8 +29,9 @@ In the text interface an episode ends on `submit`, on a reply with no tool call,
 The calls of one reply run concurrently where they are independent (`call_many`): calls that
 change the workspace (`tools.EXCLUSIVE`: write_file, edit_file, shell) each run alone, after
 every call before them and before every call after them; the calls between two of them
-(reads, grep, lint, tests, think) run at once, except that a host-side file tool never runs
-beside the agent's tests (`tools.may_overlap`: agent code could race its path checks).
+(reads, grep, lint, diagnostics, tests, think) run at once, except that a host-side file tool
+never runs beside the agent's tests or diagnostics (`tools.may_overlap`: agent code, such as a
+mypy plugin the repository configures, could race its path checks).
 Outputs come back in call order, so a turn means what it would mean run one call after
 another. `shell` runs in the episode's `Terminal` (coder.env.terminal), one session from reset
 to close; scoring closes it first, so nothing the agent left running can touch the workspace

@@ -7,6 +7,8 @@ and tests each in a fresh process (`Sandbox.run`), so the agent's shell state ca
 what they report. File reads and writes run on the host but are confined to the workspace by
 `Sandbox.resolve`; so are grep's paths. `repo_history` runs git in a fresh process over the
 workspace's own history (HEAD's ancestry: coder/env/repo.py copies no later commit).
+`diagnostics` runs mypy (type errors, unresolved names) or jedi (definitions, references) in a
+fresh sandbox process over the workspace (coder.env.diagnostics says why these two).
 `memory_write` / `memory_read` append to and read the notes of the task's repository
 (coder.env.memory, `ToolContext.memory`; off when the episode has no store). `think`
 runs nothing: a scratchpad whose tokens count as thinking in the length penalty
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
+from coder.env import diagnostics as diagnostics_lib
 from coder.env import search as search_lib
 from coder.env.memory import Scope
 from coder.env.protocol import ToolSpec
@@ -37,7 +40,8 @@ EXCLUSIVE = frozenset({"write_file", "edit_file", "shell", "memory_write"})
 # (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
 # tool that runs the agent's code (its tests), which could race them the same way.
 HOST_SIDE = frozenset({"read_file", "write_file", "edit_file", "search"})
-RUNS_AGENT_CODE = frozenset({"run_tests", "shell"})
+# diagnostics: mypy loads the plugins a repository's mypy configuration names (its code)
+RUNS_AGENT_CODE = frozenset({"run_tests", "shell", "diagnostics"})
 
 
 def may_overlap(a: str, b: str) -> bool:
@@ -352,6 +356,24 @@ SPECS = [
         _obj({"path": _STR}, []),
     ),
     ToolSpec(
+        "diagnostics",
+        "Type checker and code navigation. action=check: type errors and unresolved names "
+        "from mypy in path (default: the whole workspace). action=definition: where the name "
+        "at path:line:column is defined; action=references: every use of it in the workspace "
+        "(line and column 1-based; or give symbol with path and line instead of column, or "
+        "symbol alone to find workspace definitions with that name).",
+        _obj(
+            {
+                "action": {"type": "string", "enum": list(diagnostics_lib.ACTIONS)},
+                "path": _STR,
+                "line": {"type": "integer", "minimum": 1},
+                "column": {"type": "integer", "minimum": 1},
+                "symbol": _STR,
+            },
+            ["action"],
+        ),
+    ),
+    ToolSpec(
         "run_tests",
         "Run the task's test command (optionally on one test path).",
         _obj({"path": _STR}, []),
@@ -404,6 +426,7 @@ FUNCTIONS = {
     "grep": grep,
     "search": search,
     "lint": lint,
+    "diagnostics": diagnostics_lib.diagnostics,
     "run_tests": run_tests,
     "repo_history": repo_history,
     "memory_write": memory_write,

@@ -105,6 +105,7 @@ def test_system_prompt_lists_every_tool_schema():
         "grep",
         "search",
         "lint",
+        "diagnostics",
         "run_tests",
         "repo_history",
         "memory_write",
