@@ -4,10 +4,16 @@ tiny model.
     python main.py --config=configs/quickstart.py
 
 Data: the Python standard library of the running interpreter (pretraining, held-out split for
-eval) and transcripts of correct tool-using solutions of the env's toy tasks (SFT). The tokenizer
-is trained from the corpus on first use and cached (~/.cache/coder/tokenizers).
+eval), repository documents of this repository's own packages (coder/data, coder/model, ...: the
+long-context stage, and the long-context eval on the held-out one) and transcripts of correct
+tool-using solutions of the env's toy tasks (SFT). The tokenizer is trained from the stdlib on
+first use and cached (~/.cache/coder/tokenizers).
 """
+import os
+
 from configs import base
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config():
@@ -60,6 +66,14 @@ def get_config():
     c.longctx.seq_len = 1024
     c.longctx.steps = 40
     c.longctx.lr = 1e-3
+    # Repository documents (coder/data/repo_docs.py): each subpackage of coder/ is one repository
+    # (~30k-70k tokens: its files in import order), one of the nine held out (data.heldout_fraction:
+    # coder/pallas) for the held-out loss and the long-context eval. Only the long-context stage
+    # reads them: at a tenth of the stdlib files' record weight they are about half its tokens
+    # (a repository is ~10x a stdlib file), so its 1024-token rows hold long-range structure
+    # (a definition, its uses files later) that single files rarely give.
+    c.data.repos = (os.path.join(ROOT, "coder", "*"),)
+    c.longctx.repo_weight = 0.1
 
     # SFT on transcripts of the 36 training toy tasks (the 9 held-out ones are the agent eval's),
     # one ~400-token conversation per row. Steps, not conversations, bound the fit: after 150
