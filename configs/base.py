@@ -74,6 +74,9 @@ def get_config() -> ml_collections.ConfigDict:
     # their mixture weight beside the short sources' (the corpus's is 1): a share of documents,
     # not tokens; 0 = not read (the long eval still uses the held-out ones)
     c.data.repo_weight = 0.0
+    # > 0: a repository is cut at file boundaries into documents of at most this many characters
+    # (its files still in dependency order), so they shuffle apart (coder.data.repo_docs.RepoSource)
+    c.data.repo_part_chars = 0
 
     # Optimisation and the training loop (coder/train).
     c.train = ml_collections.ConfigDict()

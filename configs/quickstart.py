@@ -67,13 +67,16 @@ def get_config():
     c.longctx.steps = 40
     c.longctx.lr = 1e-3
     # Repository documents (coder/data/repo_docs.py): each subpackage of coder/ is one repository
-    # (~30k-70k tokens: its files in import order), one of the nine held out (data.heldout_fraction:
-    # coder/pallas) for the held-out loss and the long-context eval. Only the long-context stage
-    # reads them: at a tenth of the stdlib files' record weight they are about half its tokens
-    # (a repository is ~10x a stdlib file), so its 1024-token rows hold long-range structure
-    # (a definition, its uses files later) that single files rarely give.
+    # (20k-90k tokens: its files in import order), one of the nine held out (data.heldout_fraction:
+    # coder/pallas) for the stage's held-out loss and the long-context eval. Only the long-context
+    # stage reads them. It trains on 40 rows of 1024 tokens in all, less than one repository:
+    # whole repositories, mixed at 0.1, never came up in its 40 steps (5 stdlib files did) and its
+    # held-out loss at 1024 rose 5.194 -> 5.236. Cut into runs of files of <= 8000 characters
+    # (~4k tokens: every position of a row still trained) and mixed at 3 records per stdlib file,
+    # the same stage took it 5.196 -> 4.908 and the far bucket [768, 1024) 5.106 -> 4.820.
     c.data.repos = (os.path.join(ROOT, "coder", "*"),)
-    c.longctx.repo_weight = 0.1
+    c.data.repo_part_chars = 8000
+    c.longctx.repo_weight = 3.0
 
     # SFT on transcripts of the 36 training toy tasks (the 9 held-out ones are the agent eval's),
     # one ~400-token conversation per row. Steps, not conversations, bound the fit: after 150

@@ -315,7 +315,7 @@ def repo_spec(config, split: str) -> dict:
         raise ValueError(f"config.data.repos={tuple(config.data.repos)}: no repository in split {split!r} "
                          "(a held-out split needs >= 2 repositories and data.heldout_fraction > 0)")
     return {"path": tuple(urls), "weight": float(config.data.repo_weight), "format": "repo",
-            "text_field": "text", "name": "repositories"}
+            "text_field": "text", "name": "repositories", "part_chars": int(config.data.repo_part_chars)}
 
 
 def check_repos(config) -> None:
@@ -323,6 +323,9 @@ def check_repos(config) -> None:
     weight = float(config.data.repo_weight)
     if weight < 0:
         raise ValueError(f"config.data.repo_weight={weight} must be >= 0 (0 = no repository documents)")
+    if int(config.data.repo_part_chars) < 0:
+        raise ValueError(f"config.data.repo_part_chars={config.data.repo_part_chars} must be >= 0 "
+                         "(0 = one document per repository)")
     if weight > 0 and not config.data.repos:
         raise ValueError(f"config.data.repo_weight={weight} mixes in repository documents, but "
                          "config.data.repos is empty: set it to globs of repository directories")

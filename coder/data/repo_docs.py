@@ -193,15 +193,43 @@ def split_repositories(urls: list[str], split: str, heldout_fraction: float) -> 
     return [u for u in urls if (u in held) == (split == "heldout")]
 
 
-class RepoSource:
-    """Random-access source of repository documents: record i is the UTF-8 bytes of
-    repository_document(urls[i]), built when read (picklable: it holds the URLs only)."""
+def plan_parts(url: str, part_chars: int) -> list[tuple[str, ...]]:
+    """The repository's files in dependency order, cut at file boundaries into runs of at most
+    `part_chars` characters (a longer file is a run of its own)."""
+    files = read_repository(url)
+    parts, run, size = [], [], 0
+    for path in dependency_order(files):
+        n = len(FILE_HEADER.format(path=path)) + len(files[path])
+        if run and size + n > part_chars:
+            parts.append(tuple(run))
+            run, size = [], 0
+        run.append(path)
+        size += n
+    return parts + ([tuple(run)] if run else [])
 
-    def __init__(self, urls: list[str]):
-        self.urls = list(urls)
+
+class RepoSource:
+    """Random-access source of repository documents: record i is the UTF-8 bytes of one
+    repository's document (repository_document), built when read; picklable (URLs and paths).
+
+    part_chars > 0: a record is one run of plan_parts instead, so a repository far longer than
+    the rows trained on becomes several documents that shuffle apart (a row never sees more than
+    seq_len tokens of one document, so runs longer than that keep all it could see, and a stage
+    of few steps sees many repositories instead of one or two). Planning reads every repository
+    once, at construction.
+    """
+
+    def __init__(self, urls: list[str], part_chars: int = 0):
+        self.records = ([(u, ()) for u in urls] if part_chars <= 0
+                        else [(u, run) for u in urls for run in plan_parts(u, part_chars)])
 
     def __len__(self) -> int:
-        return len(self.urls)
+        return len(self.records)
 
     def __getitem__(self, index: int) -> bytes:
-        return repository_document(self.urls[index]).encode("utf-8")
+        url, run = self.records[index]
+        if not run:
+            return repository_document(url).encode("utf-8")
+        fs, root = fsspec.core.url_to_fs(url)
+        files = {p: fs.cat_file(f"{root.rstrip('/')}/{p}").decode("utf-8") for p in run}
+        return repository_text(files, list(run)).encode("utf-8")

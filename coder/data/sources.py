@@ -246,7 +246,7 @@ def open_source(spec: dict):
     if fmt == "repo":
         from coder.data import repo_docs
 
-        return repo_docs.RepoSource(list(spec["path"]))
+        return repo_docs.RepoSource(list(spec["path"]), int(spec.get("part_chars", 0)))
     paths = expand_paths(spec["path"])
     if fmt == "jsonl":
         return JsonlSource(paths)

@@ -66,6 +66,21 @@ def test_repository_document_from_local_and_fsspec_dirs(tmp_path):
         repo_docs.repository_dirs(["memory://repos/empty"])
 
 
+def test_parts_cut_a_repository_at_file_boundaries_in_dependency_order(tmp_path):
+    write_repo(tmp_path / "r1", TINY)
+    files = python_files()
+    order = repo_docs.dependency_order(files)
+    parts = repo_docs.plan_parts(str(tmp_path / "r1"), 60)
+    assert [p for run in parts for p in run] == order and len(parts) > 1
+    for run in parts:  # each run fits, or is one file too long to share a run
+        size = sum(len(repo_docs.FILE_HEADER.format(path=p)) + len(files[p]) for p in run)
+        assert size <= 60 or len(run) == 1
+    source = repo_docs.RepoSource([str(tmp_path / "r1")], part_chars=60)
+    assert len(source) == len(parts)
+    assert b"".join(source[i] for i in range(len(source))) == repo_docs.repository_document(
+        str(tmp_path / "r1")).encode()
+
+
 def test_heldout_repositories_are_disjoint_and_at_least_one():
     urls = [f"/r/{name}" for name in "abcdefghij"]
     held = repo_docs.split_repositories(urls, "heldout", 0.05)
@@ -144,6 +159,10 @@ def test_repo_keys_are_validated_naming_them(tmp_path):
     cfg.data.repo_weight = -1.0
     with pytest.raises(ValueError, match="config.data.repo_weight=-1.0 must be >= 0"):
         pretrain.check_repos(cfg)
+    cfg.data.repo_weight, cfg.data.repo_part_chars = 1.0, -5
+    with pytest.raises(ValueError, match="config.data.repo_part_chars=-5 must be >= 0"):
+        pretrain.check_repos(cfg)
+    cfg.data.repo_part_chars = 0
     write_repo(tmp_path / "only", {"m.py": "X = 1\n"})
     cfg.data.update(dict(repos=(str(tmp_path / "only"),), repo_weight=1.0, heldout_fraction=0.1))
     with pytest.raises(ValueError, match="no repository in split 'heldout'"):
