@@ -36,7 +36,8 @@ Design:
   token's position its place in the document wherever the model's context allows.
   The cut loses one prediction per cut (a piece's first token has no predecessor in its row).
 - Repository documents (config.data.repos, coder.data.repo_docs): one document per repository,
-  its files in dependency order, mixed with the short sources at config.data.repo_weight.
+  its files in dependency order (or runs of them, config.data.repo_part_chars), mixed with the
+  short sources at config.data.repo_weight.
 - Bad records are not filtered silently: the packer counts each record it consumes, per source
   and per kind, and ships the counts with the batch; `DataIterator` accumulates them (in its
   checkpointed state) and raises, naming the source, when a source's bad fraction exceeds

@@ -10,7 +10,8 @@ config.data.repos (coder.data.repo_docs; the training stages never see them):
   its context has a falling curve; one that does not, a flat one. `long/loss_far` is the last
   bucket's (the long length, the figure the longctx stage must lower).
 - **Far retrieval from code.** For a held-out function T whose body calls top-level functions
-  defined in other files of its repository (its callees), a row of `length` tokens
+  defined before it in its repository (in an earlier file, or above it in its own: its callees),
+  a row of `length` tokens
       [bos] callees' definitions | filler (other files of the repository) | T's header | T's body
   and its control, where the callees' definitions are replaced by as many tokens of other code:
       [bos] other code            | the same filler                       | T's header | T's body

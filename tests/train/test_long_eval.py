@@ -35,8 +35,11 @@ def test_position_rows_are_round_robin_windows():
 
 
 def test_retrieval_rows_differ_only_in_the_far_part():
-    (cand,) = [c for c in long_eval.retrieval_candidates(REPO, ["util.py", "core.py", "big.py"])
-               if c[0] == "core.py"]
+    candidates = long_eval.retrieval_candidates(REPO, ["util.py", "core.py", "big.py"])
+    # a callee above it in its own file counts: two() calls one()
+    assert [(c[0], c[1].splitlines()[0], [src.split("(")[0] for _, src in c[3]]) for c in candidates
+            if c[0] == "util.py"] == [("util.py", "def two():", ["def one"])]
+    (cand,) = [c for c in candidates if c[0] == "core.py"]
     path, header, body, callees = cand
     assert header.startswith("def scale(x):") and '"""x times two."""' in header
     assert body == "    y = util.two() * x\n    return y + util.one()\n"
