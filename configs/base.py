@@ -67,6 +67,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.bad_check_min_records = 1000  # records of a source read before the bad check applies
     c.data.heldout_fraction = 0.05  # documents kept out of training for eval
     c.data.num_workers = 0  # grain worker processes (0 = in-process)
+    # Repository-length documents (coder/data/repo_docs.py): globs (local or fsspec URLs) of
+    # repository directories, each one document of its .py files in dependency order; a
+    # data.heldout_fraction of them (at least one of two or more) is held out for the long eval.
+    c.data.repos = ()
+    # their mixture weight beside the short sources' (the corpus's is 1): a share of documents,
+    # not tokens; 0 = not read (the long eval still uses the held-out ones)
+    c.data.repo_weight = 0.0
+    # > 0: a repository is cut at file boundaries into documents of at most this many characters
+    # (its files still in dependency order), so they shuffle apart (coder.data.repo_docs.RepoSource)
+    c.data.repo_part_chars = 0
 
     # Optimisation and the training loop (coder/train).
     c.train = ml_collections.ConfigDict()
@@ -120,6 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.longctx.steps = 100  # optimizer steps of this stage
     c.longctx.lr = 1e-3  # peak learning rate of this stage
     c.longctx.batch_size = 0  # rows per step (0 = same tokens per step as data.batch_size x seq_len)
+    c.longctx.repo_weight = 0.0  # data.repo_weight of this stage (0 = data.repo_weight)
 
     # Supervised fine-tuning on conversations (coder/stages/lm.py).
     c.sft = ml_collections.ConfigDict()
@@ -135,6 +146,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.batches = 16  # held-out batches of data.batch_size rows (0 = the whole held-out split)
     c.eval.agent_tasks = 0  # > 0: also run coder.rl.eval.run_agent_eval on this many tasks
+    # The long-context eval (coder/train/long_eval.py) on the held-out repositories of data.repos,
+    # run by stage eval and before / after stage longctx (at longctx.seq_len)
+    c.eval.long_len = 0  # tokens per row (0 = model.max_position_embeddings)
+    c.eval.long_rows = 8  # rows scored for the loss by position bucket (0 = off)
+    c.eval.long_buckets = 4  # equal position buckets over long_len
+    c.eval.retrieval_examples = 8  # far-retrieval rows, each scored with and without its callees (0 = off)
 
     # Agent rollouts and rewards (coder/rl/agent.py, actor.py, reward.py, eval.py).
     c.rl = ml_collections.ConfigDict()

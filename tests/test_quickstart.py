@@ -66,7 +66,14 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
     trained = [json.loads((workdir / "grpo" / "agent_eval_trained" / f"step_0000000{s}.json").read_text())
                for s in (0, 1)]
     assert [len(r["tasks"]) for r in trained] == [4, 4]  # rl.train_num_tasks
+    # the long-context eval on the held-out repository (coder/pallas) at 1024, before and after
+    # longctx and in the eval stage: 4 position buckets and the far retrieval
+    longctx = [json.loads(x) for x in (workdir / "longctx" / "metrics.jsonl").read_text().splitlines()]
+    long_keys = {"long/loss_0_256", "long/loss_768_1024", "long/loss_far", "long/retrieval_gain"}
+    assert [r["step"] for r in longctx if long_keys <= set(r)] == [0, 2]
+    assert all(r["long/retrieval_examples"] > 0 for r in longctx if "long/loss_far" in r)
     (ev,) = [json.loads(x) for x in (workdir / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert long_keys <= set(ev) and math.isfinite(ev["long/loss_far"])
     assert ev["step"] == 1 and ev["tokens"] > 0  # the grpo checkpoint
     assert "pass@1" in ev
     assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"]), rel=1e-6)
@@ -75,6 +82,7 @@ def test_quickstart_chain_runs_end_to_end(tmp_path):
     lines = {line.split()[0]: line for line in summary.splitlines()[2:] if line.strip() and " -> " in line}
     for stage in ("pretrain", "longctx"):
         assert "held-out " in lines[stage] and "loss " in lines[stage], lines
+    assert "far loss " in lines["longctx"] and "retrieval gain " in lines["longctx"], lines
     assert "loss " in lines["sft"], lines
     assert "reward " in lines["grpo"] and "pass@1 " in lines["grpo"] and " -> " in lines["grpo"], lines
     assert "trained pass@1 " in lines["grpo"], lines

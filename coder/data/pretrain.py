@@ -29,10 +29,15 @@ Design:
   hosts are disjoint and together complete. The split of a record is a hash of its index.
 - Documents are `[bos] + text + [eos]`, packed greedily into rows (concat-then-split): a row
   holds consecutive documents; a document that does not fit is cut and continues at the start
-  of the next row. Every piece restarts `positions` at 0 and gets its own segment id. RoPE only
-  sees position differences inside a segment, so restarting changes no attention score, and it
-  keeps every position below seq_len (RoPE / YaRN tables are never indexed past their length).
+  of the next row. Each piece gets its own segment id; its positions continue the document's
+  (the piece at token offset o starts at position o) while they stay below the model's
+  max_position_embeddings, and restart at 0 for a piece that would pass it. RoPE only sees
+  position differences inside a segment, so the offset changes no attention score; it keeps a
+  token's position its place in the document wherever the model's context allows.
   The cut loses one prediction per cut (a piece's first token has no predecessor in its row).
+- Repository documents (config.data.repos, coder.data.repo_docs): one document per repository,
+  its files in dependency order (or runs of them, config.data.repo_part_chars), mixed with the
+  short sources at config.data.repo_weight.
 - Bad records are not filtered silently: the packer counts each record it consumes, per source
   and per kind, and ships the counts with the batch; `DataIterator` accumulates them (in its
   checkpointed state) and raises, naming the source, when a source's bad fraction exceeds
@@ -121,9 +126,11 @@ def check_bad_counts(counts, names, max_bad_fraction: float, min_records: int) -
 class _PackIterator(grain.DatasetIterator):
     """Packs documents into batches [rows, seq_len]; see PackIterDataset."""
 
-    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool, guard):
+    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool, guard,
+                 max_position: int):
         super().__init__(parent)
         self._seq_len, self._rows, self._split_docs = seq_len, rows, split_docs
+        self._max_position = max_position
         self._num_sources = num_sources
         self._guard = guard  # (source names, max bad fraction, min records) or None
         self._pending = None  # [doc, token offset, parent state before doc]
@@ -193,7 +200,8 @@ class _PackIterator(grain.DatasetIterator):
             segments[r] += 1
             piece = slice(offset, offset + take)
             batch["tokens"][r, start:end] = doc["tokens"][piece]
-            batch["positions"][r, start:end] = np.arange(take)
+            first = offset if offset + take <= self._max_position else 0  # continue the document
+            batch["positions"][r, start:end] = np.arange(first, first + take)
             batch["segment_ids"][r, start:end] = segments[r]
             mask = doc.get("loss_mask")
             batch["loss_mask"][r, start:end] = 1.0 if mask is None else mask[piece]
@@ -226,17 +234,20 @@ class PackIterDataset(grain.IterDataset):
     Each batch carries "_stats" [num_sources, len(STAT_COLUMNS)]: records consumed for it.
     guard: (source names, max bad fraction, min records): raise BadDataError when the records
     consumed for one batch are mostly bad (DataIterator checks the cumulative counts).
+    max_position: a piece cut from a document at token offset o gets positions o, o+1, ... when
+    they stay below it, else 0, 1, ... (None: seq_len, i.e. every later piece restarts at 0).
     """
 
-    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool, guard=None):
+    def __init__(self, parent, seq_len: int, rows: int, num_sources: int, split_docs: bool, guard=None,
+                 max_position: int | None = None):
         super().__init__(parent)
-        self._args = (seq_len, rows, num_sources, split_docs, guard)
+        self._args = (seq_len, rows, num_sources, split_docs, guard, max_position or seq_len)
 
     def __iter__(self):
         return _PackIterator(self._parent.__iter__(), *self._args)
 
     def __str__(self) -> str:
-        seq_len, rows, num_sources, split_docs, _ = self._args
+        seq_len, rows, num_sources, split_docs, _, _ = self._args
         return f"PackIterDataset({seq_len=}, {rows=}, {num_sources=}, {split_docs=})"
 
 
@@ -294,13 +305,40 @@ def corpus_spec(config, split: str) -> dict:
     return sources.normalize_spec({"path": files, "format": "text", "name": "python_stdlib"})
 
 
+def repo_spec(config, split: str) -> dict:
+    """The repository documents of `split` (config.data.repos, coder.data.repo_docs) as a source
+    spec of weight config.data.repo_weight; the split is by repository (split_repositories)."""
+    from coder.data import repo_docs
+
+    urls = repo_docs.split_repositories(repo_docs.repository_dirs(config.data.repos), split,
+                                        float(config.data.heldout_fraction))
+    if not urls:
+        raise ValueError(f"config.data.repos={tuple(config.data.repos)}: no repository in split {split!r} "
+                         "(a held-out split needs >= 2 repositories and data.heldout_fraction > 0)")
+    return {"path": tuple(urls), "weight": float(config.data.repo_weight), "format": "repo",
+            "text_field": "text", "name": "repositories", "part_chars": int(config.data.repo_part_chars)}
+
+
+def check_repos(config) -> None:
+    """config.data.repos / repo_weight, at start-up: a weight needs repositories, and >= 0."""
+    weight = float(config.data.repo_weight)
+    if weight < 0:
+        raise ValueError(f"config.data.repo_weight={weight} must be >= 0 (0 = no repository documents)")
+    if int(config.data.repo_part_chars) < 0:
+        raise ValueError(f"config.data.repo_part_chars={config.data.repo_part_chars} must be >= 0 "
+                         "(0 = one document per repository)")
+    if weight > 0 and not config.data.repos:
+        raise ValueError(f"config.data.repo_weight={weight} mixes in repository documents, but "
+                         "config.data.repos is empty: set it to globs of repository directories")
+
+
 def build_iterator(
     config,
     specs: list[dict],
     transform,
     *,
     split: str,
-    split_records: bool,
+    split_records: bool | tuple,
     split_docs: bool,
     process_index: int,
     process_count: int,
@@ -308,11 +346,17 @@ def build_iterator(
     shuffle: bool,
     seq_len: int | None = None,
     batch_size: int | None = None,
+    max_position: int | None = None,
 ) -> DataIterator:
     """The shared pipeline of pretraining and SFT (see the module docstring).
 
     seq_len / batch_size default to config.data's; stages with their own (longctx, sft) pass them.
+    split_records: whether each source's records are split by index hash (one bool, or one per
+    spec; a source already of one split, as the bundled corpus and repositories, says False).
+    max_position: positions of a cut document continue up to it (PackIterDataset).
     """
+    if isinstance(split_records, bool):
+        split_records = (split_records,) * len(specs)
     seq_len = seq_len or config.data.seq_len
     batch_size = batch_size or config.data.batch_size
     if split not in ("train", "heldout", "all"):
@@ -332,7 +376,7 @@ def build_iterator(
         if len(source) == 0:
             raise ValueError(f"data source {spec['name']!r} holds no records")
         ds = grain.MapDataset.range(len(source))
-        if split_records:
+        if split_records[i]:
             ds = ds.filter(_InSplit(i, split, config.data.heldout_fraction))
         ds = ds.map(_Fetch(i, source))
         if shuffle:
@@ -344,13 +388,16 @@ def build_iterator(
         mixed = grain.MapDataset.mix(datasets, [float(s["weight"]) for s in specs])
     else:
         # A finite pass reads every record once; mixing would stop at the smallest source.
-        mixed = grain.MapDataset.concatenate(datasets)
+        # Repository documents first: a stage's few held-out batches then score long documents.
+        order = sorted(range(len(specs)), key=lambda i: specs[i]["format"] != "repo")
+        mixed = grain.MapDataset.concatenate([datasets[i] for i in order])
     mixed = mixed[process_index::process_count].map(transform)
     # Threads read and tokenize ahead in order; the output order does not depend on them.
     ds = mixed.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=256))
     names = [s["name"] for s in specs]
     guard = (names, config.data.max_bad_fraction, config.data.bad_check_min_records)
-    ds = PackIterDataset(ds, seq_len, batch_size // process_count, len(specs), split_docs, guard)
+    ds = PackIterDataset(ds, seq_len, batch_size // process_count, len(specs), split_docs, guard,
+                         max_position)
     if config.data.num_workers > 0:
         from absl import flags
 
@@ -383,14 +430,19 @@ def make_pretrain_iterator(
     num_epochs: -1 = the split's default (train: forever, shuffled; heldout: one ordered pass),
     None = forever, k = k passes. seq_len / batch_size (global rows) override config.data's.
     A saved state restores only into an iterator built with the same data settings.
+    With config.data.repo_weight > 0, repository documents (repo_spec) join the short sources,
+    last, so the short sources' shuffles and splits are those of a run without them.
     """
     if num_epochs == -1:
         num_epochs = None if split == "train" else 1
+    check_repos(config)
     if config.data.sources:
         specs = [sources.normalize_spec(s) for s in config.data.sources]
-        split_records = True
+        split_records = (True,) * len(specs)
     else:
-        specs, split_records = [corpus_spec(config, split)], False
+        specs, split_records = [corpus_spec(config, split)], (False,)
+    if float(config.data.repo_weight) > 0:
+        specs, split_records = specs + [repo_spec(config, split)], split_records + (False,)
     return build_iterator(
         config,
         specs,
@@ -404,4 +456,5 @@ def make_pretrain_iterator(
         shuffle=num_epochs != 1,
         seq_len=seq_len,
         batch_size=batch_size,
+        max_position=int(config.model.max_position_embeddings),
     )

@@ -240,9 +240,14 @@ def _local_arrayrecord_paths(paths: list[str]) -> list[str]:
 
 
 def open_source(spec: dict):
-    """A random-access source of raw records for a normalized spec."""
-    paths = expand_paths(spec["path"])
+    """A random-access source of raw records for a normalized spec (or coder.data.pretrain's
+    repo_spec: format "repo", paths = repository directories, one record each)."""
     fmt = spec["format"]
+    if fmt == "repo":
+        from coder.data import repo_docs
+
+        return repo_docs.RepoSource(list(spec["path"]), int(spec.get("part_chars", 0)))
+    paths = expand_paths(spec["path"])
     if fmt == "jsonl":
         return JsonlSource(paths)
     if fmt == "parquet":

@@ -60,8 +60,10 @@ def _steps_lr(section: str) -> tuple:
 
 
 STAGES = {
-    "pretrain": Stage("coder.stages.lm:pretrain"),
-    "longctx": Stage("coder.stages.lm:longctx", _steps_lr("longctx"), derive="coder.stages.lm:longctx_config"),
+    "pretrain": Stage("coder.stages.lm:pretrain", check="coder.stages.lm:check_data"),
+    "longctx": Stage("coder.stages.lm:longctx",
+                     _steps_lr("longctx") + (("longctx.repo_weight", "data.repo_weight"),),
+                     derive="coder.stages.lm:longctx_config", check="coder.stages.lm:check_data"),
     "mtp": Stage("coder.stages.mtp:run", _steps_lr("mtp"), derive="coder.stages.mtp:mtp_config"),
     "sft": Stage("coder.stages.lm:sft",
                  _steps_lr("sft") + (("sft.seq_len", "data.seq_len"), ("sft.batch_size", "data.batch_size")),
@@ -276,7 +278,8 @@ def _report(message: str) -> None:
 # What a stage's summary row compares, start -> end: (label, metrics.jsonl key), in order; the
 # agent eval's pass@1 (its reports in {stage_dir}/agent_eval) comes after them.
 SUMMARY_MEASURES = (("loss", "loss"), ("held-out", "heldout_loss"), ("reward", "reward"),
-                    ("accept", "heldout/accept"))
+                    ("accept", "heldout/accept"), ("far loss", "long/loss_far"),
+                    ("retrieval gain", "long/retrieval_gain"))
 
 
 def summarize(stage: str, stage_dir: str, seconds: float, checkpoint: str) -> dict:

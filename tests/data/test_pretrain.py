@@ -65,7 +65,10 @@ def check_rows(batch, tok):
         assert n == 0 or (ids[0] == 1 and set(np.diff(ids)) <= {0, 1})
         for s in np.unique(ids):
             where = np.flatnonzero(seg[r] == s)
-            np.testing.assert_array_equal(pos[r, where], np.arange(len(where)))
+            # positions count up inside a piece; a document starts at 0 (a later piece continues
+            # the document's positions below model.max_position_embeddings)
+            np.testing.assert_array_equal(np.diff(pos[r, where]), 1)
+            assert tokens[r, where[0]] != tok.bos_id or pos[r, where[0]] == 0
             # A segment is a whole document or a piece cut at a row boundary.
             assert where[0] == 0 or tokens[r, where[0]] == tok.bos_id
             assert where[-1] == tokens.shape[1] - 1 or tokens[r, where[-1]] == tok.eos_id
@@ -91,13 +94,13 @@ def split_docs(ids, tok):
 
 
 # --- packing ------------------------------------------------------------------------------------
-def _pack(lengths, seq_len, rows, split_docs_):
+def _pack(lengths, seq_len, rows, split_docs_, max_position=None):
     docs = [
         {"source": 0, "bad": -1, "tokens": np.arange(100 * i + 1, 100 * i + 1 + n, dtype=np.int32)}
         for i, n in enumerate(lengths)
     ]
     ds = grain.MapDataset.source(docs).to_iter_dataset()
-    return list(pretrain.PackIterDataset(ds, seq_len, rows, 1, split_docs_))
+    return list(pretrain.PackIterDataset(ds, seq_len, rows, 1, split_docs_, max_position=max_position))
 
 
 def test_concat_then_split_layout():
@@ -110,6 +113,17 @@ def test_concat_then_split_layout():
     np.testing.assert_array_equal(b2["positions"], [[0, 0, 1, 2, 0, 0, 0, 0], [0] * 8])
     np.testing.assert_array_equal(b2["loss_mask"], b2["segment_ids"] > 0)
     assert b1["_stats"][0, 0] == 2 and b2["_stats"][0, 0] == 1  # records consumed per batch
+
+
+def test_cut_documents_continue_their_positions_below_max_position():
+    # the 12-token document cut 3 | 8 | 1: its pieces start at offsets 0, 3, 11
+    b1, b2 = _pack([5, 12, 3], seq_len=8, rows=2, split_docs_=True, max_position=16)
+    np.testing.assert_array_equal(b1["positions"], [[0, 1, 2, 3, 4, 0, 1, 2], list(range(3, 11))])
+    np.testing.assert_array_equal(b2["positions"][0], [11, 0, 1, 2, 0, 0, 0, 0])
+    # past max_position a piece restarts at 0: offset 3 + 8 tokens > 10
+    b1, b2 = _pack([5, 12, 3], seq_len=8, rows=2, split_docs_=True, max_position=10)
+    np.testing.assert_array_equal(b1["positions"][1], range(8))
+    np.testing.assert_array_equal(b2["positions"][0], [0, 0, 1, 2, 0, 0, 0, 0])
 
 
 def test_whole_documents_first_fit():
