@@ -16,6 +16,10 @@ every process:
                    then `stage()` of its new arrays (no copy; the next engine phase loads them
                    before the step after donates them).
 
+The same turns serve the agent eval of a learner job of several processes whose actors are Ray
+processes: an engine of the job's own, loading each evaluated version from the weight store
+(every process its own slices), in an engine phase between two steps.
+
 Between the phases no process has an engine call in flight, so the learner's collectives and the
 engine's never interleave differently on two processes. The device memory of a phase is its own
 plus the learner's parameters and optimizer state; with `rl.offload_optimizer` the optimizer
@@ -35,19 +39,21 @@ class ColocatedTurns:
     Args:
       trainer: the learner's trainer (its `model` is staged; its `opt_state` offloaded).
       engine: this process's part of the engine (the in-process actor's on process 0).
-      worker: process 0's ActorWorker (None on the followers).
+      load: process 0's `version -> seconds`: gives the engine that version (default: None, a
+        follower). Colocated: `ActorWorker.push` of the staged arrays; an eval engine: a load
+        from the weight store (`from_store`).
       offload: rl.offload_optimizer.
     """
 
-    def __init__(self, trainer, engine, worker=None, *, offload: bool = False):
-        self.trainer, self.engine, self.worker = trainer, engine, worker
+    def __init__(self, trainer, engine, load=None, *, offload: bool = False):
+        self.trainer, self.engine, self.load = trainer, engine, load
         self.offload = bool(offload)
         self.staged = None  # the newest staged version
         self.push_s = 0.0  # seconds process 0 spent handing versions to the engine (cumulative)
 
     @property
     def leads(self) -> bool:
-        return self.worker is not None
+        return self.load is not None
 
     def stage(self, version: int) -> None:
         """Every process, after each learner step (and before the first phase): the learner's
@@ -55,10 +61,10 @@ class ColocatedTurns:
         weight_channel.stage_on_device(self.trainer.model, version)
         self.staged = int(version)
 
-    def engine_phase(self, fn):
-        """Process 0: `fn()` (rollouts or an eval) on the engine holding the newest staged
-        version, then settle; other processes: follow until process 0 settles (None). Returns
-        (fn's result, {offload_bytes, offload_s} when offloading)."""
+    def engine_phase(self, fn, version: int | None = None):
+        """Process 0: `fn()` (rollouts or an eval) on the engine holding `version` (default: the
+        newest staged), then settle; other processes: follow until process 0 settles (None).
+        Returns (fn's result, {offload_bytes, offload_s} when offloading)."""
         record = {}
         if self.offload:
             t0 = time.perf_counter()
@@ -70,7 +76,8 @@ class ColocatedTurns:
                 if how != "settled":
                     raise RuntimeError(f"colocated: process 0 {how} the engine in the middle of the run")
                 return None, record
-            self.push_s += self.worker.push(self.staged)  # the last phase released the weights
+            # the last phase released the weights
+            self.push_s += self.load(self.staged if version is None else int(version))
             try:
                 return fn(), record
             finally:
@@ -81,6 +88,17 @@ class ColocatedTurns:
                 t0 = time.perf_counter()
                 self.trainer.opt_state, _ = state_lib.to_memory(self.trainer.opt_state, "device")
                 record["offload_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def from_store(engine, url: str):
+        """Process 0's `load` of an engine that follows the weight store: every process reads its
+        own devices' slices of the version (coder.rl.weight_channel.StoreLoad)."""
+        def load(version: int) -> float:
+            t0 = time.perf_counter()
+            engine.load_weights(weight_channel.StoreLoad(url, int(version)), int(version))
+            return time.perf_counter() - t0
+
+        return load
 
     def close(self) -> None:
         """Followers: take process 0's closing call (its engine's close, after the run)."""

@@ -157,6 +157,7 @@ class GrpoRun:
         rl = config.rl
         self.config, self.stage_dir, self.tokenizer = config, stage_dir, tokenizer
         self.make_episode, self.held_out, self.trained = make_episode, held_out, trained
+        self.model_fn = model_fn or actor_lib.model_fn(config)  # the model's structure
         b = int(rl.tasks_per_step)
         processes, pid = jax.process_count(), jax.process_index()
         if b % processes:
@@ -220,11 +221,13 @@ class GrpoRun:
         if self.colocated:
             worker = self.actors.workers[0] if self.actors is not None else None
             engine = worker.engine if worker is not None else make_engine(
-                nnx.eval_shape(model_fn or actor_lib.model_fn(config)), config, mesh=mesh)
-            self.turns = colocated.ColocatedTurns(trainer, engine, worker, offload=bool(rl.offload_optimizer))
+                nnx.eval_shape(self.model_fn), config, mesh=mesh)
+            self.turns = colocated.ColocatedTurns(trainer, engine, worker.push if worker is not None else None,
+                                                  offload=bool(rl.offload_optimizer))
             self.turns.stage(trainer.step)
         self.eval_every, self.anchor_every = int(config.grpo.eval_every), int(rl.anchor_every)
         self._eval_engine = None  # the learner's own engine for agent evals when actors are Ray processes
+        self._eval_turns = self._eval_actor = None  # ... over several processes: its engine phases
         self.current: StepRecord | None = None  # the batch `fit` is stepping on
 
     # --- the trainer's iterator and hook -------------------------------------------------------
@@ -296,8 +299,10 @@ class GrpoRun:
         """The agent eval (coder.rl.eval) of the learner's current weights (the store's newest
         version, or the colocated engine's) on `tasks` (default: the held-out ones), on the
         in-process actor's engine or, with Ray actors, an engine of the learner's own that follows
-        the store. Reports go to {stage_dir}/{name}/. Colocated over several processes: process 0
-        evaluates every task on the job's engine, the others follow it and return {}."""
+        the store. Reports go to {stage_dir}/{name}/. Colocated, or Ray actors, over several
+        processes: process 0 evaluates every task on an engine over the job's devices (the
+        colocated one; with Ray actors one that loads the version from the store, each process its
+        own slices, and frees its memory after), the others follow it and return {}."""
         from coder.rl import eval as eval_lib
 
         from coder.rl import weight_channel
@@ -315,6 +320,21 @@ class GrpoRun:
             worker = self.actors.workers[0]
             worker.sync()  # the store's newest version (this step's), now
             actor = worker.actor  # its env workers too
+        elif jax.process_count() > 1:  # no host holds the whole model: an engine over the job's devices
+            if self._eval_turns is None:
+                mesh = actor_lib.engine_mesh(self.config, jax.devices())
+                self._eval_engine = make_engine(nnx.eval_shape(self.model_fn), self.config, mesh=mesh)
+                load = colocated.ColocatedTurns.from_store(self._eval_engine, self.url) if self.driver else None
+                self._eval_turns = colocated.ColocatedTurns(trainer, self._eval_engine, load)
+                if self.driver is not None:
+                    self._eval_actor = Actor(self._eval_engine, self.tokenizer, self.config, self.make_episode)
+
+            def run():
+                return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
+                                               step=trainer.step, tasks=tasks, actor=self._eval_actor, name=name,
+                                               alone=True)
+
+            return self._eval_turns.engine_phase(run, version=trainer.step)[0] or {}
         else:  # an engine of the learner's own, following the store like the actors
             if self._eval_engine is None:
                 self._eval_engine = make_engine(trainer.model, self.config)
@@ -350,8 +370,12 @@ class GrpoRun:
 
     def close(self) -> None:
         if self._eval_engine is not None:
-            self._eval_actor.close()
-            self._eval_engine.close()
+            if self._eval_actor is not None:
+                self._eval_actor.close()
+            if self._eval_engine.is_leader:
+                self._eval_engine.close()
+            else:
+                self._eval_turns.close()  # takes process 0's close
         if self.driver is not None:
             self.driver.close()  # colocated: process 0's engine closes, and ...
         if self.turns is not None:

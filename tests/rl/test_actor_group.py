@@ -130,8 +130,9 @@ def test_two_process_actor_equals_the_learners_own_engine(tmp_path, tok, ray_4_d
 def learner_worker(process_id: int, num_processes: int, port: int, workdir: str):
     """One process of a 2-process learner (4 CPU devices each) whose process 0 drives one Ray
     actor of 2 processes (a local Ray it starts; its workers inherit this process's 4 devices):
-    stage grpo as `local_run` runs it, without the held-out eval. Prints the metrics (process 0)
-    and the epoch position each process checkpointed."""
+    stage grpo as `local_run` runs it, its final agent eval on an engine over both processes'
+    devices that loads the version from the store (process 0 leads). Prints the metrics and the
+    eval (process 0) and the epoch position each process checkpointed."""
     import jax
 
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
@@ -140,10 +141,10 @@ def learner_worker(process_id: int, num_processes: int, port: int, workdir: str)
 
     step_channel.PART_BYTES = 4096  # each step's share travels in several parts
     tok = rl_test.tokenizer()
-    cfg = config(tok, num_actors=1, actor_processes=2)
+    cfg = config(tok, num_actors=1, actor_processes=2, eval_samples=4)
     tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
     stage_dir = os.path.join(workdir, "grpo")
-    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks[TASKS],
+    grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks[TASKS], held_out=tasks[HELD_OUT],
                      make_episode=lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
                      model_fn=model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))))
     out = {"process": jax.process_index(), "devices": jax.device_count()}
@@ -152,6 +153,8 @@ def learner_worker(process_id: int, num_processes: int, port: int, workdir: str)
     if process_id == 0:
         with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
             out["metrics"] = [json.loads(line) for line in f]
+        with open(os.path.join(stage_dir, "agent_eval", "step_00000002.json")) as f:
+            out["eval"] = json.load(f)["summary"]
     print("LEARNER " + json.dumps(out), flush=True)
 
 
@@ -160,7 +163,9 @@ def test_two_process_learner_drives_a_two_process_actor(tmp_path, local_run):
     (one global mesh) whose process 0 drives the actors and scatters each step's groups to
     process 1 (coder/rl/step_channel.py), and one Ray actor of 2 processes x 4 devices. It trains
     what `local_run` trains: the same tokens and losses (rtol 2e-5, as the two-process trainer
-    test), and both learner processes checkpoint the same epoch position."""
+    test), and both learner processes checkpoint the same epoch position. Its final agent eval
+    runs on an engine over the learner job's 8 devices that loads the version from the store
+    (no host gathers the model) and gives `local_run`'s results."""
     from tests import multiprocess_jobs as jobs
 
     port = jobs.free_port()
@@ -171,6 +176,7 @@ def test_two_process_learner_drives_a_two_process_actor(tmp_path, local_run):
     m = outs[0]["metrics"]
     assert [r["actor_processes"] for r in m] == [2, 2] and all(r["rollouts"] == 8 for r in m)
     equal_runs(local_run[0], m, rtol=2e-5)
+    assert outs[0]["eval"] == local_run[1]["summary"]
 
 
 class KillMember(rl_test.SubmitEpisode):
