@@ -16,6 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from coder.env import environments
+from configs.base import get_config
 from coder.env.reward import score
 from coder.env.sandbox import Limits, Sandbox, SandboxError
 from coder.env.tasks import Task
@@ -98,8 +99,10 @@ def test_spec_validation_names_the_key():
     for spec, message in bad:
         with pytest.raises(ValueError, match=message):
             environments.normalize(spec)
+    cfg = get_config().env
+    cfg.environments_dir = "gs://b/envs"
     with pytest.raises(ValueError, match="env.environments_dir='gs://b/envs'"):
-        Limits(environments_dir="gs://b/envs")
+        Limits.from_config(cfg)
     # backward compatible: a task without one writes no key; one with it reads back the same
     plain = Task("p", "", {}, {})
     assert "environment" not in plain.to_json()
@@ -151,7 +154,9 @@ def test_environment_is_built_once_per_spec(wheels, tmp_path, monkeypatch):
     for t in racers:
         t.join()
     assert len(builds) == 1 and found[0] == found[1], (builds, found)
-    limits = Limits(environments_dir=str(tmp_path))
+    cfg = get_config().env
+    cfg.environments_dir = str(tmp_path)  # the config key decides where builds go
+    limits = Limits.from_config(cfg)
     with Sandbox(_task("a", _spec(wheels, "tinypkg==1.0")), limits) as a, \
             Sandbox(_task("b", _spec(wheels, "tinypkg==1.0")), limits) as b:
         assert a.environment == b.environment == found[0]
