@@ -14,8 +14,8 @@ an ImportError, never a silent fall-back to the host's copy.
 
 Builds: `ensure` makes `<environments dir>/<key>/`, key = a hash of the normalised spec and of
 the host interpreter it is built from (`python -m venv --without-pip` of that interpreter, then
-the host's own pip installs the requirements into it with `pip --python`: no pip inside the
-venv, nothing the agent could use to change it). The directory is read-only inside sandboxes.
+the host's own pip installs the requirements into it with `pip --python`, pip >= 22.3: no pip
+inside the venv, nothing the agent could use to change it). The directory is read-only inside sandboxes.
 A venv cannot be built elsewhere and renamed into place (its scripts' `#!` lines name its own
 directory), so builders serialise on `<key>.lock` (flock: several env worker processes, or
 threads, building one spec wait for the first, then reuse it) and a build counts as done only
@@ -151,8 +151,10 @@ def ensure(spec: dict, directory: str) -> Environment:
         shutil.rmtree(path, ignore_errors=True)  # a killed builder's leftovers
         try:
             _build(spec, path)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(path, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise BuildError(f"building {path}: {e}") from e
             raise
     return Environment(path)
 

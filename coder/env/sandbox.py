@@ -616,7 +616,6 @@ class Sandbox:
             ]
         )
         path = ":".join([*bindirs, "/usr/local/bin", "/usr/bin", "/bin"])
-        a += ["--setenv", "VIRTUAL_ENV", env.path] if env else []
         a += [
             "--chdir",
             WORKDIR,
@@ -624,6 +623,7 @@ class Sandbox:
             "--setenv",
             "PATH",
             path,
+            *(["--setenv", "VIRTUAL_ENV", env.path] if env else []),
             "--setenv",
             "HOME",
             "/tmp",

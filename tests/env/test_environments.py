@@ -16,6 +16,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from coder.env import environments
+from coder.env.episode import Episode
+from coder.env.protocol import render_tool_call as rc
 from configs.base import get_config
 from coder.env.reward import score
 from coder.env.sandbox import Limits, Sandbox, SandboxError
@@ -124,9 +126,11 @@ def test_task_passes_in_its_environment_and_fails_on_the_host(wheels, env_dir):
               f"(build {environments.build_seconds(sb.environment):.2f} s)")
         assert sb.environment.path.startswith(env_dir + "/")
         r = sb.run("command -v python pytest; python -c 'import sys, tinypkg; print(sys.prefix)';"
+                   "echo $VIRTUAL_ENV; touch $VIRTUAL_ENV/x || echo read-only;"
                    "pytest -q -p no:cacheprovider test_answer.py | tail -1")
         env = sb.environment.path
-        assert r.stdout.splitlines()[:3] == [f"{env}/bin/python", f"{env}/bin/pytest", env], r
+        assert r.stdout.splitlines()[:5] == [f"{env}/bin/python", f"{env}/bin/pytest", env, env,
+                                             "read-only"], r
         assert "1 passed" in r.stdout, r.stdout + r.stderr
         sb.write("tinypkg.py", "def base():\n    return 0\n")  # a fake the agent leaves
         s = score(sb, _task("with", _spec(wheels, "tinypkg==1.0", f"pytest=={PYTEST}")))
@@ -190,3 +194,21 @@ def test_environment_copy_of_a_workspace_module_shows_its_starting_text(wheels, 
         r = sb.run(f"cat {installed}/tinypkg/__init__.py; cd / && python -I -c "
                    "'import tinypkg; print(tinypkg.base())'")
         assert r.stdout == start + "0\n", r.stdout + r.stderr
+
+
+def test_episode_tools_and_score_run_in_the_environment(wheels, env_dir):
+    """An RL episode (prepared tree, shell and run_tests tools, scoring) uses the venv; a spec
+    that cannot be built ends the episode as an infrastructure error, not a reward."""
+    spec = _spec(wheels, "tinypkg==1.0", f"pytest=={PYTEST}")
+    ep = Episode(len, limits=Limits(timeout_s=60, environments_dir=env_dir))
+    ep.reset(_task("episode", spec))
+    out, done, _ = ep.step(rc("shell", {"command": "python -c 'import tinypkg; print(tinypkg.base())'"}))
+    assert "42" in out and not done, out
+    out, _, _ = ep.step(rc("run_tests", {}))
+    assert "1 passed" in out, out
+    _, done, info = ep.step(rc("submit", {}))
+    assert done and info["reward"] == 1.0 and info["infra_error"] is None, info
+    ep.reset(_task("episode-broken", _spec(wheels, "tinypkg==9.9")))
+    _, done, info = ep.step(rc("submit", {}))
+    assert done and info["reward"] is None and "tinypkg==9.9" in info["infra_error"], info
+    ep.close()
