@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import zipfile
 
@@ -142,34 +141,44 @@ def test_task_passes_in_its_environment_and_fails_on_the_host(wheels, env_dir):
         assert s.reward == 0.0 and "No module named 'tinypkg'" in s.output, s
 
 
+_RACER = """
+import json, sys
+from coder.env import environments
+real_build = environments._build
+def counted(spec, path):
+    print("built", flush=True)
+    real_build(spec, path)
+environments._build = counted
+print(environments.ensure(json.loads(sys.argv[1]), sys.argv[2]).path)
+"""
+
+
 def test_environment_is_built_once_per_spec(wheels, tmp_path, monkeypatch):
-    """Two tasks with one spec, and two builders racing for it, build it once; a directory a
-    killed builder left (no marker) is built again; another spec is another venv."""
+    """Two env worker processes racing for one spec build it once; later tasks with that spec
+    reuse it; a directory a killed builder left (no marker) is built again; another spec has
+    another key."""
+    spec = environments.normalize(_spec(wheels, "tinypkg==1.0"))
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, json.dumps(spec), str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ,
+                               "PYTHONPATH": os.pathsep.join(sys.path)}) for _ in range(2)]
+    outs = [r.communicate(timeout=120)[0].splitlines() for r in racers]
+    assert sorted(len(o) for o in outs) == [1, 2] and outs[0][-1] == outs[1][-1], outs
     builds = []
     real_build = environments._build
     monkeypatch.setattr(environments, "_build", lambda spec, path: (builds.append(path),
                                                                    real_build(spec, path)))
-    spec = environments.normalize(_spec(wheels, "tinypkg==1.0"))
-    found = []
-    racers = [threading.Thread(target=lambda: found.append(environments.ensure(spec, str(tmp_path))))
-              for _ in range(2)]
-    for t in racers:
-        t.start()
-    for t in racers:
-        t.join()
-    assert len(builds) == 1 and found[0] == found[1], (builds, found)
     cfg = get_config().env
     cfg.environments_dir = str(tmp_path)  # the config key decides where builds go
     limits = Limits.from_config(cfg)
     with Sandbox(_task("a", _spec(wheels, "tinypkg==1.0")), limits) as a, \
             Sandbox(_task("b", _spec(wheels, "tinypkg==1.0")), limits) as b:
-        assert a.environment == b.environment == found[0]
+        assert a.environment == b.environment and a.environment.path == outs[0][-1]
         assert b.run("python -c 'import tinypkg; print(tinypkg.base())'").stdout == "42\n"
-    assert len(builds) == 1
-    os.unlink(os.path.join(found[0].path, "coder-environment.json"))  # as if killed mid-build
-    assert environments.ensure(spec, str(tmp_path)) == found[0] and len(builds) == 2
-    other = environments.ensure(environments.normalize(_spec(wheels)), str(tmp_path))
-    assert other != found[0] and len(builds) == 3
+    assert builds == []
+    os.unlink(os.path.join(a.environment.path, "coder-environment.json"))  # killed mid-build
+    assert environments.ensure(spec, str(tmp_path)) == a.environment and len(builds) == 1
+    other = environments.normalize(_spec(wheels, "tinypkg==1.0", f"pytest=={PYTEST}"))
+    assert environments.spec_key(other) != environments.spec_key(spec)
 
 
 def test_failed_build_is_an_infra_error_naming_task_and_spec(wheels, tmp_path):
