@@ -66,13 +66,14 @@ def default_dir() -> str:
 
 
 def check_dir(path: str) -> str:
-    """The absolute environments directory for config value `path` ("" = `default_dir()`);
-    ValueError for a URL (venvs are local directories bound into sandboxes)."""
+    """The environments directory for config value `path` ("" = `default_dir()`), symlinks
+    resolved: a venv is bound into sandboxes at this path and its installed copies are hidden at
+    their real paths (coder.env.installed), which must be the same. ValueError for a URL."""
     path = os.fspath(path or "")
     if "://" in path:
         raise ValueError(f"env.environments_dir={path!r}: must be a local directory, not a URL "
                          "(a venv is bound into the sandbox by path)")
-    return os.path.abspath(os.path.expanduser(path)) if path else default_dir()
+    return os.path.realpath(os.path.expanduser(path) if path else default_dir())
 
 
 def _strings(value, where: str) -> list[str]:

@@ -189,13 +189,15 @@ def test_failed_build_is_an_infra_error_naming_task_and_spec(wheels, tmp_path):
     assert [p for p in os.listdir(tmp_path) if not p.endswith(".lock")] == []  # nothing half-built
 
 
-def test_environment_copy_of_a_workspace_module_shows_its_starting_text(wheels, env_dir):
+def test_environment_copy_of_a_workspace_module_shows_its_starting_text(wheels, env_dir, tmp_path):
     """A task whose workspace defines `tinypkg` cannot read the environment's installed copy
-    (which may be the reference solution): it shows the task's starting text."""
+    (which may be the reference solution): it shows the task's starting text, also when the
+    environments directory is reached through a symlink."""
+    (tmp_path / "link").symlink_to(env_dir)
     start = "def base():\n    return 0  # the starting text\n"
     task = _task("leak", _spec(wheels, "tinypkg==1.0", f"pytest=={PYTEST}"),
                  files={"tinypkg/__init__.py": start})
-    with Sandbox(task, Limits(environments_dir=env_dir)) as sb:
+    with Sandbox(task, Limits(environments_dir=str(tmp_path / "link"))) as sb:
         installed = json.loads(sb.run(
             "cd / && python -I -c 'import json, site; print(json.dumps(site.getsitepackages()))'"
         ).stdout)[0]
