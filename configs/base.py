@@ -235,6 +235,9 @@ def get_config() -> ml_collections.ConfigDict:
     # commits of a repository task's history copied into its workspace (>= 1: the task's commit
     # itself; more lets the repo_history tool show why code is the way it is); never a later one
     c.env.history_depth = 1
+    # where tasks' Python environments (Task.environment: a venv per spec, coder/env/environments.py)
+    # are built and kept: a local directory; "" = $XDG_CACHE_HOME/coder/environments (~/.cache/...)
+    c.env.environments_dir = ""
     # agent memory (memory_write / memory_read, coder/env/memory.py): notes per run, split and
     # repository; a write past the cap is refused
     c.env.memory_max_notes = 64  # notes kept per (split, repository) of a run

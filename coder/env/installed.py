@@ -5,7 +5,7 @@ A stdlib bug-fix task's reference solution is the installed module, and a reposi
 be an installed release of the package: the sandbox shows the task's starting text over every
 installed copy (`installed_copies`) of each module the workspace defines (`workspace_modules`),
 in every interpreter's standard library and site-packages under /usr and the bound prefixes
-(`library_dirs`).
+(`library_dirs`), and in the task's own environment if it has one (`library_dirs_under`).
 """
 
 from __future__ import annotations
@@ -65,23 +65,37 @@ def library_dirs() -> tuple[str, ...]:
     site- / dist-packages. One walk per process (~0.3 s over a /usr of 260k entries)."""
     out = set()
     for base in ["/usr", *python_prefixes()]:
-        for dirpath, dirnames, filenames in os.walk(base):
-            if "os.py" in filenames:
-                out.add(dirpath)
-            for name in ("site-packages", "dist-packages"):
-                if name in dirnames:  # listed, not descended: packages hold no `os.py`
-                    out.add(os.path.join(dirpath, name))
-                    dirnames.remove(name)
+        out.update(library_dirs_under(base))
+    return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=256)
+def library_dirs_under(base: str) -> tuple[str, ...]:
+    """`library_dirs` of one tree: also a task's environment (coder.env.environments), whose
+    venv is bound into its sandboxes beside the host's prefixes. Cached: a built tree does not
+    change."""
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(base):
+        if "os.py" in filenames:
+            out.add(dirpath)
+        for name in ("site-packages", "dist-packages"):
+            if name in dirnames:  # listed, not descended: packages hold no `os.py`
+                out.add(os.path.join(dirpath, name))
+                dirnames.remove(name)
     return tuple(sorted(os.path.realpath(p) for p in out))
 
 
 @functools.lru_cache(maxsize=4096)
-def installed_copies(name: str) -> tuple[str, ...]:
+def installed_copies(name: str, extra_bases: tuple = ()) -> tuple[str, ...]:
     """Host paths of module `name`'s installed source and bytecode in every `library_dirs`
-    directory: `name.py`, the package directory `name/`, `__pycache__/name.*.pyc`, and Python 2's
-    `name.pyc`. The sandbox shows the task's own starting text over each of them."""
+    directory and those under `extra_bases` (a task environment's venv): `name.py`, the package
+    directory `name/`, `__pycache__/name.*.pyc`, and Python 2's `name.pyc`. The sandbox shows
+    the task's own starting text over each of them."""
+    roots = set(library_dirs())
+    for base in extra_bases:
+        roots.update(library_dirs_under(base))
     out = []
-    for root in library_dirs():
+    for root in sorted(roots):
         source, package = os.path.join(root, f"{name}.py"), os.path.join(root, name)
         out += [source] if os.path.isfile(source) else []
         out += [package] if os.path.isdir(package) else []

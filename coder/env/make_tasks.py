@@ -1,7 +1,8 @@
 """Write generated tasks: `python -m coder.env.make_tasks --source stdlib|toy --n N --seed S
 --out F.jsonl [--split train|heldout] [--solutions S.jsonl]`, or import SWE-bench-style
 instances: `python -m coder.env.make_tasks --source swebench --input I.jsonl --repos DIR
---out T.jsonl [--solutions S.jsonl] [--test-command CMD] [--setup CMD] [--verify]`.
+--out T.jsonl [--solutions S.jsonl] [--test-command CMD] [--setup CMD] [--environments E.json]
+[--verify]`.
 
 stdlib: verified bug-fix tasks from the installed standard library (coder.env.mutate; each
 mutant is checked in the sandbox, so this takes a few seconds per task). toy: one-line fixes
@@ -16,7 +17,10 @@ the reference solutions (files, or the gold patches as {"id", "patch"}), the inp
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+import fsspec
 
 from coder.env import mutate, swebench
 from coder.env.tasks import DEFAULT_TEST_COMMAND, read_jsonl, toy_tasks, write_solutions
@@ -45,6 +49,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--setup", default="", help="swebench: setup command of every task")
     p.add_argument(
+        "--environments",
+        default="",
+        help="swebench: JSON file {'owner/name[@version]': environment spec} (Task.environment)",
+    )
+    p.add_argument(
         "--verify",
         action="store_true",
         help="swebench: keep only tasks whose gold patch scores 1 and unchanged workspace 0 here",
@@ -54,8 +63,12 @@ def main(argv=None) -> int:
     if args.source == "swebench":
         if not args.input or not args.repos:
             p.error("--source swebench needs --input and --repos")
+        specs = {}
+        if args.environments:
+            with fsspec.open(args.environments, "r", encoding="utf-8") as f:
+                specs = json.load(f)
         pairs = swebench.import_instances(
-            read_jsonl(args.input), args.repos, args.test_command, args.setup
+            read_jsonl(args.input), args.repos, args.test_command, args.setup, specs
         )
         args.n = len(pairs)
         if args.verify:

@@ -6,8 +6,9 @@
    the way are removed first, never followed);
 2. files the agent added that change how tests run are deleted: conftest.py, pytest.ini,
    tox.ini, setup.cfg, pyproject.toml, sitecustomize/usercustomize, *.pth, byte-code caches,
-   and any module or package named like a stdlib or installed module (a fake `pytest.py` or
-   `unittest/` would otherwise be imported in place of the real one);
+   and any module or package named like a stdlib or installed module, or one the task's
+   environment installs (a fake `pytest.py` or `unittest/` would otherwise be imported in place
+   of the real one);
 3. pytest runs with `python -I` (no current directory on sys.path, no PYTHON* variables), no
    plugin autoloading, no cache, and writes a JUnit XML report into a directory created for
    this run, at a random path, mounted only for it;
@@ -44,6 +45,7 @@ the code through a subprocess, or a review of the final diff, are the next layer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pkgutil
 import secrets
@@ -55,6 +57,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 from coder.env import repo as repo_lib
+from coder.env.installed import library_dirs_under
 from coder.env.sandbox import WORKDIR, Sandbox, SandboxError, task_checkout
 
 _CONTROL_FILES = {
@@ -202,17 +205,26 @@ def _restore_tests(sb: Sandbox, task) -> set:
     return keep
 
 
+@functools.lru_cache(maxsize=64)
+def _environment_module_names(path: str) -> frozenset:
+    """Top-level modules a task environment's venv installs: protected like the host's."""
+    return frozenset(m.name for m in pkgutil.iter_modules(list(library_dirs_under(path))))
+
+
 def _clean_workspace(sb: Sandbox, keep: set) -> None:
     global _PROTECTED
     if _PROTECTED is None:
         _PROTECTED = _protected_module_names()
+    protected = _PROTECTED
+    if getattr(sb, "environment", None) is not None:
+        protected = protected | _environment_module_names(sb.environment.path)
     for dirpath, dirnames, filenames in os.walk(sb.workspace, topdown=True):
         if dirpath == sb.workspace and ".git" in dirnames:
             dirnames.remove(".git")  # pytest never looks inside; git's files are not modules
         for d in list(dirnames):
             full = os.path.join(dirpath, d)
             rel = os.path.relpath(full, sb.workspace)
-            shadows = d in _PROTECTED and not any(k.startswith(rel + "/") for k in keep)
+            shadows = d in protected and not any(k.startswith(rel + "/") for k in keep)
             if d in ("__pycache__", ".pytest_cache") or shadows:
                 if os.path.islink(full):
                     os.unlink(full)
@@ -228,7 +240,7 @@ def _clean_workspace(sb: Sandbox, keep: set) -> None:
             if (
                 name in _CONTROL_FILES
                 or ext in (".pth", ".pyc")
-                or (ext in (".py", ".so") and stem.split(".")[0] in _PROTECTED)
+                or (ext in (".py", ".so") and stem.split(".")[0] in protected)
             ):
                 os.unlink(full)
 

@@ -17,6 +17,10 @@ What the agent sees: /usr (and /bin, /lib symlinks), the running Python's prefix
 /proc of its own pid namespace, a minimal /dev, and /workspace (the only writable host path).
 No network (an empty network namespace), no host home, no /work, no host /tmp.
 
+A task with an `environment` (coder/env/environments.py) runs in its venv: built once per spec
+on the host, bound read-only at its own path, its `bin/` first on PATH instead of the host
+interpreter's (so `python` and `pytest` are the venv's and see only its packages).
+
 A v2 task's workspace is its repository's tree at `commit` (coder/env/repo.py: no later
 history, `Limits.history_depth` commits of earlier history; prepared once per process and
 copied in), then `task.files`, then its `setup` run.
@@ -46,6 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import os
 import random
 import selectors
@@ -59,6 +64,7 @@ import time
 import weakref
 from collections.abc import Mapping
 
+from coder.env import environments
 from coder.env import repo as repo_lib
 from coder.env.installed import installed_copies, python_prefixes, workspace_modules
 
@@ -92,11 +98,14 @@ class Limits:
     tmp_bytes: int = 64 << 20  # size of the private /tmp and /dev/shm (tmpfs: host RAM)
     output_bytes: int = 64 << 10  # kept per stream (head + tail); the rest is counted, dropped
     history_depth: int = 1  # commits of a repository task's history in its workspace (>= 1)
+    # where task environments (coder.env.environments) are built and kept; "" = the default
+    environments_dir: str = ""
 
     def __post_init__(self):
         if int(self.history_depth) < 1:
             raise ValueError(f"env.history_depth={self.history_depth}: at least 1 (the task's "
                              "commit itself; 1 copies no earlier history)")
+        environments.check_dir(self.environments_dir)
 
     @classmethod
     def from_config(cls, env_cfg) -> "Limits":
@@ -110,6 +119,7 @@ class Limits:
             tmp_bytes=int(env_cfg.tmp_mb) << 20,
             output_bytes=int(env_cfg.output_kb) << 10,
             history_depth=int(env_cfg.history_depth),
+            environments_dir=str(env_cfg.environments_dir),
         )
 
 
@@ -315,6 +325,7 @@ class Sandbox:
             self._chown(self.workspace)
             self._write_etc()
             self._prefixes = python_prefixes()
+            self.environment = self._environment(task)
             depth = self.limits.history_depth
             self._shadows = (
                 self._shadow_installed(starting_files(task, depth)) if task is not None else ()
@@ -373,6 +384,24 @@ class Sandbox:
             f.write(f"root:x:0:\nagent:x:{u}:\n")
         for name in ("passwd", "group"):
             os.chmod(os.path.join(etc, name), 0o644)
+
+    def _environment(self, task) -> environments.Environment | None:
+        """The task's built environment (None without one), built now if it is not yet: a
+        failed build is a SandboxError naming the task and the spec, never a silent run on the
+        host's packages."""
+        if task is None:
+            return None
+        spec = environments.normalize(
+            getattr(task, "environment", None), f"task {task.id!r}: environment"
+        )
+        if not spec:
+            return None
+        try:
+            return environments.ensure(spec, environments.check_dir(self.limits.environments_dir))
+        except environments.BuildError as e:
+            raise SandboxError(
+                f"task {task.id!r}: environment {json.dumps(spec, sort_keys=True)}: {e}"
+            ) from e
 
     def _populate(self, task) -> None:
         """Write the task's starting workspace: a v2 task's repository at its commit (a copy of
@@ -457,7 +486,7 @@ class Sandbox:
         shadow = os.path.join(self.dir, "shadow")
         empty = os.path.join(shadow, ".empty")
         for name, paths in workspace_modules(files).items():
-            copies = installed_copies(name)
+            copies = installed_copies(name, (self.environment.path,) if self.environment else ())
             if not copies:
                 continue
             os.makedirs(shadow, 0o755, exist_ok=True)
@@ -561,7 +590,8 @@ class Sandbox:
             "--tmpfs",
             "/tmp",
         ]
-        for prefix in self._prefixes:
+        env = self.environment
+        for prefix in self._prefixes + ([env.path] if env else []):
             # Parents such as /root are 0700 on the host; inside they only need to be traversable.
             parents, p = [], os.path.dirname(prefix)
             while p not in ("/", "") and p != "/tmp":
@@ -575,9 +605,11 @@ class Sandbox:
         a += ["--bind", self.workspace, WORKDIR]
         for host, inner, writable in binds:
             a += ["--bind" if writable else "--ro-bind", host, inner]
-        # The running interpreter first, then its base installation's scripts (ruff, pytest).
+        # The running interpreter first, then its base installation's scripts (ruff, pytest);
+        # with a task environment its venv's scripts instead, and none of the host's: `pytest`
+        # or `python` must not fall back to the host's packages.
         bindirs = dict.fromkeys(
-            [
+            [env.bin] if env else [
                 os.path.dirname(sys.executable),
                 os.path.join(sys.prefix, "bin"),
                 os.path.join(sys.base_prefix, "bin"),
@@ -591,6 +623,7 @@ class Sandbox:
             "--setenv",
             "PATH",
             path,
+            *(["--setenv", "VIRTUAL_ENV", env.path] if env else []),
             "--setenv",
             "HOME",
             "/tmp",

@@ -34,9 +34,15 @@ as an infrastructure error.
 `verify` (`make_tasks --verify`) keeps the tasks whose gold patch scores 1 and whose unchanged
 workspace scores 0 in this machine's sandbox.
 
-The environment: the sandbox runs the host's Python read-only, so a repository's dependencies
-must already be installed there (`pip install -e .` inside is impossible offline); `--setup`
-gives every task a setup command run in its sandbox after checkout.
+The environment: without one the sandbox runs the host's Python read-only, so a repository's
+dependencies must already be installed there (`pip install -e .` inside is impossible offline).
+`--environments MAP.json` gives tasks a Python environment (Task.environment, a venv built once
+per spec: coder.env.environments) by repository: {"owner/name@version": spec, "owner/name":
+spec}, the version key first, as SWE-bench's harness keys its environment specs. The instances
+themselves carry no requirements to map: SWE-bench keeps them in its harness, and SWE-rebench's
+`install_config` (`pip_packages`, unpinned, plus an `install` command that installs the project
+itself into the environment, which a read-only venv shared by tasks cannot take) stays in the
+metadata. `--setup` gives every task a setup command run in its sandbox after checkout.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import json
 import os
 import re
 
+from coder.env import environments
 from coder.env import repo as repo_lib
 from coder.env.pool import EpisodePool
 from coder.env.reward import score_solution
@@ -153,10 +160,29 @@ def _reprefix(path: str, prefix: str) -> str:
     return path
 
 
+def check_environments(specs: dict) -> dict:
+    """`--environments`' map, validated and normalised: {"owner/name@version" or "owner/name":
+    environment spec (coder.env.environments)}; ValueError naming the key."""
+    if not isinstance(specs, dict):
+        raise ValueError("environments must map 'owner/name[@version]' to environment specs")
+    return {k: environments.normalize(v, f"environments[{k!r}]") for k, v in specs.items()}
+
+
+def environment_of(row: dict, specs: dict) -> dict:
+    """The environment of an instance: its `repo@version`'s spec, else its `repo`'s, else {}
+    (SWE-bench's harness keys environments the same way: per repository and version)."""
+    repo, version = row.get("repo", ""), row.get("version")
+    if version not in (None, "") and f"{repo}@{version}" in specs:
+        return specs[f"{repo}@{version}"]
+    return specs.get(repo, {})
+
+
 def instance_to_task(
-    row: dict, repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = ""
+    row: dict, repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = "",
+    environment_specs: dict | None = None,
 ) -> tuple[Task, str]:
-    """(the task, its gold patch) of one instance; ValueError naming the instance and field."""
+    """(the task, its gold patch) of one instance; ValueError naming the instance and field.
+    `environment_specs`: `check_environments`' map, the task's environment by its repository."""
     iid = row.get("instance_id")
     if not isinstance(iid, str) or not iid:
         raise ValueError(f"an instance lacks instance_id: keys {sorted(row)[:12]}")
@@ -222,6 +248,7 @@ def instance_to_task(
         pass_to_pass=_test_ids(row, "PASS_TO_PASS"),
         test_patch=row.get("test_patch") or "",
         metadata=meta,
+        environment=environment_of(row, environment_specs or {}),
     )
     return task, gold
 
@@ -252,10 +279,13 @@ def verify(
 
 
 def import_instances(
-    rows: list[dict], repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = ""
+    rows: list[dict], repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = "",
+    environment_specs: dict | None = None,
 ) -> list[tuple[Task, str]]:
-    """Every instance as (task, gold patch); duplicate ids are an error."""
-    out = [instance_to_task(r, repos, test_command, setup) for r in rows]
+    """Every instance as (task, gold patch); duplicate ids are an error. `environment_specs`:
+    {"owner/name@version" or "owner/name": environment spec} (`environment_of`)."""
+    specs = check_environments(environment_specs or {})
+    out = [instance_to_task(r, repos, test_command, setup, specs) for r in rows]
     dup = sorted(i for i, n in collections.Counter(t.id for t, _ in out).items() if n > 1)
     if dup:
         raise ValueError(f"duplicate instance ids {dup[:5]}")

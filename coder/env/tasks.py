@@ -8,6 +8,8 @@ that commit's tree, `coder.env.repo`; `files` and `tests` are then optional and 
 it), `setup` (shell run once in the sandbox after checkout), `fail_to_pass` / `pass_to_pass`
 (test ids that decide the reward), `test_patch` (a hidden unified diff applied only at scoring)
 and `metadata` (free-form: source, repository name, size of the reference change, ...).
+Any task may name an `environment` (a Python venv spec, `coder.env.environments`): its
+sandboxes then run that venv's interpreter and packages instead of the host's.
 Solution line: {"id", "files": {path: text}} (files written over the task's files) or
 {"id", "patch": unified diff} (applied to the workspace with `git apply`).
 
@@ -28,6 +30,8 @@ import random
 
 import fsspec
 
+from coder.env import environments
+
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 
 
@@ -41,6 +45,7 @@ _V2 = {
     "pass_to_pass": (),
     "test_patch": "",
     "metadata": {},
+    "environment": {},
 }
 
 
@@ -61,6 +66,9 @@ class Task:
     pass_to_pass: tuple = ()  # test ids that passed before and must still pass
     test_patch: str = ""  # unified diff of hidden tests: applied at scoring only
     metadata: dict = dataclasses.field(default_factory=dict)
+    # {"python": {"requirements": [...], ...}}: the venv every sandbox of the task runs in
+    # (coder.env.environments); {} = the host interpreter's packages, as for a v1 task
+    environment: dict = dataclasses.field(default_factory=dict)
 
     @property
     def test_ids(self) -> tuple:
@@ -102,6 +110,9 @@ class Task:
             obj[key] = tuple(ids)
         if not isinstance(obj.get("metadata", {}), dict):
             raise ValueError(f"task {tid!r}: metadata must be an object")
+        obj["environment"] = environments.normalize(
+            obj.get("environment"), f"task {tid!r}: environment"
+        )
         if v2 and not obj.get("commit"):
             raise ValueError(f"task {tid!r}: repo needs a commit")
         if not v2 and any(obj.get(k) for k in ("commit", "setup", "test_patch")):

@@ -294,6 +294,25 @@ def test_swe_rebench_install_config_and_list_fields(fixture, tmp_path):
     assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
 
 
+def test_environments_by_repository_and_version(fixture, tmp_path):
+    """`--environments` gives a task the spec of its `repo@version`, else of its `repo`; a bad
+    spec is refused naming its key (building one is tests/env/test_environments.py's)."""
+    by_version = {"python": {"requirements": ["attrs==23.2.0"]}}
+    by_repo = {"python": {"requirements": ["attrs==22.1.0"], "no_index": True}}
+    specs = tmp_path / "environments.json"
+    specs.write_text(json.dumps({"acme/calc@1.0": by_version, "acme/calc": by_repo}))
+    rows = [fixture["instance"], dict(fixture["instance"], instance_id="acme__calc-2", version="2.0")]
+    tasks, _ = _import(fixture, tmp_path, rows, extra=("--environments", str(specs)))
+    assert [t.environment["python"]["requirements"] for t in tasks] == [["attrs==23.2.0"],
+                                                                       ["attrs==22.1.0"]]
+    assert tasks[1].environment["python"]["no_index"] is True
+    (plain,), _ = _import(fixture, tmp_path, rows[:1])
+    assert plain.environment == {}
+    with pytest.raises(ValueError, match=r"environments\['acme/calc'\]\.python lacks requirements"):
+        swebench.import_instances(rows, str(fixture["repos"]), environment_specs={"acme/calc": {
+            "python": {}}})
+
+
 def test_exit_status_scoring_setup_and_errors(fixture, tmp_path):
     (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
     cmd = "python -I -c 'import sys; sys.path.insert(0, \".\"); import calc.ops as o; " \
