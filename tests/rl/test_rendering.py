@@ -78,7 +78,8 @@ def test_harness_transcript_replayed_by_the_rl_agent_gives_the_sft_ids():
         ids = tok.encode(m["content"]) + [tok.end_id]
         run.on_sample(_Sampled(ids, [0.0] * len(ids), None, "stop", [0] * len(ids)))
         calls = protocol.parse_tool_calls(m["content"], tools)
-        assert [(x.name, x.arguments) for x in run.next_action().calls] == [(x.name, x.arguments) for x in calls]
+        asked = run.next_action().calls
+        assert [(x.name, x.arguments) for x in asked] == [(x.name, x.arguments) for x in calls]
         multi += len(calls) > 1
         done = i + 1 == len(msgs)
         run.on_tools(["submitted"] if done else _tool_outputs(msgs[i + 1]["content"]), done=done)
