@@ -227,9 +227,12 @@ _H_NEXT = ("Now I'll", "Next, I'll", "Let me")
 
 
 def _turn(lead: str, what: list[str], calls: list[str]) -> str:
-    """One reply: what the calls are for, in words, then the calls."""
+    """One reply: what the calls are for, in words, then the calls back to back. The server
+    returns a reply as `content` (the words) and `tool_calls`, and renders a conversation's
+    assistant message as content + each call's text (coder/serve/server.py); words first and
+    calls with nothing between them is the form that renders back to the same text."""
     at_once = ", at once" if len(calls) > 1 else ""
-    return f"{lead} " + " and ".join(what) + at_once + ".\n" + "\n".join(calls)
+    return f"{lead} " + " and ".join(what) + at_once + ".\n" + "".join(calls)
 
 
 def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
@@ -265,7 +268,7 @@ def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
     if offered("diagnostics") and names:
         refs = [render_tool_call("diagnostics", {"action": "references", "symbol": d[0], "path": p,
                                                  "line": d[1]}) for p, d in defs.items() if d]
-        yield rng.choice(_H_REFS).format(names=", ".join(f"`{n}`" for n in names)) + "\n" + "\n".join(refs)
+        yield rng.choice(_H_REFS).format(names=", ".join(f"`{n}`" for n in names)) + "\n" + "".join(refs)
     # 4. the edits, one file a turn (edits change the workspace: they run alone anyway)
     for path in sorted(solution):
         old_text = task.files.get(path)

@@ -56,6 +56,8 @@ def test_harness_transcript_replayed_by_the_rl_agent_gives_the_sft_ids():
     its assistant texts as the sampled ids and its tool outputs as the episode's: the RL loop asks
     for exactly the transcript's calls, turn by turn, and its generation is the SFT rendering of
     the transcript, id for id, with the policy tokens where SFT puts the loss."""
+    import json
+
     import numpy as np
 
     from coder.data.chat_template import _tool_outputs
@@ -93,6 +95,25 @@ def test_harness_transcript_replayed_by_the_rl_agent_gives_the_sft_ids():
     assert run.rollout.final_text == msgs[-1]["content"].split("<tool_call>")[0].strip()
     assert run.rollout.edited_paths == ["answer.py"]
     assert reward_lib.AUX_REWARDS["communication"](run.rollout) == 1.0
+    # serving: the same conversation as OpenAI messages (each reply as the server returns it:
+    # words in content, calls in tool_calls; one tool message per call) renders the same prompt
+    from coder.serve.server import render_prompt
+
+    api = [{"role": "user", "content": task.prompt}]
+    for m in msgs[2:-1]:
+        if m["role"] == "tool":
+            api += [{"role": "tool", "content": o} for o in _tool_outputs(m["content"])]
+            continue
+        calls = protocol.parse_tool_calls(m["content"], tools)
+        words = m["content"]
+        for x in calls:
+            words = words.replace(x.text, "", 1)
+        api.append({"role": "assistant", "content": words, "tool_calls": [
+            {"type": "function", "function": {"name": x.name, "arguments": json.dumps(x.arguments)}}
+            for x in calls]})
+    served = render_prompt(tok, api, {t.name: t for t in tools}, None)
+    assert served == ids.tolist()[:len(served) - 1] + tok.generation_prefix()
+    assert len(served) - 1 == len(tok.render_conversation(msgs[:-1])[0])
 
 
 @dataclasses.dataclass
