@@ -120,19 +120,11 @@ def script(task, solution: dict, rng: random.Random, tools=None, edit_tool: str 
     if offered("run_tests"):
         yield rng.choice(_OPEN) + "\n" + render_tool_call("run_tests", {})
     for path in sorted(solution):
-        new_text = solution[path]
-        if path not in task.files:
-            yield (
-                rng.choice(_NEW).format(path=path)
-                + "\n"
-                + render_tool_call("write_file", {"path": path, "content": new_text})
-            )
-            continue
-        old_text = task.files[path]
+        old_text, new_text = task.files.get(path), solution[path]
         if old_text == new_text:
             continue
-        old, new, lo, hi = minimal_edit(old_text, new_text)
-        if offered("read_file"):
+        if old_text is not None and offered("read_file"):
+            _, _, lo, hi = minimal_edit(old_text, new_text)
             yield (
                 rng.choice(_READ).format(path=path)
                 + "\n"
@@ -140,25 +132,14 @@ def script(task, solution: dict, rng: random.Random, tools=None, edit_tool: str 
                     "read_file", {"path": path, "start_line": max(1, lo - 8), "end_line": hi + 8}
                 )
             )
-        if edit_tool == "write_file":
-            yield (
-                rng.choice(_EDIT)
-                + "\n"
-                + render_tool_call("write_file", {"path": path, "content": new_text})
-            )
-            continue
-        yield (
-            rng.choice(_EDIT)
-            + "\n"
-            + render_tool_call("edit_file", {"path": path, "old": old, "new": new})
-        )
+        yield _edit_reply(path, old_text, new_text, rng, edit_tool)
     if offered("run_tests"):
         yield rng.choice(_TEST) + "\n" + render_tool_call("run_tests", {})
     yield rng.choice(_DONE) + "\n" + render_tool_call("submit", {})
 
 
 def _edit_reply(path: str, old_text: str | None, new_text: str, rng, edit_tool: str) -> str:
-    """The reply that applies one file's change (both scripts' form of it)."""
+    """The reply that applies one file's change (`old_text` None: a new file), in both scripts."""
     if old_text is None:
         return rng.choice(_NEW).format(path=path) + "\n" + render_tool_call(
             "write_file", {"path": path, "content": new_text})
