@@ -27,7 +27,8 @@ replies are fed through the same `Episode` the RL loop uses, so every tool messa
 real output of the call in a sandbox, and the text follows the agent-loop format exactly
 (`coder.env.protocol`). Only conversations whose episode scored reward 1 are kept.
 
-    python -m coder.env.transcripts --tasks T.jsonl --solutions S.jsonl --out sft.jsonl
+    python -m coder.env.transcripts --tasks T.jsonl --solutions S.jsonl --out sft.jsonl \
+        [--tools read_file,edit_file,run_tests,submit] [--edit-tool write_file]
 
 writes `{"messages": [{"role", "content"}, ...]}` per line (docs/contracts.md).
 """
@@ -40,7 +41,7 @@ import random
 import re
 import sys
 
-from coder.env.episode import Episode
+from coder.env.episode import Episode, select_tools
 from coder.env.pool import EpisodePool
 from coder.env.protocol import render_tool_call
 from coder.env.tasks import read_solutions, read_tasks, write_jsonl
@@ -291,8 +292,8 @@ def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file"
 
 
 def _one(item):
-    task, solution, seed = item
-    conv, info = transcript(task, solution, seed)
+    task, solution, seed, kw = item
+    conv, info = transcript(task, solution, seed, **kw)
     return task.id, conv, info
 
 
@@ -328,7 +329,6 @@ def toy_agent_texts(n: int, seed: int, tools=(), system_preamble=None, edit_tool
     """The text of `toy_transcripts(n, seed, ...)` that does not need a sandbox to produce: the
     system prompt, each task's prompt and the scripted agent's replies (no tool outputs), for
     training a tokenizer on the agent's format (coder.data.tokenizer: data.tokenizer_agent_text)."""
-    from coder.env.episode import select_tools
     from coder.env.protocol import render_system_prompt
     from coder.env.tasks import toy_tasks
 
@@ -348,13 +348,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--tools", default="", help="comma-separated tools the agent is offered, as the "
+                   "RL run's rl.tools (default: all); they choose the script (module docstring)")
+    p.add_argument("--edit-tool", default="edit_file", choices=EDIT_TOOLS)
     args = p.parse_args(argv)
+    tools = tuple(t for t in args.tools.split(",") if t)
+    try:
+        select_tools(tools)
+        check_edit_tool(args.edit_tool, tools)
+    except ValueError as e:
+        p.error(str(e))
+    kw = {"tools": tools, "edit_tool": args.edit_tool}
     tasks = read_tasks(args.tasks)
     sols = read_solutions(args.solutions)
     patches = sorted(k for k, v in sols.items() if isinstance(v, str))
     if patches:  # the scripted agent writes files; a diff would need the repository's text
         p.error(f"patch solutions {patches[:3]}: transcripts need {{'id', 'files'}} solutions")
-    todo = [(t, sols[t.id], args.seed) for t in tasks if t.id in sols]
+    todo = [(t, sols[t.id], args.seed, kw) for t in tasks if t.id in sols]
     with EpisodePool(max(1, min(args.workers, len(todo) or 1)), token_count=len) as pool:
         results = pool.map(_one, todo)
     convs = [c for _, c, _ in results if c is not None]

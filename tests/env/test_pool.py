@@ -195,6 +195,30 @@ def test_the_offered_tools_choose_the_script_and_its_steps():
         script(two, sol2, random.Random(0)))[-1]
 
 
+def test_transcripts_cli_offers_the_given_tools(tmp_path, capsys):
+    """`--tools` / `--edit-tool`: the CLI's transcripts teach the RL run's tools (here the
+    quickstart's two: the direct script); an unknown tool stops it at start-up."""
+    import pytest
+
+    from coder.env.tasks import write_jsonl
+    from coder.env.transcripts import main
+
+    ((task, sol),) = toy_tasks(1, seed=9)
+    write_jsonl(tmp_path / "t.jsonl", [task.to_json()])
+    write_jsonl(tmp_path / "s.jsonl", [{"id": task.id, "files": sol}])
+    common = ["--tasks", str(tmp_path / "t.jsonl"), "--solutions", str(tmp_path / "s.jsonl"),
+              "--workers", "1"]
+    assert main(common + ["--out", str(tmp_path / "o.jsonl"), "--tools", "write_file,submit",
+                          "--edit-tool", "write_file"]) == 0
+    (conv,) = [json.loads(line) for line in open(tmp_path / "o.jsonl")]
+    calls = [c.name for m in conv["messages"] if m["role"] == "assistant"
+             for c in parse_tool_calls(m["content"], SPECS)]
+    assert calls == ["write_file", "submit"] and '"name": "grep"' not in conv["messages"][0]["content"]
+    with pytest.raises(SystemExit):
+        main(common + ["--out", str(tmp_path / "x.jsonl"), "--tools", "write_file,sumbit"])
+    assert "unknown tools ['sumbit']" in capsys.readouterr().err
+
+
 def test_minimal_edit_is_unique():
     old = "a = 1\nb = 2\na = 1\nc = 3\n"
     new = "a = 1\nb = 2\na = 5\nc = 3\n"
