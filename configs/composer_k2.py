@@ -59,6 +59,14 @@ def get_config():
     rl.weight_store = ""  # {workdir}/grpo/weights: on GCS with a gs:// workdir
     rl.anchor_every = 10
     rl.broken_call_penalty = 0.1  # a broken tool call scores below a failure (seed 002)
+    # The final message says what changed and why (coder/rl/communication.py: -1 / 0 / +1). At
+    # 0.05 a clear final is worth 0.1 over an empty one: half the length penalty's ceiling
+    # (max_penalty 0.2) and a tenth of a solved task, so it never turns a failure into a win but
+    # decides between correct rollouts of like length; a ~50-token summary costs far less on these
+    # tasks (cost in the thousands: at most 0.2 * 50 / scale_hard 2048 = 0.005). Small because
+    # the rules are easy to satisfy without meaning it (name a file, write "because"): a reward
+    # model registered with coder.rl.reward.communication_scorer may take its place.
+    rl.aux_rewards.communication = 0.05
 
     g = c.grpo
     g["async"] = True  # in-flight weight updates: actors run ahead of the learner

@@ -1,16 +1,34 @@
 """SFT conversations that solve tasks with known solutions, recorded from real tool runs.
 
-For a task and its reference solution a scripted agent runs the tests, reads the code around
-the change, applies it with `edit_file` (the smallest unique replacement; `write_file` for new
-files), runs the tests again and submits. With `edit_tool="write_file"` it writes each changed
-file whole instead: the fixed file is all the agent produces, with no exact copy of the read
-output to get right (a tiny model's edit_file calls break on that copy), and the transcript is
-shorter. The script's replies are fed through the same
-`Episode` the RL loop uses, so every tool message holds the real output of the call in a
-sandbox, and the text follows the agent-loop format exactly (`coder.env.protocol`). Only
-conversations whose episode scored reward 1 are kept.
+Two scripts; the offered tools decide which (`script`). **Direct** (no `search` or `grep`
+offered, e.g. the quickstart's two tools or configs/base.py's five): the scripted agent runs
+the tests, reads the code around the change, applies it with `edit_file` (the smallest unique
+replacement; `write_file` for new files), runs the tests again and submits. **Harness** (`search`
+or `grep` offered, e.g. `rl.tools = ()`: every tool): the workflow an engineer follows with the
+whole harness, several independent calls in one turn where they do not depend on each other:
 
-    python -m coder.env.transcripts --tasks T.jsonl --solutions S.jsonl --out sft.jsonl
+    run_tests + search (or grep)      -> the failure and where the code is, in one turn
+    read_file per file + grep uses    -> the code around the change and who uses it, one turn
+    diagnostics references            -> (offered) every use of the changed definition
+    edit_file / write_file per file
+    run_tests + diagnostics check     -> tests and type errors of the edited files, one turn
+    a final message saying what changed and why, + submit
+
+Each step appears only where its tool is offered, so SFT teaches only calls RL accepts. The
+final message names the edited files and the reason (the `communication` reward of
+coder.rl.reward scores exactly that). A multi-call turn is one assistant message holding the
+calls in order and one tool message holding their outputs in order (`Episode.step`, the same
+`Episode.call_many` the RL loop runs them through), so it renders as RL and serving render it.
+
+With `edit_tool="write_file"` either script writes each changed file whole instead: the fixed
+file is all the agent produces, with no exact copy of the read output to get right (a tiny
+model's edit_file calls break on that copy), and the transcript is shorter. The script's
+replies are fed through the same `Episode` the RL loop uses, so every tool message holds the
+real output of the call in a sandbox, and the text follows the agent-loop format exactly
+(`coder.env.protocol`). Only conversations whose episode scored reward 1 are kept.
+
+    python -m coder.env.transcripts --tasks T.jsonl --solutions S.jsonl --out sft.jsonl \
+        [--tools read_file,edit_file,run_tests,submit] [--edit-tool write_file]
 
 writes `{"messages": [{"role", "content"}, ...]}` per line (docs/contracts.md).
 """
@@ -20,9 +38,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import random
+import re
 import sys
 
-from coder.env.episode import Episode
+from coder.env.episode import Episode, select_tools
 from coder.env.pool import EpisodePool
 from coder.env.protocol import render_tool_call
 from coder.env.tasks import read_solutions, read_tasks, write_jsonl
@@ -82,31 +101,31 @@ def check_edit_tool(edit_tool: str, tools=None) -> None:
         raise ValueError(f"edit tool {edit_tool!r} is not among the offered tools {tuple(tools)}")
 
 
+LOCATE_TOOLS = ("search", "grep")  # offered: the harness script (module docstring)
+
+
 def script(task, solution: dict, rng: random.Random, tools=None, edit_tool: str = "edit_file"):
     """Yield the scripted agent's replies (a generator: it may look at nothing but the task).
 
     tools: the tool names the agent is offered (None: all); calls of tools not offered are
-    left out, so the transcript teaches only calls the RL agent can make (issue #17).
+    left out, so the transcript teaches only calls the RL agent can make (issue #17). With a
+    locating tool (`LOCATE_TOOLS`) among them the replies follow the harness workflow, else the
+    direct one (module docstring).
     edit_tool: how a changed file is fixed: "edit_file" (the smallest unique replacement) or
     "write_file" (the whole new file)."""
     check_edit_tool(edit_tool, tools)
     offered = (lambda name: True) if tools is None else set(tools).__contains__
+    if any(offered(t) for t in LOCATE_TOOLS):
+        yield from _harness(task, solution, rng, offered, edit_tool)
+        return
     if offered("run_tests"):
         yield rng.choice(_OPEN) + "\n" + render_tool_call("run_tests", {})
     for path in sorted(solution):
-        new_text = solution[path]
-        if path not in task.files:
-            yield (
-                rng.choice(_NEW).format(path=path)
-                + "\n"
-                + render_tool_call("write_file", {"path": path, "content": new_text})
-            )
-            continue
-        old_text = task.files[path]
+        old_text, new_text = task.files.get(path), solution[path]
         if old_text == new_text:
             continue
-        old, new, lo, hi = minimal_edit(old_text, new_text)
-        if offered("read_file"):
+        if old_text is not None and offered("read_file"):
+            _, _, lo, hi = minimal_edit(old_text, new_text)
             yield (
                 rng.choice(_READ).format(path=path)
                 + "\n"
@@ -114,21 +133,142 @@ def script(task, solution: dict, rng: random.Random, tools=None, edit_tool: str 
                     "read_file", {"path": path, "start_line": max(1, lo - 8), "end_line": hi + 8}
                 )
             )
-        if edit_tool == "write_file":
-            yield (
-                rng.choice(_EDIT)
-                + "\n"
-                + render_tool_call("write_file", {"path": path, "content": new_text})
-            )
-            continue
-        yield (
-            rng.choice(_EDIT)
-            + "\n"
-            + render_tool_call("edit_file", {"path": path, "old": old, "new": new})
-        )
+        yield _edit_reply(path, old_text, new_text, rng, edit_tool)
     if offered("run_tests"):
         yield rng.choice(_TEST) + "\n" + render_tool_call("run_tests", {})
     yield rng.choice(_DONE) + "\n" + render_tool_call("submit", {})
+
+
+def _edit_reply(path: str, old_text: str | None, new_text: str, rng, edit_tool: str) -> str:
+    """The reply that applies one file's change (`old_text` None: a new file), in both scripts."""
+    if old_text is None:
+        return rng.choice(_NEW).format(path=path) + "\n" + render_tool_call(
+            "write_file", {"path": path, "content": new_text})
+    if edit_tool == "write_file":
+        return rng.choice(_EDIT) + "\n" + render_tool_call("write_file", {"path": path, "content": new_text})
+    old, new, _, _ = minimal_edit(old_text, new_text)
+    return rng.choice(_EDIT) + "\n" + render_tool_call("edit_file", {"path": path, "old": old, "new": new})
+
+
+_DEF = re.compile(r"\s*(?:async\s+)?(?:def|class)\s+(\w+)")
+
+
+def enclosing_definition(text: str, line: int) -> tuple[str, int] | None:
+    """(name, line) of the nearest `def` / `class` at or above `line` (1-based) of `text`: what
+    the harness script greps for and asks diagnostics about; None when there is none."""
+    lines = text.splitlines()
+    for i in range(min(line, len(lines)) - 1, -1, -1):
+        m = _DEF.match(lines[i])
+        if m:
+            return m.group(1), i + 1
+    return None
+
+
+def _changed_lines(old_text: str, new_text: str) -> tuple[list[str], list[str]]:
+    """The stripped non-blank lines the change removes and adds."""
+    a, b = old_text.splitlines(), new_text.splitlines()
+    removed, added = [], []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if op != "equal":
+            removed += [x.strip() for x in a[i1:i2] if x.strip()]
+            added += [x.strip() for x in b[j1:j2] if x.strip()]
+    return removed, added
+
+
+def change_summary(task, solution: dict, tested: bool) -> str:
+    """The final message: which files changed, how, and why (the task's first sentence).
+
+    A reviewer reading only this message should know what to look at and why it changed; the
+    `communication` reward (coder.rl.reward) scores a final message for the same two things."""
+    parts = []
+    for path in sorted(solution):
+        new_text = solution[path]
+        if path not in task.files:
+            parts.append(f"added {path}")
+            continue
+        old_text = task.files[path]
+        if old_text == new_text:
+            continue
+        removed, added = _changed_lines(old_text, new_text)
+        where = enclosing_definition(old_text, minimal_edit(old_text, new_text)[2])
+        where = f"`{where[0]}` in {path}" if where else path
+        if len(removed) == 1 and len(added) == 1 and max(len(removed[0]), len(added[0])) <= 80:
+            parts.append(f"changed {where}: `{removed[0]}` is now `{added[0]}`")
+        else:
+            parts.append(f"changed {where} (-{len(removed)} +{len(added)} lines)")
+    prompt = " ".join(task.prompt.split())
+    reason = re.split(r"(?<=[.!?])\s", prompt, maxsplit=1)[0]
+    reason = reason if len(reason) <= 160 else reason[:157] + "..."
+    text = "I " + "; ".join(parts) + f", because the task asks for it: {reason}"
+    return text + (" The tests pass now." if tested else "")
+
+
+_H_LEAD = ("Let me", "First I'll", "To begin, I'll")
+_H_REFS = ("Before editing, where else is {names} used?", "Checking every use of {names} before I change it.")
+_H_NEXT = ("Now I'll", "Next, I'll", "Let me")
+
+
+def _turn(lead: str, what: list[str], calls: list[str]) -> str:
+    """One reply: what the calls are for, in words, then the calls back to back. The server
+    returns a reply as `content` (the words) and `tool_calls`, and renders a conversation's
+    assistant message as content + each call's text (coder/serve/server.py); words first and
+    calls with nothing between them is the form that renders back to the same text."""
+    at_once = ", at once" if len(calls) > 1 else ""
+    return f"{lead} " + " and ".join(what) + at_once + ".\n" + "".join(calls)
+
+
+def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
+    """The harness script's replies (module docstring); `offered(name)`: the tool is offered."""
+    changed = [p for p in sorted(solution) if p in task.files and task.files[p] != solution[p]]
+    spans = {p: minimal_edit(task.files[p], solution[p])[2:] for p in changed}
+    defs = {p: enclosing_definition(task.files[p], spans[p][0]) for p in changed}
+    names = sorted({d[0] for d in defs.values() if d})
+    grep_uses = [render_tool_call("grep", {"pattern": rf"\b{n}\b"}) for n in names] if offered("grep") else []
+    # 1. the failure and where the code is
+    what, calls = [], []
+    if offered("run_tests"):
+        what.append("run the tests")
+        calls.append(render_tool_call("run_tests", {}))
+    if offered("search"):
+        what.append("search the code for what the task describes")
+        calls.append(render_tool_call("search", {"query": " ".join(task.prompt.split())[:200]}))
+    elif grep_uses:
+        what.append("grep for " + ", ".join(f"`{n}`" for n in names))
+        calls += grep_uses
+        grep_uses = []  # done: the read turn does not repeat it
+    if calls:
+        yield _turn(rng.choice(_H_LEAD), what, calls)
+    # 2. the code around each change (one call per file) and, if not done yet, who uses it
+    reads = [render_tool_call("read_file", {"path": p, "start_line": max(1, spans[p][0] - 8),
+                                            "end_line": spans[p][1] + 8})
+             for p in (changed if offered("read_file") else [])]
+    what = (["read the code around the change in " + " and ".join(changed)] if reads else []) + (
+        ["find every use of " + ", ".join(f"`{n}`" for n in names)] if grep_uses else [])
+    if what:
+        yield _turn(rng.choice(_H_NEXT), what, reads + grep_uses)
+    # 3. every use of the definitions the change touches, from the language tools
+    if offered("diagnostics") and names:
+        refs = [render_tool_call("diagnostics", {"action": "references", "symbol": d[0], "path": p,
+                                                 "line": d[1]}) for p, d in defs.items() if d]
+        yield rng.choice(_H_REFS).format(names=", ".join(f"`{n}`" for n in names)) + "\n" + "".join(refs)
+    # 4. the edits, one file a turn (edits change the workspace: they run alone anyway)
+    for path in sorted(solution):
+        old_text = task.files.get(path)
+        if old_text != solution[path]:
+            yield _edit_reply(path, old_text, solution[path], rng, edit_tool)
+    # 5. tests and type errors of the edited files, in one turn
+    what, calls = [], []
+    if offered("run_tests"):
+        what.append("run the tests again")
+        calls.append(render_tool_call("run_tests", {}))
+    checked = [p for p in sorted(solution) if p.endswith(".py") and task.files.get(p) != solution[p]]
+    if offered("diagnostics") and checked:
+        what.append("type-check " + " and ".join(checked))
+        calls += [render_tool_call("diagnostics", {"action": "check", "path": p}) for p in checked]
+    if calls:
+        yield _turn(rng.choice(_H_NEXT), what, calls)
+    # 6. what changed and why, then submit
+    yield change_summary(task, solution, tested=offered("run_tests")) + "\n" + render_tool_call("submit", {})
 
 
 def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file",
@@ -152,8 +292,8 @@ def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file"
 
 
 def _one(item):
-    task, solution, seed = item
-    conv, info = transcript(task, solution, seed)
+    task, solution, seed, kw = item
+    conv, info = transcript(task, solution, seed, **kw)
     return task.id, conv, info
 
 
@@ -189,7 +329,6 @@ def toy_agent_texts(n: int, seed: int, tools=(), system_preamble=None, edit_tool
     """The text of `toy_transcripts(n, seed, ...)` that does not need a sandbox to produce: the
     system prompt, each task's prompt and the scripted agent's replies (no tool outputs), for
     training a tokenizer on the agent's format (coder.data.tokenizer: data.tokenizer_agent_text)."""
-    from coder.env.episode import select_tools
     from coder.env.protocol import render_system_prompt
     from coder.env.tasks import toy_tasks
 
@@ -209,13 +348,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--tools", default="", help="comma-separated tools the agent is offered, as the "
+                   "RL run's rl.tools (default: all); they choose the script (module docstring)")
+    p.add_argument("--edit-tool", default="edit_file", choices=EDIT_TOOLS)
     args = p.parse_args(argv)
+    tools = tuple(t for t in args.tools.split(",") if t)
+    try:
+        select_tools(tools)
+        check_edit_tool(args.edit_tool, tools)
+    except ValueError as e:
+        p.error(str(e))
+    kw = {"tools": tools, "edit_tool": args.edit_tool}
     tasks = read_tasks(args.tasks)
     sols = read_solutions(args.solutions)
     patches = sorted(k for k, v in sols.items() if isinstance(v, str))
     if patches:  # the scripted agent writes files; a diff would need the repository's text
         p.error(f"patch solutions {patches[:3]}: transcripts need {{'id', 'files'}} solutions")
-    todo = [(t, sols[t.id], args.seed) for t in tasks if t.id in sols]
+    todo = [(t, sols[t.id], args.seed, kw) for t in tasks if t.id in sols]
     with EpisodePool(max(1, min(args.workers, len(todo) or 1)), token_count=len) as pool:
         results = pool.map(_one, todo)
     convs = [c for _, c, _ in results if c is not None]

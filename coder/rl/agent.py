@@ -39,7 +39,10 @@ The rollout ends on `submit`, a turn with no tool call (the agent's final answer
 `rl.max_summaries` summaries; the episode then scores the workspace. Any failure of the episode
 (a tool, lint or the scorer raising, or a score whose info has `infra_error`) is the
 infrastructure's, not the agent's: the rollout gets `infra_error`, ends at once with finish
-`infra`, and is masked out of its group.
+`infra`, and is masked out of its group. The rollout's final message (`final_text`, what the
+`communication` and `unanswered_question` rewards read) is the final answer's text or the words
+of the turn that calls `submit` (its calls cut out); `edited_paths` lists the paths that
+`write_file` / `edit_file` calls wrote without error.
 
 Episode interface the drivers use (coder.env.episode.Episode, or coder.env.pool.PooledEpisode in
 an env worker): `tools` (protocol.ToolSpec list), `call(tool_call) -> str`, optionally
@@ -70,6 +73,7 @@ SUMMARY_REQUEST = (
 SUMMARY_PREFIX = "Summary of your progress so far:\n"
 EDIT_TOOLS = ("write_file", "edit_file")
 THINK_TOOL = "think"  # a scratchpad call: its tokens count as thinking, not tool I/O
+SUBMIT_TOOL = "submit"
 
 SAMPLE, TOOLS, LINT, SCORE, DONE = "sample", "tools", "lint", "score", "done"
 
@@ -113,6 +117,14 @@ class Score:
 @dataclasses.dataclass(frozen=True)
 class Done:
     pass
+
+
+def prose(text: str, calls) -> str:
+    """`text` without the source text of its parsed `calls` (broken ones too), stripped: what
+    the turn says in words (the final message the `communication` reward reads)."""
+    for c in calls:
+        text = text.replace(c.text, "", 1)
+    return text.strip()
 
 
 def infra_message(e: BaseException) -> str:
@@ -203,6 +215,8 @@ class AgentRun:
         in_calls = a.tokens_in_calls(body, self.tools)
         r.tool_io_tokens += in_calls
         r.thinking_tokens += len(sampled) - in_calls
+        if any(getattr(x, "name", None) == SUBMIT_TOOL for x in calls):  # the final message
+            r.final_text = prose(text, calls)
         self._calls = tuple(calls)
         good = tuple(x for x in calls if not isinstance(x, protocol.BrokenToolCall))
         if not good:
@@ -229,6 +243,9 @@ class AgentRun:
             if k == len(outputs):  # this call raised (or the driver gave up before it)
                 break
             outs.append(str(outputs[k]))
+            path = call.arguments.get("path") if call.name in EDIT_TOOLS else None
+            if path and not outs[-1].startswith("error:") and path not in r.edited_paths:
+                r.edited_paths.append(path)
             k += 1
             if done and k == len(outputs):
                 break

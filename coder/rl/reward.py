@@ -37,13 +37,18 @@ left un-normalized by `coder.rl.grpo.advantages` (no noise amplification).
 
 **Auxiliary rewards** (config `rl.aux_rewards`: name -> weight, 0 = off). One decorated
 function per reward, `@aux_reward("name")`, taking the `Rollout` and returning a float; a new
-behavioural reward or penalty is one function, not a new branch.
+behavioural reward or penalty is one function, not a new branch. A scorer of the final message
+(`fn(final_text, edited_paths) -> [0, 1]`: the `communication` rules of coder.rl.communication,
+or a reward model) registers with `@communication_scorer("name")` and becomes the auxiliary
+reward `name`, `2 * score - 1`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import numpy as np
+
+from coder.rl import communication
 
 USAGE_KEYS = ("thinking_tokens", "tool_io_tokens", "output_tokens", "tool_calls", "turns")
 _WEIGHT_KEYS = ("thinking", "tool_io", "output", "tool_call", "turn")
@@ -58,6 +63,31 @@ def aux_reward(name: str):
         if name in AUX_REWARDS:
             raise ValueError(f"auxiliary reward {name!r} is registered twice")
         AUX_REWARDS[name] = fn
+        return fn
+
+    return register
+
+
+def communication_scorer(name: str):
+    """Registers `fn(final_text: str, edited_paths: list[str]) -> float in [0, 1]` (how well
+    the final message says what changed and why) as the auxiliary reward `name`, valued
+    `2 * fn(rollout.final_text, rollout.edited_paths) - 1` in [-1, 1]: an empty or generic final
+    message costs what a clear one earns.
+
+    The hook for a reward model: a module that loads one and decorates its scoring function,
+    imported before the stage starts (a config module may import it), makes `name` a key for
+    `rl.aux_rewards`; the rule-based `communication` below is registered the same way. A score
+    outside [0, 1] is an error, not clipped: it means the model's output is not a probability."""
+
+    def register(fn):
+        def reward(rollout) -> float:
+            score = float(fn(rollout.final_text, list(rollout.edited_paths)))
+            if not 0.0 <= score <= 1.0:
+                raise ValueError(f"communication scorer {name!r} returned {score}, outside [0, 1]")
+            return 2.0 * score - 1.0
+
+        reward.__doc__ = f"2 * {getattr(fn, '__name__', fn)!s}(final_text, edited_paths) - 1"
+        aux_reward(name)(reward)
         return fn
 
     return register
@@ -157,3 +187,10 @@ def unanswered_question(rollout) -> float:
     """
     final = rollout.final_text.strip()
     return -1.0 if final.endswith("?") and rollout.edits == 0 else 0.0
+
+
+@communication_scorer("communication")
+def communication_rules(final_text: str, edited_paths) -> float:
+    """The final message names an edited file (what) and gives a reason (why): 1 for both, 0.5
+    for one, 0 for neither or boilerplate (coder.rl.communication); reward -1 / 0 / +1."""
+    return communication.rule_score(final_text, edited_paths)

@@ -82,7 +82,9 @@ class Rollout:
     thinking_tokens: int = 0  # sampled text outside calls in turns that act (call tools)
     tool_io_tokens: int = 0  # sampled call tokens + tool output tokens
     output_tokens: int = 0  # sampled tokens of the final answer turn and of summaries
+    # the prose of the last turn (calls cut out): a final answer, or the turn that submits
     final_text: str = ""
+    edited_paths: list = dataclasses.field(default_factory=list)  # paths edits wrote, in order
     lint_before: int | None = None
     lint_after: int | None = None
     reward: float = 0.0

@@ -138,6 +138,87 @@ def test_transcript_with_write_file_rewrites_the_file_whole():
         next(script(task, sol, random.Random(0), tools=("edit_file", "submit"), edit_tool="write_file"))
 
 
+def test_harness_transcript_turns_parse_back_and_hold_the_tools_outputs():
+    """Every tool offered (the harness script): multi-call turns parse back into their calls, and
+    each tool message holds exactly what those calls output when run again one by one, in order,
+    in a fresh sandbox of the task (test durations aside); the final message says what and why."""
+    import re
+
+    from coder.env.episode import Episode
+    from coder.env.protocol import render_tool_results
+    from coder.rl import communication
+
+    ((task, sol),) = toy_tasks(1, seed=9)
+    conv, info = transcript(task, sol, seed=0)
+    assert info["reward"] == 1.0 and info["done_reason"] == "submit" and info["broken_calls"] == 0
+    msgs = conv["messages"]
+    turns = [parse_tool_calls(m["content"], SPECS) for m in msgs if m["role"] == "assistant"]
+    assert [[c.name for c in t] for t in turns] == [
+        ["run_tests", "search"], ["read_file", "grep"], ["diagnostics"], ["edit_file"],
+        ["run_tests", "diagnostics"], ["submit"]]
+    assert [m["role"] for m in msgs[2:]] == ["assistant", "tool"] * 5 + ["assistant"]
+    no_time = lambda s: re.sub(r" in \d+\.\d+s\b", " in Ts", s)
+    ep = Episode(len)
+    ep.reset(task)
+    try:
+        for turn, tool in zip(turns, msgs[3::2]):
+            assert no_time(tool["content"]) == no_time(render_tool_results([ep.call(c) for c in turn]))
+    finally:
+        ep.close()
+    assert "1 failed" in msgs[3]["content"] and "answer.py" in msgs[3]["content"].split("</tool_result>")[1]
+    assert communication.judge(msgs[-1]["content"], ["answer.py"]).good
+
+
+def test_the_offered_tools_choose_the_script_and_its_steps():
+    """No sandbox: the replies alone. Without search / grep the direct script is unchanged; with
+    grep alone it locates by grep; two changed files are read in one turn."""
+    import dataclasses
+    import random
+
+    from coder.env.transcripts import script
+
+    ((task, sol),) = toy_tasks(1, seed=9)
+    names = lambda tools, t=task, s=sol: [[c.name for c in parse_tool_calls(r, SPECS)]
+                                         for r in script(t, s, random.Random(0), tools=tools)]
+    direct = ("read_file", "edit_file", "run_tests", "submit")  # configs/base.py's rl.tools
+    assert names(direct) == [["run_tests"], ["read_file"], ["edit_file"], ["run_tests"], ["submit"]]
+    assert list(script(task, sol, random.Random(0), tools=direct))[-1].startswith(
+        ("The tests pass. Submitting.", "All tests pass, done."))
+    assert names(("grep", "read_file", "edit_file", "submit")) == [["grep"], ["read_file"], ["edit_file"],
+                                                                  ["submit"]]
+    two = dataclasses.replace(task, files={**task.files, "util.py": "def g():\n    return 1\n"})
+    sol2 = {**sol, "util.py": "def g():\n    return 2\n"}
+    got = names(None, two, sol2)
+    assert got[1] == ["read_file", "read_file", "grep", "grep"] and got[2] == ["diagnostics"] * 2
+    assert got[-2] == ["run_tests", "diagnostics", "diagnostics"]
+    assert "answer.py" in list(script(two, sol2, random.Random(0)))[-1] and "util.py" in list(
+        script(two, sol2, random.Random(0)))[-1]
+
+
+def test_transcripts_cli_offers_the_given_tools(tmp_path, capsys):
+    """`--tools` / `--edit-tool`: the CLI's transcripts teach the RL run's tools (here the
+    quickstart's two: the direct script); an unknown tool stops it at start-up."""
+    import pytest
+
+    from coder.env.tasks import write_jsonl
+    from coder.env.transcripts import main
+
+    ((task, sol),) = toy_tasks(1, seed=9)
+    write_jsonl(tmp_path / "t.jsonl", [task.to_json()])
+    write_jsonl(tmp_path / "s.jsonl", [{"id": task.id, "files": sol}])
+    common = ["--tasks", str(tmp_path / "t.jsonl"), "--solutions", str(tmp_path / "s.jsonl"),
+              "--workers", "1"]
+    assert main(common + ["--out", str(tmp_path / "o.jsonl"), "--tools", "write_file,submit",
+                          "--edit-tool", "write_file"]) == 0
+    (conv,) = [json.loads(line) for line in open(tmp_path / "o.jsonl")]
+    calls = [c.name for m in conv["messages"] if m["role"] == "assistant"
+             for c in parse_tool_calls(m["content"], SPECS)]
+    assert calls == ["write_file", "submit"] and '"name": "grep"' not in conv["messages"][0]["content"]
+    with pytest.raises(SystemExit):
+        main(common + ["--out", str(tmp_path / "x.jsonl"), "--tools", "write_file,sumbit"])
+    assert "unknown tools ['sumbit']" in capsys.readouterr().err
+
+
 def test_minimal_edit_is_unique():
     old = "a = 1\nb = 2\na = 1\nc = 3\n"
     new = "a = 1\nb = 2\na = 5\nc = 3\n"

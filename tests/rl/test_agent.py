@@ -208,6 +208,27 @@ def test_usage_counts_split_thinking_tool_io_output(tok):
     assert (r.tool_calls, r.turns, r.test_reward, r.correct) == (1, 2, 0.5, False)
 
 
+def test_final_message_of_a_submit_turn_and_the_paths_edits_wrote(tok):
+    """What the communication reward reads: the submit turn's words (calls cut out) and the paths
+    of edits that did not fail, once each; an earlier turn's words are not the final message."""
+    script = [call_ids(tok, "edit_file", {"path": "a.py", "old": "0", "new": "3"}, "Why not? "),
+              tok.encode(protocol.render_tool_call("edit_file", {"path": "b.py", "old": "x", "new": "y"})
+                         + protocol.render_tool_call("edit_file", {"path": "a.py", "old": "3", "new": "4"}))
+              + [tok.end_id],
+              call_ids(tok, "submit", {}, "Changed a.py because f returned 0. ")]
+
+    class Ep(FakeEpisode):
+        def call(self, call):
+            out = super().call(call)
+            return "error: old text not found in b.py" if call.arguments.get("path") == "b.py" else out
+
+    engine = ScriptedEngine(lambda ctx, row: script[sum(1 for t in ctx if t == tok.special_id("tool"))])
+    agent = agent_lib.Agent(engine, tok, rl_cfg(), sampling(rl_cfg()))
+    (r,) = agent.run_group("t", "task", [Ep()], jax.random.key(0))
+    assert r.finish == "submit" and r.edits == 3
+    assert r.final_text == "Changed a.py because f returned 0." and r.edited_paths == ["a.py"]
+
+
 def test_think_calls_count_as_thinking(tok):
     think = protocol.render_tool_call("think", {"thought": "f returns 0; the test wants 3"})
     read = protocol.render_tool_call("read_file", {"path": "a.py"})
