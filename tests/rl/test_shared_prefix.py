@@ -163,7 +163,8 @@ def test_shared_prefix_learner_equals_unshared():
 
     def finish(b):
         b = {k: jnp.asarray(v) for k, v in b.items() if k != "policy_version"}
-        b["ref_logp"] = ref_logp(ref_state, b["tokens"], b["positions"], b["segment_ids"], b.get("prefix_segment"))
+        b["ref_logp"] = ref_logp(ref_state, b["tokens"], b["positions"], b["segment_ids"],
+                                 b.get("prefix_segment"))
         return b
 
     bu, bs = finish(unshared), finish(shared)
@@ -178,8 +179,9 @@ def test_shared_prefix_learner_equals_unshared():
             return loss_fn(nnx.merge(graphdef, p, rest), b, None)
         (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(p)
         routing = jnp.maximum(b["expert_ids"], 0) if replay else None
-        logits, _ = nnx.merge(graphdef, p, rest)(b["tokens"], b["positions"], b["segment_ids"], routing=routing,
-                                                 mtp=False, prefix_segment=b.get("prefix_segment"))
+        logits, _ = nnx.merge(graphdef, p, rest)(b["tokens"], b["positions"], b["segment_ids"],
+                                                 routing=routing, mtp=False,
+                                                 prefix_segment=b.get("prefix_segment"))
         return value, metrics, grads, grpo.target_logp(logits, b["tokens"], b["segment_ids"], 0.9)[0]
 
     vu, mu, gu, lu = run(params, bu)
@@ -216,7 +218,8 @@ def test_shared_prefix_learner_equals_unshared():
     assert flat_u.keys() == flat_s.keys()
     for k in flat_u:
         u, s = np.asarray(flat_u[k][...]), np.asarray(flat_s[k][...])
-        np.testing.assert_allclose(s, u, rtol=2e-4, atol=1e-6 * max(1.0, float(np.abs(u).max())), err_msg=str(k))
+        atol = 1e-6 * max(1.0, float(np.abs(u).max()))
+        np.testing.assert_allclose(s, u, rtol=2e-4, atol=atol, err_msg=str(k))
     assert max(float(np.abs(np.asarray(v[...])).max()) for v in flat_u.values()) > 0
 
 
