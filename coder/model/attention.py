@@ -14,7 +14,9 @@ The full forward of the dense backend expands per-head keys and values and runs
 CPU; chosen at lowering).
 
 Masking: a query attends to keys of its own segment (`segment_ids`) at or before its index
-(full forward), or to cache slots at or before its absolute position (cached call).
+(full forward), or to cache slots at or before its absolute position (cached call). A full
+forward given `prefix_segment` (shared-prefix rows of the GRPO learner) also attends to the keys
+of the segment it names (`attention_kernels.attention_mask`), in XLA on every platform.
 
 Cached calls (decode, chunked prefill) use the *absorbed* form (DeepSeek-V2 section 2.1.3):
 W_kvb's key half is folded into the query and its value half applied after the softmax, so
@@ -185,8 +187,15 @@ class MLA(nnx.Module):
         q_rope = apply_rope(q[..., self.dn:], positions, inv, self.attention_factor)
         return q_nope, q_rope, latent, k_rope
 
-    def __call__(self, x, positions, segment_ids, cache: dict | None = None):
-        """x `[B,T,D]`, positions/segment_ids `[B,T]` -> (out `[B,T,D]`, updated layer cache)."""
+    def __call__(self, x, positions, segment_ids, cache: dict | None = None, prefix_segment=None):
+        """x `[B,T,D]`, positions/segment_ids `[B,T]` -> (out `[B,T,D]`, updated layer cache).
+
+        prefix_segment `[B,T]` int32 or None: shared-prefix rows (attention_kernels.attention_mask),
+        full forward of the dense backend only (a cache or NSA raise: their masks have no prefix)."""
+        if prefix_segment is not None and (cache is not None or self.nsa is not None):
+            raise ValueError("shared-prefix attention (prefix_segment, grpo.shared_prefix) runs only in the "
+                             "dense backend's full forward: model.attention_backend='nsa' and cached calls "
+                             "have no prefix mask")
         dt = self.dtype
         q_nope, q_rope, latent, k_rope = self._project(x, positions)
         w_kvb = weight(self.kv_b_proj, dt)
@@ -196,15 +205,13 @@ class MLA(nnx.Module):
         elif cache is None:
             kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
             k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
-            if attention_kernels.targets_cpu():
+            if attention_kernels.targets_cpu() or prefix_segment is not None:
                 # XLA: the RoPE half of the scores in the precision RoPE returns (as the cached
-                # path's, so the engine and the learner agree), no per-head key copies
+                # path's, so the engine and the learner agree), no per-head key copies; also on
+                # TPU / GPU for shared-prefix rows, whose mask the kernels cannot express
                 scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
                           + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
-                t = x.shape[1]
-                causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-                same = segment_ids[:, :, None] == segment_ids[:, None, :]
-                mask = (causal[None] & same)[:, None]  # [B,1,T,S]
+                mask = attention_kernels.attention_mask(segment_ids, prefix_segment)  # [B,1,T,S]
                 probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
                 o = jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
             else:

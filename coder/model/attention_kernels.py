@@ -48,16 +48,34 @@ NEG_INF = -1e30  # finite, so fully masked rows (padding only) give no NaN
 BLOCKS = (512, 256, 128)  # kernel block lengths tried, largest first (TPU tiles are 128 x 128)
 
 
-def reference_attention(q, k, v, segment_ids, scale: float):
-    """Causal, segment-masked softmax attention in XLA. Shapes in the module docstring.
+def attention_mask(segment_ids, prefix_segment=None):
+    """`[B, 1, T, T]` bool: query t sees key s iff s <= t (row order) and s is in t's segment or
+    in t's shared prefix.
+
+    segment_ids `[B,T]` int32 (0 = padding); prefix_segment `[B,T]` int32 or None: the segment
+    whose keys a token also sees (0 = none). Shared-prefix packing (coder.rl.trajectory,
+    grpo.shared_prefix) lays out one row as a prompt (segment p, prefix 0) followed by
+    continuations (segments c1, c2, ..., prefix p) whose positions continue from the prompt's:
+    each continuation attends to the prompt and to itself, never to another continuation, so
+    every continuation token computes what it would in a row of its own (prompt + continuation).
+    """
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    visible = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_segment is not None:
+        pre = prefix_segment[:, :, None]
+        visible = visible | ((pre > 0) & (pre == segment_ids[:, None, :]))
+    return (causal[None] & visible)[:, None]
+
+
+def reference_attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
+    """Causal, segment-masked softmax attention in XLA (`attention_mask`). Shapes in the module
+    docstring; prefix_segment `[B,T]` or None as in `attention_mask`.
 
     The scores `[B, H, T, T]` are float32 (the kernels accumulate in float32 too).
     """
     scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-    t = q.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = (causal[None] & same)[:, None]  # [B,1,T,S]
+    mask = attention_mask(segment_ids, prefix_segment)  # [B,1,T,S]
     probs = jax.nn.softmax(jnp.where(mask, scores * scale, NEG_INF), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
 
@@ -219,10 +237,17 @@ def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool =
 
 
 # ----------------------------------------------------------------------------- dispatch
-def attention(q, k, v, segment_ids, scale: float):
+def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
     """Causal segment-masked attention by the kernel of the platform the program is lowered for
-    (module docstring). Shapes: q `[B,T,H,dq]`, k `[B,T,H,dq]`, v `[B,T,H,dv]` -> `[B,T,H,dv]`."""
+    (module docstring). Shapes: q `[B,T,H,dq]`, k `[B,T,H,dq]`, v `[B,T,H,dv]` -> `[B,T,H,dv]`.
+
+    With `prefix_segment` (shared-prefix rows, `attention_mask`) it is the XLA reference on every
+    platform: neither kernel's mask can say "own segment or the shared prefix" (splash compares
+    segment ids for equality only, the Triton kernel likewise), so the `[B,H,T,T]` scores are
+    materialised."""
     ref = functools.partial(reference_attention, scale=scale)
+    if prefix_segment is not None:
+        return ref(q, k, v, segment_ids, prefix_segment=prefix_segment)
     if targets_cpu():
         return ref(q, k, v, segment_ids)
     return jax.lax.platform_dependent(

@@ -49,9 +49,9 @@ class Block(nnx.Module):
         self.is_moe = layer_idx >= cfg.first_k_dense_replace
         self.mlp = MoE(cfg, rngs) if self.is_moe else MLP(cfg, cfg.intermediate_size, rngs)
 
-    def __call__(self, x, positions, segment_ids, cache=None, expert_ids=None):
-        """x `[B,T,D]` -> (x, layer cache, MoE stats or None)."""
-        a, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache)
+    def __call__(self, x, positions, segment_ids, cache=None, expert_ids=None, prefix_segment=None):
+        """x `[B,T,D]` -> (x, layer cache, MoE stats or None); prefix_segment as MLA's."""
+        a, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache, prefix_segment)
         x = constrain(x + a.astype(x.dtype), HIDDEN)
         h = self.post_attention_layernorm(x)
         stats = None
@@ -115,13 +115,13 @@ class Transformer(nnx.Module):
         run = jax.checkpoint(lambda s, *a: nnx.merge(graphdef, s)(*a), policy=REMAT_POLICIES[self.remat])
         return run(state, *args)
 
-    def _scan(self, x, positions, segment_ids, routing):
+    def _scan(self, x, positions, segment_ids, routing, prefix_segment=None):
         """The stacked MoE layers as one lax.scan (remat per layer) -> (x, stats `[layers, ...]`)."""
         graphdef, state = nnx.split(self.moe_stack)
 
         def layer(x, xs):
             s, replay = xs
-            x, _, stats = nnx.merge(graphdef, s)(x, positions, segment_ids, None, replay)
+            x, _, stats = nnx.merge(graphdef, s)(x, positions, segment_ids, None, replay, prefix_segment)
             return x, stats
 
         if self.remat != "none":
@@ -129,15 +129,23 @@ class Transformer(nnx.Module):
         return jax.lax.scan(layer, x, (state, routing))
 
     # ------------------------------------------------------------------ API
-    def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None):
+    def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None,
+                 prefix_segment=None):
         """tokens/positions/segment_ids int32 `[B,T]` -> (logits `[B,T,V]` float32, aux).
 
         cache: from `init_cache` (writes at `positions`, attends to slots <= position).
         routing: `[moe_layers, B, T, top_k]` expert ids to replay (aux["expert_ids"] of a call).
         mtp: run the MTP modules (default: yes without a cache, no with one; decoding calls
         `mtp_module` itself).
+        prefix_segment: `[B,T]` int32, shared-prefix rows (coder.model.attention_kernels
+        .attention_mask): each token also attends to the segment it names (0 = none). Full
+        forward without MTP only: MTP's shifted targets would cross from a prompt into a
+        continuation it does not precede.
         """
         run_mtp = (cache is None) if mtp is None else mtp
+        if prefix_segment is not None and (cache is not None or (run_mtp and len(self.mtp))):
+            raise ValueError("prefix_segment (shared-prefix rows) needs a full forward with mtp=False: "
+                             "no cache, no MTP modules")
         x = self._embed(tokens)
         loads, ids, own, zs, drops, new_layers = [], [], [], [], [], []  # MoE stats: [layers, ...]
 
@@ -159,14 +167,15 @@ class Transformer(nnx.Module):
             replay = None
             if routing is not None and block.is_moe:
                 replay = routing[m]
-            x, layer_cache, stats = self._block(block, x, positions, segment_ids, layer_cache, replay)
+            x, layer_cache, stats = self._block(block, x, positions, segment_ids, layer_cache, replay,
+                                                prefix_segment)
             new_layers.append(layer_cache)
             if stats is not None:
                 record(stats)
                 m += 1
         if self.moe_stack is not None and cache is None:
             replay = None if routing is None else routing[m:]
-            x, stats = self._scan(x, positions, segment_ids, replay)
+            x, stats = self._scan(x, positions, segment_ids, replay, prefix_segment)
             record(stats, stacked=True)
         b, t = tokens.shape
         cfg = self.cfg

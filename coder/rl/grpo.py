@@ -189,7 +189,8 @@ def policy_loss(
       behaviour_logp: `[R, T]` logprob recorded by the engine when the token was sampled.
       ref_logp: `[R, T]` log pi_ref of each token (frozen reference policy), or None with
         kl_coef 0 (no reference is kept; no "kl" metric).
-      advantages: `[R]` one advantage per row (all tokens of a rollout share it).
+      advantages: `[R]` one advantage per row (all tokens of a rollout share it), or `[R, T]` per
+        token (shared-prefix rows hold several rollouts: coder.rl.trajectory.to_shared_batch).
       loss_mask: `[R, T]` 1 on policy-sampled tokens, 0 on prompt / tool output / padding.
       clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
       kl_coef: weight of the k1 penalty (0 = no KL).
@@ -207,7 +208,8 @@ def policy_loss(
     mask = jnp.asarray(loss_mask, jnp.float32)
     logp = jnp.asarray(logp, jnp.float32)
     behaviour_logp = jnp.asarray(behaviour_logp, jnp.float32)
-    adv_row = jnp.asarray(advantages, jnp.float32)[:, None]
+    adv_row = jnp.asarray(advantages, jnp.float32)
+    adv_row = adv_row if adv_row.ndim == 2 else adv_row[:, None]
     if ref_logp is None:
         if kl_coef:
             raise ValueError(f"kl_coef={kl_coef} needs the reference logprobs (ref_logp)")
@@ -345,7 +347,9 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
     """A trainer loss `loss_fn(model, batch, rng) -> (loss, metrics)` for GRPO batches.
 
     The batch (docs/contracts.md) holds `tokens, positions, segment_ids, loss_mask` `[B, T]`,
-    `behaviour_logp, ref_logp` `[B, T]` at the target index, `advantages` `[B]`, and (MoE) the
+    `behaviour_logp, ref_logp` `[B, T]` at the target index, `advantages` `[B]` (or `[B, T]`), and
+    with grpo.shared_prefix_len `prefix_segment` `[B, T]` (a group's prompt computed once: the
+    model's shared-prefix mask, coder.rl.trajectory.to_shared_batch), and (MoE) the
     engine's `expert_ids` `[moe_layers, B, T, top_k]` (-1 where it did not route a token); with
     `router_replay` they are passed as `routing=` (-1 clamped to expert 0: such a token predicts
     nothing). With `max_staleness` set and a batch key `staleness` `[B, T]` (learner version
@@ -372,8 +376,10 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
         del rng  # the GRPO loss is deterministic given the batch
         engine_ids = batch.get("expert_ids")
         routing = jnp.maximum(engine_ids, 0) if router_replay and engine_ids is not None else None
+        # shared-prefix rows only: a model that takes no prefix_segment still serves unshared batches
+        shared = {"prefix_segment": batch["prefix_segment"]} if "prefix_segment" in batch else {}
         logits, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing,
-                            mtp=False)  # GRPO trains the policy head only
+                            mtp=False, **shared)  # GRPO trains the policy head only
         logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
         mask = batch["loss_mask"] * valid
         stale = {}
@@ -391,6 +397,9 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
         if engine_ids is not None and "router_ids" in aux:
             diag.update(routing_diagnostics(engine_ids, aux["router_ids"], batch["segment_ids"]))
         if mtp_weight:
+            if "prefix_segment" in batch:
+                raise ValueError("grpo.mtp_weight > 0 with grpo.shared_prefix_len: the MTP modules have no "
+                                 "shared-prefix mask; set one of them to 0")
             mtp_logits = distill.detached_mtp_logits(model, aux["hidden"], batch["tokens"], batch["positions"],
                                                      batch["segment_ids"])
             kl, m = distill.distill_loss(logits, mtp_logits, batch, ce_weight=0.0)

@@ -77,6 +77,7 @@ class Learner:
         acc = int(config.train.grad_accum)
         self.normalizer = grpo.loss_normalizer(config)
         loss_fn = grpo.loss_fn_from_config(config)
+        self.shared_prefix_len = check_shared_prefix(config)  # at start-up, before any model is built
         # the tokenizer and the data position (stage grpo: the epoch's used tasks) travel in every
         # checkpoint; a resumed trainer hands the position back to `data_iterator`
         self.trainer = Trainer(config, stage_dir, loss_fn, init_from=init_from, model_fn=model_fn,
@@ -87,13 +88,16 @@ class Learner:
             temperature = float(config.rl.temperature)
             graphdef = nnx.graphdef(self.ref)
 
-            def ref_logp(state, tokens, positions, segment_ids):
-                logits, _ = nnx.merge(graphdef, state)(tokens, positions, segment_ids)
+            def ref_logp(state, tokens, positions, segment_ids, prefix_segment):
+                shared = {} if prefix_segment is None else dict(prefix_segment=prefix_segment, mtp=False)
+                logits, _ = nnx.merge(graphdef, state)(tokens, positions, segment_ids, **shared)
                 return grpo.target_logp(logits, tokens, segment_ids, temperature)[0]
 
             self._ref_logp = jax.jit(ref_logp)
             self._ref_state = nnx.state(self.ref)
         self.row_multiple = jax.local_device_count() * acc  # rows this process feeds per step
+        # router replay runs the prompt's recorded routing once: share only tokens routed alike
+        self._match_routing = bool(config.grpo.router_replay)
 
     @property
     def version(self) -> int:
@@ -152,21 +156,60 @@ class Learner:
         rollouts = [r for g in groups for r in g]
         gens = [g for r in rollouts if not r.infra_error for g in r.generations]
         n, longest = len(gens), max((len(g) for g in gens), default=1)
+        budget = int(self.config.rl.context_budget)
+        seq_len, plan = seq_bucket(longest, budget), None
+        if self.shared_prefix_len:
+            # rows as long as the longest group's packed prompt + continuations (bucketed), at
+            # most grpo.shared_prefix_len; first the plan at that length, to count the rows
+            seq_len = seq_bucket(max(longest, self.shared_prefix_len), self.shared_prefix_len)
+            packed = max((sum(hi - lo for _, lo, hi, _, _ in row) for row in
+                          trajectory.shared_prefix_rows(groups, seq_len, self._match_routing)), default=1)
+            seq_len = seq_bucket(max(longest, packed), self.shared_prefix_len)
+            plan = trajectory.shared_prefix_rows(groups, seq_len, self._match_routing)
+            n = len(plan)
         if jax.process_count() > 1:  # every process feeds the same shape: the largest
-            n, longest = (int(x) for x in np.max(multihost_utils.process_allgather(
-                np.array([n, longest], np.int32)), axis=0))
+            n, seq_len = (int(x) for x in np.max(multihost_utils.process_allgather(
+                np.array([n, seq_len], np.int32)), axis=0))
+            if plan is not None:  # a longer row may hold this process's chunks in fewer rows
+                plan = trajectory.shared_prefix_rows(groups, seq_len, self._match_routing)
         rows = max(self.row_multiple, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
         rows = -(-rows // self.row_multiple) * self.row_multiple
-        b = trajectory.to_batch(rollouts, seq_bucket(longest, int(self.config.rl.context_budget)), rows)
+        if plan is None:
+            b = trajectory.to_batch(rollouts, seq_len, rows)
+        else:
+            b = trajectory.to_shared_batch(plan, seq_len, rows)
         if self.ref is not None:  # reference logprobs of the global batch (each process's rows on its devices)
-            inputs = self.trainer.device_batch({k: b[k] for k in ("tokens", "positions", "segment_ids")})
+            keys = ("tokens", "positions", "segment_ids") + (() if plan is None else ("prefix_segment",))
+            inputs = self.trainer.device_batch({k: b[k] for k in keys})
             b["ref_logp"] = self._ref_logp(self._ref_state, inputs["tokens"], inputs["positions"],
-                                           inputs["segment_ids"])
+                                           inputs["segment_ids"], inputs.get("prefix_segment"))
         # expert_ids stay in the batch with or without replay (-1 = not routed; the loss clamps
         # them for `routing=`): the loss measures the learner's routing against them
         pv = b.pop("policy_version")
         b["staleness"] = np.where(pv >= 0, version - pv, 0).astype(np.int32)
         return b
+
+def check_shared_prefix(config) -> int:
+    """grpo.shared_prefix_len (0 = off: one generation per row), refused where the packed rows
+    cannot compute what unshared rows would: the NSA backend (its compressed / selected /
+    window branches have no prefix mask), the MTP refresh (its shifted targets cross from a
+    prompt into continuations) and rows shorter than rl.context_budget."""
+    n = int(config.grpo.get("shared_prefix_len", 0))
+    if not n:
+        return 0
+    budget = int(config.rl.context_budget)
+    if n < budget:
+        raise ValueError(f"grpo.shared_prefix_len={n} must be >= rl.context_budget={budget} (a packed row "
+                         "holds a whole generation), or 0 (off)")
+    if config.model.attention_backend != "dense":
+        raise ValueError(f"grpo.shared_prefix_len={n} needs model.attention_backend='dense' (it is "
+                         f"{config.model.attention_backend!r}: no shared-prefix mask); set it to 0")
+    if int(config.model.num_mtp_layers) and float(config.grpo.mtp_weight):
+        raise ValueError(f"grpo.shared_prefix_len={n} with grpo.mtp_weight={config.grpo.mtp_weight}: the MTP "
+                         "refresh has no shared-prefix mask; set grpo.mtp_weight=0 or "
+                         "grpo.shared_prefix_len=0")
+    return n
+
 
 def seq_bucket(longest: int, budget: int, smallest: int = 128) -> int:
     """The batch's sequence length for generations of at most `longest` tokens: the next power

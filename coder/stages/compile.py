@@ -287,10 +287,12 @@ def lower_train_step(config, mesh):
 def grpo_shape(config) -> tuple[int, int]:
     """(rows, sequence) of the compiled GRPO batch: compile.grpo_batch (0 = data.batch_size) and
     compile.grpo_seq_len (0 = rl.context_budget, the longest generation a row can hold, the
-    learner's largest seq_bucket; data.seq_len when that is unset)."""
+    learner's largest seq_bucket; data.seq_len when that is unset; grpo.shared_prefix_len, the
+    packed rows' length, before those when set)."""
     cc = config.compile
     rows = int(cc.grpo_batch) or int(config.data.batch_size)
-    seq = int(cc.grpo_seq_len) or int(config.rl.context_budget) or int(config.data.seq_len)
+    shared = int(config.grpo.get("shared_prefix_len", 0))
+    seq = int(cc.grpo_seq_len) or shared or int(config.rl.context_budget) or int(config.data.seq_len)
     return rows, seq
 
 
@@ -319,7 +321,8 @@ def lower_grpo_step(config, mesh):
     The trainer's step (`_lower_step`, shared with `lower_train_step`) with
     `coder.rl.grpo.loss_fn_from_config`'s loss on the batch coder.rl.learner.Learner.batch feeds it, rows x
     seq from `grpo_shape`: tokens, positions, segment_ids int32, loss_mask, behaviour_logp,
-    ref_logp float32, staleness int32 `[B, T]`; advantages float32 `[B]`; for a model with MoE
+    ref_logp float32, staleness int32 `[B, T]`; advantages float32 `[B]` (`[B, T]` and a
+    prefix_segment int32 `[B, T]` with grpo.shared_prefix_len); for a model with MoE
     layers the engine's expert_ids int32 `[moe_layers, B, T, top_k]` (rows on axis 1), which the
     loss replays with grpo.router_replay and otherwise measures routing_mismatch against. The
     reference logprobs are an input: the learner computes them with a separate forward.
@@ -334,7 +337,12 @@ def lower_grpo_step(config, mesh):
         ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
         ("loss_mask", jnp.float32), ("behaviour_logp", jnp.float32), ("ref_logp", jnp.float32),
         ("staleness", jnp.int32)) if k != "ref_logp" or float(config.grpo.kl_coef) > 0}
-    batch["advantages"] = _rows(mesh, rules, (b,), jnp.float32)
+    from coder.rl.learner import check_shared_prefix
+
+    shared = check_shared_prefix(config)  # rows packed with a group's prompt once: per-token advantages
+    batch["advantages"] = _rows(mesh, rules, (b, t) if shared else (b,), jnp.float32)
+    if shared:
+        batch["prefix_segment"] = _rows(mesh, rules, (b, t), jnp.int32)
     layers, k = routing_shape(state, mesh, rules, b, t)
     if layers:
         batch["expert_ids"] = _rows(mesh, rules, (layers, b, t, k), jnp.int32, axis=1)

@@ -58,7 +58,7 @@ from coder.rl import actor_group, actor_learner, colocated, step_channel
 from coder.rl import reward as reward_lib
 from coder.rl.actor import (Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups,
                             train_tasks, trained_tasks)
-from coder.rl.learner import Learner
+from coder.rl.learner import Learner, check_shared_prefix
 
 
 def validate(config) -> None:
@@ -95,6 +95,7 @@ def validate(config) -> None:
     if not config.grpo["async"] and int(rl.num_actors) > 1:
         raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
                          f"{rl.num_actors}), or grpo.async=True")
+    check_shared_prefix(config)
     env_pool.check_config(config.env)  # where the env workers run
 
 

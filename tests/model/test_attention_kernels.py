@@ -119,3 +119,57 @@ def test_save_attention_remat_keeps_the_kernel_output_instead_of_rerunning_it(mo
 
     assert kernel_calls(REMAT_POLICIES["full"]) == 3
     assert kernel_calls(REMAT_POLICIES["save_attention"]) == 2
+
+
+# ----------------------------------------------------------------------------- shared prefix
+def test_shared_prefix_mask_by_hand():
+    """A prompt (segment 1, 3 tokens), two continuations (segments 2 and 3, prefix 1), a second
+    document on its own (segment 4) and a padded tail: each continuation sees the prompt and
+    itself, never the other continuation; the document sees only itself."""
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 4, 4, 0]], jnp.int32)
+    pre = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 0, 0, 0]], jnp.int32)
+    expected = np.array([
+        # 1  1  1  2  2  3  3  4  4  0   <- key segment
+        [1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 0, 0],  # continuation A: prompt + itself
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 0, 0],  # continuation B: prompt + itself, not A
+        [1, 1, 1, 0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 1, 0, 0],  # a document of its own
+        [0, 0, 0, 0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 1],  # padding sees padding only (as without a prefix)
+    ], bool)
+    np.testing.assert_array_equal(np.asarray(ak.attention_mask(seg, pre))[0, 0], expected)
+    plain = np.asarray(ak.attention_mask(seg))[0, 0]  # no prefix: the continuations see only themselves
+    np.testing.assert_array_equal(plain[3:7, :3], np.zeros((4, 3), bool))
+    np.testing.assert_array_equal(plain, expected & (np.asarray(seg)[0][:, None] == np.asarray(seg)[0][None]))
+
+
+def test_shared_prefix_attention_equals_unshared_rows():
+    """reference_attention over [prompt | cont A | cont B] with the prefix mask gives each
+    continuation token the output of its own row [prompt | cont], forward and backward (the
+    prompt's gradient is the sum of both rows')."""
+    p, a, b_len, h, d = 5, 3, 4, 2, 8
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    shared = [jax.random.normal(key, (1, p + a + b_len, h, d), jnp.float32) for key in (kq, kk, kv)]
+    seg = jnp.asarray([[1] * p + [2] * a + [3] * b_len], jnp.int32)
+    pre = jnp.asarray([[0] * p + [1] * (a + b_len)], jnp.int32)
+    rows = [jnp.r_[0:p, p:p + a], jnp.r_[0:p, p + a:p + a + b_len]]  # the unshared rows' indices
+    w = jax.random.normal(jax.random.key(2), (1, p + a + b_len, h, d), jnp.float32)
+
+    def packed(q, k, v):
+        return ak.reference_attention(q, k, v, seg, 0.3, prefix_segment=pre)
+
+    def unshared(q, k, v):
+        outs = [ak.reference_attention(q[:, i], k[:, i], v[:, i], jnp.ones((1, i.size), jnp.int32), 0.3)
+                for i in rows]
+        # the prompt's outputs are the same in both rows: count them once, as the packed row does
+        return jnp.concatenate([outs[0], outs[1][:, p:]], axis=1)
+
+    np.testing.assert_allclose(packed(*shared), unshared(*shared), rtol=1e-5, atol=1e-6)
+    g_packed = jax.grad(lambda *x: jnp.sum(packed(*x) * w), argnums=(0, 1, 2))(*shared)
+    g_unshared = jax.grad(lambda *x: jnp.sum(unshared(*x) * w), argnums=(0, 1, 2))(*shared)
+    for x, y in zip(g_packed, g_unshared):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

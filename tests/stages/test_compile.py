@@ -347,6 +347,8 @@ def test_grpo_shape_defaults_to_the_rollout_context():
     assert C.grpo_shape(config) == (8, 1024)  # a generation holds up to rl.context_budget tokens
     config.rl.context_budget = 0
     assert C.grpo_shape(config) == (8, 256)
+    config.grpo.shared_prefix_len = 2048  # packed rows: a group's prompt once, its continuations after
+    assert C.grpo_shape(config) == (8, 2048)
     config.compile.grpo_batch, config.compile.grpo_seq_len = 16, 512
     assert C.grpo_shape(config) == (16, 512)
 
