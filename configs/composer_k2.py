@@ -67,6 +67,12 @@ def get_config():
     # the rules are easy to satisfy without meaning it (name a file, write "because"): a reward
     # model registered with coder.rl.reward.communication_scorer may take its place.
     rl.aux_rewards.communication = 0.05
+    # Style: minus each lint diagnostic the change adds (ruff on the edited files, before the
+    # first and after the last action). At 0.01 ten new findings cost 0.1, what a clear final
+    # message earns: a correct but sloppy patch still beats a failure, and among correct
+    # rollouts of like length the cleaner one wins (Composer 2 keeps style among its auxiliary
+    # rewards; the seeds' hack list has none for it, since findings cannot be hidden from ruff).
+    rl.aux_rewards.lint_introduced = 0.01
 
     g = c.grpo
     g["async"] = True  # in-flight weight updates: actors run ahead of the learner
