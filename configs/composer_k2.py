@@ -70,8 +70,8 @@ def get_config():
     # Style: minus each lint diagnostic the change adds (ruff on the edited files, before the
     # first and after the last action). At 0.01 ten new findings cost 0.1, what a clear final
     # message earns: a correct but sloppy patch still beats a failure, and among correct
-    # rollouts of like length the cleaner one wins (Composer 2 keeps style among its auxiliary
-    # rewards; the seeds' hack list has none for it, since findings cannot be hidden from ruff).
+    # rollouts of like length the cleaner one wins (style is among the auxiliary rewards the
+    # seeds describe).
     rl.aux_rewards.lint_introduced = 0.01
 
     g = c.grpo
