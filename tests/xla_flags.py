@@ -21,8 +21,25 @@ model's gradient digest differs), so the learning tests' margins were checked un
 At the whole suite's level those two were within run-to-run noise (docs/test_durations.md:
 1445 s with them, 1388 s and 1528 s without).
 """
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                 "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_multi_thread_eigen=false")
+import re
+from importlib import metadata
+
+
+def _jaxlib_version() -> tuple:
+    """The installed jaxlib's (major, minor, patch), read without importing jax (these flags must
+    be set before XLA starts); () when jaxlib is not installed."""
+    try:
+        return tuple(int(p) for p in re.findall(r"\d+", metadata.version("jaxlib"))[:3])
+    except metadata.PackageNotFoundError:
+        return ()
+
+
+# jaxlib 0.12's XLA no longer has the classic emitters' switch, and an unknown flag in XLA_FLAGS
+# is fatal there (every process aborts at start-up): it is set for older jaxlibs only
+COMPILE_FLAGS = tuple(f for f in (
+    "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_multi_thread_eigen=false")
+    if "fusion_emitters" not in f or _jaxlib_version() < (0, 12))
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 

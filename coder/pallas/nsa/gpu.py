@@ -50,6 +50,8 @@ them from SMEM only), transposes are done by XLA (its wgmma applies only indexin
 `pl.run_state`, which would keep them in the accumulator).
 """
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -90,10 +92,17 @@ def _zeros(shape, interpret):
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
+# jax 0.12 dropped plgpu.load's index argument (the whole ref is loaded); 0.10 / 0.11 take one
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
 def _load_vec(ref, axis, interpret):
     """SMEM vector -> registers, laid out to broadcast along `axis` of a wgmma result:
     axis 1 = one value per row, axis 0 = one value per column."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+    if interpret:
+        return ref[...]
+    layout = plgpu.Layout.WGMMA.reduce(axis)
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
 
 
 def _fetch(bar, first, *copies):
