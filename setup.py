@@ -11,9 +11,10 @@ setup(
     install_requires=[
         # Upper bounds: the newest minor each was tested with (jax 0.12 needs Python >= 3.12; on
         # 3.11 pip resolves jax 0.10.2, which CI runs; on Python 3.12.1 this range resolves jax
-        # 0.12.0.1, flax 0.12.12, optax 0.2.8, orbax 0.12.8, grain 0.2.18, and `-m "not slow"`
-        # passed there, 575 tests, 2026-11-27); 0.11 stays admitted for the GPU images that carry
-        # jax 0.11.2 with its CUDA plugin. The next minor of jax, flax and orbax has broken coder's
+        # 0.12.0.1, flax 0.12.12, optax 0.2.8, orbax 0.12.8, grain 0.2.18: `-m "not slow"` passed
+        # there, 575 tests, and the slow ones but the sync toy-learning test, whose margin is
+        # still to be measured under 0.12's arithmetic, 2026-11-27); 0.11 stays admitted for the
+        # GPU images that carry jax 0.11.2 with its CUDA plugin. The next minor of jax, flax and orbax has broken coder's
         # sharding / NNX / checkpoint calls before (0.12 dropped plgpu.load's index and XLA:CPU's
         # classic-emitters flag): raise a bound after a test run on it.
         "jax>=0.8,<0.13",
