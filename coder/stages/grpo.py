@@ -310,32 +310,18 @@ class GrpoRun:
 
         trainer = self.trainer
         tasks = self.held_out if tasks is None else tasks
-        if self.turns is not None:  # an engine phase of its own: the newest staged version
+        turns, version = self._eval_turns_of()
+        if turns is not None:  # an engine phase of its own over the job's devices (process 0 leads)
             def run():
+                actor = self.actors.workers[0].actor if turns is self.turns else self._eval_actor
                 return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
-                                               step=trainer.step, tasks=tasks, actor=self.actors.workers[0].actor,
-                                               name=name, alone=True)
+                                               step=trainer.step, tasks=tasks, actor=actor, name=name, alone=True)
 
-            return self.turns.engine_phase(run)[0] or {}
+            return turns.engine_phase(run, version)[0] or {}
         if isinstance(self.actors, actor_learner.LocalActors):
             worker = self.actors.workers[0]
             worker.sync()  # the store's newest version (this step's), now
             actor = worker.actor  # its env workers too
-        elif jax.process_count() > 1:  # no host holds the whole model: an engine over the job's devices
-            if self._eval_turns is None:
-                mesh = actor_lib.engine_mesh(self.config, jax.devices())
-                self._eval_engine = make_engine(nnx.eval_shape(self.model_fn), self.config, mesh=mesh)
-                load = colocated.ColocatedTurns.from_store(self._eval_engine, self.url) if self.driver else None
-                self._eval_turns = colocated.ColocatedTurns(trainer, self._eval_engine, load)
-                if self.driver is not None:
-                    self._eval_actor = Actor(self._eval_engine, self.tokenizer, self.config, self.make_episode)
-
-            def run():
-                return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
-                                               step=trainer.step, tasks=tasks, actor=self._eval_actor, name=name,
-                                               alone=True)
-
-            return self._eval_turns.engine_phase(run, version=trainer.step)[0] or {}
         else:  # an engine of the learner's own, following the store like the actors
             if self._eval_engine is None:
                 self._eval_engine = make_engine(trainer.model, self.config)
@@ -345,6 +331,24 @@ class GrpoRun:
             actor = self._eval_actor
         return eval_lib.run_agent_eval(self.config, trainer.model, self.tokenizer, self.stage_dir,
                                        step=trainer.step, tasks=tasks, actor=actor, name=name)
+
+    def _eval_turns_of(self):
+        """(turns, version) of the engine phase an agent eval runs in, or (None, None): the
+        colocated engine's (its newest staged version), or, with Ray actors on a learner of several
+        processes, an engine over the job's devices that loads the learner's version from the
+        store (no host holds the whole model), built at the first eval."""
+        if self.turns is not None:
+            return self.turns, None
+        if isinstance(self.actors, actor_learner.LocalActors) or jax.process_count() == 1:
+            return None, None
+        if self._eval_turns is None:
+            mesh = actor_lib.engine_mesh(self.config, jax.devices())
+            self._eval_engine = make_engine(nnx.eval_shape(self.model_fn), self.config, mesh=mesh)
+            load = colocated.ColocatedTurns.from_store(self._eval_engine, self.url) if self.driver else None
+            self._eval_turns = colocated.ColocatedTurns(self.trainer, self._eval_engine, load)
+            if self.driver is not None:
+                self._eval_actor = Actor(self._eval_engine, self.tokenizer, self.config, self.make_episode)
+        return self._eval_turns, self.trainer.step
 
     def run(self) -> str:
         """Trains to the end of the epoch (or train.steps); returns the checkpoint directory."""
