@@ -186,6 +186,11 @@ def sharded_worker(args) -> None:
     print("SHARDED " + json.dumps(out), flush=True)
 
 
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
+
+
 def sharded(args) -> None:
     """Spawns each N-process job and prints its per-process, per-version table."""
     for n in args.processes:
@@ -196,15 +201,19 @@ def sharded(args) -> None:
             port = s.getsockname()[1]
         url = os.path.join(tempfile.mkdtemp(), "store")
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}")
+        # files, not pipes: the processes run together while this reads one at a time, and an
+        # unread pipe's writer blocks (with its job's collectives) once 64 KiB are buffered
+        logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(n)]
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--url", url, "--port", str(port),
                                    "--num_processes", str(n), "--process_id", str(i), "--mb", str(args.mb),
                                    "--versions", str(args.versions), "--changed", str(args.changed),
                                    "--chunk_kb", str(args.chunk_kb)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  env=env, stdout=logs[i][0], stderr=logs[i][1], text=True)
                  for i in range(n)]
         results = []
         for i, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=1800)
+            p.wait(timeout=1800)
+            stdout, stderr = (_read(f) for f in logs[i])
             if p.returncode:
                 raise SystemExit(f"process {i} of {n} failed:\n{stderr[-3000:]}")
             results.append(json.loads(next(x for x in stdout.splitlines() if x.startswith("SHARDED "))[8:]))

@@ -196,10 +196,9 @@ def test_a_killed_follower_makes_the_leader_raise_naming_it(tmp_path):
     pair = [_spawn(i, 2, 4, port, str(tmp_path), mode="die") for i in range(2)]
     leader = pair[0]
     deadline = time.monotonic() + 600
-    line = ""
-    while "READY" not in line and time.monotonic() < deadline:
-        line = leader.stdout.readline()
-        assert line or leader.poll() is None, leader.stderr.read()[-4000:]
+    while "READY" not in leader.output()[0] and time.monotonic() < deadline:
+        assert leader.poll() is None, leader.output()[1][-4000:]
+        time.sleep(0.1)
     os.kill(pair[1].pid, signal.SIGKILL)
     pair[1].wait()
     (tmp_path / "killed").write_text("1")

@@ -10,11 +10,12 @@ checkpoint), with a data iterator that sleeps a little per batch so the test can
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
+
+from tests import multiprocess_jobs as jobs
 
 pytestmark = pytest.mark.subprocess
 
@@ -91,10 +92,7 @@ def _run(stage_dir: str, sleep_s: float):
 
 def _spawn(stage_dir, sleep_s):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(
-        [sys.executable, __file__, stage_dir, str(sleep_s)], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    return jobs.Job([sys.executable, __file__, stage_dir, str(sleep_s)], merged=True, cwd=ROOT, env=env)
 
 
 def _losses(stage_dir) -> dict:
@@ -120,7 +118,7 @@ def _wait_for(pred, proc, timeout=240):
         if pred():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"trainer exited early ({proc.returncode}):\n{proc.stdout.read()}")
+            raise AssertionError(f"trainer exited early ({proc.returncode}):\n{proc.output()[0]}")
         time.sleep(0.05)
     proc.kill()
     raise AssertionError("timed out waiting for the trainer")
@@ -139,7 +137,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     resumed = _spawn(run_dir, 0.0)
     out = resumed.communicate(timeout=240)[0]
     assert resumed.returncode == 0, out
-    assert ref.wait(timeout=240) == 0, ref.stdout.read()
+    assert ref.wait(timeout=240) == 0, ref.output()[0]
     expected, got = _losses(ref_dir), _losses(run_dir)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert got == expected  # exact float equality, every step
