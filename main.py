@@ -20,11 +20,16 @@ step and a summary per stage. Libraries' INFO lines are silenced at their logger
 orbax and grain log through absl's "absl" logger, jax through "jax.*", tensorboardX through its
 own); their warnings still show.
 `--logger_levels=absl:INFO,jax:INFO` brings their INFO lines back.
+
+A run that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to its stderr and
+the run goes on (faulthandler; the processes of a multi-process RL actor do the same).
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -146,6 +151,7 @@ def main(argv):
     for name, level in flags.FLAGS.logger_levels.items():
         logging.getLogger(name).setLevel(level)
     check_tools(config)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks of a run that seems stuck
     import jax
 
     if _multi_process():

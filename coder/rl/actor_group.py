@@ -45,6 +45,10 @@ class GroupMember:
     """One process of a multi-process actor (module docstring); hosted by a Ray actor."""
 
     def __init__(self, rank: int, size: int):
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: its stacks, to its Ray log
         self.rank, self.size = int(rank), int(size)
         self.worker = None  # member 0: the ActorWorker
         self.engine = None  # members > 0: the engine they follow
