@@ -62,6 +62,7 @@ import numpy as np
 MAX_RESTARTS = 8  # Ray restarts of one actor process
 MAX_ATTEMPTS = 3  # a task whose group was lost with its actor this many times is skipped
 POLL_S = 0.5  # an actor polls the store this often when nothing nudges it
+WAIT_NOTE_S = 120.0  # a learner step waiting this long for its groups logs where they are
 
 
 class ActorLost(RuntimeError):
@@ -636,14 +637,22 @@ class Driver:
     def take(self) -> tuple[list | None, dict]:
         """The next step's `local` finished groups ([B][G] Rollouts; in task order in sync mode)
         and the driver's metrics of the step; (None, {}) when the epoch has no tasks left."""
-        t0 = time.perf_counter()
+        t0 = next_note = time.perf_counter()
         with self._cond:
             while len(self.queue) < self.local:
                 if self._error is not None:
                     raise self._error
+                if self._closing:
+                    raise RuntimeError("[grpo] the driver closed while the learner waited for groups")
                 if not self.pending and not self.todo and not self.health.recovering:
                     return None, {}
                 self._cond.wait(1.0)
+                if time.perf_counter() > next_note + WAIT_NOTE_S:  # a slow or stuck step shows
+                    next_note = time.perf_counter()
+                    logging.warning("[grpo] step %d has waited %.0f s for groups: %d of %d finished, %d on "
+                                    "actors (states %s), %d tasks not handed out", self.version + 1,
+                                    next_note - t0, len(self.queue), self.local, len(self.pending),
+                                    [s.value for s in self.health.state], len(self.todo))
             results, received, dropped = self.queue.take(self.local)
             for r in results:
                 self.epoch.add(self.position[r.index])

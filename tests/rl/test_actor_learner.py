@@ -134,6 +134,59 @@ def test_staleness_histogram_counts_policy_tokens_by_age():
                  "staleness_hist_over": 0.25}
 
 
+class SilentActors:
+    """LocalActors' interface over an actor that never finishes a group."""
+
+    def __len__(self):
+        return 1
+
+    def submit(self, i, work):
+        return object()
+
+    def wait(self, tokens, timeout):
+        time.sleep(timeout)
+        return []
+
+    def notify(self, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_step_that_waits_for_its_groups_says_where_they_are(monkeypatch, caplog):
+    """A learner step whose groups do not come (an actor stuck, a group that never starts) logs,
+    every WAIT_NOTE_S, what it waits for, instead of waiting without a word."""
+    import logging
+    import threading
+
+    from configs import base
+
+    cfg = base.get_config()
+    cfg.rl.update(dict(group_size=2, engine_slots=2))
+    monkeypatch.setattr(actor_learner, "WAIT_NOTE_S", 0.2)
+    order = [(i, f"task{i}") for i in range(4)]
+    driver = actor_learner.Driver(cfg, SilentActors(), order, actor_learner.Epoch(), needed=2, local=2, version=0)
+    caplog.set_level(logging.WARNING)
+    errors = []
+
+    def take():
+        try:
+            driver.take()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    learner = threading.Thread(target=take, daemon=True)  # waits until closed: the groups never come
+    learner.start()
+    time.sleep(2.0)
+    notes = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    driver.close()
+    learner.join(timeout=5)
+    assert errors == ["[grpo] the driver closed while the learner waited for groups"]
+    assert notes and notes[0].startswith("[grpo] step 1 has waited"), notes
+    assert "0 of 2 finished, 1 on actors (states ['up']), 3 tasks not handed out" in notes[0], notes
+
+
 def run_toy(tmp_path, toy, **overrides) -> list[dict]:
     """Stage grpo's `train` on the toy task -> its metrics.jsonl records, after asserting the
     mechanics every run must show whether or not it learns: every step logged, the fitted
