@@ -9,6 +9,18 @@ report therefore walks the compiled HLO's call graph, takes each loop's trip cou
 `known_trip_count`, or the `i < N` bound of the loop condition), and adds (trips - 1) times
 each loop body's matmul FLOPs and operand/result bytes to XLA's totals. Collectives are counted
 both as they appear in the HLO (`count`) and as executed per step (`executed`, `bytes`).
+
+Three spellings the walk must read right (each has a hand-written HLO test,
+tests/train/test_hlo_stats.py):
+- work behind `called_computations={...}` (collectives XLA:TPU offloads to the SparseCore): the
+  callee runs once per run of its caller, and its collectives count; its HBM bytes are the
+  wrapper's operands and result (the callee's own instructions are not charged again);
+- a loop whose first iteration XLA peeled: the counter enters at 1 (the init tuple's constant),
+  so `i < N` runs N - 1 trips, not N;
+- buffers outside HBM (a layout's memory space `S(n)`, n != 0: host memory S(5), on-chip S(1)):
+  a host-offload slice or update moves its slice, not the host-resident buffer, through HBM;
+  the `async-start` / `async-done` around it are bookkeeping (their tuples repeat the buffer),
+  the wrapped computation's instruction carries the traffic.
 """
 from __future__ import annotations
 
@@ -37,6 +49,7 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 _CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLED = re.compile(r"called_computations=\{([^}]*)\}")  # e.g. collectives offloaded to the SparseCore
 
 
 @dataclasses.dataclass
@@ -70,6 +83,21 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 def nbytes(shape: str) -> float:
     """Bytes of all arrays in a result type (tuples summed)."""
     return sum(_DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in arrays(shape))
+
+
+_ARRAY_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def hbm_bytes(shape: str) -> float:
+    """Bytes of the arrays of a result type that live in HBM: those whose layout names no
+    memory space other than 0 (`{1,0:T(8,128)S(5)}` is host memory, S(1) on-chip memory)."""
+    total = 0.0
+    for dt, dims, layout in _ARRAY_LAYOUT.findall(shape):
+        m = _MEMORY_SPACE.search(layout)
+        if dt in _DTYPE_BYTES and (m is None or m.group(1) == "0"):
+            total += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
 
 
 def _split_operands(rest: str) -> tuple[str, str]:
@@ -128,27 +156,47 @@ def callees(ins: Instr) -> list[tuple[str, str]]:
     out = [(role, name) for role, name in _CALLEE.findall(ins.attrs)]
     for group in _BRANCHES.findall(ins.attrs):
         out += [("branch", n.strip().lstrip("%")) for n in group.split(",") if n.strip()]
+    for group in _CALLED.findall(ins.attrs):
+        out += [("called", n.strip().lstrip("%")) for n in group.split(",") if n.strip()]
     return out
 
 
-def trip_count(module: HloModule, ins: Instr) -> int | None:
-    """Trip count of a `while`: libtpu's known_trip_count, else N of an `i < N` condition.
-
-    JAX's scan and fori_loop count from 0 in steps of 1, which is what the `i < N` reading
-    assumes; anything else returns None (the report then lists the loop as unknown).
+def trip_count(module: HloModule, ins: Instr, caller: list[Instr] = ()) -> int | None:
+    """Trip count of a `while`: libtpu's known_trip_count, else N - start of an `i < N`
+    condition, `start` the counter's constant in the loop's init tuple (in `caller`, the
+    while's computation): 0 for JAX's scan and fori_loop, 1 where XLA peeled the first
+    iteration out of the loop. Steps of 1 are assumed; a condition of another form returns
+    None (the report then lists the loop as unknown).
     """
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
     if m:
         return int(m.group(1))
     cond = dict(callees(ins)).get("condition")
     body = module.computations.get(cond, [])
+    by_name = {i.name: i for i in body}
     consts = {i.name: i.args.strip() for i in body if i.opcode == "constant"}
     for i in body:
         if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2:
             bound = consts.get(i.operands[1])
             if bound is not None and re.fullmatch(r"-?\d+", bound):
-                return int(bound)
+                return int(bound) - _counter_start(by_name.get(i.operands[0]), ins, caller)
     return None
+
+
+def _counter_start(counter: Instr | None, loop: Instr, caller) -> int:
+    """The constant a loop counter (`get-tuple-element(param), index=k` in the condition)
+    enters the loop with: operand k of the while's init tuple in `caller`; 0 when not a
+    constant there (JAX's loops start at 0)."""
+    m = re.search(r"index=(\d+)", counter.attrs) if counter is not None and \
+        counter.opcode == "get-tuple-element" else None
+    instrs = {i.name: i for i in caller}
+    init = instrs.get(loop.operands[0]) if m and loop.operands else None
+    if init is None or init.opcode != "tuple" or int(m.group(1)) >= len(init.operands):
+        return 0
+    start = instrs.get(init.operands[int(m.group(1))])
+    if start is not None and start.opcode == "constant" and re.fullmatch(r"-?\d+", start.args.strip()):
+        return int(start.args.strip())
+    return 0
 
 
 def multiplicities(module: HloModule, loops: bool = True) -> tuple[dict[str, float], list[str]]:
@@ -170,7 +218,7 @@ def multiplicities(module: HloModule, loops: bool = True) -> tuple[dict[str, flo
                 continue
             trips = 1
             if ins.opcode == "while" and loops:
-                t = trip_count(module, ins)
+                t = trip_count(module, ins, module.computations[comp])
                 if t is None:
                     unknown.append(ins.name)
                 trips = 1 if t is None else t
@@ -351,7 +399,7 @@ def _window_fields(attrs: str) -> dict[str, list[int]]:
 _NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",
                "call", "conditional", "after-all", "partition-id", "replica-id", "copy-done",
                "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done",
-               "recv-done", "opt-barrier"}
+               "recv-done", "opt-barrier", "async-start", "async-update", "async-done"}
 
 
 _SLICING = ("dynamic-slice", "slice", "gather")
@@ -378,16 +426,18 @@ def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float | None]
         if i.opcode != "parameter":
             continue
         us = users.get(i.name, [])
-        if us and all(u.opcode in _SLICING and pos == 0 for u, pos in us):
+        if not hbm_bytes(i.shape):  # a host-resident (or on-chip) buffer: no HBM read
+            reads[_param_index(i)] = 0.0
+        elif us and all(u.opcode in _SLICING and pos == 0 for u, pos in us):
             reads[_param_index(i)] = sum(nbytes(u.shape) for u, _ in us)
         elif us and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in us):
             reads[_param_index(i)] = 0.0
         else:
-            reads[_param_index(i)] = nbytes(i.shape)
+            reads[_param_index(i)] = hbm_bytes(i.shape)
     root = instrs[-1] if instrs else None
     written = None
     if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-        written = nbytes(shapes.get(root.operands[1], ""))
+        written = nbytes(shapes.get(root.operands[1], "")) if hbm_bytes(root.shape) else 0.0
     return reads, written
 
 
@@ -403,29 +453,40 @@ def _fused_access(module: HloModule) -> dict[str, tuple[dict[int, float], float 
     return fused
 
 
+def _wrapped(module: HloModule) -> set[str]:
+    """Computations behind `called_computations=` (module docstring): their wrapper's operands
+    and result are their HBM traffic."""
+    return {c for instrs in module.computations.values() for ins in instrs
+            for role, c in callees(ins) if role == "called"}
+
+
 def instruction_traffic(module: HloModule):
     """Yields (computation, instruction, HBM bytes of one run) for every top-level instruction
     of the non-fused computations: it reads its operands and writes its result (a fusion is one
     instruction: its internals stay on chip), with slices read for their size and in-place
-    updates written for the update's size, as XLA's cost analysis does."""
+    updates written for the update's size, as XLA's cost analysis does; arrays outside HBM
+    (host memory, `hbm_bytes`) move nothing through it."""
     fused = _fused_access(module)
+    skip = set(fused) | _wrapped(module)
     for comp, instrs in module.computations.items():
-        if comp in fused:
+        if comp in skip:
             continue
         shapes = {i.name: i.shape for i in instrs}
         for i in instrs:
             if i.opcode in _NO_TRAFFIC:
                 continue
-            operand_bytes = [nbytes(shapes.get(o, "")) for o in i.operands]
-            written = nbytes(i.shape)
+            operand_bytes = [hbm_bytes(shapes.get(o, "")) for o in i.operands]
+            written = hbm_bytes(i.shape)
             if i.opcode == "fusion" and dict(callees(i)).get("calls") in fused:
                 reads, w = fused[dict(callees(i))["calls"]]
                 operand_bytes = [min(b, reads.get(k, b)) for k, b in enumerate(operand_bytes)]
                 written = written if w is None else w
-            elif i.opcode in _SLICING:
-                operand_bytes = [written] + operand_bytes[1:]
+            elif i.opcode in _SLICING and operand_bytes:  # the slice is read, from HBM or not
+                operand_bytes = [nbytes(i.shape) if operand_bytes[0] else 0.0] + operand_bytes[1:]
             elif i.opcode == "dynamic-update-slice" and len(operand_bytes) > 1:
-                written, operand_bytes = operand_bytes[1], operand_bytes[1:]
+                # the update is written in place, into HBM or into a host-resident buffer
+                written = nbytes(shapes.get(i.operands[1], "")) if written else 0.0
+                operand_bytes = operand_bytes[1:]
             yield comp, i, written + sum(operand_bytes)
 
 
