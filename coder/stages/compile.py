@@ -514,8 +514,10 @@ def compile_engine(config, mesh, topo) -> dict:
     """Compile and analyse the engine's programs; a failure is recorded per program.
 
     Model FLOPs of a program: `engine_model_flops`. The record names the engine's slice and mesh,
-    and the bytes each host of it reads from the weight store for a version written in full (an
-    anchor: its chips' slices of the serving weights; a delta version is a fraction of it).
+    and how each version reaches it: from the weight store, the bytes each host of it reads for a
+    version written in full (an anchor: its chips' slices of the serving weights; a delta
+    version is a fraction of it); colocated (rl.colocated, the learner's slice), the bytes per
+    host of the on-device reshard of the learner's arrays (no store, no host hop).
     """
     import logging
     import time
@@ -528,9 +530,14 @@ def compile_engine(config, mesh, topo) -> dict:
         logging.error("lowering the engine failed:\n%s", traceback.format_exc())
         return dict(status="compile_error", error=" ".join(str(e).split())[:2000])
     chips_per_host = math.prod(topo.chips_per_host_bounds)
+    version_bytes = setup["params_bytes_per_chip"] * min(chips_per_host, topo.num_chips)
     out = dict(setup=setup, topology=topo.name, chips=topo.num_chips, hosts=max(1, topo.num_chips // chips_per_host),
-               mesh={a: int(n) for a, n in mesh.shape.items()},
-               store_read_bytes_per_host=setup["params_bytes_per_chip"] * min(chips_per_host, topo.num_chips))
+               mesh={a: int(n) for a, n in mesh.shape.items()})
+    if config.rl.colocated and not config.compile.engine_topology:
+        # the learner's arrays resharded chip to chip (coder.rl.weight_channel.OnDevice): no store
+        out.update(weights_from="on_device", reshard_bytes_per_host=version_bytes)
+    else:
+        out.update(weights_from="store", store_read_bytes_per_host=version_bytes)
     k = setup["speculative_k"]
     tokens = dict(prefill=setup["rows"] * setup["prefill_len"], decode=setup["rows"] * (k + 1))
     model_flops = engine_model_flops(config.model, setup)

@@ -97,10 +97,14 @@ def engine_markdown(e: dict) -> list[str]:
                  f"tokens, speculative_k={st['speculative_k']}; rows split over mesh axes "
                  f"{st['rows_split_over'] or 'none (replicated)'}.")
     if "topology" in e:
+        if e.get("weights_from") == "on_device":
+            weights = (f"each version reaches it by an on-device reshard of the learner's arrays, "
+                       f"{_gib(e['reshard_bytes_per_host'])} GiB per host (no weight store, no host hop).")
+        else:
+            weights = (f"each host reads {_gib(e['store_read_bytes_per_host'])} GiB of a version written in "
+                       f"full from the weight store (its chips' slices).")
         lines.append(f"On {e['topology']} ({e['chips']} chips, {e['hosts']} hosts), mesh "
-                     f"{', '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one chip'}; each host reads "
-                     f"{_gib(e['store_read_bytes_per_host'])} GiB of a version written in full from the weight store "
-                     f"(its chips' slices).")
+                     f"{', '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one chip'}; {weights}")
     progs = [p for p in ("prefill", "decode") if p in e]
     lines += ["", "| | " + " | ".join(progs) + " |", "|---|" + "---|" * len(progs)]
 

@@ -560,3 +560,19 @@ def test_engine_compiles_on_an_actor_slice_of_its_own():
     emesh, etopo = C.engine_target(config, mesh, topo)
     assert etopo == topo and set(emesh.devices.flat) == set(mesh.devices.flat)
     assert (emesh.shape["expert"], emesh.shape["data"]) == (4, 1)
+
+
+def test_engine_section_says_how_each_version_reaches_the_engine():
+    """From the weight store (an actor slice, or a store-following engine on the learner's
+    slice): the bytes each host reads; colocated: an on-device reshard, no store named."""
+    from coder.stages.compile_report import engine_markdown
+
+    setup = dict(rows=8, cache_slots=1024, prefill_len=256, speculative_k=0, rows_split_over=[])
+    base = dict(setup=setup, topology="v5p-512", chips=256, hosts=64, mesh={"expert": 256})
+    store = "\n".join(engine_markdown(dict(base, weights_from="store", store_read_bytes_per_host=2 ** 31)))
+    assert "each host reads 2 GiB of a version written in full from the weight store" in store
+    on_device = "\n".join(engine_markdown(dict(base, weights_from="on_device", reshard_bytes_per_host=2 ** 31)))
+    assert "on-device reshard of the learner's arrays, 2 GiB per host" in on_device
+    assert "weight store (" not in on_device
+    # a report written before the key existed reads as the store path
+    assert "from the weight store" in "\n".join(engine_markdown(dict(base, store_read_bytes_per_host=2 ** 31)))
