@@ -284,10 +284,12 @@ def start_actors(config, *, tokenizer, make_episode, model_fn, url: str, mesh=No
     coder.rl.actor_learner.LocalActors, on `mesh`), each of rl.actor_processes processes (1 =
     coder.rl.actor_learner.RayActors, more = `RayActorGroups`). rl.colocated: the in-process
     actor's engine takes the learner's versions on device (`ActorWorker.push`)."""
-    from coder.rl.actor_learner import ActorWorker, LocalActors, RayActors, capacity
+    from coder.rl.actor_learner import ActorWorker, LocalActors, RayActors, capacity, start_ray
 
     n, slots, processes = int(config.rl.num_actors), capacity(config), int(config.rl.actor_processes)
     if n == 0:
+        if config.env.workers_backend == "ray":  # sized for the actor's and the eval's env pools
+            start_ray(config, 0, 1)  # a local instance lives until the process exits, as the pools' own
         return LocalActors(ActorWorker(config, tokenizer, make_episode, model_fn, url, mesh=mesh,
                                        colocated=bool(config.rl.colocated)), slots)
     if processes > 1:

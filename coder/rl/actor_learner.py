@@ -341,10 +341,24 @@ class LocalActors:
         self.workers[0].close()
 
 
+def local_ray_cpus(config, n: int, processes: int) -> int:
+    """Logical CPUs of a local Ray instance for `n` Ray actors of `processes` processes each
+    (n = 0: the actor in the learner's process), one more for the driver's calls, and, with
+    env.workers_backend "ray", every env worker pool the run starts: each actor's (`env_workers`)
+    and the agent eval's in the learner's process 0 (rl.env_workers, else up to 16). A pool
+    whose actors the instance cannot place waits for CPUs that never come (ray_pool's start
+    timeout): each must fit beside the others."""
+    cpus = n * processes + 1
+    if config.env.workers_backend == "ray":
+        eval_workers = int(config.rl.env_workers) or 16
+        workers = max(n, 1) * env_workers(config) + eval_workers
+        cpus += math.ceil(workers * float(config.env.ray_num_cpus_per_worker))
+    return max(os.cpu_count() or 1, cpus)
+
+
 def start_ray(config, n: int, processes: int) -> bool:
     """Connects to the Ray cluster at rl.ray_address, or starts a local instance (even when
-    RAY_ADDRESS names another cluster) with CPUs for `n` actors of `processes` processes and,
-    with env.workers_backend "ray", their env workers. False when Ray was already up."""
+    RAY_ADDRESS names another cluster) with `local_ray_cpus`. False when Ray was already up."""
     import ray
 
     if ray.is_initialized():
@@ -353,10 +367,7 @@ def start_ray(config, n: int, processes: int) -> bool:
     if address:
         ray.init(address=address)
         return True
-    cpus = n * processes + 1
-    if config.env.workers_backend == "ray":  # the actors' env workers: Ray actors here too
-        cpus += math.ceil(n * env_workers(config) * float(config.env.ray_num_cpus_per_worker))
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
+    ray.init(address="local", num_cpus=local_ray_cpus(config, n, processes), include_dashboard=False)
     return True
 
 
