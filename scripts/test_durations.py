@@ -2,14 +2,17 @@
 
     JAX_PLATFORMS=cpu python -m pytest -q -n 2 tests --junitxml=/tmp/after.xml
     python scripts/test_durations.py /tmp/after.xml [--before /tmp/before.xml] [--top 25] \
-        [--wall-after 840 --wall-before 1118] > docs/test_durations.md
+        [--wall-after 840 --wall-before 1118] [--modules tests/durations.json] > docs/test_durations.md
 
 Times are each test's setup + call + teardown as pytest records them (summed over the module;
 the suite's wall time is about half the total with two xdist workers). Whoever changes the
 suite's time refreshes docs/test_durations.md with this script, and says why beside it.
+`--modules` also writes {module: seconds} (the modules of 10 s or more), the file by which
+tests/conftest.py runs the longest modules first.
 """
 import argparse
 import collections
+import json
 import xml.etree.ElementTree as ET
 
 
@@ -50,6 +53,7 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--wall-after", type=float)
     ap.add_argument("--wall-before", type=float)
+    ap.add_argument("--modules", help="write {module: seconds} of the modules of >= 10 s here")
     args = ap.parse_args()
     after = durations(args.after)
     before = durations(args.before) if args.before else None
@@ -70,6 +74,10 @@ def main():
     order = sorted(set(mods_after) | set(mods_before or {}), key=lambda m: -max(mods_after.get(m, 0),
                                                                                (mods_before or {}).get(m, 0)))
     lines += ["## Per module", ""] + table(mods_after, mods_before, order, "module") + [""]
+    if args.modules:
+        with open(args.modules, "w") as f:
+            json.dump({m: round(mods_after[m], 1) for m in order if mods_after.get(m, 0) >= 10}, f, indent=1)
+            f.write("\n")
     slow = sorted(set(after) | set(before or {}), key=lambda t: -max(after.get(t, 0), (before or {}).get(t, 0)))
     lines += [f"## The {args.top} slowest tests", ""] + table(after, before, slow[:args.top], "test") + [""]
     print("\n".join(lines))

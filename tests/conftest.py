@@ -38,7 +38,28 @@ if "CODER_TEST_SHARED_DIR" not in os.environ:
     os.environ["CODER_TEST_SHARED_DIR"] = _shared_dir
     atexit.register(shutil.rmtree, _shared_dir, ignore_errors=True)
 
+import json  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest modules first (tests/durations.json, which scripts/test_durations.py writes
+    from a run's JUnit XML), each module's tests together and in their order. xdist hands the
+    first quarter of the tests out alternately and the rest to whichever worker is free: the
+    short tests at the end then fill the gaps the long ones leave, where in file order the
+    longest modules came last and one worker finished them alone. A module the file does not
+    list counts as short; a stale file only orders less well."""
+    path = os.path.join(os.path.dirname(__file__), "durations.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        seconds = json.load(f)
+    module = lambda item: item.nodeid.split("::")[0]
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(module(item), i)
+    items.sort(key=lambda item: (-seconds.get(module(item), 0.0), first[module(item)]))
 
 
 @pytest.fixture(scope="session")
