@@ -156,7 +156,9 @@ def _finish(procs, timeout) -> None:
 def _stacks(procs) -> str:
     """Every live process's Python stacks (faulthandler on SIGUSR1, `_run`) and the end of each
     one's output; then kills them all (a hung run must not outlive its test)."""
-    below = [pid for p in procs for pid in _descendants(p.pid)]  # Ray's raylet, GCS, workers
+    from coder.env.terminal import _proc_tree
+
+    below = [pid for p in procs for pid in _proc_tree(p.pid)]  # Ray's raylet, GCS, workers
     members = [pid for pid in below if b"GroupMember" in _cmdline(pid)]
     _signal([p.pid for p in procs] + members, signal.SIGUSR1)
     time.sleep(5)  # the stacks written; Ray forwards the members' to process 0's output
@@ -181,24 +183,6 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
-
-
-def _descendants(pid: int) -> list[int]:
-    """The pids below `pid` in the process tree (Ray's raylet, its workers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def _jsonl(path):
