@@ -516,7 +516,8 @@ def compile_engine(config, mesh, topo) -> dict:
     Model FLOPs of a program: `engine_model_flops`. The record names the engine's slice and mesh,
     and how each version reaches it: from the weight store, the bytes each host of it reads for a
     version written in full (an anchor: its chips' slices of the serving weights; a delta
-    version is a fraction of it); colocated (rl.colocated, the learner's slice), the bytes per
+    version is a fraction of it) and the seconds that takes at the host's data-centre network
+    bandwidth (its chips' DCN figure in coder/train/aot/hardware.py); colocated (rl.colocated, the learner's slice), the bytes per
     host of the on-device reshard of the learner's arrays (no store, no host hop).
     """
     import logging
@@ -537,7 +538,11 @@ def compile_engine(config, mesh, topo) -> dict:
         # the learner's arrays resharded chip to chip (coder.rl.weight_channel.OnDevice): no store
         out.update(weights_from="on_device", reshard_bytes_per_host=version_bytes)
     else:
-        out.update(weights_from="store", store_read_bytes_per_host=version_bytes)
+        # a host reads its chips' slices over its data-centre network (the store: GCS or a
+        # file system behind it), at most its chips' DCN bandwidth
+        host_bw = topo.chip.dcn_bandwidth * min(chips_per_host, topo.num_chips)
+        out.update(weights_from="store", store_read_bytes_per_host=version_bytes,
+                   host_network_bytes_per_s=host_bw, store_read_seconds_per_host=version_bytes / host_bw)
     k = setup["speculative_k"]
     tokens = dict(prefill=setup["rows"] * setup["prefill_len"], decode=setup["rows"] * (k + 1))
     model_flops = engine_model_flops(config.model, setup)

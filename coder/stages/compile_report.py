@@ -102,7 +102,13 @@ def engine_markdown(e: dict) -> list[str]:
                        f"{_gib(e['reshard_bytes_per_host'])} GiB per host (no weight store, no host hop).")
         else:
             weights = (f"each host reads {_gib(e['store_read_bytes_per_host'])} GiB of a version written in "
-                       f"full from the weight store (its chips' slices).")
+                       f"full from the weight store (its chips' slices)")
+            if "store_read_seconds_per_host" in e:
+                s = e["store_read_seconds_per_host"]
+                weights += (f": {s:.1f} s at the host's {e['host_network_bytes_per_s'] / 1e9:.0f} GB/s of "
+                            f"data-centre network; a delta version, 3-4% of those bytes at an RL learning rate "
+                            f"(docs/rl.md, bench/weight_sync.py), {0.03 * s:.2f}-{0.04 * s:.2f} s")
+            weights += "."
         lines.append(f"On {e['topology']} ({e['chips']} chips, {e['hosts']} hosts), mesh "
                      f"{', '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one chip'}; {weights}")
     progs = [p for p in ("prefill", "decode") if p in e]

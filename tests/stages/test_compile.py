@@ -327,7 +327,9 @@ def test_quickstart_engine_programs_compile_for_v5e_2x2(quickstart_report):
     # chips' slices of a full version from the store
     assert (e["topology"], e["chips"], e["hosts"], e["mesh"]["data"]) == ("v5e-4", 4, 1, 4)
     assert e["store_read_bytes_per_host"] == 4 * st["params_bytes_per_chip"]
-    assert "reads" in md and "from the weight store" in md
+    # over the host's network: its 4 v5e chips' DCN bandwidth (25 Gb/s each)
+    assert e["store_read_seconds_per_host"] == e["store_read_bytes_per_host"] / (4 * 25e9 / 8)
+    assert "reads" in md and "from the weight store" in md and "GB/s of data-centre network" in md
     # colocated on this slice: the engine phase holds the engine's larger program and the
     # learner's parameters and optimizer state (kl_coef > 0: its reference copy too); the
     # learner phase the GRPO step and the reference (the engine released its memory)
@@ -574,5 +576,9 @@ def test_engine_section_says_how_each_version_reaches_the_engine():
     on_device = "\n".join(engine_markdown(dict(base, weights_from="on_device", reshard_bytes_per_host=2 ** 31)))
     assert "on-device reshard of the learner's arrays, 2 GiB per host" in on_device
     assert "weight store (" not in on_device
+    timed = "\n".join(engine_markdown(dict(base, weights_from="store", store_read_bytes_per_host=50e9,
+                                            host_network_bytes_per_s=25e9, store_read_seconds_per_host=2.0)))
+    assert "(its chips' slices): 2.0 s at the host's 25 GB/s of data-centre network; a delta version" in timed
+    assert "0.06-0.08 s." in timed
     # a report written before the key existed reads as the store path
     assert "from the weight store" in "\n".join(engine_markdown(dict(base, store_read_bytes_per_host=2 ** 31)))
