@@ -8,6 +8,7 @@ process (Ray forwards its workers' logs to the driver's stdout) blocks in write(
 job hangs with it (CI saw the 4-process GRPO run stall before its first step)."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,10 +47,29 @@ class Job(subprocess.Popen):
         return self._read(self._out), self._read(self._err)
 
     def communicate(self, input=None, timeout=None) -> tuple[str, str]:
-        """Waits for the exit (subprocess.TimeoutExpired after `timeout` s), then `output()`."""
+        """Waits for the exit, then `output()`. A job still running after `timeout` s is killed
+        with every process below it (Ray's, a pool's: a hung job must not outlive its test) and
+        AssertionError gives the end of its output."""
         assert input is None, "a job has no stdin"
-        self.wait(timeout)
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            out, err = self.output()
+            raise AssertionError(f"{' '.join(map(str, self.args[1:]))}: still running after {timeout} s, "
+                                 f"killed; its output's end:\n{out[-3000:]}\n{err[-3000:]}") from None
         return self.output()
+
+    def kill_tree(self) -> None:
+        """SIGKILL to this process and every process below it."""
+        from coder.env.terminal import _proc_tree
+
+        for pid in _proc_tree(self.pid) + [self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.wait()
 
 
 def spawn(script: str, args, devices: int) -> Job:

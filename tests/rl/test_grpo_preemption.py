@@ -147,10 +147,10 @@ def _finish(procs, timeout) -> None:
     running after `timeout` s fails the test with every process's stacks)."""
     for proc in procs:
         try:
-            out = proc.communicate(timeout=timeout)[0]
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"a process still runs after {timeout} s; the stacks and logs:\n" + _stacks(procs))
-        assert proc.returncode == 0, out[-4000:]
+        assert proc.returncode == 0, proc.output()[0][-4000:]
 
 
 def _stacks(procs) -> str:
