@@ -517,8 +517,9 @@ def compile_engine(config, mesh, topo) -> dict:
     and how each version reaches it: from the weight store, the bytes each host of it reads for a
     version written in full (an anchor: its chips' slices of the serving weights; a delta
     version is a fraction of it) and the seconds that takes at the host's data-centre network
-    bandwidth (its chips' DCN figure in coder/train/aot/hardware.py); colocated (rl.colocated, the learner's slice), the bytes per
-    host of the on-device reshard of the learner's arrays (no store, no host hop).
+    bandwidth (its chips' DCN figure in coder/train/aot/hardware.py); colocated (rl.colocated,
+    the learner's slice), the bytes per host of the on-device reshard of the learner's arrays (no
+    store, no host hop).
     """
     import logging
     import time

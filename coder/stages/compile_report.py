@@ -87,6 +87,11 @@ def to_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+# a delta version's bytes over a full version's, at an RL learning rate (docs/rl.md's table of
+# bench/weight_sync.py: 2.7-3.7% at lr 1e-6)
+DELTA_SHARE = (0.03, 0.04)
+
+
 def engine_markdown(e: dict) -> list[str]:
     """The engine section of report.md: one column per program."""
     lines = ["", "## RL engine: prefill and decode programs", ""]
@@ -106,8 +111,9 @@ def engine_markdown(e: dict) -> list[str]:
             if "store_read_seconds_per_host" in e:
                 s = e["store_read_seconds_per_host"]
                 weights += (f": {s:.1f} s at the host's {e['host_network_bytes_per_s'] / 1e9:.0f} GB/s of "
-                            f"data-centre network; a delta version, 3-4% of those bytes at an RL learning rate "
-                            f"(docs/rl.md, bench/weight_sync.py), {0.03 * s:.2f}-{0.04 * s:.2f} s")
+                            f"data-centre network; a delta version, {DELTA_SHARE[0] * 100:.0f}-{DELTA_SHARE[1]:.0%} of "
+                            f"those bytes at an RL learning rate (docs/rl.md, bench/weight_sync.py), "
+                            f"{DELTA_SHARE[0] * s:.2f}-{DELTA_SHARE[1] * s:.2f} s")
             weights += "."
         lines.append(f"On {e['topology']} ({e['chips']} chips, {e['hosts']} hosts), mesh "
                      f"{', '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one chip'}; {weights}")

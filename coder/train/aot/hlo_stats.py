@@ -39,7 +39,9 @@ _DTYPE_BYTES = {
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
     "f8e4m3": 1, "f8e3m4": 1, "f4e2m1fn": 0.5, "f8e8m0fnu": 1,
 }
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# dtype[dims] and its layout, e.g. "bf16[8,128]{1,0:T(8,128)S(5)}" (the layout may name a memory space)
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$", re.S)
 # a computation's last line: "}", or "}, execution_thread=..." (SparseCore computations of v5p /
 # v6e); a Mosaic kernel's backend_config lines may start with "}" too, but never look like this
@@ -74,7 +76,7 @@ class HloModule:
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     """The (dtype, dims) of every array in a result type (one, or several for a tuple)."""
     out = []
-    for dt, dims in _ARRAY.findall(shape):
+    for dt, dims, _ in _ARRAY.findall(shape):
         if dt in _DTYPE_BYTES:
             out.append((dt, tuple(int(d) for d in dims.split(",") if d)))
     return out
@@ -85,15 +87,11 @@ def nbytes(shape: str) -> float:
     return sum(_DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in arrays(shape))
 
 
-_ARRAY_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
-
-
 def hbm_bytes(shape: str) -> float:
     """Bytes of the arrays of a result type that live in HBM: those whose layout names no
     memory space other than 0 (`{1,0:T(8,128)S(5)}` is host memory, S(1) on-chip memory)."""
     total = 0.0
-    for dt, dims, layout in _ARRAY_LAYOUT.findall(shape):
+    for dt, dims, layout in _ARRAY.findall(shape):
         m = _MEMORY_SPACE.search(layout)
         if dt in _DTYPE_BYTES and (m is None or m.group(1) == "0"):
             total += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
