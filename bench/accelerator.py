@@ -16,9 +16,12 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
 1. NSA (coder/pallas/nsa): the layer (coder.pallas.nsa.module.NSA: compression MLPs and gates
    included) on the kernels (impl "pallas_gpu" on GPU, "pallas_tpu" on TPU) beside the same
    layer and parameters on the blockwise XLA path (impl "xla"), forward + backward in one
-   program: time of each, and max |kernel - xla| of the output and of the gradients w.r.t. q,
-   k, v and the layer's parameters, each relative to the largest |xla| entry ("close": all
-   within REL_TOL). Shapes, batch 1 and one document per row, MLA's absorbed form with the
+   program: time of each; then, against a float32 truth (the XLA path on float32 copies of
+   q, k, v and the gate input, untimed), max |kernel - truth| and max |bf16 xla - truth| of the
+   output and of the gradients w.r.t. q, k, v and the layer's parameters, each relative to the
+   largest |truth| entry ("close": each of the kernel's within REL_TOL or no larger than the bf16
+   XLA path's: on an H100 the two bf16 paths' dk, dv differed by 3-8% at 8k-32k, growing with T,
+   which a comparison of the two alone cannot lay on either). Shapes, batch 1 and one document per row, MLA's absorbed form with the
    widths of configs/deepseek_v3_671b.py: q [1,T,H,576], k [1,T,1,576] (latent 512 + RoPE
    key 64), v [1,T,1,512], gate input [1,T,7168], bf16 (parameters float32); H = 16 (V3's 128
    heads over 8-way tensor parallelism; the GPU selected-branch kernel pads a group's heads to
@@ -277,16 +280,26 @@ class Context:
         self.model = None  # (model config, nnx model): the weights part 3 trained, served by part 4
 
 
-def record_comparison(table, table_rows: list, t: int, times, compiles, rels, names) -> bool:
+def record_comparison(table, table_rows: list, t: int, times, compiles, rels, names, baseline=None) -> bool:
     """One size of a kernel-vs-XLA part, printed and kept for the summary: `times` and `compiles`
-    (kernel, xla) in seconds, `rels` the relative differences named `names`. True when every
-    one is within REL_TOL."""
+    (kernel, xla) in seconds, `rels` the kernel's relative differences named `names`. Without
+    `baseline` they are against the XLA path and close means each is within REL_TOL. With it
+    (the bf16 XLA path's differences from the same float32 truth) close means each is within
+    REL_TOL or no larger than the XLA path's own: the kernel is at least as exact as the path
+    it replaces, whose bf16 sums drift with T too."""
     (tk, tx), (ck, cx) = times, compiles
-    close = all(r <= REL_TOL for r in rels)
-    table.row(t, tk * 1e3, tx * 1e3, tx / tk, f"{ck:.1f}/{cx:.1f}", *rels, "yes" if close else "NO")
-    table_rows.append(dict(T=t, kernel_ms=tk * 1e3, xla_ms=tx * 1e3, speedup=tx / tk, compile_kernel_s=ck,
-                           compile_xla_s=cx, **{f"rel_{n}": r for n, r in zip(names, rels, strict=True)},
-                           close=close))
+    if baseline is None:
+        close = all(r <= REL_TOL for r in rels)
+        cells = list(rels)
+    else:
+        close = all(r <= max(REL_TOL, b) for r, b in zip(rels, baseline, strict=True))
+        cells = [f"{r:.3g}/{b:.3g}" for r, b in zip(rels, baseline, strict=True)]
+    table.row(t, tk * 1e3, tx * 1e3, tx / tk, f"{ck:.1f}/{cx:.1f}", *cells, "yes" if close else "NO")
+    row = dict(T=t, kernel_ms=tk * 1e3, xla_ms=tx * 1e3, speedup=tx / tk, compile_kernel_s=ck, compile_xla_s=cx,
+               **{f"rel_{n}": r for n, r in zip(names, rels, strict=True)}, close=close)
+    if baseline is not None:
+        row.update({f"rel_xla_{n}": b for n, b in zip(names, baseline, strict=True)})
+    table_rows.append(row)
     return close
 
 
@@ -315,9 +328,11 @@ def part_nsa(ctx: Context, budget: Budget, table_rows: list) -> bool:
     kernel = Kernel(backend=ctx.kernel_backend, interpret=ctx.interpret)
     print(f"NSA layer, {ctx.kernel_backend}{' (interpret)' if ctx.interpret else ''} vs impl=xla; "
           f"batch 1, H={h}, Dk={dk}, Dv={dv}, bf16 q/k/v, {nsa.cfg}; fwd+bwd in one program, "
-          f"{timing(s['reps'])}; rel = max|diff| / max|xla|")
+          f"{timing(s['reps'])}; rel k/x = max|diff| / max|truth| of the kernel / of the bf16 XLA path, "
+          f"truth = the XLA path on the same inputs in float32")
     table = Table([("T", 6), ("kernel ms", 10), ("xla ms", 10), ("xla/kernel", 10), ("compile s k/x", 13),
-                   ("rel out", 9), ("rel dq", 9), ("rel dk", 9), ("rel dv", 9), ("rel dparams", 11), ("close", 5)])
+                   ("rel out k/x", 15), ("rel dq k/x", 15), ("rel dk k/x", 15), ("rel dv k/x", 15),
+                   ("rel dparams k/x", 17), ("close", 5)])
     ok, last, last_t = True, None, None
     for t in s["nsa_lengths"]:
         reason = budget.skip_reason(f"T={t} and longer", predict(last, t / last_t if last_t else 1.0))
@@ -346,13 +361,20 @@ def part_nsa(ctx: Context, budget: Budget, table_rows: list) -> bool:
             res_k, ck, tk, rk = compile_and_time(functools.partial(fwd_bwd, impl=ctx.kernel_backend), args,
                                                  s["reps"])
             res_x, cx, tx, rx = compile_and_time(functools.partial(fwd_bwd, impl="xla"), args, s["reps"])
-            (o_k, (gp_k, gq_k, gk_k, gv_k)), (o_x, (gp_x, gq_x, gk_x, gv_x)) = res_k, res_x
-            rels = [float(r) for r in rel_diffs([(o_k, o_x), (gq_k, gq_x), (gk_k, gk_x), (gv_k, gv_x),
-                                                 (gp_k, gp_x)])]
+            # the truth both are judged by: the XLA path with q, k, v, x in float32 (untimed)
+            wide = jax.tree.map(lambda a: a.astype(jnp.float32), args)
+            res_f, cf, _, rf = compile_and_time(functools.partial(fwd_bwd, impl="xla"), wide, 0)
+            del wide
+
+            def pairs(res, truth):  # (output, dq, dk, dv, dparams) beside the truth's
+                (o, (gp, gq, gk, gv)), (o_f, (gp_f, gq_f, gk_f, gv_f)) = res, truth
+                return [(o, o_f), (gq, gq_f), (gk, gk_f), (gv, gv_f), (gp, gp_f)]
+            rels = [float(r) for r in rel_diffs(pairs(res_k, res_f))]
+            base = [float(r) for r in rel_diffs(pairs(res_x, res_f))]
             ok &= record_comparison(table, table_rows, t, (tk, tx), (ck, cx), rels,
-                                    ("out", "dq", "dk", "dv", "dparams"))
-            last, last_t = dict(compile=ck + cx, run=rk + rx), t
-            del res_k, res_x, args
+                                    ("out", "dq", "dk", "dv", "dparams"), baseline=base)
+            last, last_t = dict(compile=ck + cx + cf, run=rk + rx + rf), t
+            del res_k, res_x, res_f, args
         except Exception as e:  # noqa: BLE001 - a size failing (out of memory, ...) leaves the others to run
             ok = record_error(table, table_rows, t, e)
             last, last_t = None, None
@@ -676,7 +698,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, kernels in interpret mode")
     ap.add_argument("--cpu-kernels", default="pallas_tpu", choices=("pallas_tpu", "pallas_gpu"),
                     help="whose kernels the dry run interprets")
-    ap.add_argument("--parts", default=",".join(p for p, _ in PARTS), help="comma-separated subset of the parts")
+    ap.add_argument("--parts", default=",".join(p for p, _ in PARTS), help="comma-separated parts, run in the order given")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiplies every part's budget and the deadline")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -717,9 +739,8 @@ def main(argv=None) -> int:
           f"kernels {ctx.kernel_backend}{' in interpret mode' if ctx.interpret else ''}"
           f"{', DRY RUN (timings meaningless)' if ctx.dry else ''}", flush=True)
     failed = []
-    for name, fn in PARTS:
-        if name not in chosen:
-            continue
+    for name in chosen:  # in the order given: what matters most first when the deadline is near
+        fn = dict(PARTS)[name]
         state["part"] = name
         budget = Budget(ctx.s["budgets"][name] * args.time_scale)
         rows: list = []

@@ -46,6 +46,11 @@ from coder.model import sharding
 RESIDUALS = "attention_residuals"
 NEG_INF = -1e30  # finite, so fully masked rows (padding only) give no NaN
 BLOCKS = (512, 256, 128)  # kernel block lengths tried, largest first (TPU tiles are 128 x 128)
+# The Triton kernel's tiles (GPU). Its operands live in shared memory (227 KiB a block on H100)
+# with the head dim padded to a power of two (MLA's 192 -> 256) and two pipeline stages: the
+# forward holds q [64,256] + 2 x (k, v) [64,256] bf16 = 160 KiB; 512-token tiles asked for
+# 1.25 MiB and failed to compile on an H100. The backward keeps the library's 32-token tiles.
+GPU_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
 
 
 def attention_mask(segment_ids, prefix_segment=None):
@@ -214,9 +219,8 @@ def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool =
 
     b, t, h, dq = q.shape
     dv = v.shape[-1]
-    blk = block_len(t)
-    sizes = gpu_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=blk, block_kv_dkv=blk,
-                                     block_q_dq=blk, block_kv_dq=blk)
+    block_len(t)  # the padded rows hold whole blocks (ValueError naming the fix otherwise)
+    sizes = gpu_attention.BlockSizes(**GPU_BLOCKS)
 
     def local(q, k, v, seg):
         vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dq - dv))) if dv < dq else v
