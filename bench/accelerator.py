@@ -3,7 +3,7 @@
     python bench/accelerator.py            # one GPU (H100 / H200) or a TPU host: about 8 minutes
     JAX_PLATFORMS=cpu python bench/accelerator.py --dry-run     # CPU, tiny sizes (see below)
 
-Four parts, each printed as a table with every measurement beside its reference, then one last
+Five parts, each printed as a table with every measurement beside its reference, then one last
 line `SUMMARY {json}` holding every row. Each part has a time budget (FULL["budgets"], about
 460 s in all with start-up; --time-scale scales them): before each size it predicts that
 size's cost from the previous one (the same compile time again, the run time scaled with the
@@ -34,7 +34,16 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
    bf16 (V3's MLA head widths, 16 heads as above), one document; T = 4k, 8k, 16k, 32k. Where
    the reference's float32 [H,T,T] tensors (~4 H T^2 x 4 bytes) would take over 70% of the
    device's memory it is skipped and the kernel timed alone.
-3. Training step: configs/base.py's get_config() with MODEL_1B, a DeepSeek-V3-shaped MoE of
+3. MoE grouped matmul (coder/model/grouped_matmul.py): one expert matmul of part 4's model at
+   part 4's batch, x [98304, 1024] (8 x 2048 tokens x top-6 routed pairs, sorted by expert) x
+   w [64, 1024, 384] bf16, forward + backward (dx, dw), in each form `grouped_matmul` can take:
+   `jax.lax.ragged_dot` (its GPU form), the block-padded einsum (its CPU form) and megablox (its
+   TPU form, on TPU and in the dry run): time, TFLOP/s over the routed FLOPs, and each form's
+   error against the block form on float32 operands. XLA's generic ragged_dot expansion
+   multiplies every row by every expert (G times the routed FLOPs) unless the GPU compiler
+   hands it to cuDNN; on an H100 part 4's step reached 1.9% MFU with ragged_dot, and this part
+   says how much of it the expert matmuls cost.
+4. Training step: configs/base.py's get_config() with MODEL_1B, a DeepSeek-V3-shaped MoE of
    0.98B parameters (0.23B active; 12 layers, hidden 1024, V3's MLA head widths, 64 routed
    experts top-6 in 8 groups + 1 shared, one MTP module, vocab 32768), bf16 compute, float32
    AdamW, through coder.train.trainer.Trainer.train_step (the step every stage runs) on batches
@@ -43,8 +52,8 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
    dense bf16 peak (TPU: coder.train.aot.hardware.CHIPS; GPU: GPU_PEAK_BF16 below), "n/a"
    naming the device kind when it is in neither table; and the same FLOP/s as a fraction of a
    bf16 matmul measured here (coder.train.metrics.measure_peak_flops).
-4. Engine (coder/infer/engine.py): decode tokens/s of part 3's model (bf16 serving weights; a
-   fresh one when part 3 did not run) at batch 1, 8 and 64: one 256-token prompt per group,
+5. Engine (coder/infer/engine.py): decode tokens/s of part 4's model (bf16 serving weights; a
+   fresh one when part 4 did not run) at batch 1, 8 and 64: one 256-token prompt per group,
    128 new tokens per row (greedy at batch 1, sampled at T=1 above), 32 decode steps per host
    call; `generate` alone timed, not the prefill of `start_group`. Then MTP drafts at batch 1
    (speculative_k=1, greedy, same prompt) beside the plain batch-1 row: tokens/s, tokens per
@@ -128,17 +137,19 @@ REL_TOL = 2e-2
 FULL = dict(
     nsa_lengths=(8192, 16384, 32768, 65536), nsa_heads=16, reps=3,
     attn_lengths=(4096, 8192, 16384, 32768), attn_heads=16,
+    moe_shape=(8 * 2048 * 6, 1024, 384, 64),  # MODEL_1B's routed pairs of part 4's batch, its widths
     train_rows=8, train_seq=2048, train_steps=8,
     engine_batches=(1, 8, 64), engine_prompt=256, engine_new=128, engine_decode_steps=32,
     # ~460 s with start-up; every T of NSA compiles both programs anew (their shapes change)
-    budgets=dict(nsa=170.0, attention=45.0, train=120.0, engine=110.0), deadline=540.0,
+    budgets=dict(nsa=150.0, attention=45.0, moe=20.0, train=120.0, engine=110.0), deadline=540.0,
 )
 DRY = dict(
     nsa_lengths=(64,), nsa_heads=2, reps=0,
     attn_lengths=(128,), attn_heads=2,
+    moe_shape=(512, 64, 32, 8),
     train_rows=2, train_seq=128, train_steps=2,
     engine_batches=(1, 8), engine_prompt=16, engine_new=8, engine_decode_steps=4,
-    budgets=dict(nsa=90.0, attention=40.0, train=90.0, engine=90.0), deadline=400.0,
+    budgets=dict(nsa=90.0, attention=40.0, moe=30.0, train=90.0, engine=90.0), deadline=400.0,
 )
 
 
@@ -277,7 +288,7 @@ class Context:
             self.kernel_backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(self.platform)
             self.interpret = None
         self.workdir = tempfile.mkdtemp(prefix="coder-accel-bench-")
-        self.model = None  # (model config, nnx model): the weights part 3 trained, served by part 4
+        self.model = None  # (model config, nnx model): the weights part 4 trained, served by part 5
 
 
 def record_comparison(table, table_rows: list, t: int, times, compiles, rels, names, baseline=None) -> bool:
@@ -452,7 +463,63 @@ def part_attention(ctx: Context, budget: Budget, table_rows: list) -> bool:
     return ok
 
 
-# ============================================================================ 3. training step
+# ============================================================================ 3. MoE grouped matmul
+def part_moe(ctx: Context, budget: Budget, table_rows: list) -> bool:
+    from coder.model import grouped_matmul as gm
+
+    s = ctx.s
+    m, k, n, g = s["moe_shape"]
+    forms = {"ragged_dot": jax.lax.ragged_dot, "block": gm.block_grouped_matmul}
+    if ctx.platform == "tpu" or ctx.kernel_backend == "pallas_tpu":
+        forms["megablox"] = functools.partial(gm.megablox_grouped_matmul, interpret=ctx.interpret is not None)
+    print(f"MoE grouped matmul: x [{m},{k}] (routed pairs sorted by expert) x w [{g},{k},{n}] bf16, uneven "
+          f"groups (a Gaussian's quantiles); fwd+bwd (dx, dw) in one program, {timing(s['reps'])}; TFLOP/s counts the routed "
+          f"pairs' FLOPs only (3 x 2 M K N); rel = max|diff| / max|truth| of out, dx, dw, truth = "
+          f"block on float32 operands. grouped_matmul's GPU form is ragged_dot, whose XLA lowering may "
+          f"multiply every row by every expert")
+    table = Table([("form", 10), ("ms", 9), ("TFLOP/s", 9), ("compile s", 9), ("rel out", 9), ("rel dx", 9),
+                   ("rel dw", 9)])
+    x, w, wgt, ids = normal_arrays(m, ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((m, n), jnp.float32),
+                                   ((m,), jnp.float32))
+    sizes = jnp.bincount(jnp.floor((ids - ids.min()) / (ids.max() - ids.min() + 1e-6) * g).astype(jnp.int32),
+                         length=g)  # a Gaussian's quantiles: uneven groups, not the equal split a balanced router gives
+
+    def fwd_bwd(x, w, f):
+        def loss(x, w):
+            out = f(x, w, sizes)
+            return jnp.sum(out.astype(jnp.float32) * wgt), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return out, grads
+
+    flops = 3 * 2 * m * k * n
+    truth, _, _, _ = compile_and_time(functools.partial(fwd_bwd, f=gm.block_grouped_matmul),
+                                      (x.astype(jnp.float32), w.astype(jnp.float32)), 0)
+    ok, last = True, None
+    for name, f in forms.items():
+        reason = budget.skip_reason(f"{name} and the rest", predict(last, 1.0))
+        if reason:
+            table.note(reason)
+            break
+        try:
+            res, c, t, r = compile_and_time(functools.partial(fwd_bwd, f=f), (x, w), s["reps"])
+            (o, (dx, dw)), (o_f, (dx_f, dw_f)) = res, truth
+            rels = [float(v) for v in rel_diffs([(o, o_f), (dx, dx_f), (dw, dw_f)])]
+            close = all(v <= REL_TOL for v in rels)
+            table.row(name, t * 1e3, flops / t / 1e12, c, *rels)
+            table_rows.append(dict(form=name, ms=t * 1e3, tflops=flops / t / 1e12, compile_s=c,
+                                   **{f"rel_{q}": v for q, v in zip(("out", "dx", "dw"), rels)}, close=close))
+            ok &= close
+            last = dict(compile=c, run=r)
+            del res
+        except Exception as e:  # noqa: BLE001 - one form failing leaves the others to run
+            table.note(f"{name}: ERROR {type(e).__name__}: {str(e)[:500]}")
+            table_rows.append(dict(form=name, error=f"{type(e).__name__}: {str(e)[:500]}"))
+            ok = False
+        gc.collect()
+    return ok
+
+
+# ============================================================================ 4. training step
 def model_cfg(ctx: Context, **overrides):
     """The ~1B MoE (MODEL_1B) on an accelerator, configs/base.py's tiny model in a dry run."""
     from configs.base import model_config
@@ -561,7 +628,7 @@ def part_train(ctx: Context, budget: Budget, table_rows: list) -> bool:
     return finite
 
 
-# ============================================================================ 4. engine
+# ============================================================================ 5. engine
 def timed_decode(engine, prompt: list, rows: int, params, reps: int) -> dict:
     """`rows` rows of `prompt` decoded by `engine`: one warm-up generate (it compiles), then
     `reps` timed ones, each after its own start_group (the prefill is not timed).
@@ -603,9 +670,9 @@ def part_engine(ctx: Context, budget: Budget, table_rows: list) -> bool:
 
     s = ctx.s
     if ctx.model is not None:
-        (cfg, model), source = ctx.model, "part 3's model after its steps"
+        (cfg, model), source = ctx.model, "part 4's model after its steps"
         ctx.model = None
-    else:  # part 3 did not run (or failed): the same config, initialised by one jitted program
+    else:  # part 4 did not run (or failed): the same config, initialised by one jitted program
         from coder.train.state import build_model
         from configs.base import get_config
 
@@ -690,7 +757,8 @@ def part_engine(ctx: Context, budget: Budget, table_rows: list) -> bool:
 
 
 # ============================================================================ main
-PARTS = (("nsa", part_nsa), ("attention", part_attention), ("train", part_train), ("engine", part_engine))
+PARTS = (("nsa", part_nsa), ("attention", part_attention), ("moe", part_moe), ("train", part_train),
+         ("engine", part_engine))
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import pytest
 from tests import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("nsa", "attention", "train", "engine")
+PARTS = ("nsa", "attention", "moe", "train", "engine")
 
 
 @pytest.mark.slow
@@ -41,6 +41,8 @@ def test_dry_run_reports_every_part():
     # the kernels agreed with their XLA references (forward and every gradient)
     for name in ("nsa", "attention"):
         assert all(r["close"] for r in summary["parts"][name]["rows"]), summary["parts"][name]
+    moe = summary["parts"]["moe"]["rows"]  # every form of grouped_matmul, each against a float32 truth
+    assert [r["form"] for r in moe] == ["ragged_dot", "block", "megablox"] and all(r["close"] for r in moe), moe
     (train,) = summary["parts"]["train"]["rows"]
     assert train["tokens_per_s"] > 0 and train["mfu"] is None  # CPU: no published peak, MFU n/a
     assert train["loss_last"] < train["loss_first"]  # the same batch again: the step learns
