@@ -40,9 +40,9 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
    `jax.lax.ragged_dot` (its GPU form), the block-padded einsum (its CPU form) and megablox (its
    TPU form, on TPU and in the dry run): time, TFLOP/s over the routed FLOPs, and each form's
    error against the block form on float32 operands. XLA's generic ragged_dot expansion
-   multiplies every row by every expert (G times the routed FLOPs) unless the GPU compiler
-   hands it to cuDNN; on an H100 part 4's step reached 1.9% MFU with ragged_dot, and this part
-   says how much of it the expert matmuls cost.
+   multiplies every row by every expert (G times the routed FLOPs) unless its experimental
+   cuDNN fusion is on; part 4's step reached 1.9% MFU on an H100 while `grouped_matmul` took
+   ragged_dot on GPU, and it now takes the block form there: this part measures that choice.
 4. Training step: configs/base.py's get_config() with MODEL_1B, a DeepSeek-V3-shaped MoE of
    0.98B parameters (0.23B active; 12 layers, hidden 1024, V3's MLA head widths, 64 routed
    experts top-6 in 8 groups + 1 shared, one MTP module, vocab 32768), bf16 compute, float32
@@ -475,8 +475,7 @@ def part_moe(ctx: Context, budget: Budget, table_rows: list) -> bool:
     print(f"MoE grouped matmul: x [{m},{k}] (routed pairs sorted by expert) x w [{g},{k},{n}] bf16, uneven "
           f"groups (a Gaussian's quantiles); fwd+bwd (dx, dw) in one program, {timing(s['reps'])}; TFLOP/s counts the routed "
           f"pairs' FLOPs only (3 x 2 M K N); rel = max|diff| / max|truth| of out, dx, dw, truth = "
-          f"block on float32 operands. grouped_matmul's GPU form is ragged_dot, whose XLA lowering may "
-          f"multiply every row by every expert")
+          f"block on float32 operands; grouped_matmul takes block on GPU and CPU, megablox on TPU")
     table = Table([("form", 10), ("ms", 9), ("TFLOP/s", 9), ("compile s", 9), ("rel out", 9), ("rel dx", 9),
                    ("rel dw", 9)])
     x, w, wgt, ids = normal_arrays(m, ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((m, n), jnp.float32),

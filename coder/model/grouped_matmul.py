@@ -2,10 +2,10 @@
 weight of w `[G, K, N]` (group_sizes `[G]`) -> `[M, N]`; the MoE's experts run through it.
 
 `grouped_matmul` picks the form when the program is lowered for its platform: the Pallas
-megablox kernels on TPU (`megablox_grouped_matmul`, tiles from `gmm_tiling`),
-`jax.lax.ragged_dot` on GPU, a block-padded einsum on CPU (`block_grouped_matmul`). megablox's
-backward is a grouped matmul too (`tgmm` for the weight gradient), so forward and backward cost
-the routed pairs only; XLA:TPU's own ragged_dot gradient w.r.t. the expert weights is a dense
+megablox kernels on TPU (`megablox_grouped_matmul`, tiles from `gmm_tiling`), a block-padded
+einsum on GPU and CPU (`block_grouped_matmul`; `grouped_matmul` says why not
+`jax.lax.ragged_dot`). megablox's backward is a grouped matmul too (`tgmm` for the weight
+gradient), so forward and backward cost the routed pairs only; XLA:TPU's own ragged_dot gradient w.r.t. the expert weights is a dense
 masked product of every expert with every pair (docs/scale/README.md).
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from coder.model import sharding
 
 
 GMM_BLOCK = 128  # rows per block of the block-padded grouped matmul (CPU: bigger blocks run faster)
@@ -111,17 +110,21 @@ def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=N
 
 
 def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
-    """megablox `gmm` on TPU (`megablox_grouped_matmul`), `jax.lax.ragged_dot` on GPU, the
-    block-padded form on CPU, where XLA lowers ragged_dot to a dense product with every group.
+    """megablox `gmm` on TPU (`megablox_grouped_matmul`), the block-padded form everywhere else.
     mask_rows=False: rows past sum(group_sizes) of the result are unspecified (megablox's
-    contract with its caller, `megablox_grouped_matmul`); the other two give zeros there.
+    contract with its caller, `megablox_grouped_matmul`); the block form gives zeros there.
+
+    Not `jax.lax.ragged_dot` on GPU: XLA rewrites a ragged dot into a dense product of every row
+    with every group (xla/hlo/transforms/expanders/ragged_dot_rewriter.cc) unless the
+    experimental cuDNN fusion is switched on (`--xla_gpu_experimental_use_ragged_dot_fusion`),
+    G times the routed FLOPs and a [G, M, K] copy of x (64 experts: 64x); on an H100 the ~1B
+    MoE trained at 1.9% MFU that way (docs/accelerator.md). The block form costs the routed
+    rows plus at most one block of padding per group, and has a batching rule (the trainer's
+    per-replica vmap). `bench/accelerator.py`'s part moe times the forms side by side.
 
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
     """
-    # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included);
-    # ragged_dot has no vmap rule for an unbatched weight, so under the trainer's per-replica
-    # vmap (train.reduce_grads_once) GPU takes the block-padded form
-    gpu = block_grouped_matmul if sharding.vmapped_axis() else jax.lax.ragged_dot
+    # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
     tpu = functools.partial(megablox_grouped_matmul, mask_rows=mask_rows)
-    return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu, cpu=block_grouped_matmul, default=gpu)
+    return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu, default=block_grouped_matmul)

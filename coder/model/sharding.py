@@ -246,22 +246,15 @@ def activate(mesh: Mesh, rules):
 @contextlib.contextmanager
 def replica_vmap(axis: str):
     """Tracing code that runs under `jax.vmap(..., spmd_axis_name=axis)` inside an `activate`
-    block: the rules stop naming `axis` (the vmapped dimension owns it) and `vmapped_axis()`
-    tells layers whose primitives have no batching rule (ragged_dot) to take another form."""
-    prev, prev_axis = current(), vmapped_axis()
+    block: the rules stop naming `axis` (the vmapped dimension owns it)."""
+    prev = current()
     if prev is None:
         raise RuntimeError("sharding.replica_vmap outside sharding.activate")
     _CTX.value = (prev[0], rules_dict(without_axis(prev[1], axis)))
-    _CTX.vmapped = axis
     try:
         yield
     finally:
-        _CTX.value, _CTX.vmapped = prev, prev_axis
-
-
-def vmapped_axis() -> str | None:
-    """The mesh axis of an enclosing `replica_vmap` (while tracing), else None."""
-    return getattr(_CTX, "vmapped", None)
+        _CTX.value = prev
 
 
 def current():

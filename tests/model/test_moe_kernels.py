@@ -81,7 +81,7 @@ def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
 def test_grouped_matmul_lowers_megablox_for_tpu(k, n):
     """grouped_matmul picks megablox (a Mosaic custom call) when lowered for TPU, from this CPU
     host (as stage compile does), forward and backward, with block shapes Mosaic accepts (it
-    checks them while lowering); the CPU program has none."""
+    checks them while lowering); the CPU program has none, the GPU program no ragged dot."""
     x = jnp.ones((64, k), jnp.bfloat16)
     w = jnp.ones((4, k, n), jnp.bfloat16)
     gs = jnp.array([10, 0, 30, 4], jnp.int32)
@@ -91,6 +91,9 @@ def test_grouped_matmul_lowers_megablox_for_tpu(k, n):
     assert tpu.count("tpu_custom_call") == 3  # gmm forward, gmm for dx, tgmm for dw
     assert "@tgmm" in tpu
     assert "tpu_custom_call" not in step.trace(x, w).lower().as_text()
+    # GPU: the block-padded form, never a ragged dot (XLA would multiply every row by every group)
+    cuda = step.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_dot" not in cuda and "tpu_custom_call" not in cuda
 
 
 # ----------------------------------------------------------------------------- ragged dispatch
