@@ -135,14 +135,36 @@ ACTOR_ENGINE = dict(engine_batch=128, engine_max_len=SEQ_LEN, engine_prefill_len
 COLOCATED_ENGINE = dict(engine_max_len=SEQ_LEN, engine_prefill_len=256)
 
 
+# Long context ("MODEL,SETTING,longNk"): the longctx stage's step at N x 1024 tokens a row, as
+# coder.stages.lm.longctx_config builds it (YaRN over the model's original context of 4096,
+# factor N*1024 / 4096), in SETTING's layout: a row's queries split over `sequence` (zigzag),
+# its keys and values gathered whole per chip, the residual stream over expert x sequence. A
+# step keeps 2^22 tokens (32 rows of 128k, 16 of 256k); a micro-batch holds LONG[N]["rows"] rows
+# per slice (the 32k report's 11 rows are 360k tokens; per chip a 128k row's residual stream is
+# 4x a 32k row's). The GRPO step at that context beside it where LONG[N] and SETTING both compile
+# one (the engine's programs are left out: an engine at these lengths is the KV offload's
+# question).
+LONG_TOKENS = 2 ** 22
+LONG = {
+    128: dict(rows=2, grpo=True),
+    # one row per micro-batch and slice; on one v5p-512 DeepSeek-V3 needed 98.7 of 95 GiB with
+    # remat save_attention (71.3 GiB of temporaries) and 95.9 with full remat, which keeps only
+    # each block's input
+    256: dict(rows=1, grpo=False, remat="full"),
+}
+
+
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     model, setting, *actor = arg.split(",")
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
     colocated = actor == ["colocated"]
+    long_k = int(actor[0][4:-1]) if actor and actor[0].startswith("long") else 0
+    if long_k:
+        actor = []
     c.compile.report_dir = f"docs/scale/{model}_{setting}" + (
-        "_colocated" if colocated else f"_actors-{actor[0]}" if actor else "")
+        "_colocated" if colocated else f"_actors-{actor[0]}" if actor else f"_long{long_k}k" if long_k else "")
     if model == "quickstart":  # the tiny config: its own mesh (data parallel), bf16 as on TPU
         c.stages = ()
         c.model.dtype = "bfloat16"
@@ -173,6 +195,18 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.compile.grpo_batch = s.get("grpo_batch", GRPO_BATCH)
     c.compile.grpo_seq_len = SEQ_LEN
     c.grpo.router_replay = True  # the learner routes by the engine's expert ids
+    if long_k:
+        from coder.stages.lm import longctx_config
+
+        lg = LONG[long_k]
+        c.longctx.seq_len = long_k * 1024
+        c.longctx.batch_size = LONG_TOKENS // c.longctx.seq_len
+        c = longctx_config(c)
+        c.train.grad_accum = c.data.batch_size // (lg["rows"] * s["slices"])
+        c.model.remat = lg.get("remat", REMAT)
+        c.compile.update(engine=False, grpo=lg["grpo"] and s.get("grpo", True), grpo_batch=c.data.batch_size,
+                         grpo_seq_len=c.data.seq_len)
+        return c
     if colocated:
         chips = hardware_chips(c.compile.topology)
         c.compile.update(COLOCATED_ENGINE, engine=True, grpo=True, engine_batch=chips)

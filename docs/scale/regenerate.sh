@@ -5,7 +5,8 @@
 #   bash docs/scale/regenerate.sh quickstart,v5e-4 kimi_k2_1t,v6e-256x2   # only these
 #
 # Each pair MODEL,SETTING (SETTING: a topology, "xN" for N slices; docs/scale/configs.py; a third
-# part ACTOR_TOPOLOGY compiles the RL engine on an actor slice of its own) runs
+# part ACTOR_TOPOLOGY compiles the RL engine on an actor slice of its own, "colocated" on the
+# learner's chips, "longNk" the long-context step at N x 1024 tokens a row) runs
 #   python main.py --config=docs/scale/configs.py:MODEL,SETTING
 # (stage=compile: libtpu compiles the training step for the TPU slice on this machine's CPU) and
 # writes docs/scale/MODEL_SETTING/report.{json,md}; docs/scale/summarize.py then rebuilds the
@@ -19,7 +20,9 @@ PAIRS=("$@")
 if [[ ${#PAIRS[@]} -eq 0 ]]; then
   PAIRS=(quickstart,v5e-4 deepseek_v3_671b,v5p-512 kimi_k2_1t,v5p-512x2 deepseek_v3_671b,v6e-256x2
          deepseek_v3_671b,v6e-256x4 deepseek_v3_671b,v5p-512,v5p-128 kimi_k2_1t,v5p-512x2,v5p-256
-         deepseek_v3_671b,v5p-512,colocated)
+         deepseek_v3_671b,v5p-512,colocated deepseek_v3_671b,v5p-512,long128k
+         deepseek_v3_671b,v5p-512,long256k deepseek_v3_671b,v5p-512x2,long256k
+         kimi_k2_1t,v5p-512x2,long128k kimi_k2_1t,v5p-512x2,long256k)
 fi
 export JAX_PLATFORMS=cpu  # the local backend; the TPU devices are libtpu's compile-only ones
 for pair in "${PAIRS[@]}"; do
