@@ -199,6 +199,12 @@ def test_named_configs_and_overrides_still_set_existing_keys(tmp_path):
     for spec in ("deepseek_v3_671b,v5p-512", "kimi_k2_1t,v6e-256x2", "quickstart,v5e-4"):
         c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":" + spec)
         assert c.stage == "compile" and c.is_locked
+    # a long-context report: the longctx stage's config (YaRN over the original 4096), one 256k
+    # row per micro-batch and slice
+    c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512x2,long256k")
+    assert (c.data.seq_len, c.data.batch_size, c.train.grad_accum) == (262144, 16, 8)
+    assert c.model.rope_scaling.factor == 64.0 and c.model.max_position_embeddings == 262144
+    assert c.compile.report_dir.endswith("deepseek_v3_671b_v5p-512x2_long256k") and not c.compile.engine
     c = _parse(
         "--config.model.rope_scaling.factor=4.0", "--config.model.nsa.window=128",
         "--config.rl.length_penalty.weights.turn=2.0", "--config.rl.aux_rewards.lint_introduced=0.5",
