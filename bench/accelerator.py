@@ -3,7 +3,8 @@
     python bench/accelerator.py            # one GPU (H100 / H200) or a TPU host: about 8 minutes
     JAX_PLATFORMS=cpu python bench/accelerator.py --dry-run     # CPU, tiny sizes (see below)
 
-Five parts, each printed as a table with every measurement beside its reference, then one last
+Five parts (run in the order attention, moe, train, engine, nsa unless --parts says otherwise),
+each printed as a table with every measurement beside its reference, then one last
 line `SUMMARY {json}` holding every row. Each part has a time budget (FULL["budgets"], about
 460 s in all with start-up; --time-scale scales them): before each size it predicts that
 size's cost from the previous one (the same compile time again, the run time scaled with the
@@ -756,6 +757,9 @@ def part_engine(ctx: Context, budget: Budget, table_rows: list) -> bool:
 
 
 # ============================================================================ main
+# NSA runs last by default: its budget is the largest, and on an H100 its kernels sat at XLA's
+# speed (docs/accelerator.md), so its longer sizes are what a tight deadline should cut first
+DEFAULT_ORDER = ("attention", "moe", "train", "engine", "nsa")
 PARTS = (("nsa", part_nsa), ("attention", part_attention), ("moe", part_moe), ("train", part_train),
          ("engine", part_engine))
 
@@ -765,7 +769,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, kernels in interpret mode")
     ap.add_argument("--cpu-kernels", default="pallas_tpu", choices=("pallas_tpu", "pallas_gpu"),
                     help="whose kernels the dry run interprets")
-    ap.add_argument("--parts", default=",".join(p for p, _ in PARTS), help="comma-separated parts, run in the order given")
+    ap.add_argument("--parts", default=",".join(DEFAULT_ORDER), help="comma-separated parts, run in the order given")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiplies every part's budget and the deadline")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
