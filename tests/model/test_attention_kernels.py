@@ -2,6 +2,8 @@
 forward and backward, in the Pallas interpreter: TPU splash attention (one device, and split over
 heads, queries and rows on 8 fake devices) and the GPU Triton flash kernel. MLA's widths (queries
 and keys 192, values 128), several documents per row and a padded (segment 0) tail."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +90,25 @@ def test_attention_lowers_to_splash_for_tpu_and_to_xla_for_cpu(monkeypatch):
     cpu = fn.trace(q, k, v, seg).lower(lowering_platforms=("cpu",)).as_text()
     assert "splash_mha_fwd_segmented" in tpu and "tpu_custom_call" in tpu
     assert "tpu_custom_call" not in cpu and "splash" not in cpu
+
+
+def test_attention_lowers_to_triton_flash_for_cuda_with_tiles_an_h100_holds(monkeypatch):
+    """Lowered for GPU from this CPU host: the Triton flash kernel, forward and backward, over
+    GPU_BLOCKS' tiles (grid = tokens / tile). 512-token tiles (the TPU's) asked an H100 for
+    1.25 MiB of shared memory and failed to compile (docs/accelerator.md); lowering cannot see
+    shared memory, the tile count can."""
+    *qkv, seg = _inputs()
+    q, k, v = (a.astype(jnp.bfloat16) for a in qkv)
+    t = q.shape[1]
+    monkeypatch.setattr(ak, "targets_cpu", lambda: False)
+    loss = lambda q, k, v: jnp.sum(ak.attention(q, k, v, seg, scale=0.1).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    grids = [tuple(int(n) for n in g) for g in re.findall(r"grid_x = (\d+).*?grid_y = (\d+).*?grid_z = (\d+)", text)]
+    b, h = q.shape[0], q.shape[2]
+    fwd = (t // ak.GPU_BLOCKS["block_q"], b, h)  # mha: (query tiles, batch, heads)
+    bwd = (b, h, t // ak.GPU_BLOCKS["block_kv_dkv"])  # mha_backward: (batch, heads, key tiles)
+    assert fwd in grids and bwd in grids, grids
+    assert "tpu_custom_call" not in text
 
 
 def test_rows_not_a_multiple_of_the_block_are_padded_for_the_kernel():
