@@ -22,7 +22,8 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
    output and of the gradients w.r.t. q, k, v and the layer's parameters, each relative to the
    largest |truth| entry ("close": each of the kernel's within REL_TOL or no larger than the bf16
    XLA path's: on an H100 the two bf16 paths' dk, dv differed by 3-8% at 8k-32k, growing with T,
-   which a comparison of the two alone cannot lay on either). Shapes, batch 1 and one document per row, MLA's absorbed form with the
+   which a comparison of the two alone cannot lay on either). Shapes, batch 1 and one document
+   per row, MLA's absorbed form with the
    widths of configs/deepseek_v3_671b.py: q [1,T,H,576], k [1,T,1,576] (latent 512 + RoPE
    key 64), v [1,T,1,512], gate input [1,T,7168], bf16 (parameters float32); H = 16 (V3's 128
    heads over 8-way tensor parallelism; the GPU selected-branch kernel pads a group's heads to
@@ -37,8 +38,8 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
    device's memory it is skipped and the kernel timed alone.
 3. MoE grouped matmul (coder/model/grouped_matmul.py): one expert matmul of part 4's model at
    part 4's batch, x [98304, 1024] (8 x 2048 tokens x top-6 routed pairs, sorted by expert) x
-   w [64, 1024, 384] bf16, forward + backward (dx, dw), in each form `grouped_matmul` can take:
-   `jax.lax.ragged_dot` (its GPU form), the block-padded einsum (its CPU form) and megablox (its
+   w [64, 1024, 384] bf16, forward + backward (dx, dw): `jax.lax.ragged_dot` (`grouped_matmul`'s
+   GPU form until 2026-11-28), the block-padded einsum (its GPU and CPU form) and megablox (its
    TPU form, on TPU and in the dry run): time, TFLOP/s over the routed FLOPs, and each form's
    error against the block form on float32 operands. XLA's generic ragged_dot expansion
    multiplies every row by every expert (G times the routed FLOPs) unless its experimental
@@ -315,10 +316,12 @@ def record_comparison(table, table_rows: list, t: int, times, compiles, rels, na
     return close
 
 
-def record_error(table, table_rows: list, t: int, e: Exception) -> bool:
-    """A size that raised, printed and kept for the summary. Returns False (the part failed)."""
-    table.note(f"T={t}: ERROR {type(e).__name__}: {str(e)[:500]}")
-    table_rows.append(dict(T=t, error=f"{type(e).__name__}: {str(e)[:500]}"))
+def record_error(table, table_rows: list, e: Exception, **which) -> bool:
+    """A size (or form) that raised, named by `which` (T=8192, form="block"), printed and kept
+    for the summary. Returns False (the part failed)."""
+    error = f"{type(e).__name__}: {str(e)[:500]}"
+    table.note(", ".join(f"{k}={v}" for k, v in which.items()) + f": ERROR {error}")
+    table_rows.append(dict(**which, error=error))
     return False
 
 
@@ -388,7 +391,7 @@ def part_nsa(ctx: Context, budget: Budget, table_rows: list) -> bool:
             last, last_t = dict(compile=ck + cx + cf, run=rk + rx + rf), t
             del res_k, res_x, res_f, args
         except Exception as e:  # noqa: BLE001 - a size failing (out of memory, ...) leaves the others to run
-            ok = record_error(table, table_rows, t, e)
+            ok = record_error(table, table_rows, e, T=t)
             last, last_t = None, None
         gc.collect()
     return ok
@@ -458,7 +461,7 @@ def part_attention(ctx: Context, budget: Budget, table_rows: list) -> bool:
             last, last_t = dict(compile=ck + cx, run=rk + rx), t
             del res_k, res_x, args
         except Exception as e:  # noqa: BLE001 - reported in the table and the summary
-            ok = record_error(table, table_rows, t, e)
+            ok = record_error(table, table_rows, e, T=t)
             last, last_t = None, None
         gc.collect()
     return ok
@@ -474,15 +477,17 @@ def part_moe(ctx: Context, budget: Budget, table_rows: list) -> bool:
     if ctx.platform == "tpu" or ctx.kernel_backend == "pallas_tpu":
         forms["megablox"] = functools.partial(gm.megablox_grouped_matmul, interpret=ctx.interpret is not None)
     print(f"MoE grouped matmul: x [{m},{k}] (routed pairs sorted by expert) x w [{g},{k},{n}] bf16, uneven "
-          f"groups (a Gaussian's quantiles); fwd+bwd (dx, dw) in one program, {timing(s['reps'])}; TFLOP/s counts the routed "
-          f"pairs' FLOPs only (3 x 2 M K N); rel = max|diff| / max|truth| of out, dx, dw, truth = "
-          f"block on float32 operands; grouped_matmul takes block on GPU and CPU, megablox on TPU")
+          f"groups (a Gaussian's quantiles); fwd+bwd (dx, dw) in one program, {timing(s['reps'])}; "
+          f"TFLOP/s counts the routed pairs' FLOPs only (3 x 2 M K N); rel = max|diff| / max|truth| "
+          f"of out, dx, dw, truth = block on float32 operands; grouped_matmul takes block on GPU and "
+          f"CPU, megablox on TPU")
     table = Table([("form", 10), ("ms", 9), ("TFLOP/s", 9), ("compile s", 9), ("rel out", 9), ("rel dx", 9),
                    ("rel dw", 9)])
     x, w, wgt, ids = normal_arrays(m, ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((m, n), jnp.float32),
                                    ((m,), jnp.float32))
+    # a Gaussian's quantiles: uneven groups, not the equal split a balanced router gives
     sizes = jnp.bincount(jnp.floor((ids - ids.min()) / (ids.max() - ids.min() + 1e-6) * g).astype(jnp.int32),
-                         length=g)  # a Gaussian's quantiles: uneven groups, not the equal split a balanced router gives
+                         length=g)
 
     def fwd_bwd(x, w, f):
         def loss(x, w):
@@ -512,9 +517,7 @@ def part_moe(ctx: Context, budget: Budget, table_rows: list) -> bool:
             last = dict(compile=c, run=r)
             del res
         except Exception as e:  # noqa: BLE001 - one form failing leaves the others to run
-            table.note(f"{name}: ERROR {type(e).__name__}: {str(e)[:500]}")
-            table_rows.append(dict(form=name, error=f"{type(e).__name__}: {str(e)[:500]}"))
-            ok = False
+            ok = record_error(table, table_rows, e, form=name)
         gc.collect()
     return ok
 

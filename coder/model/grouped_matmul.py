@@ -5,8 +5,9 @@ weight of w `[G, K, N]` (group_sizes `[G]`) -> `[M, N]`; the MoE's experts run t
 megablox kernels on TPU (`megablox_grouped_matmul`, tiles from `gmm_tiling`), a block-padded
 einsum on GPU and CPU (`block_grouped_matmul`; `grouped_matmul` says why not
 `jax.lax.ragged_dot`). megablox's backward is a grouped matmul too (`tgmm` for the weight
-gradient), so forward and backward cost the routed pairs only; XLA:TPU's own ragged_dot gradient w.r.t. the expert weights is a dense
-masked product of every expert with every pair (docs/scale/README.md).
+gradient), so forward and backward cost the routed pairs only; XLA:TPU's own ragged_dot
+gradient w.r.t. the expert weights is a dense masked product of every expert with every pair
+(docs/scale/README.md).
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-
 
 GMM_BLOCK = 128  # rows per block of the block-padded grouped matmul (CPU: bigger blocks run faster)
 

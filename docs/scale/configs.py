@@ -155,16 +155,16 @@ LONG = {
 
 
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
-    model, setting, *actor = arg.split(",")
+    model, setting, *rest = arg.split(",")
+    variant = rest[0] if rest else ""  # "", "colocated", "longNk" or an actor slice's topology
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
-    colocated = actor == ["colocated"]
-    long_k = int(actor[0][4:-1]) if actor and actor[0].startswith("long") else 0
-    if long_k:
-        actor = []
+    colocated = variant == "colocated"
+    long_k = int(variant[4:-1]) if variant.startswith("long") else 0
+    actor = "" if colocated or long_k else variant
     c.compile.report_dir = f"docs/scale/{model}_{setting}" + (
-        "_colocated" if colocated else f"_actors-{actor[0]}" if actor else f"_long{long_k}k" if long_k else "")
+        "_colocated" if colocated else f"_long{long_k}k" if long_k else f"_actors-{actor}" if actor else "")
     if model == "quickstart":  # the tiny config: its own mesh (data parallel), bf16 as on TPU
         c.stages = ()
         c.model.dtype = "bfloat16"
@@ -215,11 +215,11 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.grpo.update({"kl_coef": 0.0, "async": False})
         c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
     elif actor:
-        c.compile.engine_topology = actor[0]
+        c.compile.engine_topology = actor
         c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)
         c.rl.engine_dtype = "bfloat16"
         c.rl.engine_attention = "data_parallel"
-        chips = hardware_chips(actor[0])
+        chips = hardware_chips(actor)
         c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
     return c
 
