@@ -38,6 +38,8 @@ setup(
         # says why these two); tested with mypy 2.4 and jedi 0.20
         "mypy>=2.4,<3",
         "jedi>=0.20,<0.21",
+        # semantic_search's vector index (coder/env/semantic_search.py says why faiss); tested with 1.15
+        "faiss-cpu>=1.8,<2",
         "pytest>=8",  # the sandbox's tasks are scored with pytest
         "ray>=2.40,<3",  # RL orchestration: learner, actors and env workers (local or a cluster)
         "zstandard>=0.22",  # weight sync: zstd-compressed XOR deltas between versions

@@ -242,6 +242,13 @@ def get_config() -> ml_collections.ConfigDict:
     # repository; a write past the cap is refused
     c.env.memory_max_notes = 64  # notes kept per (split, repository) of a run
     c.env.memory_max_chars = 2000  # characters of one note
+    # semantic_search (coder/env/semantic_search.py): "policy" = the starting policy's own trunk
+    # (mean-pooled hidden states, run in the env worker's CPU), "package.module:factory" = an
+    # encoder you install, "" = the tool answers that it is off
+    c.env.semantic_encoder = "policy"
+    c.env.semantic_checkpoint = ""  # "policy": checkpoint whose trunk embeds ("" = the stage's init_from)
+    c.env.semantic_cache_dir = ""  # embeddings per repository snapshot ("" = <tempdir>/coder-semantic)
+    c.env.semantic_max_tokens = 256  # "policy": a chunk's first tokens embedded
     c.env.max_output_chars = 8000  # one tool result is cut to this many characters
     c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
     # "fraction" of hidden (FAIL_TO_PASS) tests passed | "all" (all-or-nothing; on repository tasks

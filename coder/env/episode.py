@@ -12,7 +12,9 @@ Per-call interface (coder/rl/agent.py, which parses calls from sampled token ids
 `tools` names the tools offered (`()`: all of coder.env.tools; an unknown name is a ValueError);
 `tool_timeout_s` caps one tool command (default: the limits' `timeout_s`). `memory` (a
 coder.env.memory.Memory, or None: the memory tools say memory is off) is the run's notes store;
-each `reset` scopes it to the task's (split, repository). RL builds every
+each `reset` scopes it to the task's (split, repository). `semantic` (a
+coder.env.semantic_search.SemanticSpec, or None: semantic_search says it is off) names the
+encoder and the embedding cache of `semantic_search`. RL builds every
 episode with `Episode.from_config(config.env, ...)` (coder/rl/actor.py), so `config.env` sets
 the sandbox limits of training and eval rollouts alike.
 
@@ -57,6 +59,7 @@ from coder.env import protocol, reward, tools
 from coder.env.memory import Memory, Scope
 from coder.env.prepared import prepared
 from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
+from coder.env.semantic_search import SemanticSpec
 from coder.env.terminal import Terminal
 
 _DIAGNOSTIC = re.compile(r"^\S+:\d+:\d+: ")  # ruff concise output: path:line:col: CODE message
@@ -88,6 +91,7 @@ class Episode:
         tools: Sequence[str] = (),
         tool_timeout_s: float | None = None,
         memory: Memory | None = None,
+        semantic: SemanticSpec | None = None,
     ):
         if not callable(token_count):
             raise TypeError("token_count must be a function str -> int (the tokenizer's count)")
@@ -102,6 +106,7 @@ class Episode:
         self.tool_timeout_s = float(tool_timeout_s or self.limits.timeout_s)
         self.memory = memory  # the run's notes; each reset scopes them to the task (memory.py)
         self.memory_scope: Scope | None = None
+        self.semantic = semantic  # semantic_search's encoder and cache (None: the tool is off)
         self.tools = select_tools(tools)  # protocol.ToolSpec list, in prompt order
         self._tool_map = {t.name: t for t in self.tools}
         self.system_prompt = protocol.render_system_prompt(self.tools, system_preamble)
@@ -236,7 +241,7 @@ class Episode:
     def _context(self) -> tools.ToolContext:
         return tools.ToolContext(
             self.sandbox, self.task, self.max_output_chars, self.tool_timeout_s, self.terminal,
-            self.memory_scope,
+            self.memory_scope, self.semantic,
         )
 
     def lint_count(self) -> int:

@@ -5,7 +5,9 @@ Commands the model chooses run inside the sandbox: `shell` in the episode's pers
 (coder.env.terminal: cwd, variables and background jobs carry over between calls), grep, lint
 and tests each in a fresh process (`Sandbox.run`), so the agent's shell state cannot change
 what they report. File reads and writes run on the host but are confined to the workspace by
-`Sandbox.resolve`; so are grep's paths. `repo_history` runs git in a fresh process over the
+`Sandbox.resolve`; so are grep's paths. `search` (BM25) and `semantic_search` (embeddings,
+coder.env.semantic_search; `ToolContext.semantic`, off when the episode has none) read the
+workspace's files from the host. `repo_history` runs git in a fresh process over the
 workspace's own history (HEAD's ancestry: coder/env/repo.py copies no later commit).
 `diagnostics` runs mypy (type errors, unresolved names) or jedi (definitions, references) in a
 fresh sandbox process over the workspace (coder.env.diagnostics says why these two).
@@ -25,6 +27,7 @@ import shlex
 
 from coder.env import diagnostics as diagnostics_lib
 from coder.env import search as search_lib
+from coder.env import semantic_search as semantic_lib
 from coder.env.memory import Scope
 from coder.env.protocol import ToolSpec
 from coder.env.sandbox import Result, Sandbox
@@ -39,7 +42,7 @@ EXCLUSIVE = frozenset({"write_file", "edit_file", "shell", "memory_write"})
 # Tools that open workspace paths from the host: they run with the terminal's processes stopped
 # (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
 # tool that runs the agent's code (its tests), which could race them the same way.
-HOST_SIDE = frozenset({"read_file", "write_file", "edit_file", "search"})
+HOST_SIDE = frozenset({"read_file", "write_file", "edit_file", "search", "semantic_search"})
 # diagnostics: mypy loads the plugins a repository's mypy configuration names (its code)
 RUNS_AGENT_CODE = frozenset({"run_tests", "shell", "diagnostics"})
 
@@ -61,6 +64,8 @@ class ToolContext:
     terminal: Terminal | None = None
     # the notes of this task's (run, split, repository): coder.env.memory; None: memory is off
     memory: Scope | None = None
+    # the encoder, cache and chunking of semantic_search (coder.env.semantic_search); None: off
+    semantic: semantic_lib.SemanticSpec | None = None
 
     def __post_init__(self):
         if self.terminal is None:
@@ -170,7 +175,8 @@ def grep(ctx: ToolContext, args: dict) -> str:
     return r.stdout.rstrip("\n")
 
 
-def search(ctx: ToolContext, args: dict) -> str:
+def workspace_files(ctx: ToolContext) -> dict[str, str]:
+    """{path: text} of the workspace's text files (the search tools' corpus)."""
     files = {}
     for rel in ctx.sandbox.list_files():
         if rel == ".git" or rel.startswith(".git/"):
@@ -181,10 +187,25 @@ def search(ctx: ToolContext, args: dict) -> str:
             continue
         if "\0" not in text[:4096] and len(text) < 2_000_000:
             files[rel] = text
-    hits = search_lib.search(files, args["query"], k=args.get("k", 5))
+    return files
+
+
+def _format_hits(hits) -> str:
     if not hits:
         return "no results"
     return "\n\n".join(f"{c.path}:{c.start}-{c.end} (score {s:.2f})\n{c.text}" for s, c in hits)
+
+
+def search(ctx: ToolContext, args: dict) -> str:
+    return _format_hits(search_lib.search(workspace_files(ctx), args["query"], k=args.get("k", 5)))
+
+
+def semantic_search(ctx: ToolContext, args: dict) -> str:
+    if ctx.semantic is None:
+        return "semantic search is off in this episode (env.semantic_encoder is empty); use search"
+    hits = semantic_lib.search(ctx.semantic, ctx.task, workspace_files(ctx), args["query"],
+                               k=args.get("k", 5))
+    return _format_hits(hits)
 
 
 def lint(ctx: ToolContext, args: dict) -> str:
@@ -351,6 +372,13 @@ SPECS = [
         _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
     ),
     ToolSpec(
+        "semantic_search",
+        "Search the code of the workspace by meaning: the functions, classes and methods "
+        "whose embedding is closest to a natural-language description (finds code that "
+        "does what you describe even when it uses other words).",
+        _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
+    ),
+    ToolSpec(
         "lint",
         "Run the ruff linter on a path (default: the whole workspace).",
         _obj({"path": _STR}, []),
@@ -425,6 +453,7 @@ FUNCTIONS = {
     "edit_file": edit_file,
     "grep": grep,
     "search": search,
+    "semantic_search": semantic_search,
     "lint": lint,
     "diagnostics": diagnostics_lib.diagnostics,
     "run_tests": run_tests,

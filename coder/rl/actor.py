@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from coder.env.episode import Episode
+from coder.env.semantic_search import SemanticSpec
 from coder.rl import agent as agent_lib
 from coder.rl import grpo
 from coder.rl import reward as reward_lib
@@ -90,20 +91,26 @@ class EpisodeFactory:
     Memory (the memory_write / memory_read tools, coder/env/memory.py): with `memory_dir` (the
     stage's `{stage_dir}/memory`) the episodes share that run's notes, scoped per repository and
     split; `eval_ids` are the held-out tasks' ids (their notes are the `eval` split, never read
-    by a training rollout). Without it the memory tools answer that memory is off."""
+    by a training rollout). Without it the memory tools answer that memory is off.
 
-    def __init__(self, config, memory_dir: str | None = None, eval_ids=()):
+    semantic_search (coder/env/semantic_search.py) embeds with `env.semantic_encoder`; the
+    "policy" encoder reads `env.semantic_checkpoint`, else `policy_checkpoint` (the stage's
+    starting policy, frozen for the run). Built only when `rl.tools` offers the tool."""
+
+    def __init__(self, config, memory_dir: str | None = None, eval_ids=(), policy_checkpoint: str = ""):
         from coder.env import pool as pool_lib
         from coder.env.memory import Memory
 
         rl, env = config.rl, config.env
         pool_lib.check_config(env)
         memory = Memory.from_config(env, memory_dir, eval_ids) if memory_dir else None
+        offered = not rl.tools or "semantic_search" in rl.tools
+        semantic = SemanticSpec.from_config(env, policy_checkpoint) if offered else None
         # The agent counts the ids it trains on itself; the count is only used by the episode's
         # text interface, which RL does not call.
         self.kwargs = Episode.config_kwargs(
             env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
-            tool_timeout_s=float(rl.tool_timeout_s), memory=memory)
+            tool_timeout_s=float(rl.tool_timeout_s), memory=memory, semantic=semantic)
         self.backend = str(env.workers_backend)
         self.ray = {"num_cpus": float(env.ray_num_cpus_per_worker), "resource": str(env.ray_resource),
                     "address": str(rl.ray_address)}
@@ -134,8 +141,9 @@ class EpisodeFactory:
         return ep
 
 
-def episode_factory(config, memory_dir: str | None = None, eval_ids=()) -> EpisodeFactory:
-    return EpisodeFactory(config, memory_dir, eval_ids)
+def episode_factory(config, memory_dir: str | None = None, eval_ids=(),
+                    policy_checkpoint: str = "") -> EpisodeFactory:
+    return EpisodeFactory(config, memory_dir, eval_ids, policy_checkpoint)
 
 
 # --- engine ------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def write_report(report_dir: str, step: int, report: dict) -> str:
 
 def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, tasks=None,
                    make_episode=None, engine=None, actor=None, name: str = "agent_eval",
-                   alone: bool = False) -> dict:
+                   alone: bool = False, policy_checkpoint: str = "") -> dict:
     """Evaluates `model` as an agent on held-out tasks; writes the report; returns the summary.
 
     Args:
@@ -126,7 +126,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
       tasks: held-out `Task`s (default: `coder.rl.actor.eval_tasks(config)`).
       make_episode: `task -> episode` (default: `coder.rl.actor.episode_factory(config)`, a
         sandboxed coder.env Episode with config.env's limits and the agent memory of
-        `{stage_dir}/memory`, every task of the eval split).
+        `{stage_dir}/memory`, every task of the eval split, and semantic_search embedding with
+        `policy_checkpoint`'s trunk when env.semantic_encoder is "policy").
       engine: an existing Engine holding `model`'s weights (default: a new one).
       actor: an existing coder.rl.actor.Actor over that engine (its env workers reused; default:
         one made here and closed after). It rolls out this process's tasks together, each task's
@@ -148,7 +149,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
         engine = engine or stage_lib.make_engine(model, config)
         # the default episodes keep their memory in {stage_dir}/memory, all of it the eval split
         make_episode = make_episode or stage_lib.episode_factory(
-            config, memory_dir=os.path.join(stage_dir, "memory"), eval_ids=[t.id for t in tasks])
+            config, memory_dir=os.path.join(stage_dir, "memory"), eval_ids=[t.id for t in tasks],
+            policy_checkpoint=policy_checkpoint)
         actor = stage_lib.Actor(engine, tokenizer, config, make_episode)
     rng = jax.random.fold_in(jax.random.key(int(config.seed) + 1), step)
     t0 = time.perf_counter()

@@ -412,7 +412,7 @@ def run(config, stage_dir: str, init_from: str) -> str:
     held_out = eval_tasks(config)
     # the run's agent memory: training tasks write the train split, held-out ones the eval split
     make_episode = episode_factory(config, memory_dir=os.path.join(stage_dir, "memory"),
-                                   eval_ids=[t.id for t in held_out])
+                                   eval_ids=[t.id for t in held_out], policy_checkpoint=init_from)
     return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),
                  make_episode=make_episode, held_out=held_out,
                  trained=trained_tasks(config) if config.rl.eval_trained else None)

@@ -330,7 +330,8 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
         agent_config = copy.deepcopy(config)
         agent_config.rl.eval_num_tasks = int(config.eval.agent_tasks)
         step = _checkpoint_step(init_from)
-        results = run_agent_eval(agent_config, nnx.merge(graphdef, state), tok, stage_dir, step=step)
+        results = run_agent_eval(agent_config, nnx.merge(graphdef, state), tok, stage_dir, step=step,
+                                 policy_checkpoint=init_from)
         record.update({k: v for k, v in results.items() if isinstance(v, (int, float))})
     step = _checkpoint_step(init_from)
     writer = MetricsWriter(stage_dir, "eval", tensorboard=True)

@@ -94,6 +94,7 @@ class Loop:
 
         validate(config)
         self.config, self.stage_dir, self.tok, self.clock = config, stage_dir, tokenizer, clock
+        self.init_from = init_from  # the eval's semantic_search embeds with this policy (frozen)
         self.held_out, self.make_episode = held_out, make_episode
         self.log_url = serve_stage.log_store(config)
         self.store = config.serve.weight_store
@@ -149,7 +150,7 @@ class Loop:
             self.held_out = actor_lib.eval_tasks(self.config) if self.held_out is None else self.held_out
             self.make_episode = self.make_episode or actor_lib.episode_factory(  # eval-split memory
                 self.config, memory_dir=os.path.join(self.stage_dir, "memory"),
-                eval_ids=[t.id for t in self.held_out])
+                eval_ids=[t.id for t in self.held_out], policy_checkpoint=self.init_from)
         self._engine.set_weights(nnx.state(model))
         return eval_lib.run_agent_eval(self.config, model, self.tok, os.path.join(self.stage_dir, "cycles", f"{cycle:06d}"),
                                        step=step, tasks=self.held_out, make_episode=self.make_episode,

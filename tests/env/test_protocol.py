@@ -104,6 +104,7 @@ def test_system_prompt_lists_every_tool_schema():
         "edit_file",
         "grep",
         "search",
+        "semantic_search",
         "lint",
         "diagnostics",
         "run_tests",

@@ -41,6 +41,7 @@ def ray_local():
 def _config(backend: str, **env):
     c = base.get_config()
     c.rl.tools = ()  # every tool: shell too
+    c.env.semantic_encoder = ""  # no checkpoint to embed with (tests/env/test_semantic_search.py)
     c.env.workers_backend = backend
     c.env.update(env)
     return c

@@ -640,6 +640,9 @@ def test_env_config_reaches_rl_episodes_local_and_pooled():
     c = base.get_config()
     c.env.memory_mb = 123
     c.rl.tools = ()  # every tool: shell too
+    with pytest.raises(ValueError, match="semantic_checkpoint"):  # "policy" embeds with a checkpoint
+        actor_lib.episode_factory(c)
+    c.env.semantic_encoder = ""  # semantic_search off: tests/env/test_semantic_search.py has it
     c.rl.system_prompt = "Be brief."
     c.rl.tool_timeout_s = 7.0
     ((task, _),) = toy_tasks(1, seed=2)
