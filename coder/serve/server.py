@@ -10,7 +10,10 @@ Endpoints (JSON in and out; errors are OpenAI's `{"error": {"message", "type", "
   `max_tokens` / `max_completion_tokens`, `stop`, `n`, `seed`, `logprobs`, `user`,
   `metadata.conversation_id`.
 - `POST /v1/feedback`: `{completion_id | conversation_id, choice?, signal, value}`, a signal of
-  `coder.rl.realtime.SIGNALS`; stored beside the trajectories.
+  `coder.rl.realtime.SIGNALS`; stored beside the trajectories. The server also derives
+  `dissatisfied_followup` and `edit_kept` itself from the next request of a conversation (its
+  user message; `metadata.workspace`, the client's file hashes; the context it sends):
+  coder.serve.derived_signals.
 - `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (with the engine's policy version).
 
 **The prompt** is rendered exactly as SFT and RL render theirs: with `tools`, the system turn is
@@ -70,6 +73,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coder.env import protocol
 from coder.infer.engine import SamplingParams
+from coder.serve.derived_signals import DerivedSignals
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4
@@ -337,6 +341,7 @@ class Server:
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="serve")
         self.created = int(time.time())
         self.follower = None
+        self.derived = DerivedSignals()  # each conversation's last completion, for the next request's signals
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ the app
@@ -375,7 +380,7 @@ class Server:
         async def chat(request: Request):
             body = await self._json(request)
             loop = asyncio.get_running_loop()  # tokenizing and the engine run in the pool, never here
-            req = await loop.run_in_executor(self._pool, self.parse, body, request.headers)
+            req = await loop.run_in_executor(self._pool, self._accept, body, request.headers)
             if req.stream:
                 return StreamingResponse(self._stream(req), media_type="text/event-stream",
                                          headers={"X-Conversation-Id": req.conversation_id})
@@ -405,6 +410,18 @@ class Server:
         return body
 
     # ------------------------------------------------------------------ requests
+    def _accept(self, body: dict, headers) -> ChatRequest:
+        """`parse`, then log what the request says about the conversation's last completion here
+        (coder.serve.derived_signals)."""
+        req = self.parse(body, headers)
+        if self.log is not None:
+            now = self.clock()
+            for s in self.derived.observe(req.conversation_id, body.get("messages"), body.get("metadata") or {}):
+                if s["signal"] in self.signals:
+                    self.log.log_feedback({"time": now, "feedback_id": f"derived-{uuid.uuid4().hex}",
+                                           "conversation_id": req.conversation_id, "client_id": req.client_id, **s})
+        return req
+
     def parse(self, body: dict, headers) -> ChatRequest:
         """Validates a chat-completion body; APIError (4xx) naming the parameter otherwise."""
         unknown = sorted(set(body) - KEYS - IGNORED - set(_NEUTRAL))
@@ -495,6 +512,7 @@ class Server:
             now = self.clock()
             for c in choices:
                 self.log.log_completion(self._record(req, c, now))
+            self.derived.remember(req.conversation_id, completion_id, [(c.content, c.tool_calls) for c in choices])
         return choices
 
     def decode(self, ids) -> str:

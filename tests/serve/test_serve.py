@@ -409,6 +409,40 @@ def test_feedback_is_stored_beside_the_trajectories(served):
     assert fb[0]["completion_id"] == r.id and fb[1]["conversation_id"] == r.conversation_id
 
 
+def test_the_next_request_derives_the_users_signals(served):
+    """Without any feedback call: the follow-up complains (dissatisfied_followup) and the client's
+    file hashes show an edit kept (edit_kept); both reach the completion in realtime.join."""
+    import hashlib
+
+    c, server, log = served["client"], served["server"], served["log"]
+    msgs = [{"role": "system", "content": PREAMBLE}, {"role": "user", "content": prompts(1, 11)[0]}]
+    meta = {"conversation_id": "conv-derived"}
+    t0 = time.time() - 1
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=32,
+                                  metadata=meta)
+    (call,) = r.choices[0].message.tool_calls
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "submitted"},
+                     {"role": "user", "content": "That's wrong, the answer was rejected."}]
+    c.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, temperature=0, max_tokens=8, metadata=meta)
+    # an edit this server served (its reply held as the model would have written it): the
+    # client's hash of the file shows it kept
+    write = {"id": "call_w", "type": "function",
+             "function": {"name": "write_file", "arguments": json.dumps({"path": "p.py", "content": "x = 1\n"})}}
+    server.derived.remember("conv-edit", "cmpl-edit", [(None, [write])])
+    sha = hashlib.sha256(b"x = 1\n").hexdigest()
+    c.chat.completions.create(model="tiny", max_tokens=4, messages=msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [write]}, {"role": "tool", "tool_call_id": "call_w",
+                                                                        "content": "wrote p.py"}],
+        metadata={"conversation_id": "conv-edit", "workspace": json.dumps({"p.py": sha})})
+    fb = [f for f in trajectory_log.read_feedback(log, t0, time.time() + 1) if f["feedback_id"].startswith("derived-")]
+    assert sorted((f["conversation_id"], f["completion_id"], f["choice"], f["signal"], f["value"]) for f in fb) == [
+        ("conv-derived", r.id, 0, "dissatisfied_followup", 1.0), ("conv-edit", "cmpl-edit", 0, "edit_kept", 1.0)]
+    completions = [x for x in _records(served) if x["completion_id"] == r.id]
+    joined, counts = realtime.join(completions, fb, {"dissatisfied_followup": 1.0})
+    assert [(j.record["completion_id"], j.reward) for j in joined] == [(r.id, -1.0)]
+
+
 def test_weight_versions_apply_in_flight(served, tmp_path):
     """A version published to the weight store reaches the engine through the follower, and the
     tokens sampled after it record it."""
