@@ -6,11 +6,14 @@
 The repository is CPython's standard library as installed (every top-level `Lib/*.py`, ~170
 files, ~4.7 MB); the tasks are coder.env.mutate's verified bug-fix tasks over it (generated in
 the sandbox, or read from `--tasks`); the file each task's reference patch changes is its module
-`M.py`. Each task asks two queries:
+`M.py`. Each task asks up to three queries:
 - **as generated**: the task's prompt, which names the module and the function (`make_tasks`);
+- **failing test**: only the failing test's id the prompt names (`TestClass.test_method fails`),
+  the module's name removed from it: a report of what fails, not of where;
 - **behaviour**: the first sentence of the broken function's docstring with the function's,
-  module's and class's names removed (an underspecified report: what is wrong, not where);
-  tasks whose function has no docstring ask only the first.
+  module's and class's names removed: what the code does in words, not in names. The sentence
+  is the docstring's own, in the indexed chunk: a favourable case for word overlap (BM25), as a
+  user who quotes the docs; tasks whose function has no docstring skip it.
 Rankers: `bm25` (coder.env.search, the `search` tool), `policy` (coder.env.semantic_search with
 the `--checkpoint`'s trunk, the `semantic_search` tool's default), `wordllama` (an installed
 encoder, if `pip install wordllama` was run: 256-d static token embeddings, weights in the wheel).
@@ -45,7 +48,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from coder.env import search as search_lib  # noqa: E402
 from coder.env import semantic_search as sem  # noqa: E402
 from coder.env import tools  # noqa: E402
-from coder.env.tasks import Task, read_jsonl, write_tasks  # noqa: E402
+from coder.env.tasks import Task, read_tasks, write_tasks  # noqa: E402
+
+
+FORMS = ("as generated", "failing test", "behaviour")
 
 
 class WordLlamaEncoder:
@@ -80,7 +86,7 @@ def repository() -> dict[str, str]:
 
 def tasks_of(args) -> list[Task]:
     if args.tasks and os.path.exists(args.tasks):
-        return read_jsonl(args.tasks)
+        return read_tasks(args.tasks)
     from coder.env import mutate
 
     t0 = time.perf_counter()
@@ -95,7 +101,18 @@ def tasks_of(args) -> list[Task]:
     return out
 
 
-_FUNC = re.compile(r"`(\w+)`|Bug: \w+\.(\w+) returns")
+_FUNC = re.compile(r"`([\w.]+)`|Bug: \w+\.([\w.]+) returns")
+_TEST = re.compile(r"; (\S+) now fails|regression test (\S+) fails|e\.g\. (\S+)\)\.")
+
+
+def failing_test_query(task: Task) -> str | None:
+    """The failing test's id the prompt names, the module's name removed from it, + " fails"."""
+    m = _TEST.search(task.prompt)
+    if m is None:
+        return None
+    (path,) = [p for p in task.files if not p.startswith("test_")]
+    test = re.sub(re.escape(path[:-3]), "", next(g for g in m.groups() if g), flags=re.IGNORECASE)
+    return f"{test} fails"
 
 
 def behaviour_query(task: Task, files: dict[str, str]) -> str | None:
@@ -104,7 +121,7 @@ def behaviour_query(task: Task, files: dict[str, str]) -> str | None:
     m = _FUNC.search(task.prompt)
     if m is None or path not in files:
         return None
-    func = m.group(1) or m.group(2)
+    func = (m.group(1) or m.group(2)).split(".")[-1]
     tree = ast.parse(files[path])
     owners = {c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
               if any(getattr(n, "name", "") == func for n in c.body)}
@@ -152,11 +169,14 @@ def main(argv=None) -> int:
     for t in tasks:
         (target,) = [p for p in t.files if not p.startswith("test_")]
         queries.append(("as generated", t.prompt, target))
+        f = failing_test_query(t)
+        if f:
+            queries.append(("failing test", f, target))
         b = behaviour_query(t, files)
         if b:
             queries.append(("behaviour", b, target))
     print(f"{len(files)} files, {sum(len(x) for x in files.values()) / 1e6:.1f} MB; {len(tasks)} tasks, "
-          f"{len(queries)} queries ({sum(q[0] == 'behaviour' for q in queries)} behaviour)", flush=True)
+          + ", ".join(f"{sum(q[0] == f for q in queries)} {f}" for f in FORMS) + " queries", flush=True)
 
     rankers = {}
     for name in args.encoders.split(","):
@@ -183,7 +203,7 @@ def main(argv=None) -> int:
 
     results = {}
     for name, rank in rankers.items():
-        for form in ("as generated", "behaviour"):
+        for form in FORMS:
             qs = [q for q in queries if q[0] == form]
             r5 = r10 = 0
             hit_tokens, all_tokens, times = [], [], []

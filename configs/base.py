@@ -216,7 +216,7 @@ def get_config() -> ml_collections.ConfigDict:
     )  # see coder/rl/reward.py for the curve
     c.rl.broken_call_penalty = 0.1  # a rollout with a broken tool call scores this below a failure
     c.rl.aux_rewards = ml_collections.ConfigDict(
-        dict(lint_introduced=0.0, unanswered_question=0.0, communication=0.0)
+        dict(lint_introduced=0.0, unanswered_question=0.0, communication=0.0, clarification=0.0)
     )  # auxiliary reward name -> weight (0 = off); registry in coder/rl/reward.py
     c.rl.eval_samples = 4  # n samples per held-out task for pass@k
     c.rl.eval_k = (1, 2)  # k values of the unbiased pass@k estimator (each <= eval_samples)

@@ -73,6 +73,11 @@ def get_config():
     # rollouts of like length the cleaner one wins (style is among the auxiliary rewards the
     # seeds describe).
     rl.aux_rewards.lint_introduced = 0.01
+    # Clarifying questions (the `ask_user` tool: a simulated user answers from the task's hidden
+    # specification when the prompt was underspecified): each question a task did not need costs
+    # 0.05, what a clear final message earns, so asking to dodge a risky edit never pays, while
+    # the one question an underspecified task needs is free and its answer lets the outcome pay.
+    rl.aux_rewards.clarification = 0.05
 
     g = c.grpo
     g["async"] = True  # in-flight weight updates: actors run ahead of the learner

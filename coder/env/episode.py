@@ -165,6 +165,8 @@ class Episode:
             total=None,
             score_error=None,
             infra_error=None,
+            # the prompt leaves out what the tests check (the `ask_user` tool answers it)
+            clarification_needed=bool((getattr(task, "metadata", None) or {}).get("underspecified")),
         )
         try:
             # Every rollout of a task forks one prepared tree (coder.env.prepared).

@@ -224,8 +224,25 @@ _TOY = {
 }
 
 
-def toy_tasks(n: int, seed: int) -> list[tuple[Task, dict]]:
-    """`n` distinct toy tasks with their reference solutions ({path: text}), from `seed`."""
+# The same tasks with the number the tests check left out of the prompt: underspecified, as a
+# user's request often is. The full prompt is the hidden specification the simulated user
+# answers from (the `ask_user` tool, coder/env/tools.py).
+_TOY_VAGUE = {
+    "const": "`f()` in answer.py returns the wrong constant; fix it.",
+    "add": "`add(a, b)` in answer.py should return a + b plus a fixed offset; it does not.",
+    "scale": "`scale(x)` in answer.py should multiply x by a fixed factor.",
+    "last": "`pick(xs)` in answer.py should return an item counted from the end of xs.",
+    "greet": "`greet(name)` in answer.py should return 'Hello, NAME' followed by some exclamation marks.",
+}
+
+
+def toy_tasks(n: int, seed: int, underspecified: float = 0.0) -> list[tuple[Task, dict]]:
+    """`n` distinct toy tasks with their reference solutions ({path: text}), from `seed`.
+
+    `underspecified`: the share of tasks (each drawn from the seed and the task) whose prompt
+    leaves out the number the tests check (`_TOY_VAGUE`); their `metadata` holds
+    `underspecified: True` and the full prompt as `specification`, what the simulated user
+    answers with. The other tasks' metadata says `underspecified: False` when the share is > 0."""
     rng = random.Random(seed)
     out, seen = [], set()
     kinds = sorted(_TOY)
@@ -239,12 +256,18 @@ def toy_tasks(n: int, seed: int) -> list[tuple[Task, dict]]:
         prompt, buggy, fixed, test = (s.format(k=k) for s in _TOY[kind])
         names = {"const": "f", "add": "add", "scale": "scale", "last": "pick", "greet": "greet"}
         test_file = f"from answer import {names[kind]}\n\n\n{test}"
+        meta = {}
+        if underspecified > 0:
+            vague = random.Random(f"{seed}/vague/{kind}/{k}").random() < underspecified
+            meta = {"underspecified": vague, **({"specification": prompt} if vague else {})}
+            prompt = _TOY_VAGUE[kind] if vague else prompt
         task = Task(
-            id=f"toy/{kind}/{k}",
+            id=f"toy/{kind}/{k}" + ("/vague" if meta.get("underspecified") else ""),
             prompt=prompt,
             files={"answer.py": buggy, "test_answer.py": test_file},
             tests={"test_answer.py": test_file},
             source="toy",
+            metadata=meta,
         )
         out.append((task, {"answer.py": fixed}))
     return out

@@ -14,7 +14,8 @@ fresh sandbox process over the workspace (coder.env.diagnostics says why these t
 `memory_write` / `memory_read` append to and read the notes of the task's repository
 (coder.env.memory, `ToolContext.memory`; off when the episode has no store). `think`
 runs nothing: a scratchpad whose tokens count as thinking in the length penalty
-(coder/rl/agent.py).
+(coder/rl/agent.py). `ask_user` is the simulated user: it answers from the task's hidden
+specification when the prompt was underspecified.
 Every output is cut to `ToolContext.max_output_chars` (head and tail kept) with a note saying
 how much was cut. Tool errors the agent caused (missing file, non-unique edit) are ordinary
 outputs starting with "error:"; only harness failures raise.
@@ -35,6 +36,7 @@ from coder.env.terminal import Terminal
 
 SUBMIT = "submit"
 THINK = "think"
+ASK_USER = "ask_user"
 # Tools that change state (the workspace, which shell may change; memory_write the notes): each
 # runs alone among the calls of a turn, after the calls before it
 # (coder.env.episode.Episode.call_many); the shell's session is one terminal.
@@ -313,6 +315,18 @@ def think(ctx: ToolContext, args: dict) -> str:
     return "noted"
 
 
+def ask_user(ctx: ToolContext, args: dict) -> str:
+    """The simulated user: answers from the task's hidden specification
+    (`metadata["specification"]`) when the prompt was underspecified, else says the task holds
+    everything needed. Asking then pays only where it was needed: the answer is what makes an
+    underspecified task solvable, and the `clarification` reward (coder.rl.reward) charges every
+    question a task did not need."""
+    spec = (getattr(ctx.task, "metadata", None) or {}).get("specification")
+    if spec:
+        return f"The user answers: {spec}"
+    return "The user answers: the task says everything you need; please go ahead without asking."
+
+
 def submit(ctx: ToolContext, args: dict) -> str:
     return "submitted"
 
@@ -444,6 +458,12 @@ SPECS = [
         "changes nothing.",
         _obj({"thought": _STR}, ["thought"]),
     ),
+    ToolSpec(
+        ASK_USER,
+        "Ask the user a clarifying question when the task leaves out something you need to "
+        "know; the user's answer comes back. Do not ask what the task or the code already says.",
+        _obj({"question": _STR}, ["question"]),
+    ),
     ToolSpec(SUBMIT, "Finish: your changes in /workspace are the solution.", _obj({}, [])),
 ]
 FUNCTIONS = {
@@ -461,6 +481,7 @@ FUNCTIONS = {
     "memory_write": memory_write,
     "memory_read": memory_read,
     THINK: think,
+    ASK_USER: ask_user,
     SUBMIT: submit,
 }
 

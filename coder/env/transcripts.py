@@ -16,7 +16,10 @@ whole harness, several independent calls in one turn where they do not depend on
 
 Each step appears only where its tool is offered, so SFT teaches only calls RL accepts. The
 final message names the edited files and the reason (the `communication` reward of
-coder.rl.reward scores exactly that). A multi-call turn is one assistant message holding the
+coder.rl.reward scores exactly that). On a task whose prompt is underspecified
+(`metadata["underspecified"]`, e.g. `toy_tasks(..., underspecified=0.5)`) with `ask_user`
+offered, either script first asks the user, whose answer is the task's specification. A
+multi-call turn is one assistant message holding the
 calls in order and one tool message holding their outputs in order (`Episode.step`, the same
 `Episode.call_many` the RL loop runs them through), so it renders as RL and serving render it.
 
@@ -50,6 +53,14 @@ _OPEN = (
     "Let me run the tests first to see what fails.",
     "I'll start by running the test suite.",
     "First, the failing tests.",
+)
+_ASK = (
+    "The task does not say what exactly is expected; I'll ask before changing anything.",
+    "One detail is missing from the request, so I'll ask the user first.",
+)
+_QUESTION = (
+    "What exact value or behaviour should the result have? The request leaves it out.",
+    "Could you give the exact expected result? The task does not state it.",
 )
 _READ = (
     "Now the code around the problem in {path}.",
@@ -115,6 +126,11 @@ def script(task, solution: dict, rng: random.Random, tools=None, edit_tool: str 
     "write_file" (the whole new file)."""
     check_edit_tool(edit_tool, tools)
     offered = (lambda name: True) if tools is None else set(tools).__contains__
+    if (task.metadata or {}).get("underspecified") and offered("ask_user"):
+        # the prompt leaves out what the tests check: ask first (the simulated user answers
+        # from the task's specification), and only then (the `clarification` reward charges
+        # questions a task did not need, so no transcript asks on a complete prompt)
+        yield rng.choice(_ASK) + "\n" + render_tool_call("ask_user", {"question": rng.choice(_QUESTION)})
     if any(offered(t) for t in LOCATE_TOOLS):
         yield from _harness(task, solution, rng, offered, edit_tool)
         return

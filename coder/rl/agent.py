@@ -72,6 +72,7 @@ SUMMARY_REQUEST = (
 )
 SUMMARY_PREFIX = "Summary of your progress so far:\n"
 EDIT_TOOLS = ("write_file", "edit_file")
+ASK_USER = "ask_user"  # coder.env.tools.ASK_USER: the simulated user
 THINK_TOOL = "think"  # a scratchpad call: its tokens count as thinking, not tool I/O
 SUBMIT_TOOL = "submit"
 
@@ -240,6 +241,7 @@ class AgentRun:
                 continue
             r.tool_calls += 1
             r.edits += call.name in EDIT_TOOLS
+            r.questions += call.name == ASK_USER
             if k == len(outputs):  # this call raised (or the driver gave up before it)
                 break
             outs.append(str(outputs[k]))
@@ -285,6 +287,7 @@ class AgentRun:
             r.infra_error = error
         else:
             r.test_reward = float(test_reward)
+            r.clarification_needed = bool((info or {}).get("clarification_needed"))
             if (info or {}).get("infra_error"):
                 r.infra_error = str(info["infra_error"])
         self._finish()

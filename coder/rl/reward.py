@@ -189,6 +189,20 @@ def unanswered_question(rollout) -> float:
     return -1.0 if final.endswith("?") and rollout.edits == 0 else 0.0
 
 
+@aux_reward("clarification")
+def clarification(rollout) -> float:
+    """Minus each question (`ask_user`) the task did not need.
+
+    Composer 2 saw policies ask clarifying questions to dodge risky edits. With a simulated user
+    that answers from the task's hidden specification, asking is worth exactly what the answer
+    is worth: on an underspecified task the first question is free, and its answer is what
+    lets the outcome pay; every further question, and any question on a task whose prompt says
+    everything, costs 1 (times the weight). A question never pays by itself, so it cannot stand
+    in for the work."""
+    needed = 1 if rollout.clarification_needed else 0
+    return -float(max(rollout.questions - needed, 0))
+
+
 @communication_scorer("communication")
 def communication_rules(final_text: str, edited_paths) -> float:
     """The final message names an edited file (what) and gives a reason (why): 1 for both, 0.5

@@ -79,6 +79,8 @@ class Rollout:
     tool_calls: int = 0
     broken_calls: int = 0
     edits: int = 0
+    questions: int = 0  # ask_user calls (the simulated user)
+    clarification_needed: bool = False  # the task's prompt was underspecified (its episode says)
     summaries: int = 0
     thinking_tokens: int = 0  # sampled text outside calls in turns that act (call tools)
     tool_io_tokens: int = 0  # sampled call tokens + tool output tokens

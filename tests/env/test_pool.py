@@ -114,6 +114,23 @@ def test_transcript_follows_the_agent_loop_format():
     assert any("1 passed" in m["content"] for m in msgs if m["role"] == "tool")  # real output
 
 
+def test_transcript_of_an_underspecified_task_asks_the_user_first():
+    """With ask_user offered, the script asks on a vague prompt (the simulated user's answer is
+    the specification) and never on a complete one."""
+    tasks = toy_tasks(12, seed=9, underspecified=0.5)
+    (vague, sol), (plain, plain_sol) = (next(x for x in tasks if x[0].metadata["underspecified"] == v)
+                                         for v in (True, False))
+    tools = ("ask_user", "read_file", "edit_file", "run_tests", "submit")
+    conv, info = transcript(vague, sol, seed=0, tools=tools)
+    assert info["reward"] == 1.0 and info["clarification_needed"] is True
+    first = parse_tool_calls(conv["messages"][2]["content"], SPECS)
+    assert [c.name for c in first] == ["ask_user"]
+    assert vague.metadata["specification"] in conv["messages"][3]["content"]
+    conv, info = transcript(plain, plain_sol, seed=0, tools=tools)
+    assert info["clarification_needed"] is False
+    assert all("ask_user" not in m["content"] for m in conv["messages"][2:])
+
+
 def test_transcript_with_write_file_rewrites_the_file_whole():
     import random
 

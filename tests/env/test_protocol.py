@@ -112,6 +112,7 @@ def test_system_prompt_lists_every_tool_schema():
         "memory_write",
         "memory_read",
         "think",
+        "ask_user",
         "submit",
     }
 

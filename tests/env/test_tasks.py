@@ -119,6 +119,21 @@ def test_toy_tasks_are_reproducible_distinct_and_solvable():
         assert score_solution(task, {}).reward == 0.0
 
 
+def test_underspecified_toy_tasks_hide_the_number_in_the_specification():
+    plain, mixed = toy_tasks(20, seed=3), toy_tasks(20, seed=3, underspecified=0.5)
+    assert all(t.metadata == {} for t, _ in plain)  # the default is unchanged
+    vague = [(t, s) for t, s in mixed if t.metadata["underspecified"]]
+    assert 4 <= len(vague) <= 16 and all(t.id.endswith("/vague") for t, _ in vague)
+    by_id = {t.id: t for t, _ in plain}
+    for t, sol in vague:
+        full = by_id[t.id.removesuffix("/vague")]
+        assert t.metadata["specification"] == full.prompt and t.prompt != full.prompt
+        k = full.id.split("/")[2]
+        assert k in full.prompt and k not in t.prompt  # only the answer says the number
+        assert t.files == full.files and sol == dict(next(s for x, s in plain if x.id == full.id))
+    assert all("specification" not in t.metadata for t, _ in mixed if not t.metadata["underspecified"])
+
+
 def _passes(files: dict) -> bool:
     """The toy task's test functions run on `files` in this process (the tests are plain asserts)."""
     scope = {}

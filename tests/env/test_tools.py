@@ -95,6 +95,15 @@ def test_think_runs_nothing(ctx):
     assert ctx.sandbox.snapshot() == before
 
 
+def test_ask_user_answers_from_the_hidden_specification(ctx):
+    """The simulated user: the task's specification when the prompt left it out, else "go ahead"."""
+    assert "go ahead without asking" in call(ctx, "ask_user", question="Which value?")
+    vague = tools.ToolContext(ctx.sandbox, Task("v", "vague", {}, {}, metadata={
+        "underspecified": True, "specification": "Make `f()` in answer.py return 7."}), command_timeout_s=30)
+    assert tools.call(vague, "ask_user", {"question": "Which value?"}) == (
+        "The user answers: Make `f()` in answer.py return 7.")
+
+
 def test_output_is_capped_with_a_note(ctx):
     out = call(ctx, "shell", command="seq 1 100000")
     assert len(out) < 2100 and "characters cut" in out

@@ -229,6 +229,31 @@ def test_final_message_of_a_submit_turn_and_the_paths_edits_wrote(tok):
     assert r.final_text == "Changed a.py because f returned 0." and r.edited_paths == ["a.py"]
 
 
+def test_questions_to_the_user_are_counted_and_judged_by_the_clarification_reward(tok):
+    """ask_user calls count as questions; whether the task needed one comes from the episode's
+    score info, and the clarification reward charges only the questions it did not need."""
+    from coder.rl import reward as reward_lib
+
+    ask = call_ids(tok, "ask_user", {"question": "Which value?"}, "The task leaves it out. ")
+    script = [ask, ask, call_ids(tok, "submit", {}, "Done. ")]
+
+    class Ep(FakeEpisode):
+        def __init__(self, needed):
+            super().__init__()
+            self.tools = [t for t in env_tools.SPECS if t.name in ("ask_user", "submit")]
+            self.needed = needed
+
+        def score(self):
+            return 1.0, {"clarification_needed": self.needed}
+
+    for needed, expected in ((True, -1.0), (False, -2.0)):
+        engine = ScriptedEngine(lambda ctx, row: script[sum(1 for t in ctx if t == tok.special_id("tool"))])
+        agent = agent_lib.Agent(engine, tok, rl_cfg(), sampling(rl_cfg()))
+        (r,) = agent.run_group("t", "task", [Ep(needed)], jax.random.key(0))
+        assert (r.questions, r.clarification_needed) == (2, needed)
+        assert reward_lib.AUX_REWARDS["clarification"](r) == expected
+
+
 def test_think_calls_count_as_thinking(tok):
     think = protocol.render_tool_call("think", {"thought": "f returns 0; the test wants 3"})
     read = protocol.render_tool_call("read_file", {"path": "a.py"})

@@ -95,6 +95,9 @@ def test_aux_registry():
     assert R.aux_total(ro, {"lint_introduced": 1.0, "unanswered_question": 1.0}) == 0.0
     with pytest.raises(KeyError):
         R.aux_total(ro, {"nope": 1.0})
+    # clarification: the one question an underspecified task needs is free, every other costs 1
+    q = lambda n, needed: R.AUX_REWARDS["clarification"](types.SimpleNamespace(questions=n, clarification_needed=needed))
+    assert [q(0, True), q(1, True), q(3, True), q(0, False), q(1, False), q(2, False)] == [0, 0, -2, 0, -1, -2]
 
 
 # --- agent eval scoring (coder/rl/eval.py) ------------------------------------------------------
