@@ -9,8 +9,11 @@
    and any module or package named like a stdlib or installed module, or one the task's
    environment installs (a fake `pytest.py` or `unittest/` would otherwise be imported in place
    of the real one);
-3. pytest runs with `python -I` (no current directory on sys.path, no PYTHON* variables), no
-   plugin autoloading, no cache, and writes a JUnit XML report into a directory created for
+3. pytest runs with `python -I` (no current directory on sys.path, no PYTHON* variables) and
+   the workspace appended to the end of sys.path (`_PYTEST`): the repository's packages import
+   as they do for `python -m pytest` run in /workspace (the agent's `run_tests`), so scoring and
+   the agent's own test runs agree, yet nothing in the workspace can shadow pytest, the standard
+   library or an installed module (step 2 also deletes such files); no plugin autoloading, no cache, and writes a JUnit XML report into a directory created for
    this run, at a random path, mounted only for it;
 4. the reward is parsed from that report, counting only test cases of the hidden test files.
    No report (the process exited early, e.g. `os._exit(0)`), an exit status that disagrees with
@@ -335,6 +338,10 @@ def _score_exit_status(sb: Sandbox, task, timeout_s: float) -> Score:
     return Score(1.0, 1, 1, output=output)
 
 
+# pytest's entry point with the workspace last on sys.path (module docstring, step 3)
+_PYTEST = f"import sys; sys.path.append({WORKDIR!r}); import pytest; sys.exit(pytest.main())"
+
+
 def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -> Score:
     """Reward of the workspace as it is now; see the module docstring. mode: a key of
     REWARD_MODES (fraction | all | resolved)."""
@@ -366,7 +373,7 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         inner = f"/tmp/.r{token}"
         report = f"{inner}/{secrets.token_hex(8)}.xml"
         cmd = (
-            "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -B -m pytest -p no:cacheprovider "
+            f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -B -c {shlex.quote(_PYTEST)} -p no:cacheprovider "
             f"-o junit_family=xunit2 --junitxml={report} " + " ".join(shlex.quote(a) for a in args)
         )
         res = sb.run(cmd, timeout_s=timeout_s, binds=((report_host, inner, True),))

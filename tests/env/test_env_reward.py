@@ -131,6 +131,23 @@ def test_cheat_plus_correct_code_still_scores_only_on_real_tests():
     assert s.reward == 1.0
 
 
+def test_scoring_imports_the_workspace_packages_as_the_agents_own_test_run_does():
+    """Tests in a subdirectory import the repository's package from the workspace root (no
+    conftest.py): `python -m pytest` in /workspace (the run_tests tool) finds it, and so must
+    scoring, or an agent would see its fix pass and score 0."""
+    test = "from pkg.mod import f\n\n\ndef test_f():\n    assert f() == 7\n"
+    task = Task(id="t/layout", prompt="p", files={"pkg/__init__.py": "", "pkg/mod.py": "def f():\n    return 0\n",
+                                                   "tests/test_mod.py": test}, tests={"tests/test_mod.py": test})
+    fixed = {"pkg/mod.py": "def f():\n    return 7\n"}
+    with Sandbox(task) as sb:
+        for path, text in fixed.items():
+            sb.write(path, text)
+        assert "1 passed" in sb.run("python -m pytest -q tests").stdout
+        s = score(sb, task, timeout_s=20)
+    assert (s.reward, s.passed, s.total, s.error) == (1.0, 1, 1, None)
+    assert score_solution(task, {}).reward == 0.0
+
+
 def test_helper_modules_of_the_agent_survive_cleanup():
     files = {
         "helpers.py": "SEVEN = 7\n",
