@@ -63,6 +63,43 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def dates_repo_task(tmp_path_factory):
+    """A repository task (task format v2) over a two-commit git repository whose second commit
+    ("speed up parse_iso") brought a bug: `.task`, and `.solution` ({path: fixed text})."""
+    import subprocess
+    import types
+
+    from coder.env.tasks import Task
+
+    def git(*args):
+        env = {"PATH": os.environ["PATH"], "HOME": str(src), "GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "a",
+               "GIT_AUTHOR_EMAIL": "a@x", "GIT_COMMITTER_NAME": "a", "GIT_COMMITTER_EMAIL": "a@x"}
+        return subprocess.run(["git", "-c", "init.defaultBranch=main", *args], cwd=src, env=env, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    buggy = ('def parse_iso(text):\n    """The (year, month, day) of an ISO date string."""\n'
+             '    return tuple(int(p) for p in text[:-1].split("-"))\n')
+    fixed = buggy.replace("text[:-1]", "text")
+    test = "from pkg.dates import parse_iso\n\n\ndef test_parse_iso():\n    assert parse_iso('2024-01-31') == (2024, 1, 31)\n"
+    src = tmp_path_factory.mktemp("dates")
+    git("init", "-q")
+    (src / "pkg").mkdir()
+    (src / "tests").mkdir()
+    (src / "pkg" / "__init__.py").write_text("")
+    (src / "pkg" / "dates.py").write_text(fixed)
+    (src / "pkg" / "util.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n")
+    (src / "tests" / "test_dates.py").write_text(test)
+    git("add", ".")
+    git("commit", "-qm", "dates: parse_iso")
+    (src / "pkg" / "dates.py").write_text(buggy)
+    git("commit", "-qam", "speed up parse_iso")
+    task = Task("repo/dates/1", "parse_iso returns the wrong day for '2024-01-31'. Fix it.", {},
+                {"tests/test_dates.py": test}, repo=str(src), commit=git("rev-parse", "HEAD"),
+                test_command="python -m pytest -q tests", metadata={"repo": "example/dates"})
+    return types.SimpleNamespace(task=task, solution={"pkg/dates.py": fixed})
+
+
+@pytest.fixture(scope="session")
 def toy_policy():
     """tests/rl_toy.py's tiny model SFT-ed on the submit-call format, fitted once per test
     session (every xdist worker loads the same file) and checked right after fitting:

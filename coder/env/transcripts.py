@@ -8,11 +8,16 @@ or `grep` offered, e.g. `rl.tools = ()`: every tool): the workflow an engineer f
 whole harness, several independent calls in one turn where they do not depend on each other:
 
     run_tests + search (or grep)      -> the failure and where the code is, in one turn
+      + semantic_search                  (offered and the episode has an encoder)
+      + memory_read + repo_history log   (a repository task: notes of earlier tasks on it, and
+                                          the recent history of the files the fix touches)
     read_file per file + grep uses    -> the code around the change and who uses it, one turn
     diagnostics references            -> (offered) every use of the changed definition
-    edit_file / write_file per file
+    think + edit_file / write_file    -> the plan in a scratchpad, then one file a turn
     run_tests + diagnostics check     -> tests and type errors of the edited files, one turn
     a final message saying what changed and why, + submit
+      + memory_write                     (a repository task: where the fix was and how its tests
+                                          run, for the next task on that repository)
 
 Each step appears only where its tool is offered, so SFT teaches only calls RL accepts. The
 final message names the edited files and the reason (the `communication` reward of
@@ -39,6 +44,7 @@ writes `{"messages": [{"role", "content"}, ...]}` per line (docs/contracts.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import random
 import re
@@ -236,6 +242,7 @@ def _turn(lead: str, what: list[str], calls: list[str]) -> str:
 def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
     """The harness script's replies (module docstring); `offered(name)`: the tool is offered."""
     changed = [p for p in sorted(solution) if p in task.files and task.files[p] != solution[p]]
+    repository = bool(getattr(task, "repo", "") or (task.metadata or {}).get("repo"))
     spans = {p: minimal_edit(task.files[p], solution[p])[2:] for p in changed}
     defs = {p: enclosing_definition(task.files[p], spans[p][0]) for p in changed}
     names = sorted({d[0] for d in defs.values() if d})
@@ -245,13 +252,23 @@ def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
     if offered("run_tests"):
         what.append("run the tests")
         calls.append(render_tool_call("run_tests", {}))
+    query = " ".join(task.prompt.split())[:200]
     if offered("search"):
         what.append("search the code for what the task describes")
-        calls.append(render_tool_call("search", {"query": " ".join(task.prompt.split())[:200]}))
-    elif grep_uses:
+        calls.append(render_tool_call("search", {"query": query}))
+    if offered("semantic_search"):
+        what.append("search it by meaning")
+        calls.append(render_tool_call("semantic_search", {"query": query}))
+    if not (offered("search") or offered("semantic_search")) and grep_uses:
         what.append("grep for " + ", ".join(f"`{n}`" for n in names))
         calls += grep_uses
         grep_uses = []  # done: the read turn does not repeat it
+    if repository and offered("memory_read"):
+        what.append("read my notes on this repository")
+        calls.append(render_tool_call("memory_read", {}))
+    if repository and offered("repo_history"):
+        what.append("look at the recent history of " + " and ".join(changed))
+        calls += [render_tool_call("repo_history", {"action": "log", "path": p, "max_count": 5}) for p in changed]
     if calls:
         yield _turn(rng.choice(_H_LEAD), what, calls)
     # 2. the code around each change (one call per file) and, if not done yet, who uses it
@@ -267,11 +284,19 @@ def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
         refs = [render_tool_call("diagnostics", {"action": "references", "symbol": d[0], "path": p,
                                                  "line": d[1]}) for p, d in defs.items() if d]
         yield rng.choice(_H_REFS).format(names=", ".join(f"`{n}`" for n in names)) + "\n" + "".join(refs)
-    # 4. the edits, one file a turn (edits change the workspace: they run alone anyway)
+    # 4. the plan in the scratchpad, then the edits, one file a turn (edits change the
+    # workspace: they run alone anyway)
+    plan = change_summary(task, solution, tested=False).split(", because", 1)[0]
+    first = True
     for path in sorted(solution):
         old_text = task.files.get(path)
         if old_text != solution[path]:
-            yield _edit_reply(path, old_text, solution[path], rng, edit_tool)
+            reply = _edit_reply(path, old_text, solution[path], rng, edit_tool)
+            if first and offered("think"):
+                words, call = reply.split("\n", 1)
+                reply = words + "\n" + render_tool_call("think", {"thought": "Plan: " + plan[2:]}) + call
+            first = False
+            yield reply
     # 5. tests and type errors of the edited files, in one turn
     what, calls = [], []
     if offered("run_tests"):
@@ -283,8 +308,14 @@ def _harness(task, solution: dict, rng: random.Random, offered, edit_tool: str):
         calls += [render_tool_call("diagnostics", {"action": "check", "path": p}) for p in checked]
     if calls:
         yield _turn(rng.choice(_H_NEXT), what, calls)
-    # 6. what changed and why, then submit
-    yield change_summary(task, solution, tested=offered("run_tests")) + "\n" + render_tool_call("submit", {})
+    # 6. what changed and why, then submit (a repository task: a note for its next task first)
+    note = []
+    if repository and offered("memory_write"):
+        where = ", ".join(f"{p} ({d[0]})" if d else p for p, d in defs.items())
+        note = [render_tool_call("memory_write", {"note": f"Tests run with `{task.test_command}`. "
+                                                          f"Fixed a bug in {where}."})]
+    yield (change_summary(task, solution, tested=offered("run_tests")) + "\n" + "".join(note)
+           + render_tool_call("submit", {}))
 
 
 def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file",
@@ -295,9 +326,11 @@ def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file"
     ep.reset(task)
     info = dict(ep.info)
     try:
-        offered = [t.name for t in ep.tools] if episode_kwargs.get("tools") else None
+        # only what works in this episode: semantic_search needs an encoder
+        offered = [t.name for t in ep.tools if t.name != "semantic_search" or ep.semantic is not None]
         rng = random.Random(f"{seed}/{task.id}")
-        for text in script(task, solution, rng, tools=offered, edit_tool=edit_tool):
+        for text in script(_with_workspace_files(task, solution, ep), solution, rng, tools=offered,
+                           edit_tool=edit_tool):
             _, done, info = ep.step(text)
             if done:
                 break
@@ -305,6 +338,20 @@ def transcript(task, solution: dict, seed: int = 0, edit_tool: str = "edit_file"
         ep.close()
     ok = info.get("done_reason") == "submit" and info.get("reward") == 1.0
     return ({"messages": ep.messages} if ok else None), info
+
+
+def _with_workspace_files(task, solution: dict, ep):
+    """`task` whose `files` also hold the workspace's text of the paths `solution` changes: a
+    repository task ships its files in the checkout, not in `files`, and the script needs the
+    text before the change (what it reads, greps and edits)."""
+    base = {}
+    for path in solution:
+        if path not in task.files:
+            try:
+                base[path] = ep.sandbox.read(path)
+            except (FileNotFoundError, ValueError, OSError):
+                pass  # a new file
+    return dataclasses.replace(task, files={**task.files, **base}) if base else task
 
 
 def _one(item):

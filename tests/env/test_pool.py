@@ -171,8 +171,8 @@ def test_harness_transcript_turns_parse_back_and_hold_the_tools_outputs():
     msgs = conv["messages"]
     turns = [parse_tool_calls(m["content"], SPECS) for m in msgs if m["role"] == "assistant"]
     assert [[c.name for c in t] for t in turns] == [
-        ["run_tests", "search"], ["read_file", "grep"], ["diagnostics"], ["edit_file"],
-        ["run_tests", "diagnostics"], ["submit"]]
+        ["run_tests", "search"], ["read_file", "grep"], ["diagnostics"], ["think", "edit_file"],
+        ["run_tests", "diagnostics"], ["submit"]]  # no encoder here: no semantic_search; no repository: no notes
     assert [m["role"] for m in msgs[2:]] == ["assistant", "tool"] * 5 + ["assistant"]
     no_time = lambda s: re.sub(r" in \d+\.\d+s\b", " in Ts", s)
     ep = Episode(len)
@@ -184,6 +184,30 @@ def test_harness_transcript_turns_parse_back_and_hold_the_tools_outputs():
         ep.close()
     assert "1 failed" in msgs[3]["content"] and "answer.py" in msgs[3]["content"].split("</tool_result>")[1]
     assert communication.judge(msgs[-1]["content"], ["answer.py"]).good
+
+
+def test_harness_transcript_of_a_repository_task_uses_history_memory_and_semantic_search(dates_repo_task, tmp_path):
+    """A repository task with the whole harness: notes and the changed file's history with the
+    search in the first turn, a plan in the scratchpad before the edit, a note for the next task
+    before submitting; the note is there afterwards."""
+    from coder.env.memory import Memory
+    from coder.env.semantic_search import SemanticSpec
+    from configs import base
+
+    memory = Memory.from_config(base.get_config().env, str(tmp_path / "memory"))
+    semantic = SemanticSpec("tests.env.test_semantic_search:make_word_encoder", cache_dir=str(tmp_path / "sem"))
+    conv, info = transcript(dates_repo_task.task, dates_repo_task.solution, seed=0, memory=memory,
+                            semantic=semantic)
+    assert info["reward"] == 1.0 and info["broken_calls"] == 0
+    msgs = conv["messages"]
+    turns = [[c.name for c in parse_tool_calls(m["content"], SPECS)] for m in msgs if m["role"] == "assistant"]
+    assert turns == [["run_tests", "search", "semantic_search", "memory_read", "repo_history"],
+                     ["read_file", "grep"], ["diagnostics"], ["think", "edit_file"], ["run_tests", "diagnostics"],
+                     ["memory_write", "submit"]]
+    assert "speed up parse_iso" in msgs[3]["content"]  # the history of pkg/dates.py
+    assert "pkg/dates.py:1-3 (score" in msgs[3]["content"].split("</tool_result>")[2]  # semantic_search
+    (note,) = memory.scope(dates_repo_task.task).notes("")
+    assert "python -m pytest -q tests" in note and "pkg/dates.py (parse_iso)" in note
 
 
 def test_the_offered_tools_choose_the_script_and_its_steps():

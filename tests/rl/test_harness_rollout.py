@@ -6,7 +6,6 @@ here is the harness's mechanics (every call parses, runs in the sandbox, returns
 the context the model reads, and the rollout trains), not what a tiny model would choose.
 """
 import os
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -17,45 +16,12 @@ from flax import nnx
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
 from coder.env import tools as env_tools
-from coder.env.tasks import Task
 from coder.model import Transformer
 from coder.rl import actor as actor_lib
 from coder.rl import eval as eval_lib
 from coder.rl import grpo, trajectory
 from configs import base
 from tests.rl.test_agent import ScriptedEngine
-
-BUGGY = 'def parse_iso(text):\n    """The (year, month, day) of an ISO date string."""\n    return tuple(int(p) for p in text[:-1].split("-"))\n'
-FIXED = BUGGY.replace("text[:-1]", "text")
-TEST = "from pkg.dates import parse_iso\n\n\ndef test_parse_iso():\n    assert parse_iso('2024-01-31') == (2024, 1, 31)\n"
-
-
-def _git(cwd, *args):
-    env = {"PATH": os.environ["PATH"], "HOME": str(cwd), "GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "a",
-           "GIT_AUTHOR_EMAIL": "a@x", "GIT_COMMITTER_NAME": "a", "GIT_COMMITTER_EMAIL": "a@x"}
-    return subprocess.run(["git", "-c", "init.defaultBranch=main", *args], cwd=cwd, env=env, check=True,
-                          capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture(scope="module")
-def repo_task(tmp_path_factory):
-    """A two-commit repository; the second commit ("speed up parse_iso") brought the bug."""
-    src = tmp_path_factory.mktemp("dates")
-    _git(src, "init", "-q")
-    (src / "pkg").mkdir()
-    (src / "tests").mkdir()
-    (src / "pkg" / "__init__.py").write_text("")
-    (src / "pkg" / "dates.py").write_text(FIXED)
-    (src / "pkg" / "util.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n")
-    (src / "tests" / "test_dates.py").write_text(TEST)
-    _git(src, "add", ".")
-    _git(src, "commit", "-qm", "dates: parse_iso")
-    (src / "pkg" / "dates.py").write_text(BUGGY)
-    _git(src, "commit", "-qam", "speed up parse_iso")
-    return Task("repo/dates/1", "parse_iso returns the wrong day for '2024-01-31'. Fix it.", {},
-                {"tests/test_dates.py": TEST}, repo=str(src), commit=_git(src, "rev-parse", "HEAD"),
-                test_command="python -m pytest -q tests", metadata={"repo": "example/dates"})
-
 
 def _config():
     c = base.get_config()
@@ -93,12 +59,14 @@ def _script(tok):
 
 
 @pytest.fixture(scope="module")
-def tok():
-    texts = [protocol.render_system_prompt(env_tools.SPECS), BUGGY + TEST, "Looking around. I changed it."]
+def tok(dates_repo_task):
+    texts = [protocol.render_system_prompt(env_tools.SPECS), "\n".join(dates_repo_task.solution.values()),
+             "Looking around. I changed it."]
     return tokenizer_lib.train_tokenizer(texts, 400)
 
 
-def test_every_tool_runs_in_the_rl_loop_and_the_group_trains(repo_task, tok, tmp_path):
+def test_every_tool_runs_in_the_rl_loop_and_the_group_trains(dates_repo_task, tok, tmp_path):
+    repo_task = dates_repo_task.task
     config = _config()
     script = _script(tok)
     quick = _turn(tok, ("submit", {}), words="Done. ")
