@@ -43,9 +43,9 @@ the changed file, three query forms (that bench's docstring):
 | wordllama (installed, 256-d) | 0.571 / 0.771 | 0.000 / 0.086 | 0.632 / 0.684 |
 
 Here BM25 wins every form: these queries carry the code's own identifiers and words, and a
-1M-parameter policy's mean-pooled states are near chance (about 0.05). Embedding queries take
-17-60 ms against BM25's 0.92 s (the `search` tool re-indexes the workspace per call; this index
-is cached). What the policy encoder is worth at the scale it is meant for is not measured here.
+1M-parameter policy's mean-pooled states are near chance (about 0.05). A query takes 17-60 ms
+(BM25: 9-24 ms, its index cached the same way). What the policy encoder is worth at the scale it
+is meant for is not measured here.
 
 **Cache**: embeddings are stored per file content (sha256), so a vector is only ever used for
 the exact text it was computed from. The first search of a task loads the table of the task's

@@ -209,6 +209,25 @@ def test_tokenize_and_bm25():
     assert search.search(files, "quantum chromodynamics") == []
 
 
+def test_bm25_index_is_cached_per_file_content(monkeypatch):
+    """A second search over the same files tokenizes nothing; after an edit only the edited file
+    is chunked again, and the ranking is the one a fresh index gives."""
+    files = {f"m{i}.py": f"def f{i}(x):\n    return x + {i}\n" for i in range(5)}
+    files["cfg.py"] = "def load_config(path):\n    return open(path).read()\n"
+    search.search(files, "load config")
+    chunked = []
+    real = search.chunk_file
+    monkeypatch.setattr(search, "chunk_file", lambda path, *a: chunked.append(path) or real(path, *a))
+    first = search.search(files, "load config")
+    assert chunked == []
+    edited = dict(files, **{"m3.py": "def load_configuration(p):\n    return p\n"})
+    again = search.search(edited, "load config")
+    assert chunked == ["m3.py"]
+    search._FILES.clear()
+    search._INDEXES.clear()
+    assert search.search(edited, "load config") == again and first[0][1].path == "cfg.py"
+
+
 def test_chunking_covers_every_line():
     text = "\n".join(f"line {i}" for i in range(1, 101))
     chunks = search.chunk_file("x.txt", text, chunk_lines=40)
