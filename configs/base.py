@@ -168,6 +168,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.speculative_k = 0  # the engine drafts this many tokens per step with the MTP modules (<= model.num_mtp_layers)
     # The rollout engine (coder/infer/engine.py): continuous batching over a pool of cache slots.
     c.rl.engine_slots = 0  # rows decoded together at most (0 = tasks_per_step * group_size)
+    # rows waiting on tools move their KV cache to host memory when other rows need the slot, and
+    # come back before they decode (same tokens; more rollouts open than slots; one-process
+    # engines only: coder/infer/engine.py). Serving needs none: a request's rows close with it.
+    c.rl.offload_idle_rows = False
     c.rl.decode_steps = 16  # decode steps per host call, run on device in one lax.while_loop
     c.rl.engine_dtype = ""  # serving weights' dtype ("" = model.dtype; "bfloat16": bf16 engine, f32 learner)
     # The engine's model-parallel axes (coder.rl.actor.engine_mesh; 0 = the training mesh's): an

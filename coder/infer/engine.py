@@ -21,7 +21,10 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
         share its batches (tests compare rows decoded together and alone).
     engine.append(group, row, token_ids)
         Observation tokens for a row (a tool's output); the next `generate` of that row prefills
-        only them, never the history. The row keeps its slot and cache while it waits.
+        only them, never the history. The row keeps its slot and cache while it waits, unless
+        `offload_idle_rows`: then a waiting row whose slot other work needs moves its slot's
+        state (KV cache, logits, hidden states) to host memory, and its next `generate` writes
+        it back into a free slot first: the same tokens, with more groups open than slots.
     engine.set_weights(state, version=None)
         New weights (an `nnx.State`, partial states allowed, or a model), from any thread; they
         apply between two decode calls (in flight: rows keep their caches). Every sampled token
@@ -64,7 +67,8 @@ On a mesh: weights shard by the training rules (`coder.model.sharding`: tensor /
 fsdp axes), the pool's slots split over the batch axes when they divide the slot count.
 `dtype` casts floating weights (e.g. bfloat16 serving weights while the learner keeps float32).
 
-Counters: `prefill_tokens`, `decode_steps`, `decode_calls`, `emitted`, with speculative decoding
+Counters: `prefill_tokens`, `decode_steps`, `decode_calls`, `emitted`, `offloads` / `swap_ins`
+(rows moved to host memory and back) and `offloaded_bytes`, with speculative decoding
 `drafted` / `accepted` and `accepted_by_depth` `[k]`; `stats()` adds the decode batch occupancy.
 """
 from __future__ import annotations
@@ -137,7 +141,7 @@ class Engine:
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
                  batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=None, speculative_k: int = 0,
                  cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0,
-                 follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0):
+                 follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0, offload_idle_rows: bool = False):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
@@ -171,6 +175,10 @@ class Engine:
                          if len(processes) > 1 else None)
         self.is_leader = self._channel is None or self._channel.is_leader
         self.processes = len(processes)
+        if offload_idle_rows and self._channel is not None:
+            raise ValueError("offload_idle_rows: built for an engine on one process only (over several, a "
+                             "slot's state spans the processes' devices and no path moves it to host and back)")
+        self.offload_idle_rows = bool(offload_idle_rows)
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         self._state_shardings = self._weight_shardings(state)
@@ -204,6 +212,7 @@ class Engine:
         self.drafted = 0  # speculative: drafts proposed for active rows
         self.accepted = 0  # speculative: drafts accepted
         self.accepted_by_depth = np.zeros((self.spec_k,), np.int64)
+        self.offloads = self.swap_ins = self.offloaded_bytes = 0
         self._check_cache_layout()
         bind = dict(experts_dtype=self.experts_dtype)
         self._prefill_fn = jax.jit(self._counted("prefill", functools.partial(
@@ -211,6 +220,8 @@ class Engine:
         self._decode_fn = jax.jit(self._counted("decode", functools.partial(
             programs.decode, graphdef, num_steps=self.decode_steps_per_call, **bind)))
         self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots))
+        self._read_slot_fn = jax.jit(self._counted("read_slot", programs.read_slot))
+        self._write_slot_fn = jax.jit(self._counted("write_slot", programs.write_slot))
         self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
         self._calls = {"pool": self._call_pool, "prefill": self._call_prefill, "copy": self._call_copy,
                        "decode": self._call_decode, "weights": self._call_weights}
@@ -247,7 +258,7 @@ class Engine:
         with self._lock:
             if r.request is not None:
                 raise RuntimeError(f"append: row {row} is being decoded by a generate call")
-            if r.slot < 0:
+            if r.closed:
                 raise RuntimeError(f"append: row {row}'s group was closed")
             r.tokens.extend(ids)
             r.finish_reason = None
@@ -269,7 +280,7 @@ class Engine:
         out, live = {}, []
         for i in rows:
             r = group.rows[i]
-            if r.slot < 0:
+            if r.closed:
                 raise RuntimeError(f"generate: row {i}'s group was closed")
             if len(r.tokens) >= self.max_len or params.max_new_tokens <= 0:
                 reason = "max_len" if len(r.tokens) >= self.max_len else "length"
@@ -413,6 +424,9 @@ class Engine:
         if self.spec_k:
             s.update(drafted=self.drafted, accepted=self.accepted,
                      **{f"accepted_depth{d + 1}": int(a) for d, a in enumerate(self.accepted_by_depth)})
+        if self.offload_idle_rows:
+            s.update(offloads=self.offloads, swap_ins=self.swap_ins, offloaded_bytes=self.offloaded_bytes,
+                     rows_offloaded_now=len(self.sched.offloaded))
         return s
 
     def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,
@@ -489,6 +503,8 @@ class Engine:
     def _gather_cache(self, slots):
         if self._channel is not None:
             raise RuntimeError("Group.cache: the cache of an engine over several processes spans them")
+        if any(s < 0 for s in slots):
+            raise RuntimeError("Group.cache: a row is offloaded to host memory (or its group closed)")
         with self._lock:
             idx = jnp.asarray(slots, jnp.int32)
             return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self._store.cache)
@@ -522,19 +538,22 @@ class Engine:
             for r in rows:
                 if r.request is not None:
                     raise RuntimeError("release: the row is being decoded by a generate call")
+            self.sched.drop_offloaded(rows)
             self.sched.to_release += [r.slot for r in rows if r.slot >= 0 and r.slot not in self.sched.to_release]
             if self._thread is not None:
                 self._lock.notify_all()
 
     def _has_work(self) -> bool:
         s = self.sched
-        admissible = bool(s.admissions) and len(s.admissions[0][0]) <= len(s.pool.free) + len(s.prefixes)
-        return bool(admissible or s.to_release or s.decoding() or self._pending_weights)
+        room = len(s.pool.free) + len(s.prefixes) + (len(s.idle()) if self.offload_idle_rows else 0)
+        admissible = bool(s.admissions) and len(s.admissions[0][0]) <= room
+        back = room > 0 and any(r.request is not None for r in s.offloaded)
+        return bool(admissible or back or s.to_release or s.decoding() or self._pending_weights)
 
     def _check_stuck(self) -> None:
         """Groups that wait for slots while every slot is held by an idle open group: fine for a
         while (their agents may be running tools), an error after `admission_timeout_s`."""
-        if not self.sched.stuck():
+        if not self.sched.stuck(self.offload_idle_rows):
             self._stuck_since = None
             return
         now = time.monotonic()
@@ -575,8 +594,15 @@ class Engine:
         self._sync_weights()
         with self._lock:
             self.sched.release_closed()
+            victims = self.sched.offload_victims() if self.offload_idle_rows else []
+        if victims:
+            self._offload(victims)
+        with self._lock:
+            back = self.sched.swap_in_ready()
             admitted = self.sched.admit_ready()
             prefill = self.sched.to_prefill()
+        if back:
+            self._swap_in(back)
         if admitted:
             self._admit(admitted)
         if prefill:
@@ -732,6 +758,29 @@ class Engine:
         for _, call in admitted:
             call.finish_one()
 
+    def _offload(self, rows: list[Row]) -> None:
+        """Copy the rows' slot states to host memory; then (unless a generate took a row since it
+        was chosen) free their slots."""
+        for r in rows:
+            host = jax.tree.map(np.asarray, self._run(self._read_slot_fn, self._store, np.int32(r.slot)))
+            with self._lock:
+                if self.sched.offload(r, host):
+                    self.offloads += 1
+                    self.offloaded_bytes += sum(x.nbytes for x in jax.tree.leaves(host))
+
+    def _swap_in(self, rows: list[Row]) -> None:
+        """Write offloaded rows' states back into the slots they were given (the pool sized for
+        them first; each cache leaf padded or cut to the pool's capacity, which holds the row)."""
+        self._fit_pool(max(r.length for r in rows))
+        shapes = [x.shape[1:] for x in jax.tree.leaves(self._store)]
+        for r in rows:
+            leaves, treedef = jax.tree.flatten(r.host)
+            fit = treedef.unflatten([_fit_to(h, shape) for h, shape in zip(leaves, shapes, strict=True)])
+            self._store = self._run(self._write_slot_fn, self._store, fit, np.int32(r.slot))
+            with self._lock:
+                r.host = None
+                self.swap_ins += 1
+
     def _prefill(self, rows: list[Row]) -> None:
         """Write the pending tokens of `rows` (slots held) into the cache, in batches and length
         buckets; rows longer than the largest length bucket go in several chunks."""
@@ -803,6 +852,14 @@ def _close_running():
 
 def _signature(state):
     return jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+
+
+def _fit_to(x: np.ndarray, shape) -> np.ndarray:
+    """`x` cut or zero-padded to `shape` (an offloaded row's state at the pool's capacity now)."""
+    if not shape:
+        return x
+    x = x[tuple(slice(0, n) for n in shape)]
+    return np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])
 
 
 def _is_abstract(state) -> bool:

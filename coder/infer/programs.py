@@ -103,6 +103,16 @@ def copy_slots(store: Store, src, dst) -> Store:
     return jax.tree.map(lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), store)
 
 
+def read_slot(store: Store, slot) -> Store:
+    """Slot `slot`'s state: every leaf without its slot axis (a row moving to host memory)."""
+    return jax.tree.map(lambda x: x[slot], store)
+
+
+def write_slot(store: Store, row: Store, slot) -> Store:
+    """`row` (leaves without the slot axis, at this store's capacity) into slot `slot`."""
+    return jax.tree.map(lambda x, r: x.at[slot].set(r), store, row)
+
+
 def _compact_experts(expert_ids, dtype):
     """Model aux expert ids `[L, B, T, K]` int32 -> `[B, T, L, K]` compact."""
     return jnp.transpose(expert_ids, (1, 2, 0, 3)).astype(dtype)

@@ -10,8 +10,14 @@ Life of a row (one sequence of a group):
             (appended observations) that the next prefill writes, never the history;
   decoding  a `generate` request covers it: it takes part in every decode call until it stops,
             spends its budget or reaches max_len; its request then completes;
+  offloaded (the engine's `offload_idle_rows`) a holding row whose slot another group or row
+            needed: its slot's state (KV cache, logits, hidden states) was copied to host memory
+            and the slot freed; its next `generate` brings it back into a free slot first;
   released  its group was closed (or garbage-collected): the slot returns to the pool.
 A row waiting on a tool is "holding": it keeps its slot and its cache while other rows decode.
+With offload on, idle holding rows are offloaded when work waits for slots: rows coming back
+first, then the oldest waiting admission; cached prefixes are evicted before any row is
+offloaded, and rows idle longest go first.
 
 Prefix cache (`prefix_cache_slots` > 0): a released row's slot keeps its cache as a cached
 prefix (its cached tokens), least recently used first out, at most `prefix_cache_slots` of them.
@@ -116,6 +122,12 @@ class Row:
     reuse: tuple | None = None  # (cached slot, tokens) a new group's first row starts from
     request: Request | None = None  # the generate call decoding this row
     result: Generation | None = None  # what the last request produced, until its caller takes it
+    host: object = None  # offloaded: its slot's state in host memory (programs.Store of numpy leaves)
+    last_used: int = 0  # the scheduler's tick when it last decoded or was admitted (offload: oldest first)
+
+    @property
+    def closed(self) -> bool:
+        return self.slot < 0 and self.host is None
 
     @property
     def pending(self) -> list:
@@ -165,6 +177,8 @@ class Scheduler:
         self.rows: dict[int, Row] = {}  # slot -> row holding it
         self.admissions: list[tuple[list, Call]] = []  # (rows of a group, its call) in FIFO order
         self.to_release: list = []  # slots of closed groups (freed by the engine thread)
+        self.offloaded: list[Row] = []  # rows whose state is in host memory, in offload order
+        self.tick = 0  # counts admissions and decode calls: rows' last_used
 
     # ------------------------------------------------------------------ admission and release
     def admit_ready(self) -> list[list]:
@@ -189,8 +203,9 @@ class Scheduler:
             if slots is None:
                 break
             self.admissions.pop(0)
+            self.tick += 1
             for r, s in zip(rows, slots):
-                r.slot = s
+                r.slot, r.last_used = s, self.tick
                 self.rows[s] = r
             if match:
                 rows[0].reuse = match
@@ -210,6 +225,58 @@ class Scheduler:
             if k and (best is None or k > best[1]):
                 best = (slot, k)
         return best
+
+    # ------------------------------------------------------------------ offload
+    def slots_wanted(self) -> int:
+        """Slots the oldest waiting work needs: every offloaded row a generate waits on, else the
+        head admission's group."""
+        back = sum(1 for r in self.offloaded if r.request is not None)
+        return back or (len(self.admissions[0][0]) if self.admissions else 0)
+
+    def idle(self) -> list[Row]:
+        """Holding rows no generate covers, idle longest first (offload candidates)."""
+        return sorted((r for s, r in self.rows.items() if r.request is None and s not in self.to_release),
+                      key=lambda r: r.last_used)
+
+    def offload_victims(self) -> list[Row]:
+        """Idle rows to move to host memory so the oldest waiting work fits (cached prefixes
+        count as free: admission evicts them first)."""
+        short = self.slots_wanted() - len(self.pool.free) - len(self.prefixes)
+        return self.idle()[:max(short, 0)]
+
+    def offload(self, r: Row, host) -> bool:
+        """Row `r`'s slot state is `host`: free its slot. False (nothing done) when a generate
+        took the row since it was chosen."""
+        if r.request is not None or self.rows.get(r.slot) is not r or r.slot in self.to_release:
+            return False
+        del self.rows[r.slot]
+        self.pool.release([r.slot])
+        r.slot, r.host = -1, host
+        self.offloaded.append(r)
+        return True
+
+    def swap_in_ready(self) -> list[Row]:
+        """Offloaded rows a generate waits on that get a slot now (cached prefixes evicted for
+        room), in offload order; the engine writes their state back before anything runs."""
+        out = []
+        for r in [r for r in self.offloaded if r.request is not None]:
+            if not self.pool.free and self.prefixes:
+                self._evict(next(iter(self.prefixes)))
+            slots = self.pool.alloc(1)
+            if slots is None:
+                break
+            self.offloaded.remove(r)
+            r.slot = slots[0]
+            self.rows[r.slot] = r
+            out.append(r)
+        return out
+
+    def drop_offloaded(self, rows) -> None:
+        """Closed rows in host memory: forget their state."""
+        for r in rows:
+            r.host = None
+            if r in self.offloaded:
+                self.offloaded.remove(r)
 
     def _evict(self, slot: int) -> None:
         del self.prefixes[slot]
@@ -233,10 +300,12 @@ class Scheduler:
                     self.pool.release([s])
         self.to_release = [s for s in self.to_release if s in self.rows]
 
-    def stuck(self) -> bool:
+    def stuck(self, offload: bool = False) -> bool:
         """Groups wait for slots that nothing will free: no row is decoding and no closed
-        group is pending release (every slot is held by an open, idle group)."""
-        return bool(self.admissions) and not self.decoding() and not self.to_release and not self.prefixes
+        group is pending release (every slot is held by an open, idle group; with `offload`,
+        none is idle either)."""
+        return (bool(self.admissions) and not self.decoding() and not self.to_release and not self.prefixes
+                and not (offload and self.idle()))
 
     # ------------------------------------------------------------------ work selection
     def decoding(self) -> list[Row]:
@@ -305,6 +374,7 @@ class Scheduler:
     def absorb_decode(self, ready: list[Row], out: dict, version: int) -> None:
         """Emitted tokens (numpy fields of `programs.Emitted`) into rows and their requests; a
         row that stopped, spent its budget or reached max_len finishes its request."""
+        self.tick += 1
         for r in ready:
             s, req = r.slot, r.request
             c = int(out["count"][s])
@@ -317,6 +387,7 @@ class Scheduler:
             gen.policy_version += [r.logits_version] + [version] * (c - 1)
             experts = np.ascontiguousarray(out["experts"][s, :c])
             gen.expert_ids.append(experts)
+            r.last_used = self.tick
             r.tokens += new
             r.expert_chunks.append(experts)
             r.length += c
@@ -344,7 +415,7 @@ class Scheduler:
 
     def fail_all(self, error: BaseException) -> None:
         """The engine thread failed: every waiting caller gets the error (never a hang)."""
-        for r in self.decoding():
+        for r in self.decoding() + [r for r in self.offloaded if r.request is not None]:
             r.request.call.fail(error)
             r.request = None
         for _, call in self.admissions:

@@ -218,7 +218,7 @@ def make_engine(model, config, *, mesh=None):
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
                   max_slots=slots, decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
                   mesh=engine_mesh(config) if mesh is None else mesh, rules=engine_rules(config),
-                  follower_timeout_s=float(rl.actor_timeout_s))
+                  follower_timeout_s=float(rl.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows))
 
 
 # --- actor -------------------------------------------------------------------------------------
