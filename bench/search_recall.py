@@ -49,6 +49,7 @@ from coder.env import search as search_lib  # noqa: E402
 from coder.env import semantic_search as sem  # noqa: E402
 from coder.env import tools  # noqa: E402
 from coder.env.tasks import Task, read_tasks, write_tasks  # noqa: E402
+from coder.infer import embedding  # noqa: E402
 
 
 FORMS = ("as generated", "failing test", "behaviour")
@@ -161,7 +162,8 @@ def main(argv=None) -> int:
 
     files = repository()
     tasks = tasks_of(args)
-    spec = sem.SemanticSpec("policy", args.checkpoint)  # the tool's cache: a rerun reuses the tables
+    # the tool's spec and cache (a rerun reuses the tables)
+    spec = sem.SemanticSpec(embedding.POLICY, (("checkpoint", args.checkpoint),))
     policy = sem.encoder_of(spec)  # also the token counter: the tokens the policy would read
     count = lambda s: len(policy.tokenizer.encode(s, allow_special=False))  # noqa: E731
     snapshot = Task(id="stdlib", prompt="", files=files, tests={})  # one snapshot: one table

@@ -12,20 +12,16 @@ their definition. A chunk longer than `max_lines` is cut into windows. Other fil
 that does not parse, are cut into the overlapping windows BM25 uses. A chunk is embedded as its
 path, its class line (a method), then its text, so a file's and a class's names count.
 
-**Encoders** (`SemanticSpec.encoder`): an `Encoder` has a `name` (which model: the cache key)
-and `encode(texts) -> [n, dim]` float32.
-- `"policy"`: the policy model's own trunk, read from the checkpoint `SemanticSpec.checkpoint`
-  (the run's starting policy): the mean over a chunk's tokens of the final-norm hidden state,
-  so there are no extra weights to ship. Frozen at that checkpoint on purpose: hidden states
-  move with every update, and an index mixing vectors of different steps would compare
-  incomparable things; a frozen encoder gives one index per repository snapshot for the run.
-  It runs where the tool runs (the env worker, on its CPU: `jax_platforms` is set to cpu there
-  when nothing has initialised a backend yet, so it never takes the trainer's accelerator),
-  which suits models a host's memory holds; a policy a CPU worker cannot hold (the 1T configs)
-  needs an installed encoder instead.
-- `"package.module:factory"`: an encoder the user installs: `factory()` returns any object with
-  `encode(list[str]) -> array [n, dim]` (a sentence-transformers model, wordllama, an HTTP
-  embedding service's client); its `name` attribute, if any, keys the cache (else the string).
+**Encoders** (`SemanticSpec.encoder`, a `package.module:factory` import path called with the
+spec's options): the factory returns any object with `encode(list[str]) -> array [n, dim]`
+(its `name` attribute, if any, keys the cache; else the import path). The tool imports the
+factory where it runs (the env worker), so this module depends on no model code. What
+`env.semantic_encoder` names (coder.infer.embedding.semantic_spec turns the config into a spec):
+- `"policy"` (the default): the policy model's own trunk, mean-pooled
+  (coder.infer.embedding.PolicyEncoder), from the stage's starting checkpoint: no extra weights
+  to ship;
+- an encoder the user installs (a sentence-transformers model, wordllama, an HTTP embedding
+  service's client), by its factory's import path.
 
 **Index**: faiss `IndexFlatIP` over L2-normalised vectors, i.e. exact cosine similarity. faiss
 because it is the field's vector-search library, kept by Meta with wheels for every platform,
@@ -79,29 +75,18 @@ _MAX_TABLES = 8
 
 @dataclasses.dataclass(frozen=True)
 class SemanticSpec:
-    """What a worker needs to build the search (picklable; `config.env.semantic_*`)."""
+    """What a worker needs to build the search (picklable): the encoder's factory by import path,
+    called as `factory(**dict(options))`, and where embeddings are cached."""
 
-    encoder: str = "policy"  # "policy" or "package.module:factory"
-    checkpoint: str = ""  # "policy": the checkpoint directory whose trunk embeds
+    encoder: str  # "package.module:factory"
+    options: tuple = ()  # (name, value) pairs: the factory's keyword arguments
     cache_dir: str = ""  # "" = CACHE
-    max_tokens: int = 256  # "policy": a chunk's first tokens that are embedded
-    batch: int = 32  # "policy": chunks per forward
     max_lines: int = 60  # longest chunk, in lines
 
-    @classmethod
-    def from_config(cls, env_cfg, checkpoint: str = "") -> "SemanticSpec | None":
-        """The spec of `config.env` (None when `env.semantic_encoder` is empty: the tool is off);
-        `checkpoint` is the stage's starting policy, used when env.semantic_checkpoint is empty."""
-        name = str(env_cfg.semantic_encoder)
-        if not name:
-            return None
-        ckpt = str(env_cfg.semantic_checkpoint) or checkpoint
-        if name == "policy" and not ckpt:
-            raise ValueError("env.semantic_encoder='policy' needs a checkpoint: set "
-                             "env.semantic_checkpoint or start the stage from one (init_from)")
-        if name != "policy" and ":" not in name:
-            raise ValueError(f"env.semantic_encoder={name!r}: 'policy' or 'package.module:factory'")
-        return cls(name, ckpt, str(env_cfg.semantic_cache_dir), int(env_cfg.semantic_max_tokens))
+    def __post_init__(self):
+        module, _, attr = self.encoder.partition(":")
+        if not module or not attr:
+            raise ValueError(f"semantic search encoder {self.encoder!r}: 'package.module:factory'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,80 +157,11 @@ def chunk_definitions(path: str, text: str, max_lines: int = 60) -> list[Chunk]:
 
 
 # --- encoders ----------------------------------------------------------------------------------
-class PolicyEncoder:
-    """Mean-pooled final-norm hidden states of a coder checkpoint's trunk, L2-normalised.
-
-    `encode(texts)` -> `[n, hidden_size]` float32. Texts are cut to `max_tokens` tokens and padded
-    to a power of two (at most log2(max_tokens) programs are compiled)."""
-
-    def __init__(self, checkpoint: str, max_tokens: int = 256, batch: int = 32):
-        import jax
-        import jax.numpy as jnp
-        import ml_collections
-        from flax import nnx
-
-        try:  # an env worker that never touched JAX: keep it off the trainer's accelerator
-            from jax._src import xla_bridge
-
-            if not xla_bridge.backends_are_initialized():
-                jax.config.update("jax_platforms", "cpu")
-        except (ImportError, AttributeError):
-            pass
-        from coder.model import sharding
-        from coder.model.config import default_rules
-        from coder.train import checkpoint as ckpt_lib
-        from coder.train.state import load_model
-
-        step_dir = ckpt_lib.step_dir(checkpoint)
-        config = ml_collections.ConfigDict(ckpt_lib.read_config(step_dir))
-        # one CPU device: the run's mesh and its rules (lists once saved as JSON) do not apply
-        config.mesh.update(data=1, fsdp=1, expert=1, tensor=1, sequence=1, num_slices=1)
-        config.mesh.rules = default_rules()
-        device = jax.devices("cpu")[0]
-        with jax.default_device(device):
-            self.model = load_model(config, step_dir, sharding.make_mesh(config.mesh, [device]))
-        self.tokenizer = ckpt_lib.stage_tokenizer(config, init_from=step_dir)
-        self.device, self.max_tokens, self.batch = device, int(max_tokens), int(batch)
-        self.name = "policy-" + hashlib.sha256(
-            f"{os.path.realpath(step_dir)}|{max_tokens}".encode()).hexdigest()[:16]
-        graphdef, state = nnx.split(self.model)
-
-        @jax.jit
-        def pooled(state, tokens, valid):
-            model = nnx.merge(graphdef, state)
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-            _, aux = model(tokens, positions, valid.astype(jnp.int32), mtp=False)
-            h = model.norm(aux["hidden"]).astype(jnp.float32)  # [B, T, D]
-            w = valid[..., None].astype(jnp.float32)
-            v = (h * w).sum(1) / jnp.maximum(w.sum(1), 1.0)  # [B, D]
-            return v / jnp.maximum(jnp.linalg.norm(v, axis=-1, keepdims=True), 1e-9)
-
-        self._state, self._pooled, self._lock = state, pooled, threading.Lock()
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        import jax
-
-        ids = [self.tokenizer.encode(t, allow_special=False)[: self.max_tokens] or [0] for t in texts]
-        out = []
-        with self._lock, jax.default_device(self.device):  # one forward at a time per process
-            for b in range(0, len(ids), self.batch):
-                rows = ids[b:b + self.batch]
-                width = 1 << (max(len(r) for r in rows) - 1).bit_length()  # next power of two
-                tokens = np.zeros((self.batch, width), np.int32)
-                valid = np.zeros((self.batch, width), bool)
-                for i, r in enumerate(rows):
-                    tokens[i, :len(r)], valid[i, :len(r)] = r, True
-                out.append(np.asarray(self._pooled(self._state, tokens, valid))[:len(rows)])
-        return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
-
-
 @functools.lru_cache(maxsize=4)
 def encoder_of(spec: SemanticSpec):
     """The spec's encoder, built once per process."""
-    if spec.encoder == "policy":
-        return PolicyEncoder(spec.checkpoint, spec.max_tokens, spec.batch)
     module, _, attr = spec.encoder.partition(":")
-    enc = getattr(importlib.import_module(module), attr)()
+    enc = getattr(importlib.import_module(module), attr)(**dict(spec.options))
     if not callable(getattr(enc, "encode", None)):
         raise TypeError(f"{spec.encoder}() returned {type(enc).__name__}, which has no encode(texts)")
     return enc

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from coder.env.episode import Episode
-from coder.env.semantic_search import SemanticSpec
+from coder.infer import embedding
 from coder.rl import agent as agent_lib
 from coder.rl import grpo
 from coder.rl import reward as reward_lib
@@ -105,7 +105,7 @@ class EpisodeFactory:
         pool_lib.check_config(env)
         memory = Memory.from_config(env, memory_dir, eval_ids) if memory_dir else None
         offered = not rl.tools or "semantic_search" in rl.tools
-        semantic = SemanticSpec.from_config(env, policy_checkpoint) if offered else None
+        semantic = embedding.semantic_spec(env, policy_checkpoint) if offered else None
         # The agent counts the ids it trains on itself; the count is only used by the episode's
         # text interface, which RL does not call.
         self.kwargs = Episode.config_kwargs(

@@ -1,17 +1,12 @@
 """semantic_search: chunks by definition, the per-snapshot embedding cache, an installed encoder
-by import path, and the policy encoder (a coder checkpoint's trunk) through the tool in a real
-sandbox."""
+by import path (the policy encoder: tests/infer/test_embedding.py)."""
 import hashlib
-import os
 import threading
 
 import numpy as np
 import pytest
 
 from coder.env import semantic_search as sem
-from coder.env import tools
-from coder.env.episode import Episode
-from coder.env.protocol import ToolCall
 from coder.env.tasks import Task
 
 LONG_CLASS = "class Cache:\n    \"\"\"A cache.\"\"\"\n    size = 3\n\n" + "".join(
@@ -94,6 +89,8 @@ FILES = {
 def test_cache_embeds_each_file_content_once_and_reloads_from_disk(tmp_path):
     spec = sem.SemanticSpec("tests.env.test_semantic_search:make_word_encoder", cache_dir=str(tmp_path))
     assert isinstance(sem.encoder_of(spec), WordEncoder)  # an installed encoder, by import path
+    with pytest.raises(ValueError, match="package.module:factory"):
+        sem.SemanticSpec("wordllama")
     task = Task(id="t", prompt="", files=FILES, tests={})
     enc = WordEncoder()
     hits = sem.search(spec, task, FILES, "wait before retrying a failed request", k=2, encoder=enc)
@@ -116,68 +113,3 @@ def test_cache_embeds_each_file_content_once_and_reloads_from_disk(tmp_path):
     moved = {("net/backoff.py" if p == "net/retry.py" else p): t for p, t in FILES.items()}
     assert sem.search(spec, task, moved, "retrying a failed request", k=1, encoder=fresh)[0][1].path == "net/backoff.py"
     assert len(fresh.texts) == 2
-
-
-def test_spec_from_config_says_what_is_missing():
-    from configs import base
-
-    env = base.get_config().env
-    with pytest.raises(ValueError, match="semantic_checkpoint"):
-        sem.SemanticSpec.from_config(env)
-    assert sem.SemanticSpec.from_config(env, "/ckpt").checkpoint == "/ckpt"
-    env.semantic_encoder = "wordllama"
-    with pytest.raises(ValueError, match="package.module:factory"):
-        sem.SemanticSpec.from_config(env)
-    env.semantic_encoder = ""
-    assert sem.SemanticSpec.from_config(env) is None
-
-
-@pytest.fixture(scope="module")
-def policy_checkpoint(tmp_path_factory):
-    """A coder checkpoint of tests/rl_toy.py's tiny model (its own tokenizer), as stages write."""
-    from flax import nnx
-
-    from coder.data import tokenizer as tokenizer_lib
-    from coder.model import Transformer
-    from coder.train import checkpoint as ckpt_lib
-    from tests import rl_toy
-
-    tok = rl_toy.tokenizer()
-    cfg = rl_toy.tiny_config(tok, 128)
-    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
-    path = str(tmp_path_factory.mktemp("policy") / "checkpoints")
-    ck = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
-    ck.save(1, arrays={"model": ckpt_lib.state_to_flat(nnx.state(model)), "opt_state": {}}, meta={"step": 1},
-            data_state=None, config=cfg.to_dict(), tokenizer=tokenizer_lib.to_record(tok))
-    return path
-
-
-def test_policy_encoder_finds_the_file_through_the_tool(policy_checkpoint, tmp_path):
-    """The default encoder: the checkpoint's trunk, mean-pooled, through the tool in a sandbox
-    (episode in this process: the encoder loads once per process, as in an env worker)."""
-    spec = sem.SemanticSpec("policy", policy_checkpoint, cache_dir=str(tmp_path))
-    enc = sem.encoder_of(spec)
-    v = enc.encode(["def f():\n    return 1", "x" * 3000, "retry"])
-    assert v.shape == (3, 64) and np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
-    assert np.allclose(enc.encode(["retry"]), v[2:], atol=1e-6)  # batch and padding do not change it
-    task = Task(id="s", prompt="", files=FILES, tests={})
-    ep = Episode(len, tools=("semantic_search", "search"), semantic=spec)
-    ep.reset(task)
-    try:
-        # the model is untrained (its ranking quality is bench/search_recall.py's figure): the
-        # known case is a query that is the definition's own text, which must come first
-        query = FILES["net/retry.py"].replace("def ", "").strip()
-        out = ep.call(ToolCall("semantic_search", {"query": query, "k": 2}, ""))
-        assert out.split(":", 1)[0] == "net/retry.py", out
-        assert "(score " in out and "def backoff_delay" in out
-        assert len(list(tmp_path.rglob("*.npz"))) == 1
-    finally:
-        ep.close()
-    off = Episode(len, tools=("semantic_search",))
-    off.reset(task)
-    try:
-        assert "semantic search is off" in off.call(ToolCall("semantic_search", {"query": "x"}, ""))
-    finally:
-        off.close()
-    assert "semantic_search" in tools.HOST_SIDE  # read from the host, with the terminal frozen
-    assert os.path.isdir(policy_checkpoint)
