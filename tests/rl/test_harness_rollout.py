@@ -113,7 +113,7 @@ def test_every_tool_runs_in_the_rl_loop_and_the_group_trains(dates_repo_task, to
     batch = {k: jnp.asarray(v) for k, v in trajectory.to_batch([fixer, quitter], seq_len=seq).items()
              if k != "expert_ids"}
     loss_fn = grpo.grpo_loss_fn(clip_low=0.2, clip_high=0.28, kl_coef=0.0, normalizer=float(seq), temperature=1.0)
-    grads = nnx.grad(lambda m: loss_fn(m, batch, None)[0])(model)
+    grads = nnx.jit(nnx.grad(lambda m: loss_fn(m, batch, None)[0]))(model)
     norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))))
     assert np.isfinite(norm) and norm > 0
     # the agent eval over the same actor and tools: a report with pass@k
