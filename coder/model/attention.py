@@ -29,7 +29,9 @@ forward compresses, selects and attends over the whole sequence (`MLA._nsa`), it
 window branches by the kernels of the platform the program is lowered for: Pallas TPU kernels
 for TPU, Mosaic GPU kernels for CUDA (`MLA._nsa_gpu`: where they cannot take the layer's shape
 or the devices, the XLA path, with the reason logged), the blockwise XLA path elsewhere (CPU,
-ROCm); `force_nsa_impl` overrides the choice (tests run the kernels in interpret mode). A
+ROCm), and the XLA path too wherever the mesh splits the sequence (the kernels have no sequence
+sharding; XLA's SPMD pass partitions the XLA path, which then equals the unsharded forward and
+backward); `force_nsa_impl` overrides the choice (tests run the kernels in interpret mode). A
 cached call writes c / k_r as above, then recomputes NSA's compressed keys/values for every
 compression block whose last slot it wrote (kept per layer in the cache as `k_cmp`
 [B,Sc,1,r+dr] and `v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query
@@ -89,6 +91,19 @@ def _target_device():
     devices on a CPU host), else the default backend's (as attention_kernels.targets_cpu)."""
     ctx = sharding.current()
     return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
+
+
+def _sequence_shards() -> int:
+    """Devices the active mesh splits the `seq` logical axis (attention's queries) over (1 when
+    no mesh is active)."""
+    ctx = sharding.current()
+    if ctx is None:
+        return 1
+    mesh, rules = ctx
+    n = 1
+    for axis in sharding.mesh_axes_of("seq", rules):
+        n *= int(mesh.shape[axis])
+    return n
 
 
 def _log_once(message: str):
@@ -265,6 +280,13 @@ class MLA(nnx.Module):
         elif attention_kernels.targets_cpu():
             # a program for CPU devices: the kernels' branches would never run, so they are not
             # traced (as for the dense backend)
+            o_lat = call("xla")(*args)
+        elif (n := _sequence_shards()) > 1:
+            # the NSA kernels have no sequence sharding (a Pallas call is not partitioned: XLA
+            # would gather every query and key to each device); the XLA path is partitioned by
+            # XLA's SPMD pass over the sequence axes (tests/model/test_nsa_model.py)
+            _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: NSA runs its "
+                      "XLA path, which XLA partitions (the Pallas NSA kernels have no sequence sharding)")
             o_lat = call("xla")(*args)
         else:
             # chosen where the program is lowered (also from a CPU host, as stage `compile`

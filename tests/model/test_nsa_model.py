@@ -71,6 +71,40 @@ def test_nsa_backend_is_causal_and_respects_documents():
 
 
 @pytest.mark.slow
+def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch, caplog):
+    """Queries split over the mesh's `sequence` axis (8 CPU devices): the layer takes the XLA path
+    (the Pallas NSA kernels have no sequence sharding; the reason is logged, also where a program
+    would otherwise get the kernels), XLA partitions it (collective permutes and all-gathers in
+    the compiled program), and the logits and gradients equal the unsharded model's."""
+    from coder.model import sharding
+    from tests.model.test_sharding import mesh_cfg
+
+    def loss_and_logits(m, tok, pos, seg):
+        logits = m(tok, pos, seg)[0]
+        nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tok[..., None], -1)[..., 0]
+        return jnp.mean(nll), logits
+
+    step = nnx.jit(nnx.value_and_grad(loss_and_logits, has_aux=True))
+    tok, pos, seg = inputs()
+    (loss0, logits0), grads0 = step(Transformer(nsa_cfg(), rngs=nnx.Rngs(0)), tok, pos, seg)
+    mc = mesh_cfg(sequence=8)
+    mesh = sharding.make_mesh(mc)
+    model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
+    sharding.shard_model(model, mesh, mc.rules)
+    monkeypatch.setattr(attention_kernels, "targets_cpu", lambda: False)  # as a TPU program would
+    monkeypatch.setattr(attention, "_NSA_LOGGED", set())
+    with sharding.activate(mesh, mc.rules), caplog.at_level(logging.WARNING, logger=attention.__name__):
+        (loss, logits), grads = step(model, tok, pos, seg)
+        text = step.lower(model, tok, pos, seg).compile().as_text()
+    assert "collective-permute" in text and "all-gather" in text
+    assert any("8 sequence shards" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-6)
+    np.testing.assert_allclose(logits, logits0, atol=1e-5)
+    flat0 = dict(nnx.to_flat_state(grads0))
+    for path, g in nnx.to_flat_state(grads):
+        np.testing.assert_allclose(g.get_value(), flat0[path].get_value(), atol=1e-6, err_msg=str(path))
+
+
 def test_nsa_backend_trains():
     model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
     tok, pos, seg = inputs(1)
