@@ -78,3 +78,18 @@ def test_without_offload_the_third_agent_waits_for_a_slot(model_and_cfg):
             agents(engine, turns=1)
     finally:
         engine.close()
+
+
+def test_the_rl_config_turns_it_on(model_and_cfg):
+    from coder.rl import actor as actor_lib
+    from configs import base
+
+    cfg, model = model_and_cfg
+    config = base.get_config()
+    config.model = cfg
+    config.rl.update(dict(context_budget=MAX_LEN, engine_slots=2, offload_idle_rows=True))
+    engine = actor_lib.make_engine(model, config)
+    try:
+        assert engine.offload_idle_rows and engine.sched.pool.max_slots == 2
+    finally:
+        engine.close()
