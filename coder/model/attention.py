@@ -29,9 +29,9 @@ forward compresses, selects and attends over the whole sequence (`MLA._nsa`), it
 window branches by the kernels of the platform the program is lowered for: Pallas TPU kernels
 for TPU, Mosaic GPU kernels for CUDA (`MLA._nsa_gpu`: where they cannot take the layer's shape
 or the devices, the XLA path, with the reason logged), the blockwise XLA path elsewhere (CPU,
-ROCm), and the XLA path too wherever the mesh splits the sequence (the kernels have no sequence
-sharding; XLA's SPMD pass partitions the XLA path, which then equals the unsharded forward and
-backward); `force_nsa_impl` overrides the choice (tests run the kernels in interpret mode). A
+ROCm); wherever the mesh splits the sequence, the XLA path in a shard_map, each device its
+queries against the gathered keys (`MLA._nsa_sequence_parallel`: the kernels have no sequence
+sharding); `force_nsa_impl` overrides the choice (tests run the kernels in interpret mode). A
 cached call writes c / k_r as above, then recomputes NSA's compressed keys/values for every
 compression block whose last slot it wrote (kept per layer in the cache as `k_cmp`
 [B,Sc,1,r+dr] and `v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query
@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from coder.model import attention_kernels, sharding
 from coder.model.layers import RMSNorm, dtype_of, param, weight
@@ -91,19 +92,6 @@ def _target_device():
     devices on a CPU host), else the default backend's (as attention_kernels.targets_cpu)."""
     ctx = sharding.current()
     return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
-
-
-def _sequence_shards() -> int:
-    """Devices the active mesh splits the `seq` logical axis (attention's queries) over (1 when
-    no mesh is active)."""
-    ctx = sharding.current()
-    if ctx is None:
-        return 1
-    mesh, rules = ctx
-    n = 1
-    for axis in sharding.mesh_axes_of("seq", rules):
-        n *= int(mesh.shape[axis])
-    return n
 
 
 def _log_once(message: str):
@@ -277,16 +265,11 @@ class MLA(nnx.Module):
             if impl == "pallas_gpu" and (why := self._nsa_gpu_unsupported(lower=False)):
                 raise ValueError(f"force_nsa_impl('pallas_gpu'): {why}")
             o_lat = call(impl, kernel)(*args)
+        elif (parallel := self._nsa_sequence_parallel(*args)) is not None:
+            o_lat = parallel
         elif attention_kernels.targets_cpu():
             # a program for CPU devices: the kernels' branches would never run, so they are not
             # traced (as for the dense backend)
-            o_lat = call("xla")(*args)
-        elif (n := _sequence_shards()) > 1:
-            # the NSA kernels have no sequence sharding (a Pallas call is not partitioned: XLA
-            # would gather every query and key to each device); the XLA path is partitioned by
-            # XLA's SPMD pass over the sequence axes (tests/model/test_nsa_model.py)
-            _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: NSA runs its "
-                      "XLA path, which XLA partitions (the Pallas NSA kernels have no sequence sharding)")
             o_lat = call("xla")(*args)
         else:
             # chosen where the program is lowered (also from a CPU host, as stage `compile`
@@ -294,6 +277,45 @@ class MLA(nnx.Module):
             o_lat = jax.lax.platform_dependent(*args, tpu=call("pallas_tpu"), cuda=self._nsa_gpu(call),
                                                default=call("xla"))
         return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])
+
+    def _nsa_sequence_parallel(self, q, k, v, x, segment_ids, positions):
+        """NSA with each row's queries split over the mesh's `sequence` axes, or None when the
+        active mesh does not split them. Compression and gates run as XLA partitions them; the
+        attention in a shard_map: each device its queries against the row's whole keys (k, v,
+        k_cmp, v_cmp gathered: r + dr features a token, T/d compressed ones) by the XLA path at
+        the queries' absolute positions (coder.pallas.nsa.xla.nsa_local), with the window's halo
+        read from the gathered keys. The Pallas NSA kernels have no sequence sharding: a
+        sequence-split layer takes this path on every platform (logged). Left to XLA's SPMD
+        pass, the XLA path computed the same numbers but put collectives inside its per-chunk
+        loops: 16 million all-reduces a step at 128k on v5p-512 (docs/scale)."""
+        del positions
+        ctx = sharding.current()
+        if ctx is None:
+            return None
+        mesh, rules = ctx
+        b, t, h, _ = q.shape
+        spec = sharding.logical_to_spec(("batch", "seq", "heads"), rules)
+        keep = lambda axes, dim: axes if axes is not None and dim % attention_kernels._size(mesh, axes) == 0 else None
+        bs, ss, hs = keep(spec[0], b), keep(spec[1], t), keep(spec[2], h)
+        n = attention_kernels._size(mesh, ss)
+        if n == 1:
+            return None
+        from coder.pallas.nsa import xla as nsa_xla
+
+        _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: NSA's XLA path in a "
+                  "shard_map against the gathered keys (the Pallas NSA kernels have no sequence sharding)")
+        k_cmp, v_cmp = self.nsa.compress(k, v)
+        gates = self.nsa.gates(x)
+        cfg, scale = self.nsa.cfg, self.scale
+
+        def local(q, k, v, k_cmp, v_cmp, gates, seg):
+            offset = jax.lax.axis_index(ss) * q.shape[1]
+            return nsa_xla.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg, scale).astype(v.dtype)
+
+        split, whole = P(bs, ss, hs, None), P(bs, None, None, None)
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, whole, split, P(bs, None)),
+                           out_specs=split, check_vma=False)
+        return fn(q, k, v, k_cmp, v_cmp, gates, segment_ids)
 
     def _nsa_gpu(self, call):
         """The `cuda` branch of `_nsa`: NSA with the Mosaic GPU kernels (coder/pallas/nsa/gpu.py,

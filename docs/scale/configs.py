@@ -156,15 +156,18 @@ LONG = {
 
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     model, setting, *rest = arg.split(",")
-    variant = rest[0] if rest else ""  # "", "colocated", "longNk" or an actor slice's topology
+    # "", "colocated", "longNk" (or "longNk-nsa": NSA attention) or an actor slice's topology
+    variant = rest[0] if rest else ""
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
     colocated = variant == "colocated"
-    long_k = int(variant[4:-1]) if variant.startswith("long") else 0
+    nsa = variant.endswith("-nsa")
+    long_k = int(variant.removesuffix("-nsa")[4:-1]) if variant.startswith("long") else 0
     actor = "" if colocated or long_k else variant
     c.compile.report_dir = f"docs/scale/{model}_{setting}" + (
-        "_colocated" if colocated else f"_long{long_k}k" if long_k else f"_actors-{actor}" if actor else "")
+        "_colocated" if colocated else f"_long{long_k}k" if long_k else f"_actors-{actor}" if actor else "") + (
+        "_nsa" if nsa else "")
     if model == "quickstart":  # the tiny config: its own mesh (data parallel), bf16 as on TPU
         c.stages = ()
         c.model.dtype = "bfloat16"
@@ -204,7 +207,10 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c = longctx_config(c)
         c.train.grad_accum = c.data.batch_size // (lg["rows"] * s["slices"])
         c.model.remat = lg.get("remat", REMAT)
-        c.compile.update(engine=False, grpo=lg["grpo"] and s.get("grpo", True), grpo_batch=c.data.batch_size,
+        if nsa:  # NSA's defaults (configs/base.py); the mesh splits the sequence: its XLA path
+            c.model.attention_backend = "nsa"
+        c.compile.update(engine=False, grpo=lg["grpo"] and s.get("grpo", True) and not nsa,
+                         grpo_batch=c.data.batch_size,
                          grpo_seq_len=c.data.seq_len)
         return c
     if colocated:

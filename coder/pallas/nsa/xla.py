@@ -9,6 +9,12 @@ body, so the backward pass keeps only the chunk inputs) and touches only the key
 Document masking uses `doc_start [B,T]` (index of the first token of the query's document),
 which is exact when every segment id occupies one contiguous run of the row (packed batches).
 Shapes and the canonical selection format are those of reference.py.
+
+Sequence parallelism (`nsa_local`): a device holds the queries [offset, offset + T_l) of each row
+and every key (k, v, k_cmp, v_cmp gathered whole: MLA's absorbed keys are r + dr features a
+token, and the compressed ones T/d of them); each branch then runs its local queries at their
+absolute positions. A query's work does not depend on its position (all compressed keys masked,
+n selected blocks, one window), so contiguous shards balance without a zigzag.
 """
 import functools
 
@@ -75,19 +81,24 @@ def _softmax_rows(s, mask):
 SUPER_CHUNKS = 8  # compressed branch: query groups with their own causal key count
 
 
-def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk=256, unroll=False):
+def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk=256, unroll=False,
+                        offset=None, total=None):
     """Compressed branch and block selection in one pass over query chunks.
 
     q [B,T,H,Dk], k_cmp [B,Nc,G,Dk], v_cmp [B,Nc,G,Dv], doc_start [B,T]
     -> (o_cmp [B,T,H,Dv] float32, sel [B,T,G,n] int32 canonical, gradient-free).
     The chunks are split into up to SUPER_CHUNKS consecutive groups; a group reads only the
     compressed blocks its last query can see, which skips most of the work above the diagonal.
+    offset (traced int) / total: the queries are [offset, offset + T) of a row of `total` tokens
+    (sequence parallelism, module docstring); every chunk then reads every compressed block.
     """
     b, t, h, dk = q.shape
     nc, g = k_cmp.shape[1], k_cmp.shape[2]
-    ns = num_select_blocks(t, cfg)
+    total = t if total is None else total
+    ns = num_select_blocks(total, cfg)
     lsel = cfg.select_block
-    band_idx, band_wt = overlap_bands(t, cfg)
+    band_idx, band_wt = overlap_bands(total, cfg)
+    base = 0 if offset is None else offset
     qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
     kf_all, vf_all = k_cmp.astype(jnp.float32), v_cmp.astype(jnp.float32)
 
@@ -99,7 +110,7 @@ def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk
         @jax.checkpoint
         def body(args):
             qi, dsi, i = args  # [B,C,G,Hg,Dk], [B,C], scalar
-            tq = i * c + jnp.arange(c)
+            tq = base + i * c + jnp.arange(c)
             vis = (ends[None, None, :] <= tq[None, :, None]) & (starts[None, None, :] >= dsi[:, :, None])
             s = jnp.einsum("bcghd,bngd->bcghn", qi.astype(jnp.float32), kf) * scale
             p = _softmax_rows(s, vis[:, :, None, None, :])
@@ -116,11 +127,11 @@ def compress_and_select(q, k_cmp, v_cmp, doc_start, cfg: NSAConfig, scale, chunk
             return o, sel
         return body
 
-    per = -(-n // min(SUPER_CHUNKS, n))
+    per = -(-n // min(SUPER_CHUNKS, n)) if offset is None else n
     outs, sels = [], []
     for lo in range(0, n, per):
         hi = min(lo + per, n)
-        nk = min(nc, max(1, (hi * c - cfg.compress_block) // cfg.compress_stride + 1))
+        nk = min(nc, max(1, (hi * c - cfg.compress_block) // cfg.compress_stride + 1)) if offset is None else nc
         o, sel = _map(make_body(nk), (qc[lo:hi], dsc[lo:hi], jnp.arange(lo, hi)), unroll)
         outs.append(o)
         sels.append(sel)
@@ -133,17 +144,18 @@ def active_slots(sel):
     return jnp.concatenate([jnp.ones_like(sel[..., :1], bool), sel[..., 1:] != sel[..., :-1]], -1)
 
 
-def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128, unroll=False):
+def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128, unroll=False, offset=None):
     """Attention over the selected blocks by gathering them per query.
 
-    q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], sel [B,T,G,n] canonical, doc_start [B,T]
-    -> [B,T,H,Dv] float32.
+    q [B,T,H,Dk], k [B,S,G,Dk], v [B,S,G,Dv], sel [B,T,G,n] canonical, doc_start [B,T]
+    -> [B,T,H,Dv] float32. S = T, or (offset: the queries' first position) the whole row's keys.
     """
     b, t, h, dk = q.shape
-    g, dv = k.shape[2], v.shape[3]
+    s_len, g, dv = k.shape[1], k.shape[2], v.shape[3]
     lb = select_block
-    ns = -(-t // lb)
-    pad = ((0, 0), (0, ns * lb - t), (0, 0), (0, 0))
+    ns = -(-s_len // lb)
+    base = 0 if offset is None else offset
+    pad = ((0, 0), (0, ns * lb - s_len), (0, 0), (0, 0))
     kb = jnp.pad(k, pad).reshape(b, ns, lb, g, dk).transpose(0, 3, 1, 2, 4)  # [B,G,Ns,lb,Dk]
     vb = jnp.pad(v, pad).reshape(b, ns, lb, g, dv).transpose(0, 3, 1, 2, 4)
     qc, dsc, n, c = _chunk_queries(q.reshape(b, t, g, h // g, dk), doc_start, chunk)
@@ -157,7 +169,7 @@ def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128, 
         idx = si.transpose(0, 2, 1, 3)  # [B,G,C,n]
         kg, vg = gather(kb, idx), gather(vb, idx)  # [B,G,C,n,lb,D]
         s = jnp.einsum("bcghd,bgcnld->bcghnl", qi.astype(jnp.float32), kg.astype(jnp.float32)) * scale
-        tq = (i * c + jnp.arange(c))[None, :, None, None, None]
+        tq = (base + i * c + jnp.arange(c))[None, :, None, None, None]
         pos = si[..., None] * lb + jnp.arange(lb)  # [B,C,G,n,lb]
         mask = active_slots(si)[..., None] & (pos <= tq) & (pos >= dsi[:, :, None, None, None])
         sh = s.shape
@@ -168,12 +180,14 @@ def selected_attention(q, k, v, sel, doc_start, select_block, scale, chunk=128, 
     return _unchunk(o, t).reshape(b, t, h, dv)
 
 
-def window_attention(q, k, v, doc_start, window, scale, chunk=128):
+def window_attention(q, k, v, doc_start, window, scale, chunk=128, offset=None):
     """Sliding-window attention, each query chunk against the window + chunk keys before it.
 
     q [B,T,H,Dk], k [B,T,G,Dk], v [B,T,G,Dv], doc_start [B,T] -> [B,T,H,Dv] float32.
     All chunks at once (no loop): the keys of chunk i are a stack of nw shifted views of the key
     chunks, so the memory is O(T * (w + chunk)) and the backward is a sum of shifted slices.
+    offset: the queries are [offset, offset + T) and k, v the whole row's (any length): the keys
+    read are the window before the first query (the halo) through the last query.
     """
     b, t, h, dk = q.shape
     g, dv = k.shape[2], v.shape[3]
@@ -184,18 +198,26 @@ def window_attention(q, k, v, doc_start, window, scale, chunk=128):
     nw, span = front // c + 1, front + c
     pad_q = ((0, 0), (0, n * c - t))
     qc = jnp.pad(q.reshape(b, t, g, h // g, dk), pad_q + ((0, 0),) * 3).reshape(b, n, c, g, h // g, dk)
-    ds = jnp.concatenate([doc_start, jnp.broadcast_to(jnp.arange(t, n * c, dtype=jnp.int32), (b, n * c - t))], 1)
+    pad_ids = jnp.arange(t, n * c, dtype=jnp.int32) + (0 if offset is None else offset)
+    ds = jnp.concatenate([doc_start, jnp.broadcast_to(pad_ids, (b, n * c - t))], 1)
+
+    base = 0 if offset is None else offset
+
+    def keys(x):  # [B, front + n*c, G, D]: positions [base - front, base + n*c), zeros outside the row
+        if offset is None:
+            return jnp.pad(x, ((0, 0), (front, n * c - t), (0, 0), (0, 0)))
+        xp = jnp.pad(x, ((0, 0), (front, n * c), (0, 0), (0, 0)))
+        return jax.lax.dynamic_slice_in_dim(xp, offset, front + n * c, axis=1)
 
     @jax.checkpoint
     def attend(qc, k, v, ds):
-        pad = ((0, 0), (front, n * c - t), (0, 0), (0, 0))
-        kc = jnp.pad(k, pad).astype(jnp.float32).reshape(b, n + nw - 1, c, g, dk)
-        vc = jnp.pad(v, pad).astype(jnp.float32).reshape(b, n + nw - 1, c, g, dv)
+        kc = keys(k).astype(jnp.float32).reshape(b, n + nw - 1, c, g, dk)
+        vc = keys(v).astype(jnp.float32).reshape(b, n + nw - 1, c, g, dv)
         kw = jnp.stack([kc[:, j:j + n] for j in range(nw)], axis=2).reshape(b, n, span, g, dk)
         vw = jnp.stack([vc[:, j:j + n] for j in range(nw)], axis=2).reshape(b, n, span, g, dv)
         s = jnp.einsum("bncghd,bnsgd->bncghs", qc.astype(jnp.float32), kw) * scale
-        tq = (jnp.arange(n)[:, None] * c + jnp.arange(c))[None, :, :, None]  # [1,n,c,1]
-        pos = (jnp.arange(n)[:, None] * c - front + jnp.arange(span))[None, :, None, :]  # [1,n,1,span]
+        tq = base + (jnp.arange(n)[:, None] * c + jnp.arange(c))[None, :, :, None]  # [1,n,c,1]
+        pos = base + (jnp.arange(n)[:, None] * c - front + jnp.arange(span))[None, :, None, :]  # [1,n,1,span]
         mask = (pos <= tq) & (tq - pos < window) & (pos >= ds.reshape(b, n, c)[..., None])
         p = _softmax_rows(s, mask[:, :, :, None, None, :])
         return jnp.einsum("bncghs,bnsgd->bncghd", p, vw)
@@ -217,4 +239,16 @@ def nsa(q, k, v, k_cmp, v_cmp, gates, segment_ids, cfg: NSAConfig, scale, chunk=
     o_cmp, sel = compress_and_select(q, k_cmp, v_cmp, ds, cfg, scale, chunk, unroll)
     o_slc = selected_attention(q, k, v, sel, ds, cfg.select_block, scale, chunk, unroll)
     o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk)
+    return combine(gates, o_cmp, o_slc, o_win)
+
+
+def nsa_local(q, k, v, k_cmp, v_cmp, gates, segment_ids, offset, cfg: NSAConfig, scale, chunk=128):
+    """One device's part of a sequence-parallel NSA (module docstring): q [B,Tl,H,Dk] and gates
+    [B,Tl,H,3] of the queries [offset, offset + Tl); k [B,T,G,Dk], v [B,T,G,Dv], k_cmp/v_cmp
+    [B,Nc,G,D] and segment_ids [B,T] of the whole rows -> [B,Tl,H,Dv] float32."""
+    t_local = q.shape[1]
+    ds = jax.lax.dynamic_slice_in_dim(doc_starts(segment_ids), offset, t_local, axis=1)
+    o_cmp, sel = compress_and_select(q, k_cmp, v_cmp, ds, cfg, scale, chunk, offset=offset, total=k.shape[1])
+    o_slc = selected_attention(q, k, v, sel, ds, cfg.select_block, scale, chunk, offset=offset)
+    o_win = window_attention(q, k, v, ds, cfg.window, scale, chunk, offset=offset)
     return combine(gates, o_cmp, o_slc, o_win)
