@@ -91,3 +91,26 @@ def test_xla_matches_reference(b, t, h, g, dk, dv, docs, pad):
     np.testing.assert_allclose(out, ref, atol=2e-5)
     for n, a, c in zip(names, g_ref, g_xla):
         np.testing.assert_allclose(c, a, atol=5e-5, err_msg=n)
+
+
+def test_xla_local_queries_at_an_offset_equal_the_whole_row():
+    """Sequence parallelism's building block: the row's queries in 4 pieces, each run at its
+    offset against the whole row's keys (xla.nsa_local, what one device of the shard_map runs),
+    put together equal the whole row's NSA; forward and the gradients of the keys."""
+    b, t, h, g, dk, dv = 2, 48, 4, 1, 16, 8
+    x = make_inputs(b, t, h, g, dk, dv, SMALL, seed=5)
+    seg = packed_segments(b, t, 3, 2, seed=5)
+    w = normal((b, t, h, dv), 9)
+    whole = lambda k, v: xla.nsa(x["q"], k, v, x["k_cmp"], x["v_cmp"], x["gates"], seg, SMALL, 0.3, 8)
+
+    @jax.jit
+    def pieces(k, v):
+        step = t // 4
+        return jnp.concatenate([
+            xla.nsa_local(x["q"][:, i:i + step], k, v, x["k_cmp"], x["v_cmp"], x["gates"][:, i:i + step], seg,
+                          jnp.int32(i), SMALL, 0.3, 8) for i in range(0, t, step)], axis=1)
+
+    np.testing.assert_allclose(pieces(x["k"], x["v"]), whole(x["k"], x["v"]), atol=1e-5)
+    grad = lambda f: jax.grad(lambda k, v: jnp.sum(f(k, v) * w), argnums=(0, 1))(x["k"], x["v"])
+    for a, e in zip(grad(pieces), grad(whole)):
+        np.testing.assert_allclose(a, e, atol=1e-4)
