@@ -205,9 +205,14 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.longctx.seq_len = long_k * 1024
         c.longctx.batch_size = LONG_TOKENS // c.longctx.seq_len
         c = longctx_config(c)
-        c.train.grad_accum = c.data.batch_size // (lg["rows"] * s["slices"])
+        # NSA (its defaults, configs/base.py): the mesh splits the sequence, so each layer runs the
+        # XLA path in a shard_map (docs/nsa.md), whose temporaries are the selected blocks gathered
+        # per query chunk: one row per micro-batch (DeepSeek-V3 on v5p-512: 121.6 GiB with two,
+        # with remat save_attention or full alike; 101.5 with one)
+        rows = 1 if nsa else lg["rows"]
+        c.train.grad_accum = c.data.batch_size // (rows * s["slices"])
         c.model.remat = lg.get("remat", REMAT)
-        if nsa:  # NSA's defaults (configs/base.py); the mesh splits the sequence: its XLA path
+        if nsa:
             c.model.attention_backend = "nsa"
         c.compile.update(engine=False, grpo=lg["grpo"] and s.get("grpo", True) and not nsa,
                          grpo_batch=c.data.batch_size,

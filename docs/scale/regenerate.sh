@@ -22,7 +22,8 @@ if [[ ${#PAIRS[@]} -eq 0 ]]; then
          deepseek_v3_671b,v6e-256x4 deepseek_v3_671b,v5p-512,v5p-128 kimi_k2_1t,v5p-512x2,v5p-256
          deepseek_v3_671b,v5p-512,colocated deepseek_v3_671b,v5p-512,long128k
          deepseek_v3_671b,v5p-512,long256k deepseek_v3_671b,v5p-512x2,long256k
-         kimi_k2_1t,v5p-512x2,long128k kimi_k2_1t,v5p-512x2,long256k)
+         kimi_k2_1t,v5p-512x2,long128k kimi_k2_1t,v5p-512x2,long256k
+         deepseek_v3_671b,v5p-512,long128k-nsa)
 fi
 export JAX_PLATFORMS=cpu  # the local backend; the TPU devices are libtpu's compile-only ones
 for pair in "${PAIRS[@]}"; do
