@@ -46,7 +46,11 @@ def get_config():
     rl.max_turn_tokens = 16384
     rl.max_rollout_tokens = 262144  # policy tokens over the chain
     rl.tool_timeout_s = 300.0
-    rl.tools = ()  # every env tool
+    # every env tool but semantic_search: its default encoder is the policy itself, which env
+    # workers cannot hold at 1T (coder.infer.embedding refuses it); install an encoder, set
+    # env.semantic_encoder to its 'package.module:factory' and add the tool to offer it
+    rl.tools = ("shell", "read_file", "write_file", "edit_file", "grep", "search", "lint", "diagnostics",
+                "run_tests", "repo_history", "memory_write", "memory_read", "think", "ask_user", "submit")
     rl.engine_dtype = "bfloat16"
     rl.engine_slots = 256  # rows one actor decodes together (32 groups)
     rl.decode_steps = 32

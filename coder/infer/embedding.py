@@ -48,12 +48,38 @@ def semantic_spec(env_cfg, checkpoint: str = "") -> SemanticSpec | None:
         if not ckpt:
             raise ValueError("env.semantic_encoder='policy' needs a checkpoint: set env.semantic_checkpoint "
                              "or start the stage from one (init_from)")
+        check_policy_checkpoint(ckpt)
         options = (("checkpoint", ckpt), ("max_tokens", int(env_cfg.semantic_max_tokens)))
         return SemanticSpec(POLICY, options, cache)
     if ":" not in name:
         raise ValueError(f"env.semantic_encoder={name!r}: 'policy' or an installed encoder's "
                          "'package.module:factory'")
     return SemanticSpec(name, (), cache)
+
+
+# An env worker holds its own copy of the encoder and several share a host: the policy encoder is
+# refused when one float32 copy would take more than this share of the host's memory.
+MAX_HOST_SHARE = 1 / 8
+
+
+def check_policy_checkpoint(path: str) -> None:
+    """ValueError, before any worker starts, when `path` holds no coder checkpoint (e.g. a Hugging
+    Face directory) or its model is too large to embed with in env workers (MAX_HOST_SHARE)."""
+    from coder.model.transformer import count_params
+
+    try:
+        saved = ckpt_lib.read_config(ckpt_lib.step_dir(path))
+    except FileNotFoundError as e:
+        raise ValueError(f"env.semantic_encoder='policy' embeds with a coder checkpoint's trunk; {path} holds "
+                         f"none ({e}): set env.semantic_checkpoint to one, or env.semantic_encoder to an "
+                         "installed encoder's 'package.module:factory'") from None
+    weights = 4 * count_params(ml_collections.ConfigDict(saved["model"]))["total"]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if weights > MAX_HOST_SHARE * host:
+        raise ValueError(f"env.semantic_encoder='policy': {path}'s model is {weights / 2**30:.1f} GiB of float32 "
+                         f"weights, more than {MAX_HOST_SHARE:.0%} of this host's {host / 2**30:.0f} GiB, and "
+                         "every env worker would load its own copy: use an installed encoder "
+                         "(env.semantic_encoder = 'package.module:factory'), or leave semantic_search out of rl.tools")
 
 
 class PolicyEncoder:

@@ -14,14 +14,20 @@ from coder.infer import embedding
 from tests.env.test_semantic_search import FILES
 
 
-def test_spec_from_config_says_what_is_missing():
+def test_spec_from_config_says_what_is_missing(policy_checkpoint, tmp_path, monkeypatch):
     from configs import base
 
     env = base.get_config().env
     with pytest.raises(ValueError, match="semantic_checkpoint"):
         embedding.semantic_spec(env)
-    spec = embedding.semantic_spec(env, "/ckpt")
-    assert spec.encoder == embedding.POLICY and dict(spec.options) == {"checkpoint": "/ckpt", "max_tokens": 256}
+    with pytest.raises(ValueError, match="holds none"):  # e.g. a Hugging Face directory
+        embedding.semantic_spec(env, str(tmp_path))
+    spec = embedding.semantic_spec(env, policy_checkpoint)
+    assert spec.encoder == embedding.POLICY
+    assert dict(spec.options) == {"checkpoint": policy_checkpoint, "max_tokens": 256}
+    monkeypatch.setattr(embedding, "MAX_HOST_SHARE", 1e-9)  # as a 1T policy against any host
+    with pytest.raises(ValueError, match="installed encoder"):
+        embedding.semantic_spec(env, policy_checkpoint)
     env.semantic_encoder = "wordllama"
     with pytest.raises(ValueError, match="package.module:factory"):
         embedding.semantic_spec(env)
