@@ -36,6 +36,7 @@ class Chunk:
     start: int  # first line, 1-based
     end: int  # last line, inclusive
     text: str
+    context: str = ""  # semantic_search: a method's class line (embedded with it, not shown)
 
 
 def tokenize(text: str) -> list[str]:

@@ -89,16 +89,12 @@ class SemanticSpec:
             raise ValueError(f"semantic search encoder {self.encoder!r}: 'package.module:factory'")
 
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    path: str
-    start: int  # first line, 1-based
-    end: int  # last line, inclusive
-    text: str
-    context: str = ""  # a method's class line: embedded, not shown
+Chunk = search_lib.Chunk  # path, first and last line (1-based), text, and a method's class line
 
-    def embed_text(self) -> str:
-        return f"{self.path}\n{self.context + chr(10) if self.context else ''}{self.text}"
+
+def embed_text(c: Chunk) -> str:
+    """What is embedded of a chunk: its path, its class line (a method), its text."""
+    return f"{c.path}\n{c.context + chr(10) if c.context else ''}{c.text}"
 
 
 # --- chunks ------------------------------------------------------------------------------------
@@ -281,7 +277,7 @@ def _add_missing(table: _Table, files: dict, shas: dict, enc, spec: SemanticSpec
             missing[shas[p]] = chunk_definitions(p, files[p], spec.max_lines)
     if missing:
         todo = [c for cs in missing.values() for c in cs]
-        vecs = normalized(enc.encode([c.embed_text() for c in todo])) if todo else np.zeros((0, 0), np.float32)
+        vecs = normalized(enc.encode([embed_text(c) for c in todo])) if todo else np.zeros((0, 0), np.float32)
         if len(vecs) != len(todo):
             raise ValueError(f"the encoder returned {len(vecs)} vectors for {len(todo)} texts")
         i = 0

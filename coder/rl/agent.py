@@ -19,7 +19,7 @@ trained on: generated text is decoded only to *parse* calls, never re-encoded.
                    stop_ids, generation)
     TOOLS   RunTools(calls)                            on_tools(outputs, done, error)
     LINT    Lint(when="before" | "after")              on_lint(count, error)
-    SCORE   Score()                                    on_score(test_reward, info, error)
+    SCORE   ScoreWorkspace()                           on_score(test_reward, info, error)
     DONE    Done()                                     - (`run.rollout` is final)
 
 The machine never touches an engine or a sandbox, so a test drives it with fake generations
@@ -111,7 +111,7 @@ class Lint:
 
 
 @dataclasses.dataclass(frozen=True)
-class Score:
+class ScoreWorkspace:
     pass
 
 
@@ -280,7 +280,7 @@ class AgentRun:
         self._score_or_finish()
 
     def on_score(self, test_reward: float, info: dict | None = None, error: str = "") -> None:
-        """The episode's score of the workspace (Score action), or the harness error."""
+        """The episode's score of the workspace (ScoreWorkspace action), or the harness error."""
         self._expect(SCORE)
         r = self.rollout
         if error:
@@ -380,7 +380,7 @@ class AgentRun:
     def _score_or_finish(self) -> None:
         if self.rollout.infra_error:
             return self._finish()
-        self._set(SCORE, Score())
+        self._set(SCORE, ScoreWorkspace())
 
     def _finish(self) -> None:
         """Applies the infrastructure mask and the broken-call rule (coder.rl.reward.outcome)."""
@@ -526,7 +526,7 @@ def sample_key(rng, index: int, action: Sample):
 
 
 def serve_env(run: AgentRun, episode, action) -> None:
-    """Performs an env action (RunTools, Lint, Score) of `run` with its episode and feeds the
+    """Performs an env action (RunTools, Lint, ScoreWorkspace) of `run` with its episode and feeds the
     result back. Any exception is a harness failure (the agent's mistakes are tool outputs),
     given to the run as an infrastructure error, never raised."""
     r = run.rollout
@@ -546,7 +546,7 @@ def serve_env(run: AgentRun, episode, action) -> None:
             count, error = None, infra_message(e)
         r.tool_time_s += time.perf_counter() - t0
         run.on_lint(count, error)
-    elif isinstance(action, Score):
+    elif isinstance(action, ScoreWorkspace):
         try:
             (reward, info), error = episode.score(), ""
         except Exception as e:  # noqa: BLE001

@@ -41,7 +41,7 @@ def test_chunks_follow_definitions():
                      "    def get_1(self, key):", "    def get_2(self, key):", "    def get_3(self, key):",
                      "class Small:", 'if __name__ == "__main__":']
     methods = [c for c in chunks if c.text.lstrip().startswith("def get_")]
-    assert all(c.context == "class Cache:" and "class Cache:" in c.embed_text() for c in methods)
+    assert all(c.context == "class Cache:" and "class Cache:" in sem.embed_text(c) for c in methods)
     assert chunks[1].text == "@decorator\ndef first(a):\n    return a + 1"
     lines = SOURCE.splitlines()
     for c in chunks:  # a chunk is the file's own lines, numbered 1-based and inclusive
@@ -100,7 +100,7 @@ def test_cache_embeds_each_file_content_once_and_reloads_from_disk(tmp_path):
     # the agent edits one file: only it is embedded again
     edited = dict(FILES, **{"text/slug.py": FILES["text/slug.py"] + "\ndef unslug(s):\n    return s\n"})
     sem.search(spec, task, edited, "slug", encoder=enc)
-    assert enc.texts[5:] == [c.embed_text() for c in sem.chunk_definitions("text/slug.py", edited["text/slug.py"])] + ["slug"]
+    assert enc.texts[5:] == [sem.embed_text(c) for c in sem.chunk_definitions("text/slug.py", edited["text/slug.py"])] + ["slug"]
     # another process (the table gone from memory) reads the snapshot's table from disk: no chunk
     # is embedded again, and the edit never reached the saved table
     sem._TABLES.clear()

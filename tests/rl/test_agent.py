@@ -561,7 +561,7 @@ def test_state_machine_without_engine_or_sandbox(tok):
     run.on_sample(_gen(call_ids(tok, "submit", {})))
     assert [c.name for c in run.next_action().calls] == ["submit"]
     run.on_tools(["submitted"], done=True)
-    assert run.next_action() == agent_lib.Score()
+    assert run.next_action() == agent_lib.ScoreWorkspace()
     run.on_score(1.0, {"infra_error": None})
     r = run.rollout
     assert run.done and run.next_action() == agent_lib.Done()
