@@ -770,13 +770,10 @@ class Engine:
 
     def _swap_in(self, rows: list[Row]) -> None:
         """Write offloaded rows' states back into the slots they were given (the pool sized for
-        them first; each cache leaf padded or cut to the pool's capacity, which holds the row)."""
+        them first; programs.write_slot fits each leaf to the pool's capacity, which holds the row)."""
         self._fit_pool(max(r.length for r in rows))
-        shapes = [x.shape[1:] for x in jax.tree.leaves(self._store)]
         for r in rows:
-            leaves, treedef = jax.tree.flatten(r.host)
-            fit = treedef.unflatten([_fit_to(h, shape) for h, shape in zip(leaves, shapes, strict=True)])
-            self._store = self._run(self._write_slot_fn, self._store, fit, np.int32(r.slot))
+            self._store = self._run(self._write_slot_fn, self._store, r.host, np.int32(r.slot))
             with self._lock:
                 r.host = None
                 self.swap_ins += 1
@@ -852,14 +849,6 @@ def _close_running():
 
 def _signature(state):
     return jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
-
-
-def _fit_to(x: np.ndarray, shape) -> np.ndarray:
-    """`x` cut or zero-padded to `shape` (an offloaded row's state at the pool's capacity now)."""
-    if not shape:
-        return x
-    x = x[tuple(slice(0, n) for n in shape)]
-    return np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])
 
 
 def _is_abstract(state) -> bool:

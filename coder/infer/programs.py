@@ -91,10 +91,15 @@ def resize(store: Store, target: Store) -> Store:
     """Zero-pad or cut every leaf to the shape of `target`'s (abstract) leaf: the pool at another
     slot count (axis 0) or cache capacity (axis 1 of cache leaves). Cutting capacity is only
     valid when no row holds tokens past the new capacity (the scheduler's invariant)."""
-    def fit(x, t):
-        x = x[tuple(slice(0, n) for n in t.shape)]
-        return jnp.pad(x, [(0, n - m) for n, m in zip(t.shape, x.shape)])
-    return jax.tree.map(fit, store, target)
+    return jax.tree.map(lambda x, t: _fit(x, t.shape), store, target)
+
+
+def _fit(x, shape):
+    """`x` cut or zero-padded to `shape`."""
+    if not shape:  # a per-slot scalar (has_residual once its slot axis is gone)
+        return x
+    x = x[tuple(slice(0, n) for n in shape)]
+    return jnp.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])
 
 
 def copy_slots(store: Store, src, dst) -> Store:
@@ -109,8 +114,9 @@ def read_slot(store: Store, slot) -> Store:
 
 
 def write_slot(store: Store, row: Store, slot) -> Store:
-    """`row` (leaves without the slot axis, at this store's capacity) into slot `slot`."""
-    return jax.tree.map(lambda x, r: x.at[slot].set(r), store, row)
+    """`row` (leaves without the slot axis, read at any capacity: each cut or zero-padded to
+    this store's, which holds the row's tokens) into slot `slot`."""
+    return jax.tree.map(lambda x, r: x.at[slot].set(_fit(r, x.shape[1:])), store, row)
 
 
 def _compact_experts(expert_ids, dtype):
