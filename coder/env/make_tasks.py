@@ -1,8 +1,10 @@
 """Write generated tasks: `python -m coder.env.make_tasks --source stdlib|toy --n N --seed S
---out F.jsonl [--split train|heldout] [--solutions S.jsonl]`, or import SWE-bench-style
+--out F.jsonl [--split train|heldout] [--solutions S.jsonl]`, import SWE-bench-style
 instances: `python -m coder.env.make_tasks --source swebench --input I.jsonl --repos DIR
 --out T.jsonl [--solutions S.jsonl] [--test-command CMD] [--setup CMD] [--environments E.json]
-[--verify]`.
+[--verify]`, or make feature tasks from packages' release history: `python -m
+coder.env.make_tasks --source releases --packages NAME[==VERSION],... --repos DIR --out T.jsonl
+[--pairs N] [--history K] [--max-prompt-chars C] [--host-python] [--split S] [--verify]`.
 
 stdlib: verified bug-fix tasks from the installed standard library (coder.env.mutate; each
 mutant is checked in the sandbox, so this takes a few seconds per task). toy: one-line fixes
@@ -10,6 +12,11 @@ mutant is checked in the sandbox, so this takes a few seconds per task). toy: on
 SWE-Gym, SWE-rebench or SWE-smith instances over local mirrors `DIR/owner__name`
 (coder.env.swebench; `--verify` drops the tasks whose gold patch does not score 1, or whose
 unchanged workspace does not score 0, in this machine's sandbox). `--solutions` also writes
+releases: "implement what the next release added" (coder.env.releases): sdists from the package
+index, committed as a git history in `DIR/pypi__NAME`, FAIL_TO_PASS / PASS_TO_PASS from the
+next release's tests run in the sandbox, a terse prompt from its changelog; the set's figures
+(tasks per package, verification rate, medians of prompt characters and lines and files
+changed) are printed as one JSON line. `--solutions` also writes
 the reference solutions (files, or the gold patches as {"id", "patch"}), the input of
 `python -m coder.env.check` and of `coder.env.transcripts`.
 """
@@ -22,28 +29,30 @@ import sys
 
 import fsspec
 
-from coder.env import mutate, swebench
+from coder.env import mutate, pypi, releases, swebench
 from coder.env.tasks import DEFAULT_TEST_COMMAND, read_jsonl, toy_tasks, write_solutions
 from coder.env.tasks import write_tasks
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m coder.env.make_tasks")
-    p.add_argument("--source", choices=("stdlib", "toy", "swebench"), required=True)
+    p.add_argument("--source", choices=("stdlib", "toy", "swebench", "releases"), required=True)
     p.add_argument("--n", type=int, help="number of tasks (stdlib, toy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="Task JSONL to write")
     p.add_argument(
         "--split",
         choices=("train", "heldout"),
-        default="train",
-        help="stdlib: modules of this split only (no module is in both)",
+        default=None,
+        help="stdlib (default train), releases (default both): modules / packages of this split "
+        "only (no module or package is in both)",
     )
     p.add_argument("--modules", default="", help="stdlib: comma-separated modules to draw from")
     p.add_argument("--max-per-module", type=int, default=3, help="stdlib: tasks per module")
     p.add_argument("--solutions", default="", help="also write reference solutions here")
     p.add_argument("--input", default="", help="swebench: instances JSONL")
-    p.add_argument("--repos", default="", help="swebench: directory of mirrors owner__name")
+    p.add_argument("--repos", default="",
+                   help="swebench: directory of mirrors owner__name; releases: where to write them")
     p.add_argument(
         "--test-command", default=DEFAULT_TEST_COMMAND, help="swebench: every task's pytest command"
     )
@@ -58,7 +67,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="swebench: keep only tasks whose gold patch scores 1 and unchanged workspace 0 here",
     )
-    p.add_argument("--workers", type=int, default=4, help="swebench --verify: sandbox workers")
+    p.add_argument("--workers", type=int, default=4, help="--verify: sandbox workers")
+    p.add_argument("--packages", default="",
+                   help="releases: comma-separated NAME (latest --pairs releases) or NAME==VERSION")
+    p.add_argument("--pairs", type=int, default=1, help="releases: release pairs per NAME")
+    p.add_argument("--history", type=int, default=2,
+                   help="releases: earlier releases committed before each task's start")
+    p.add_argument("--max-prompt-chars", type=int, default=600, help="releases: prompt length cap")
+    p.add_argument("--host-python", action="store_true",
+                   help="releases: run tasks with the host interpreter's packages, no venv")
+    p.add_argument("--index-url", default=pypi.DEFAULT_INDEX,
+                   help="releases: the package index's JSON API root")
+    p.add_argument("--sdist-cache", default="", help="releases: sdist cache directory")
     args = p.parse_args(argv)
     if args.source == "swebench":
         if not args.input or not args.repos:
@@ -75,6 +95,32 @@ def main(argv=None) -> int:
             pairs, dropped = swebench.verify(pairs, workers=args.workers)
             for tid, why in dropped.items():
                 print(f"dropped {tid}: {why}", file=sys.stderr)
+    elif args.source == "releases":
+        if not args.packages or not args.repos:
+            p.error("--source releases needs --packages and --repos")
+        options = releases.Options(
+            history=args.history, max_prompt_chars=args.max_prompt_chars,
+            environment={} if args.host_python else None,
+        )
+        log = lambda s: print(s, file=sys.stderr, flush=True)
+        pairs, tried = [], 0
+        for spec in [s.strip() for s in args.packages.split(",") if s.strip()]:
+            name, _ = releases.parse_spec(spec)
+            if args.split and releases.split_of(name) != args.split:
+                log(f"[releases] {name}: skipped, its tasks are in split "
+                    f"{releases.split_of(name)!r} (--split {args.split})")
+                continue
+            made, dropped = releases.package_tasks(
+                spec, args.repos, cache=args.sdist_cache, pairs=args.pairs, options=options,
+                index=args.index_url, log=log)
+            pairs += made
+            tried += len(made) + len(dropped)
+        if args.verify:
+            pairs, dropped = swebench.verify(pairs, workers=args.workers)
+            for tid, why in dropped.items():
+                log(f"dropped {tid}: {why}")
+        args.n = len(pairs)
+        print(json.dumps(releases.statistics_of(pairs, tried)), file=sys.stderr)
     elif args.n is None:
         p.error(f"--source {args.source} needs --n")
     elif args.source == "toy":
@@ -84,7 +130,7 @@ def main(argv=None) -> int:
         pairs = mutate.stdlib_tasks(
             args.n,
             args.seed,
-            split=args.split,
+            split=args.split or "train",
             modules=mods,
             max_per_module=args.max_per_module,
             log=lambda s: print(s, file=sys.stderr, flush=True),

@@ -89,8 +89,12 @@ class TreeFiles(Mapping):
         return path in self._paths
 
 
-def _git(*args, cwd: str | None = None, stdin: str | None = None, index: str = "") -> str:
+def git(*args, cwd: str | None = None, stdin: str | None = None, index: str = "",
+        env: Mapping | None = None) -> str:
+    """git's stdout (CRLF line ends kept); RepoError with its stderr. The host's git
+    configuration plays no part; `env` adds variables (commit dates and names)."""
     env = {
+        **(env or {}),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": tempfile.gettempdir(),
         "LANG": "C",
@@ -103,14 +107,14 @@ def _git(*args, cwd: str | None = None, stdin: str | None = None, index: str = "
     r = subprocess.run(
         ["git", "-c", "safe.directory=*", "-c", "init.defaultBranch=main", *args],
         cwd=cwd,
-        input=stdin,
+        input=None if stdin is None else stdin.encode(),
         capture_output=True,
-        text=True,
         env=env,
     )
     if r.returncode != 0:
-        raise RepoError(f"git {' '.join(args[:3])}: {r.stderr.strip()[-800:]}")
-    return r.stdout
+        raise RepoError(f"git {' '.join(args[:3])}: {r.stderr.decode(errors='replace').strip()[-800:]}")
+    # Decoded without newline translation: a diff of a file with CRLF line ends keeps them.
+    return r.stdout.decode("utf-8", errors="replace")
 
 
 def is_archive(repo: str) -> bool:
@@ -210,7 +214,7 @@ def resolve(repo: str, commit: str, cache: str = CACHE) -> str:
     src, local = source(repo, cache)
     if local:
         rev = f"{commit}^{{commit}}"
-        return _git("rev-parse", "--verify", "--end-of-options", rev, cwd=src).strip()
+        return git("rev-parse", "--verify", "--end-of-options", rev, cwd=src).strip()
     if not _SHA.match(commit):
         raise RepoError(f"{repo}: a remote repository's commit must be a full sha, not {commit!r}")
     return commit
@@ -226,8 +230,8 @@ def applies(repo: str, commit: str, patch: str, cache: str = CACHE) -> bool:
     os.close(fd)
     try:
         os.unlink(index)
-        _git("read-tree", commit, cwd=src, index=index)
-        _git("apply", "--cached", "--check", "-", cwd=src, stdin=patch, index=index)
+        git("read-tree", commit, cwd=src, index=index)
+        git("apply", "--cached", "--check", "-", cwd=src, stdin=patch, index=index)
         return True
     except RepoError:
         return False
@@ -256,17 +260,17 @@ def checkout(repo: str, commit: str, cache: str = CACHE, depth: int = 1) -> Chec
         tmp = tempfile.mkdtemp(prefix=f"{sha[:12]}.tmp-", dir=cache)
         try:
             tree = os.path.join(tmp, "tree")
-            _git("init", "-q", tree)
+            git("init", "-q", tree)
             url = "file://" + os.path.abspath(src) if local else src
             pack = "git -c uploadpack.allowAnySHA1InWant=true -c 'safe.directory=*' upload-pack"
-            _git("fetch", "-q", f"--depth={int(depth)}", "--no-tags", f"--upload-pack={pack}", url, sha,
+            git("fetch", "-q", f"--depth={int(depth)}", "--no-tags", f"--upload-pack={pack}", url, sha,
                  cwd=tree)
-            _git("-c", "advice.detachedHead=false", "checkout", "-q", "--detach", sha, cwd=tree)
+            git("-c", "advice.detachedHead=false", "checkout", "-q", "--detach", sha, cwd=tree)
             for name in ("FETCH_HEAD", "ORIG_HEAD"):  # FETCH_HEAD names the host's source path
                 if os.path.exists(os.path.join(tree, ".git", name)):
                     os.unlink(os.path.join(tree, ".git", name))
             files, tracked = [], []
-            for entry in _git("ls-files", "-s", "-z", cwd=tree).split("\0"):
+            for entry in git("ls-files", "-s", "-z", cwd=tree).split("\0"):
                 if not entry:
                     continue
                 meta, path = entry.split("\t", 1)
@@ -322,7 +326,7 @@ def patched_files(co: Checkout, patch: str, cache: str = CACHE) -> dict:
                 dst = os.path.join(tmp, p)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(os.path.join(co.dir, p), dst)
-        _git("apply", "--whitespace=nowarn", "-", cwd=tmp, stdin=patch)
+        git("apply", "--whitespace=nowarn", "-", cwd=tmp, stdin=patch)
         out = {}
         for p in paths:
             full = os.path.join(tmp, p)

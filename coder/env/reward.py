@@ -304,6 +304,19 @@ def _case_key(test_id: str) -> tuple[str, str]:
     return ".".join(names[:-1]), names[-1]
 
 
+def junit_statuses(xml_bytes: bytes, test_files) -> dict:
+    """{pytest node id: "passed" | "failed" | "skipped"} of the cases of a JUnit report that
+    belong to `test_files` (workspace paths; a case's module is the longest that matches)."""
+    mods = sorted(((_module_of(p), p) for p in test_files), key=lambda m: -len(m[0]))
+    out = {}
+    for (cls, name), status in junit_cases(xml_bytes).items():
+        hit = next(((m, p) for m, p in mods if cls == m or cls.startswith(m + ".")), None)
+        if hit is not None:
+            rest = cls[len(hit[0]):].lstrip(".")
+            out["::".join([hit[1], *(rest.split(".") if rest else []), name])] = status
+    return out
+
+
 def junit_cases(xml_bytes: bytes) -> dict:
     """{(classname, name): "passed" | "failed" | "skipped"} of every case in a JUnit report
     (a case listed twice keeps its worst outcome)."""
@@ -342,6 +355,17 @@ def _score_exit_status(sb: Sandbox, task, timeout_s: float) -> Score:
 _PYTEST = f"import sys; sys.path.append({WORKDIR!r}); import pytest; sys.exit(pytest.main())"
 
 
+def pytest_invocation(args: list[str], junit_report: str) -> str:
+    """The shell command scoring runs in the sandbox: pytest with `args`, isolated (`-I`, no
+    plugin autoload, no cache), writing its JUnit report to `junit_report`. Task generators
+    run the same command, so what they record is what scoring will see."""
+    return (
+        f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -B -c {shlex.quote(_PYTEST)} "
+        f"-p no:cacheprovider -o junit_family=xunit2 --junitxml={shlex.quote(junit_report)} "
+        + " ".join(shlex.quote(a) for a in args)
+    )
+
+
 def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -> Score:
     """Reward of the workspace as it is now; see the module docstring. mode: a key of
     REWARD_MODES (fraction | all | resolved)."""
@@ -372,11 +396,8 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         sb._chown(report_host)
         inner = f"/tmp/.r{token}"
         report = f"{inner}/{secrets.token_hex(8)}.xml"
-        cmd = (
-            f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -B -c {shlex.quote(_PYTEST)} -p no:cacheprovider "
-            f"-o junit_family=xunit2 --junitxml={report} " + " ".join(shlex.quote(a) for a in args)
-        )
-        res = sb.run(cmd, timeout_s=timeout_s, binds=((report_host, inner, True),))
+        res = sb.run(pytest_invocation(args, report), timeout_s=timeout_s,
+                     binds=((report_host, inner, True),))
         output = (res.stdout + res.stderr)[-4000:]
         if res.timed_out:
             return Score(0.0, 0, 0, f"tests timed out after {timeout_s:g} s", output=output)

@@ -1,8 +1,6 @@
 """Per-task Python environments (coder/env/environments.py): a venv per spec, built offline from
 wheels made in the test, used by the sandbox for the agent's commands and for scoring."""
 
-import base64
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -25,25 +23,6 @@ from coder.env.tasks import Task
 PYTEST = importlib.metadata.version("pytest")
 
 
-def _record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-def _write_wheel(directory, name: str, version: str, files: dict) -> None:
-    """A pure-Python wheel `name-version-py3-none-any.whl` holding `files` ({path: bytes})."""
-    dist = f"{name}-{version}.dist-info"
-    entries = dict(files)
-    entries[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    entries[f"{dist}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
-    record = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in entries.items())
-    entries[f"{dist}/RECORD"] = (record + f"{dist}/RECORD,,\n").encode()
-    with zipfile.ZipFile(os.path.join(directory, f"{name}-{version}-py3-none-any.whl"), "w") as z:
-        for path, data in entries.items():
-            z.writestr(path, data)
-
-
 def _wheel_of_installed(directory, name: str) -> None:
     """A wheel of an installed pure-Python distribution (its files and dist-info, as RECORD
     lists them): pytest and its dependencies, offline."""
@@ -58,9 +37,9 @@ def _wheel_of_installed(directory, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory):
+def wheels(tmp_path_factory, write_wheel):
     d = tmp_path_factory.mktemp("wheels")
-    _write_wheel(d, "tinypkg", "1.0", {"tinypkg/__init__.py": b"def base():\n    return 42\n"})
+    write_wheel(d, "tinypkg", "1.0", {"tinypkg/__init__.py": b"def base():\n    return 42\n"})
     needed = [Requirement(r) for r in importlib.metadata.requires("pytest")]
     for req in [Requirement("pytest"), *needed]:
         if req.marker is None or req.marker.evaluate({"extra": ""}):
