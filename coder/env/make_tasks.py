@@ -4,7 +4,9 @@ instances: `python -m coder.env.make_tasks --source swebench --input I.jsonl --r
 --out T.jsonl [--solutions S.jsonl] [--test-command CMD] [--setup CMD] [--environments E.json]
 [--verify]`, or make feature tasks from packages' release history: `python -m
 coder.env.make_tasks --source releases --packages NAME[==VERSION],... --repos DIR --out T.jsonl
-[--pairs N] [--history K] [--max-prompt-chars C] [--host-python] [--split S] [--verify]`.
+[--pairs N] [--history K] [--max-prompt-chars C] [--host-python] [--split S] [--verify]`, or bug
+tasks by mutation in packages' releases: `python -m coder.env.make_tasks --source mutants
+--packages NAME[==VERSION],... --repos DIR --n N [--mutations M] [--seed S] --out T.jsonl`.
 
 stdlib: verified bug-fix tasks from the installed standard library (coder.env.mutate; each
 mutant is checked in the sandbox, so this takes a few seconds per task). toy: one-line fixes
@@ -16,7 +18,9 @@ releases: "implement what the next release added" (coder.env.releases): sdists f
 index, committed as a git history in `DIR/pypi__NAME`, FAIL_TO_PASS / PASS_TO_PASS from the
 next release's tests run in the sandbox, a terse prompt from its changelog; the set's figures
 (tasks per package, verification rate, medians of prompt characters and lines and files
-changed) are printed as one JSON line. `--solutions` also writes
+changed) are printed as one JSON line. mutants: N tasks per package, each with M bugs in as many
+of its source files (coder.env.package_mutants; FAIL_TO_PASS the release's passing tests the
+bugs break). `--solutions` also writes
 the reference solutions (files, or the gold patches as {"id", "patch"}), the input of
 `python -m coder.env.check` and of `coder.env.transcripts`.
 """
@@ -29,15 +33,15 @@ import sys
 
 import fsspec
 
-from coder.env import mutate, pypi, releases, swebench
+from coder.env import mutate, package_mutants, pypi, releases, swebench
 from coder.env.tasks import DEFAULT_TEST_COMMAND, read_jsonl, toy_tasks, write_solutions
 from coder.env.tasks import write_tasks
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m coder.env.make_tasks")
-    p.add_argument("--source", choices=("stdlib", "toy", "swebench", "releases"), required=True)
-    p.add_argument("--n", type=int, help="number of tasks (stdlib, toy)")
+    p.add_argument("--source", choices=("stdlib", "toy", "swebench", "releases", "mutants"), required=True)
+    p.add_argument("--n", type=int, help="number of tasks (stdlib, toy; mutants: per package)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="Task JSONL to write")
     p.add_argument(
@@ -76,9 +80,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt-chars", type=int, default=600, help="releases: prompt length cap")
     p.add_argument("--host-python", action="store_true",
                    help="releases: run tasks with the host interpreter's packages, no venv")
+    p.add_argument("--test-requirements", default="",
+                   help="releases, mutants: comma-separated requirements that run the tests in "
+                   "each task's venv (default: pytest pinned to this interpreter's version)")
     p.add_argument("--index-url", default=pypi.DEFAULT_INDEX,
                    help="releases: the package index's JSON API root")
-    p.add_argument("--sdist-cache", default="", help="releases: sdist cache directory")
+    p.add_argument("--sdist-cache", default="", help="releases, mutants: sdist cache directory")
+    p.add_argument("--mutations", type=int, default=1,
+                   help="mutants: bugs per task, each in another source file")
     args = p.parse_args(argv)
     if args.source == "swebench":
         if not args.input or not args.repos:
@@ -95,32 +104,42 @@ def main(argv=None) -> int:
             pairs, dropped = swebench.verify(pairs, workers=args.workers)
             for tid, why in dropped.items():
                 print(f"dropped {tid}: {why}", file=sys.stderr)
-    elif args.source == "releases":
+    elif args.source in ("releases", "mutants"):
         if not args.packages or not args.repos:
-            p.error("--source releases needs --packages and --repos")
+            p.error(f"--source {args.source} needs --packages and --repos")
+        if args.source == "mutants" and not args.n:
+            p.error("--source mutants needs --n (tasks per package)")
         options = releases.Options(
             history=args.history, max_prompt_chars=args.max_prompt_chars,
             environment={} if args.host_python else None,
+            test_requirements=tuple(r for r in args.test_requirements.split(",") if r),
         )
         log = lambda s: print(s, file=sys.stderr, flush=True)
-        pairs, tried = [], 0
+        pairs, tried, wanted = [], 0, 0
         for spec in [s.strip() for s in args.packages.split(",") if s.strip()]:
             name, _ = releases.parse_spec(spec)
             if args.split and releases.split_of(name) != args.split:
                 log(f"[releases] {name}: skipped, its tasks are in split "
                     f"{releases.split_of(name)!r} (--split {args.split})")
                 continue
-            made, dropped = releases.package_tasks(
-                spec, args.repos, cache=args.sdist_cache, pairs=args.pairs, options=options,
-                index=args.index_url, log=log)
+            if args.source == "mutants":
+                made, dropped = package_mutants.mutant_tasks(
+                    spec, args.repos, args.n, seed=args.seed, mutations=args.mutations,
+                    cache=args.sdist_cache, options=options, index=args.index_url, log=log)
+                wanted += args.n
+            else:
+                made, dropped = releases.package_tasks(
+                    spec, args.repos, cache=args.sdist_cache, pairs=args.pairs,
+                    options=options, index=args.index_url, log=log)
             pairs += made
             tried += len(made) + len(dropped)
         if args.verify:
             pairs, dropped = swebench.verify(pairs, workers=args.workers)
             for tid, why in dropped.items():
                 log(f"dropped {tid}: {why}")
-        args.n = len(pairs)
-        print(json.dumps(releases.statistics_of(pairs, tried)), file=sys.stderr)
+        if args.source == "releases":
+            print(json.dumps(releases.statistics_of(pairs, tried)), file=sys.stderr)
+        args.n = wanted or max(len(pairs), 1)  # releases: whatever the history made, not none
     elif args.n is None:
         p.error(f"--source {args.source} needs --n")
     elif args.source == "toy":

@@ -64,6 +64,7 @@ class Options:
     history: int = 2  # earlier releases committed before A
     max_prompt_chars: int = 600
     environment: dict | None = None
+    test_requirements: tuple = ()  # what the default environment installs to run tests
     timeout_s: float = 300.0
     heldout_percent: int = corpus.TASK_HELDOUT_PERCENT
     environments_dir: str = ""  # where task venvs are built ("" = the default cache)
@@ -189,7 +190,7 @@ def terse_prompt(name: str, old: str, new: str, entries: list[str], max_chars: i
     return "\n".join(lines + tail(left)), left
 
 
-def _commit_env(release: pypi.Release) -> dict:
+def commit_env(release: pypi.Release) -> dict:
     date = (release.upload_time or "1970-01-01T00:00:00") + "+0000"
     who = {"GIT_AUTHOR_NAME": "package index", "GIT_AUTHOR_EMAIL": "releases@coder.invalid"}
     return {**who, "GIT_COMMITTER_NAME": who["GIT_AUTHOR_NAME"],
@@ -197,33 +198,62 @@ def _commit_env(release: pypi.Release) -> dict:
             "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
 
 
-def build_mirror(name: str, chain: list[pypi.Release], trees: dict, repos: str) -> dict:
-    """Commit each release's source tree, oldest first, into the bare repository
-    `<repos>/pypi__<name>` (made afresh beside it, then renamed into place). {version: sha}."""
-    dest = os.path.join(repos, f"pypi__{name}")
+def mirror_path(repos: str, name: str) -> str:
+    return os.path.join(repos, f"pypi__{name}")
+
+
+def _ensure_mirror(repos: str, name: str) -> str:
+    """The bare repository `<repos>/pypi__<name>`, created if missing (made beside it and
+    renamed into place, so a concurrent creator never sees half a repository)."""
+    dest = mirror_path(repos, name)
+    if os.path.isdir(dest):
+        return dest
     os.makedirs(repos, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=repos, prefix=f".pypi__{name}-")
+    repo_lib.git("init", "-q", "--bare", tmp)
     try:
-        repo_lib.git("init", "-q", "--bare", tmp)
-        shas = {}
-        for rel in chain:
-            tree = trees[rel.version]
-            git = lambda *a: repo_lib.git(f"--git-dir={tmp}", f"--work-tree={tree}", *a,
-                                          cwd=tree, env=_commit_env(rel))
-            git("add", "-A", "-f", ".")
-            git("commit", "-q", "--allow-empty", "--no-verify",
-                "-m", f"{name} {rel.version}: the release's sdist ({rel.filename})")
-            shas[rel.version] = git("rev-parse", "HEAD").strip()
-        old = None
-        if os.path.exists(dest):
-            old = tempfile.mkdtemp(dir=repos, prefix=f".old-pypi__{name}-")
-            os.rename(dest, os.path.join(old, "repo"))
         os.rename(tmp, dest)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        return shas
-    finally:
+    except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def commit_tree(mirror: str, tree: str, message: str, parent: str = "", env=None,
+                base: str = "", files: dict | None = None) -> str:
+    """Commit a directory `tree` (or commit `base`'s tree with `files` {path: text} written
+    over it) into the bare `mirror` with plumbing, so commits of different runs never stack on
+    each other: the same tree, parent, message and dates give the same sha. The commit is kept
+    reachable by the ref `refs/coder/<sha>`; no branch moves."""
+    with tempfile.TemporaryDirectory() as tmp:
+        index = os.path.join(tmp, "index")
+        git = lambda *a, **k: repo_lib.git(f"--git-dir={mirror}", *a, index=index, env=env, **k)
+        if base:
+            git("read-tree", base)
+            for path, text in (files or {}).items():
+                blob = git("hash-object", "-w", "--stdin", stdin=text).strip()
+                git("update-index", "--add", "--cacheinfo", f"100644,{blob},{path}")
+        else:
+            repo_lib.git(f"--git-dir={mirror}", f"--work-tree={tree}", "add", "-A", "-f", ".",
+                         cwd=tree, index=index)
+        tree_sha = git("write-tree").strip()
+        sha = git("commit-tree", tree_sha, *(["-p", parent] if parent else []),
+                  "-m", message).strip()
+        git("update-ref", f"refs/coder/{sha}", sha)
+    return sha
+
+
+def build_mirror(name: str, chain: list[pypi.Release], trees: dict, repos: str) -> dict:
+    """Commit each release's source tree, oldest first, as a linear history into the bare
+    repository `<repos>/pypi__<name>` (created if missing; earlier runs' commits are kept).
+    {version: sha}."""
+    mirror = _ensure_mirror(repos, name)
+    shas, parent = {}, ""
+    for rel in chain:
+        parent = commit_tree(mirror, trees[rel.version],
+                             f"{name} {rel.version}: the release's sdist ({rel.filename})",
+                             parent=parent, env=commit_env(rel))
+        shas[rel.version] = parent
+    return shas
 
 
 def _diff(mirror: str, a: str, b: str, paths: list[str]) -> str:
@@ -233,12 +263,12 @@ def _diff(mirror: str, a: str, b: str, paths: list[str]) -> str:
                         *paths)
 
 
-def _environment(options: Options, tree: str) -> dict:
+def environment_of(options: Options, tree: str) -> dict:
     if options.environment is not None:
         return options.environment
     import importlib.metadata
 
-    reqs = [f"pytest=={importlib.metadata.version('pytest')}"]
+    reqs = list(options.test_requirements) or [f"pytest=={importlib.metadata.version('pytest')}"]
     for r in pypi.runtime_requirements(tree):
         try:
             req = Requirement(r)
@@ -249,12 +279,31 @@ def _environment(options: Options, tree: str) -> dict:
     return {"python": {"requirements": reqs}}
 
 
-def _test_command(tree: str) -> str:
+def test_command_of(tree: str) -> str:
     # A src layout is not importable from the workspace root; pytest's own `pythonpath` ini
     # option puts src/ first, as the project's installed copy would be.
     if os.path.isdir(os.path.join(tree, "src")):
         return DEFAULT_TEST_COMMAND + " -o pythonpath=src"
     return DEFAULT_TEST_COMMAND
+
+
+def python_test_files(tree: str) -> list[str]:
+    """The Python test files of a source tree (paths relative to it)."""
+    out = []
+    for dirpath, _, filenames in os.walk(tree):
+        for fn in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, fn), tree)
+            if fn.endswith(".py") and is_test_path(rel):
+                out.append(rel)
+    return sorted(out)
+
+
+def added_lines(patch: str, min_chars: int = 24, limit: int = 5) -> list[str]:
+    """The `limit` longest lines a unified diff adds (stripped, at least `min_chars`): text
+    only the patched code has, what `readable_copies` looks for."""
+    added = sorted({ln[1:].strip() for ln in patch.split("\n")
+                    if ln.startswith("+") and not ln.startswith("+++")}, key=len, reverse=True)
+    return [ln for ln in added if len(ln) >= min_chars][:limit]
 
 
 def test_statuses(task: Task, patches: list[str], test_files: list[str], limits: Limits,
@@ -273,18 +322,20 @@ def test_statuses(task: Task, patches: list[str], test_files: list[str], limits:
             raise RuntimeError(f"pytest exit status {res.exit_code}"
                                f"{' (timed out)' if res.timed_out else ''}: "
                                f"{(res.stdout + res.stderr)[-600:]}")
-        return junit_statuses(sb.read(_REPORT).encode(), test_files)
+        try:
+            report = sb.read(_REPORT)
+        except (FileNotFoundError, ValueError) as e:
+            raise RuntimeError(f"no JUnit report (pytest exit status {res.exit_code}: a test "
+                               f"ended the run): {(res.stdout + res.stderr)[-400:]}") from e
+        return junit_statuses(report.encode(), test_files)
 
 
-def readable_copies(task: Task, gold: str, limits: Limits | None = None,
-                    limit: int = 5) -> list[str]:
-    """Files outside the workspace that a sandbox of `task` can read and that hold lines only
-    the next release has (the longest lines `gold` adds): an installed or vendored copy of the
-    next release, which would hand the agent its solution. Searched where such a copy lives:
+def readable_copies(task: Task, lines: list[str], limits: Limits | None = None) -> list[str]:
+    """Files outside the workspace that a sandbox of `task` can read and that hold one of
+    `lines` (text only the reference solution has: `added_lines`): an installed or vendored
+    copy of the solution's code would hand it to the agent. Searched where such a copy lives:
     paths naming one of the workspace's top-level modules (`find`, ~1 s over the host's /usr)."""
-    added = sorted({ln[1:].strip() for ln in gold.split("\n")
-                    if ln.startswith("+") and not ln.startswith("+++")}, key=len, reverse=True)
-    added = [ln for ln in added if len(ln) >= 24][:limit]
+    added = [ln for ln in lines if ln.strip()]
     with Sandbox(task, limits=limits) as sb:
         names = sorted(installed.workspace_modules(sb.list_files()))
         if not added or not names:
@@ -325,7 +376,7 @@ def pair_task(name: str, a: pypi.Release, b: pypi.Release, mirror: str, shas: di
         prompt=prompt,
         files={},
         tests={},
-        test_command=_test_command(tree_b),
+        test_command=test_command_of(tree_b),
         source="releases",
         repo=mirror,
         commit=sha_a,
@@ -346,7 +397,7 @@ def pair_task(name: str, a: pypi.Release, b: pypi.Release, mirror: str, shas: di
             "files_changed": stats["files"],
             "test_files_changed": tests,
         },
-        environment=_environment(options, tree_b),
+        environment=environment_of(options, tree_b),
         test_patch=test_patch,
     )
     return task, gold
@@ -355,12 +406,7 @@ def pair_task(name: str, a: pypi.Release, b: pypi.Release, mirror: str, shas: di
 def with_test_ids(task: Task, gold: str, tree_b: str, options: Options) -> Task:
     """`task` with FAIL_TO_PASS / PASS_TO_PASS from B's suite run on A and on B in the sandbox;
     ValueError when no test fails on A and passes on B."""
-    test_files = []
-    for dirpath, _, filenames in os.walk(tree_b):
-        for fn in filenames:
-            rel = os.path.relpath(os.path.join(dirpath, fn), tree_b)
-            if fn.endswith(".py") and is_test_path(rel):
-                test_files.append(rel)
+    test_files = python_test_files(tree_b)
     limits = options.limits
     try:
         before = test_statuses(task, [task.test_patch], test_files, limits, options.timeout_s)
@@ -372,7 +418,7 @@ def with_test_ids(task: Task, gold: str, tree_b: str, options: Options) -> Task:
     if not f2p:
         raise ValueError(f"no test fails on {task.metadata['from_version']} and passes on "
                          f"{task.metadata['to_version']} ({len(after)} tests ran)")
-    leaks = readable_copies(task, gold, limits)
+    leaks = readable_copies(task, added_lines(gold), limits)
     if leaks:
         raise ValueError(f"the next release is readable in the sandbox: {leaks[:3]}")
     meta = {**task.metadata, "tests_failing_on_new": sum(s == "failed" for s in after.values())}
@@ -413,7 +459,7 @@ def package_tasks(spec: str, repos: str, cache: str = "", pairs: int = 1,
             trees[rel.version] = pypi.unpack(pypi.fetch(rel, cache),
                                              os.path.join(work, rel.version))
         shas = build_mirror(name, chain, trees, repos)
-        mirror = os.path.join(repos, f"pypi__{name}")
+        mirror = mirror_path(repos, name)
         for t in targets:
             a, b = found[t - 1], found[t]
             try:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from coder.env import make_tasks, releases
+from coder.env import make_tasks, package_mutants, releases
 from coder.env.reward import score_solution
 from coder.env.sandbox import Limits, Sandbox
 from coder.env.tasks import Task, read_solutions, read_tasks
@@ -68,6 +68,15 @@ def test_test_paths_and_package_specs():
         releases.parse_spec("pkg==")
 
 
+def test_mutants_draw_from_the_package_sources_only(tmp_path):
+    for path in ("pkg/__init__.py", "pkg/core.py", "pkg/tests/test_core.py", "setup.py",
+                 "docs/conf.py", "tests/conftest.py", "top.py", "src/other/util.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert package_mutants.source_files(str(tmp_path)) == [
+        "pkg/__init__.py", "pkg/core.py", "src/other/util.py"]
+
+
 def test_readable_copies_finds_a_vendored_copy_of_the_next_release(tmp_path, write_wheel):
     """The generator's leak check: a copy of the new code vendored inside an installed package
     (here in the task's environment) is found; the same task without it is clean."""
@@ -85,14 +94,20 @@ def test_readable_copies_finds_a_vendored_copy_of_the_next_release(tmp_path, wri
                       "no_index": True}}
     limits = Limits(timeout_s=60, environments_dir=str(tmp_path / "envs"))
     leaky = Task("leaky", "", files, {}, environment=env)
-    found = releases.readable_copies(leaky, gold, limits)
+    found = releases.readable_copies(leaky, releases.added_lines(gold), limits)
     assert len(found) == 1 and found[0].startswith(os.path.realpath(tmp_path / "envs") + "/")
     assert found[0].endswith("/site-packages/vend/_vendor/mymod/__init__.py"), found
-    assert releases.readable_copies(Task("clean", "", files, {}), gold, limits) == []
+    assert releases.readable_copies(Task("clean", "", files, {}), [new_line], limits) == []
+
+
+@pytest.fixture(scope="module")
+def sdists(tmp_path_factory):
+    """One sdist cache for the module's tests (each still downloads what it needs once)."""
+    return str(tmp_path_factory.mktemp("sdists"))
 
 
 @pytest.mark.slow
-def test_release_tasks_from_two_packages_on_the_index(tmp_path, capsys):
+def test_release_tasks_from_two_packages_on_the_index(tmp_path, capsys, sdists):
     """cachetools 7.3.1 -> 7.3.2 and boltons 26.0.0 -> 26.1.0, fetched from the package index at
     test time: each makes a verified task (gold patch 1, start 0: `--verify`), the figures are
     printed, the workspace's history stops at the older release, and what an agent would try
@@ -100,7 +115,7 @@ def test_release_tasks_from_two_packages_on_the_index(tmp_path, capsys):
     out, sol = tmp_path / "tasks.jsonl", tmp_path / "solutions.jsonl"
     rc = make_tasks.main([
         "--source", "releases", "--packages", "cachetools==7.3.2,boltons==26.1.0",
-        "--repos", str(tmp_path / "repos"), "--sdist-cache", str(tmp_path / "sdists"),
+        "--repos", str(tmp_path / "repos"), "--sdist-cache", sdists,
         "--history", "1", "--host-python", "--verify", "--workers", "2",
         "--out", str(out), "--solutions", str(sol),
     ])
@@ -124,10 +139,38 @@ def test_release_tasks_from_two_packages_on_the_index(tmp_path, capsys):
     assert score_solution(task, {}, mode="fraction").reward == 0.0
     with Sandbox(task) as sb:
         r = sb.run("git log --all --format=%s; python -c 'import boltons; print(boltons.__file__)';"
-                   f" ls {tmp_path / 'sdists'} 2>/dev/null || echo no-cache;"
-                   " timeout 20 pip download --no-deps -d /tmp/d boltons==26.1.0 >/dev/null 2>&1"
+                   f" ls {sdists} 2>/dev/null || echo no-cache;"
+                   " timeout 20 pip download --retries 0 --no-deps -d /tmp/d boltons==26.1.0 >/dev/null 2>&1"
                    " || echo no-download")
     assert r.stdout.splitlines() == [
         "boltons 26.0.0: the release's sdist (boltons-26.0.0.tar.gz)",
         "/workspace/boltons/__init__.py", "no-cache", "no-download"], r
-    assert releases.readable_copies(task, gold[task.id]) == []
+    assert releases.readable_copies(task, releases.added_lines(gold[task.id])) == []
+
+
+@pytest.mark.slow
+def test_mutant_tasks_across_files_of_a_real_package(tmp_path, capsys, sdists):
+    """boltons 26.1.0 from the index with two bugs in two of its source files: the task
+    verifies (reference 1, start 0), its tests name what broke, and the workspace's history is
+    the mutant alone (no unmutated commit to diff against)."""
+    out, sol = tmp_path / "tasks.jsonl", tmp_path / "solutions.jsonl"
+    rc = make_tasks.main([
+        "--source", "mutants", "--packages", "boltons==26.1.0", "--n", "1", "--mutations", "2",
+        "--seed", "3", "--repos", str(tmp_path / "repos"), "--sdist-cache", sdists,
+        "--host-python", "--verify", "--workers", "1", "--out", str(out), "--solutions", str(sol),
+    ])
+    err = capsys.readouterr().err
+    print(err)
+    assert rc == 0, err
+    [task] = read_tasks(str(out))
+    reference = read_solutions(str(sol))[task.id]
+    m = task.metadata
+    assert m["source"] == "mutants" and len(m["mutations"]) == 2
+    assert len({x["file"] for x in m["mutations"]}) == 2 == len(reference)
+    assert task.fail_to_pass and task.pass_to_pass and not set(task.fail_to_pass) & set(
+        task.pass_to_pass)
+    assert task.fail_to_pass[0] in task.prompt
+    with Sandbox(task) as sb:
+        assert all(sb.read(p) != text for p, text in reference.items())
+        r = sb.run("git log --all --format='%s %P'; git status --porcelain | wc -l")
+    assert r.stdout.splitlines() == ["boltons 26.1.0 ", "0"], r
