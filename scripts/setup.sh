@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install coder on this machine, from a fresh checkout:
 #   1. the system packages the env sandbox needs (coder/env/sandbox.py), with apt-get when a tool
-#      is missing (sudo when not root): bubblewrap (bwrap) and util-linux (setpriv, prlimit);
+#      is missing (sudo when not root): bubblewrap (bwrap), util-linux (setpriv, prlimit) and
+#      umoci (tasks whose environment is an OCI image, coder/env/images.py);
 #   2. the package itself, editable: `pip install -e .`, or `pip install -e ".[EXTRAS]"`.
 #
 #   bash scripts/setup.sh            # what `python main.py --config=configs/quickstart.py` needs
@@ -18,19 +19,20 @@ PYTHON="${PYTHON:-python}"
 # --- system packages ---------------------------------------------------------------------------
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v umoci >/dev/null 2>&1 || missing+=(umoci)  # OCI image environments (coder/env/images.py)
 { command -v setpriv >/dev/null 2>&1 && command -v prlimit >/dev/null 2>&1; } || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" != 0 ]; then
     if ! command -v sudo >/dev/null 2>&1; then
-      echo "setup: coder needs the system packages ${missing[*]} (bwrap, setpriv, prlimit);" \
+      echo "setup: coder needs the system packages ${missing[*]} (bwrap, setpriv, prlimit, umoci);" \
            "not root and no sudo: install them as root, then re-run this script" >&2
       exit 1
     fi
     SUDO="sudo"
   fi
   if ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup: coder needs the system packages ${missing[*]} (bwrap, setpriv, prlimit);" \
+    echo "setup: coder needs the system packages ${missing[*]} (bwrap, setpriv, prlimit, umoci);" \
          "no apt-get here: install them with this system's package manager, then re-run" >&2
     exit 1
   fi
@@ -38,7 +40,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
-for tool in bwrap setpriv prlimit; do
+for tool in bwrap setpriv prlimit umoci; do
   command -v "$tool" >/dev/null 2>&1 || { echo "setup: $tool is still not on PATH" >&2; exit 1; }
 done
 # bwrap needs user / pid namespaces (some containers forbid them): say so now, not in the sft stage.

@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from coder.env import images
+
 _PYTHON_KEYS = {"requirements", "find_links", "index_url", "no_index"}
 _MARKER = "coder-environment.json"
 # A build that has not finished in this long is hung (a stalled index or find_links mount); the
@@ -92,9 +94,13 @@ def normalize(environment, where: str = "environment") -> dict:
     if not isinstance(environment, dict):
         raise ValueError(f"{where} must be an object such as {{\"python\": {{\"requirements\": "
                          "[...]}}}")
-    unknown = set(environment) - {"python"}
+    unknown = set(environment) - {"python", "image"}
     if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)} (supported: python)")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)} (supported: python, image)")
+    if len(environment) != 1:
+        raise ValueError(f"{where}: python (a venv) and image (an OCI image) exclude each other")
+    if "image" in environment:
+        return {"image": images.normalize(environment["image"], f"{where}.image")}
     py = environment.get("python")
     if not isinstance(py, dict):
         raise ValueError(f"{where}.python must be an object with requirements")

@@ -64,9 +64,10 @@ import time
 import weakref
 from collections.abc import Mapping
 
-from coder.env import environments
+from coder.env import environments, images
 from coder.env import repo as repo_lib
-from coder.env.installed import installed_copies, python_prefixes, workspace_modules
+from coder.env.installed import (installed_copies, installed_copies_in, python_prefixes,
+                                 workspace_modules)
 
 WORKDIR = "/workspace"  # where the workspace is mounted inside the sandbox
 _UID_BASE = 200_000  # sandbox uids: [_UID_BASE, _UID_BASE + _UID_RANGE), unused on the host
@@ -325,6 +326,7 @@ class Sandbox:
             self._chown(self.workspace)
             self._write_etc()
             self._prefixes = python_prefixes()
+            self.image: images.Image | None = None
             self.environment = self._environment(task)
             depth = self.limits.history_depth
             self._shadows = (
@@ -332,7 +334,9 @@ class Sandbox:
             )
             if base is not None:
                 self._start_from_base(root)
-            probe = self.run("id -u", timeout_s=30)
+            # An image may lack `id`: bash knows its uid itself.
+            bash = self.image is not None and self.image.shell.endswith("bash")
+            probe = self.run("echo $UID" if bash else "id -u", timeout_s=30)
             if probe.exit_code != 0 or probe.stdout.strip() != str(self._inner_uid):
                 raise SandboxError(
                     f"sandbox failed to start (exit {probe.exit_code}): {probe.stderr.strip()[:500]}"
@@ -396,8 +400,15 @@ class Sandbox:
         )
         if not spec:
             return None
+        directory = environments.check_dir(self.limits.environments_dir)
+        if "image" in spec:
+            try:
+                self.image = images.ensure(spec["image"], directory)
+            except images.ImageError as e:
+                raise SandboxError(f"task {task.id!r}: image {spec['image']}: {e}") from e
+            return None
         try:
-            return environments.ensure(spec, environments.check_dir(self.limits.environments_dir))
+            return environments.ensure(spec, directory)
         except environments.BuildError as e:
             raise SandboxError(
                 f"task {task.id!r}: environment {json.dumps(spec, sort_keys=True)}: {e}"
@@ -486,7 +497,13 @@ class Sandbox:
         shadow = os.path.join(self.dir, "shadow")
         empty = os.path.join(shadow, ".empty")
         for name, paths in workspace_modules(files).items():
-            copies = installed_copies(name, (self.environment.path,) if self.environment else ())
+            if self.image is not None:  # the image's own installations, at their inner paths
+                rootfs = self.image.rootfs
+                copies = tuple("/" + os.path.relpath(c, rootfs)
+                               for c in installed_copies_in(name, rootfs))
+            else:
+                copies = installed_copies(
+                    name, (self.environment.path,) if self.environment else ())
             if not copies:
                 continue
             os.makedirs(shadow, 0o755, exist_ok=True)
@@ -502,9 +519,11 @@ class Sandbox:
                     f.write(files[path])
                 os.chmod(dst, 0o644)
             for copy in copies:
+                host_copy = copy if self.image is None else os.path.join(
+                    self.image.rootfs, copy.lstrip("/"))
                 if copy.endswith(".pyc"):
                     mounts.append((empty, copy))
-                elif os.path.isdir(copy):
+                elif os.path.isdir(host_copy):
                     if os.path.isdir(staged):
                         mounts.append((staged, copy))
                     else:  # the workspace has M.py, an installation has package M/
@@ -554,17 +573,24 @@ class Sandbox:
             a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
         else:  # unprivileged host user: a user namespace maps the caller's own uid
             a += ["--unshare-user", "--cap-drop", "ALL"]
-        a += ["--ro-bind", "/usr", "/usr"]
-        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = "/" + name
-            if os.path.islink(host):
-                a += ["--symlink", os.readlink(host), host]
-            elif os.path.isdir(host):
-                a += ["--ro-bind", host, host]
-        a += ["--perms", "0755", "--dir", "/etc"]
-        for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime"):
-            if os.path.lexists("/etc/" + name):
-                a += ["--ro-bind", "/etc/" + name, "/etc/" + name]
+        img = self.image
+        if img is not None:
+            # The image is the root filesystem (its mount points made at unpack); the host's
+            # /usr only where the sandbox's helpers run from (images.host_tool).
+            a += ["--ro-bind", img.rootfs, "/", "--ro-bind", "/usr", images.HOST + "/usr"]
+        else:
+            a += ["--ro-bind", "/usr", "/usr"]
+            for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+                host = "/" + name
+                if os.path.islink(host):
+                    a += ["--symlink", os.readlink(host), host]
+                elif os.path.isdir(host):
+                    a += ["--ro-bind", host, host]
+            a += ["--perms", "0755", "--dir", "/etc"]
+            for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives",
+                         "localtime"):
+                if os.path.lexists("/etc/" + name):
+                    a += ["--ro-bind", "/etc/" + name, "/etc/" + name]
         a += [
             "--ro-bind",
             os.path.join(self.dir, "etc/passwd"),
@@ -591,7 +617,7 @@ class Sandbox:
             "/tmp",
         ]
         env = self.environment
-        for prefix in self._prefixes + ([env.path] if env else []):
+        for prefix in ([] if img else self._prefixes) + ([env.path] if env else []):
             # Parents such as /root are 0700 on the host; inside they only need to be traversable.
             parents, p = [], os.path.dirname(prefix)
             while p not in ("/", "") and p != "/tmp":
@@ -616,10 +642,18 @@ class Sandbox:
             ]
         )
         path = ":".join([*bindirs, "/usr/local/bin", "/usr/bin", "/bin"])
+        image_env = []
+        if img is not None:
+            path = img.path_var
+            for item in img.env:  # the image's own variables (LANG, PYTHON_VERSION, ...)
+                key, _, value = item.partition("=")
+                if key and key not in ("PATH", "HOME", "USER", "TERM"):
+                    image_env += ["--setenv", key, value]
         a += [
             "--chdir",
             WORKDIR,
             "--clearenv",
+            *image_env,
             "--setenv",
             "PATH",
             path,
@@ -661,9 +695,10 @@ class Sandbox:
             "-p no:cacheprovider",
             "--",
         ]
+        tool = (lambda name: [name]) if img is None else images.host_tool
         if self._privileged:
             a += [
-                "setpriv",
+                *tool("setpriv"),
                 f"--reuid={self.uid}",
                 f"--regid={self.uid}",
                 "--clear-groups",
@@ -673,7 +708,7 @@ class Sandbox:
                 "--",
             ]
         a += [
-            "prlimit",
+            *tool("prlimit"),
             f"--cpu={lim.cpu_s}",
             f"--as={lim.memory_bytes}",
             f"--nproc={lim.nproc}",
@@ -681,7 +716,7 @@ class Sandbox:
             f"--nofile={lim.nofile}",
             "--core=0",
             "--",
-            "/bin/bash",
+            "/bin/bash" if img is None else img.shell,
             "-c",
             cmd,
         ]
