@@ -24,8 +24,9 @@ def _libraries(binary: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def layout(tmp_path_factory):
-    """An OCI layout `<dir>:t` whose root filesystem holds bash with its libraries and
-    /usr/local/bin/frob, a tool no host has: nothing else (no python, no coreutils)."""
+    """An OCI layout `<dir>:t` whose root filesystem holds bash with its libraries,
+    /usr/local/bin/frob, a tool no host has, and an installed module `mymod`: nothing else (no
+    python, no coreutils)."""
     d = tmp_path_factory.mktemp("oci")
     lay, bundle = str(d / "layout"), str(d / "bundle")
     umoci = lambda *a: subprocess.run(["umoci", *a], check=True, capture_output=True)
@@ -42,6 +43,10 @@ def layout(tmp_path_factory):
     with open(frob, "w") as f:
         f.write("#!/bin/bash\necho frobbed\n")
     os.chmod(frob, 0o755)
+    site = os.path.join(rootfs, "usr/lib/python3.11/site-packages")
+    os.makedirs(site)
+    with open(os.path.join(site, "mymod.py"), "w") as f:  # an installed copy of a task's module
+        f.write("SECRET = 'the reference'\n")
     umoci("repack", "--image", f"{lay}:t", bundle)
     return lay
 
@@ -110,3 +115,12 @@ def test_image_specs_and_errors_name_the_problem(layout, repo_task, tmp_path):
     task = Task(**{**repo_task.__dict__, "environment": {"image": {"layout": layout, "ref": "x"}}})
     with pytest.raises(SandboxError, match=r"has no image tagged 'x' \(tags: \['t'\]\)"):
         Sandbox(task, Limits(environments_dir=str(tmp_path)))
+
+
+def test_installed_copy_in_the_image_shows_the_starting_text(layout, tmp_path):
+    """A module the workspace defines is shadowed in the image's site-packages too."""
+    task = Task("shadow", "", {"mymod.py": "SECRET = 'start'\n"}, {},
+                environment={"image": {"layout": layout, "ref": "t"}})
+    with Sandbox(task, Limits(timeout_s=30, environments_dir=str(tmp_path))) as sb:
+        r = sb.run("read l < /usr/lib/python3.11/site-packages/mymod.py; echo $l")
+    assert r.stdout == "SECRET = 'start'\n", r
