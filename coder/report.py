@@ -356,6 +356,17 @@ def render_markdown(workdir: str, table: list[dict], evals: dict[str, list[dict]
                            _cell(e.get("regressed"))])
         lines += _md_table(["stage", "at", *keys, "tasks", "samples / task", "infra failures", "regressed"], rows)
         lines.append("")
+        with_cats = [(s, e) for s, e in all_evals if e.get("categories")]
+        if with_cats:  # the suite's breakdown: pass@k and best-of-K per task category
+            ks = [k[5:] for k in keys]
+            lines += ["### By task category", ""]
+            rows = [[stage, f"step {e.get('step')}", cat, _cell(c.get("num_tasks"))]
+                    + [_cell(_number(c.get(f"pass@{k}"))) for k in ks]
+                    + [_cell(_number(c.get(f"best_of_{k}"))) for k in ks]
+                    for stage, e in with_cats for cat, c in sorted(e["categories"].items())]
+            lines += _md_table(["stage", "at", "category", "tasks", *[f"pass@{k}" for k in ks],
+                                *[f"best of {k}" for k in ks]], rows)
+            lines.append("")
     lines += ["## Curves", ""]
     for stage, records in metrics.items():
         lines += [f"### {stage}", ""]

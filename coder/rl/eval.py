@@ -9,8 +9,12 @@ is computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i) (no huge binomials). Rollout
 infrastructure failure are left out of n for their task; a task with fewer than k valid
 rollouts does not count towards pass@k.
 
-Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` (local or an fsspec URL) with the summary
-and every task's counts, finish reasons, broken calls and the text of its first rollout
+best-of-K (`best_of_k`): the mean over tasks of the best test reward (fraction of hidden tests
+passed) among K attempts. Both are also reported per task category (coder.env.suite: feature,
+bug, noisy-context, ...), the CursorBench-like suite's breakdown.
+
+Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` (local or an fsspec URL) with the summary,
+the per-category summaries, and every task's counts, finish reasons, broken calls and the text of its first rollout
 (`transcript_text`). A checkpoint whose pass@1 is below the previous report's by more than
 `rl.eval_regression_margin` is flagged (`regressed` in the report and the returned dict, and a
 warning in the log).
@@ -25,6 +29,8 @@ import time
 import fsspec
 import jax
 import numpy as np
+
+from coder.env.suite import category_of
 
 
 def _gather(records: list) -> list:
@@ -56,6 +62,26 @@ def summarize(counts: list[tuple[int, int]], ks) -> dict:
     for k in ks:
         vals = [pass_at_k(n, c, k) for n, c in counts if n >= k]
         out[f"pass@{k}"] = float(np.mean(vals)) if vals else float("nan")
+    return out
+
+
+def best_of_k(rewards: list[list[float]], k: int) -> float:
+    """Mean over tasks of the best test reward (the fraction of hidden tests passed) among
+    each task's first k valid rollouts: what picking the best of k attempts would score with
+    partial credit (pass@k counts a task only when one attempt passes every test). Tasks with
+    fewer than k rollouts do not count; nan when none has k."""
+    vals = [max(r[:k]) for r in rewards if len(r) >= k]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def by_category(per_task: list[dict], ks) -> dict:
+    """{category: {"num_tasks", "pass@k"..., "best_of_k"...}} of per-task report entries
+    (each with "category", "n", "correct", "rewards")."""
+    out = {}
+    for cat in sorted({t["category"] for t in per_task}):
+        ts = [t for t in per_task if t["category"] == cat]
+        out[cat] = {"num_tasks": len(ts), **summarize([(t["n"], t["correct"]) for t in ts], ks),
+                    **{f"best_of_{k}": best_of_k([t["rewards"] for t in ts], k) for k in ks}}
     return out
 
 
@@ -165,7 +191,9 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     per_task = []
     for i, rollouts in zip(mine, groups):
         valid = [r for r in rollouts if not r.infra_error]
-        per_task.append({"index": i, "id": tasks[i].id, "n": len(valid), "correct": int(sum(r.correct for r in valid)),
+        per_task.append({"index": i, "id": tasks[i].id, "category": category_of(tasks[i]),
+                         "n": len(valid), "correct": int(sum(r.correct for r in valid)),
+                         "rewards": [float(r.test_reward) for r in valid],
                          "mean_test_reward": float(np.mean([r.test_reward for r in valid])) if valid else None,
                          "infra_failures": len(rollouts) - len(valid),
                          "finish": [r.finish for r in rollouts], "broken_calls": [r.broken_calls for r in rollouts],
@@ -174,6 +202,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     counts = [(t["n"], t["correct"]) for t in per_task]
     infra = sum(t["infra_failures"] for t in per_task)
     summary = summarize(counts, ks)
+    summary.update({f"best_of_{k}": best_of_k([t["rewards"] for t in per_task], k) for k in ks})
+    categories = by_category(per_task, ks)
     report_dir = os.path.join(stage_dir, name)
     prev = previous_report(report_dir, step)
     margin = float(rl.eval_regression_margin)
@@ -184,7 +214,8 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     path = report_path(report_dir, step)
     if jax.process_index() != 0:  # every process has the same summary; process 0 writes it
         return {**summary, "num_tasks": len(tasks), "infra_failures": infra, "regressed": regressed, "report": path}
-    report = {"step": step, "summary": summary, "num_tasks": len(tasks), "samples": int(rl.eval_samples),
+    report = {"step": step, "summary": summary, "categories": categories, "num_tasks": len(tasks),
+              "samples": int(rl.eval_samples),
               "infra_failures": infra, "regressed": regressed,
               "previous_step": None if prev is None else prev["step"], "tasks": per_task,
               "time_s": time.perf_counter() - t0}

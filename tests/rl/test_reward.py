@@ -115,6 +115,21 @@ def test_pass_at_k_unbiased_estimator_by_hand():
     assert s["pass@2"] == pytest.approx((0.5 + 1) / 2)  # the 1-sample task is left out of pass@2
 
 
+def test_best_of_k_and_the_per_category_breakdown_by_hand():
+    from coder.rl.eval import best_of_k, by_category
+
+    assert best_of_k([[0.2, 0.9, 0.5], [0.0, 0.0, 1.0], [0.4]], 2) == pytest.approx((0.9 + 0.0) / 2)
+    assert best_of_k([[0.4]], 2) != best_of_k([[0.4]], 2)  # nan: no task has 2 attempts
+    tasks = [{"category": "bug", "n": 2, "correct": 1, "rewards": [1.0, 0.5]},
+             {"category": "bug", "n": 2, "correct": 0, "rewards": [0.0, 0.25]},
+             {"category": "feature", "n": 2, "correct": 0, "rewards": [0.5, 0.0]}]
+    cats = by_category(tasks, ks=(1, 2))
+    assert cats["bug"] == pytest.approx({"num_tasks": 2, "pass@1": 0.25, "pass@2": 0.5,
+                                         "best_of_1": 0.5, "best_of_2": 0.625})
+    assert cats["feature"] == pytest.approx({"num_tasks": 1, "pass@1": 0.0, "pass@2": 0.0,
+                                             "best_of_1": 0.5, "best_of_2": 0.5})
+
+
 def test_regression_flag():
     from coder.rl.eval import is_regression
 
