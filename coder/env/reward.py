@@ -29,7 +29,11 @@ with `--rootdir=/workspace` and exactly those ids count: reward modes below. The
 cross-check then covers the whole report, since tests outside the ids may fail before and after
 the fix. A v2 task with no ids and a test command that is not pytest scores by its exit status
 (0 = pass: reward 1 of 1); that command runs as the task wrote it, so it is only as hard to
-subvert as the files step 1 restores.
+subvert as the files step 1 restores. With ids and a command of another runner (`go test`,
+TAP from `node --test --test-reporter=tap`, ...: `Task.test_format`, coder.env.runners), its
+whole output is written to a file in a directory mounted for that run only and parsed into
+per-test statuses, and the ids count as for pytest. Step 1 also restores the tracked files the
+test command names (a runner script such as `bash run_tests.sh`).
 
 Reward modes (`REWARD_MODES`, a function of the counted outcomes): `fraction` = the fraction
 of FAIL_TO_PASS ids that pass, 0 if any PASS_TO_PASS id broke (those pass before any change,
@@ -60,6 +64,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 from coder.env import repo as repo_lib
+from coder.env import runners
 from coder.env.installed import library_dirs_under
 from coder.env.sandbox import WORKDIR, Sandbox, SandboxError, task_checkout
 
@@ -187,8 +192,9 @@ def _restore_tests(sb: Sandbox, task) -> set:
     if getattr(task, "repo", ""):
         co = task_checkout(task, sb.limits.history_depth)  # the sandbox's own checkout
         keep |= co.tracked
+        named = runners.named_paths(task.test_command)  # a runner script the command names
         for path in co.paths:
-            if _is_test_path(path) and path not in task.files:
+            if (_is_test_path(path) or path in named) and path not in task.files:
                 data = co.read(path)
                 if not _unchanged(sb, path, data):
                     _force_write(sb, path, data)
@@ -351,6 +357,53 @@ def _score_exit_status(sb: Sandbox, task, timeout_s: float) -> Score:
     return Score(1.0, 1, 1, output=output)
 
 
+def _score_runner(sb: Sandbox, task, fmt: str, mode: str, timeout_s: float) -> Score:
+    """A task with test ids whose command is another runner (coder.env.runners: go, tap): its
+    output goes to a file in a directory mounted for this run only, is parsed into per-test
+    statuses, and the ids count as with pytest. An exit status of 0 beside a failed test, or
+    output with no test result at all, scores 0."""
+    report_host = None
+    try:
+        _clean_workspace(sb, _restore_tests(sb, task))
+        token = secrets.token_hex(8)
+        report_host = os.path.join(sb.dir, f"report-{token}")
+        os.mkdir(report_host, 0o700)
+        sb._chown(report_host)
+        inner = f"/tmp/.r{token}"
+        out = f"{inner}/{secrets.token_hex(8)}.out"
+        res = sb.run(f"{{ {runners.command(fmt, task.test_command)}\n}} > {out} 2>&1",
+                     timeout_s=timeout_s, binds=((report_host, inner, True),))
+        out_host = os.path.join(report_host, os.path.basename(out))
+        if res.timed_out:
+            return Score(0.0, 0, 0, f"tests timed out after {timeout_s:g} s")
+        if not os.path.isfile(out_host) or os.path.islink(out_host):
+            return Score(0.0, 0, 0, f"no test output (exit status {res.exit_code})")
+        with open(out_host, "rb") as f:
+            text = f.read(_MAX_REPORT_BYTES).decode("utf-8", "replace")
+    except SandboxError as e:
+        return Score(0.0, 0, 0, infra_error=f"sandbox: {e}")
+    except OSError as e:
+        return Score(0.0, 0, 0, infra_error=f"scoring I/O: {e}")
+    finally:
+        if report_host:
+            shutil.rmtree(report_host, ignore_errors=True)
+    output = text[-4000:]
+    statuses = runners.parse(fmt, text)
+    if not statuses:
+        return Score(0.0, 0, 0, f"no {fmt} test results in the output (exit status "
+                     f"{res.exit_code})", output=output)
+    if res.exit_code == 0 and any(v == "failed" for v in statuses.values()):
+        return Score(0.0, 0, 0, "exit status 0 disagrees with the failed tests in the output",
+                     output=output)
+    not_passed = [i for i in task.fail_to_pass + task.pass_to_pass if statuses.get(i) != "passed"]
+    f2p = sum(1 for i in task.fail_to_pass if i not in not_passed)
+    p2p = sum(1 for i in task.pass_to_pass if i not in not_passed)
+    total = len(task.fail_to_pass) + len(task.pass_to_pass)
+    reward = REWARD_MODES[mode](f2p, len(task.fail_to_pass), p2p, len(task.pass_to_pass))
+    err = None if not not_passed else f"{len(not_passed)} of {total} tests did not pass"
+    return Score(reward, f2p + p2p, total, err, output=output, not_passed=tuple(not_passed))
+
+
 # pytest's entry point with the workspace last on sys.path (module docstring, step 3)
 _PYTEST = f"import sys; sys.path.append({WORKDIR!r}); import pytest; sys.exit(pytest.main())"
 
@@ -373,7 +426,12 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         raise ValueError(f"reward mode {mode!r}: use one of {sorted(REWARD_MODES)}")
     ids = tuple(getattr(task, "fail_to_pass", ())) + tuple(getattr(task, "pass_to_pass", ()))
     v2 = bool(getattr(task, "repo", ""))
+    fmt = runners.format_of(task)
+    if fmt in ("go", "tap") and ids:
+        return _score_runner(sb, task, fmt, mode, timeout_s)
     try:
+        if fmt not in ("", "pytest"):
+            raise ValueError(f"test_format {fmt!r} scores test ids; this task has none")
         args = pytest_args(task.test_command)
     except ValueError as e:
         if v2 and not ids:

@@ -6,8 +6,9 @@ tests); `tests` are the scoring tests, copied over whatever is there only at sco
 Task line (v2, a repository snapshot): the same keys plus `repo` and `commit` (the workspace is
 that commit's tree, `coder.env.repo`; `files` and `tests` are then optional and written over
 it), `setup` (shell run once in the sandbox after checkout), `fail_to_pass` / `pass_to_pass`
-(test ids that decide the reward), `test_patch` (a hidden unified diff applied only at scoring)
-and `metadata` (free-form: source, repository name, size of the reference change, ...).
+(test ids that decide the reward), `test_patch` (a hidden unified diff applied only at scoring),
+`test_format` (how the command reports each test: pytest, go, tap; coder.env.runners) and
+`metadata` (free-form: source, repository name, size of the reference change, ...).
 Any task may name an `environment` (a Python venv spec, `coder.env.environments`): its
 sandboxes then run that venv's interpreter and packages instead of the host's.
 Solution line: {"id", "files": {path: text}} (files written over the task's files) or
@@ -30,7 +31,7 @@ import random
 
 import fsspec
 
-from coder.env import environments
+from coder.env import environments, runners
 
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 
@@ -46,6 +47,7 @@ _V2 = {
     "test_patch": "",
     "metadata": {},
     "environment": {},
+    "test_format": "",
 }
 
 
@@ -69,6 +71,9 @@ class Task:
     # {"python": {"requirements": [...], ...}}: the venv every sandbox of the task runs in
     # (coder.env.environments); {} = the host interpreter's packages, as for a v1 task
     environment: dict = dataclasses.field(default_factory=dict)
+    # how the test command reports each test: "pytest" | "go" | "tap" (coder.env.runners);
+    # "" = inferred from test_command
+    test_format: str = ""
 
     @property
     def test_ids(self) -> tuple:
@@ -100,6 +105,9 @@ class Task:
                 isinstance(p, str) and isinstance(t, str) for p, t in obj[key].items()
             ):
                 raise ValueError(f"task {tid!r}: {key} must map paths to text")
+        if obj.get("test_format", "") not in ("", *runners.FORMATS):
+            raise ValueError(f"task {tid!r}: test_format {obj['test_format']!r}: use one of "
+                             f"{list(runners.FORMATS)} (or leave it out)")
         for key in ("repo", "commit", "setup", "test_patch"):
             if not isinstance(obj.get(key, ""), str):
                 raise ValueError(f"task {tid!r}: {key} must be a string")
