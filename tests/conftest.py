@@ -107,3 +107,97 @@ def toy_policy():
     from tests import rl_toy
 
     return rl_toy.fitted_policy(os.environ["CODER_TEST_SHARED_DIR"])
+
+
+_TINY_CORE = '''def add(a, b):
+    return a + b
+
+
+def clamp(x, lo, hi):
+    if x < lo:
+        return lo
+    if x > hi:
+        return hi
+    return x
+'''
+_TINY_TEXT = '''def shout(text, times=1):
+    words = [w.upper() for w in text.split()]
+    return " ".join(words) + "!" * times
+
+
+def initials(text):
+    return "".join(w[0] for w in text.split() if w)
+'''
+_TINY_TESTS = '''from tinypkg7 import add, clamp
+from tinypkg7.text import initials, shout
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_clamp_low():
+    assert clamp(-4, 0, 10) == 0
+
+
+def test_clamp_high():
+    assert clamp(14, 0, 10) == 10
+
+
+def test_clamp_inside():
+    assert clamp(4, 0, 10) == 4
+
+
+def test_shout():
+    assert shout("a b", 2) == "A B!!"
+
+
+def test_initials():
+    assert initials("portable network graphics") == "png"
+'''
+_TINY_MEAN = '''
+
+def mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs)
+'''
+# tinypkg7's two releases; 1.1.0 adds `mean` (and its test), its changelog says so
+TINY_RELEASES = {
+    "1.0.0": {"tinypkg7/__init__.py": _TINY_CORE, "tinypkg7/text.py": _TINY_TEXT,
+              "tests/test_core.py": _TINY_TESTS,
+              "CHANGELOG.md": "# Changelog\n\n## 1.0.0\n\n- First release\n"},
+    "1.1.0": {"tinypkg7/__init__.py": _TINY_CORE + _TINY_MEAN, "tinypkg7/text.py": _TINY_TEXT,
+              "tests/test_core.py": _TINY_TESTS + "\n\ndef test_mean():\n    from tinypkg7 import mean\n"
+                                                 "    assert mean([1, 2, 6]) == 3\n",
+              "CHANGELOG.md": "# Changelog\n\n## 1.1.0\n\n- Added `mean` ([#4](https://x/4))\n\n"
+                              "## 1.0.0\n\n- First release\n"},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_package_index(tmp_path_factory):
+    """A package index's JSON API on disk, `file://<dir>` (coder.env.pypi reads it as it reads
+    PyPI's): the sdists of package tinypkg7's two releases (TINY_RELEASES), whose tasks are held
+    out (coder.env.releases.split_of)."""
+    import hashlib
+    import io
+    import tarfile
+
+    root = tmp_path_factory.mktemp("index")
+    files = {}
+    for i, (version, tree) in enumerate(TINY_RELEASES.items()):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for path, text in tree.items():
+                data = text.encode()
+                info = tarfile.TarInfo(f"tinypkg7-{version}/{path}")
+                info.size, info.mtime = len(data), 1_700_000_000
+                tar.addfile(info, io.BytesIO(data))
+        sdist = root / f"tinypkg7-{version}.tar.gz"
+        sdist.write_bytes(buf.getvalue())
+        files[version] = [{"packagetype": "sdist", "url": sdist.as_uri(), "filename": sdist.name,
+                           "digests": {"sha256": hashlib.sha256(buf.getvalue()).hexdigest()},
+                           "upload_time_iso_8601": f"2026-0{i + 1}-01T00:00:00Z"}]
+    (root / "tinypkg7").mkdir()
+    (root / "tinypkg7" / "json").write_text(json.dumps({"releases": files}))
+    return root.as_uri()

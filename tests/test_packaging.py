@@ -41,7 +41,7 @@ echo "$(basename "$0") $*" >> "{log}"
 
 
 def _stub_path(tmp_path, uid: int, tools: bool, sudo: bool = True) -> tuple[str, str]:
-    """A PATH of stubs: apt-get (its `install` puts bwrap / setpriv / prlimit stubs on the PATH),
+    """A PATH of stubs: apt-get (its `install` puts bwrap / setpriv / prlimit / umoci stubs on the PATH),
     sudo (runs its command), id -u, python (records its arguments and cwd); and the real programs
     setup.sh uses. Returns (PATH, log file)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
@@ -55,14 +55,14 @@ def _stub_path(tmp_path, uid: int, tools: bool, sudo: bool = True) -> tuple[str,
 
     chmod = shutil.which("chmod")
     tool_stubs = "".join(f'printf "#!/bin/bash\\nexit 0\\n" > "{bin_dir}/{t}"; {chmod} +x "{bin_dir}/{t}"\n'
-                         for t in ("bwrap", "setpriv", "prlimit"))
+                         for t in ("bwrap", "setpriv", "prlimit", "umoci"))
     stub("apt-get", f'if [ "$1" = install ]; then\n{tool_stubs}fi\n')
     if sudo:
         stub("sudo", 'exec "$@"\n')
     stub("id", f'echo {uid}\n')
     stub("python", f'echo "cwd $PWD" >> "{log}"\n')
     if tools:
-        for t in ("bwrap", "setpriv", "prlimit"):
+        for t in ("bwrap", "setpriv", "prlimit", "umoci"):
             stub(t)
     return str(bin_dir), str(log)
 
@@ -81,7 +81,7 @@ def test_setup_installs_missing_system_packages_then_the_package(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "sudo apt-get update -q" in calls
     install = [c for c in calls if c.startswith("sudo apt-get install")]
-    assert install and install[0].endswith("bubblewrap util-linux"), calls
+    assert install and install[0].endswith("bubblewrap umoci util-linux"), calls
     assert calls[-2:] == ["python -m pip install -e .[test,tpu]", f"cwd {ROOT}"], calls
 
 
@@ -95,7 +95,7 @@ def test_setup_as_root_with_the_tools_installs_only_the_package(tmp_path):
 def test_setup_without_sudo_says_what_to_install(tmp_path):
     p, calls = _setup(tmp_path, sudo=False)
     assert p.returncode != 0
-    assert "bubblewrap util-linux" in p.stderr and "no sudo" in p.stderr
+    assert "bubblewrap umoci util-linux" in p.stderr and "no sudo" in p.stderr
     assert not any(c.startswith("python") for c in calls)
 
 

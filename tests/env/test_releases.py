@@ -8,7 +8,6 @@ import os
 import pytest
 
 from coder.env import make_tasks, package_mutants, releases
-from coder.env.reward import score_solution
 from coder.env.sandbox import Limits, Sandbox
 from coder.env.tasks import Task, read_solutions, read_tasks
 
@@ -108,25 +107,24 @@ def sdists(tmp_path_factory):
 
 @pytest.mark.slow
 def test_release_tasks_from_two_packages_on_the_index(tmp_path, capsys, sdists):
-    """cachetools 7.3.1 -> 7.3.2 and boltons 26.0.0 -> 26.1.0, fetched from the package index at
-    test time: each makes a verified task (gold patch 1, start 0: `--verify`), the figures are
+    """cachetools 7.3.1 -> 7.3.2 and itsdangerous 2.1.2 -> 2.2.0, fetched from the package index
+    at test time: each makes a verified task (gold patch 1, start 0: `--verify`), the figures are
     printed, the workspace's history stops at the older release, and what an agent would try
-    (the index, the sdist, git, `import`) finds nothing of the newer one."""
+    (git, `import`, the sdist cache) finds nothing of the newer one."""
     out, sol = tmp_path / "tasks.jsonl", tmp_path / "solutions.jsonl"
     rc = make_tasks.main([
-        "--source", "releases", "--packages", "cachetools==7.3.2,boltons==26.1.0",
-        "--repos", str(tmp_path / "repos"), "--sdist-cache", sdists,
-        "--history", "1", "--host-python", "--verify", "--workers", "2",
-        "--out", str(out), "--solutions", str(sol),
+        "--source", "releases", "--packages", "cachetools==7.3.2,itsdangerous==2.2.0",
+        "--repos", str(tmp_path / "repos"), "--sdist-cache", sdists, "--history", "0",
+        "--host-python", "--verify", "--workers", "2", "--out", str(out), "--solutions", str(sol),
     ])
     err = capsys.readouterr().err
     print(err)
     assert rc == 0, err
     stats = json.loads(next(ln for ln in err.splitlines() if ln.startswith("{")))
     assert stats["tasks"] == 2 and stats["verification_rate"] == 1.0, stats
-    assert stats["tasks_per_package"] == {"cachetools": 1, "boltons": 1}
+    assert stats["tasks_per_package"] == {"cachetools": 1, "itsdangerous": 1}
     tasks = {t.id: t for t in read_tasks(str(out))}
-    assert set(tasks) == {"pypi-cachetools-7.3.2", "pypi-boltons-26.1.0"}
+    assert set(tasks) == {"pypi-cachetools-7.3.2", "pypi-itsdangerous-2.2.0"}
     gold = read_solutions(str(sol))
     for task in tasks.values():
         m = task.metadata
@@ -134,43 +132,41 @@ def test_release_tasks_from_two_packages_on_the_index(tmp_path, capsys, sdists):
         assert 0 < len(task.prompt) <= 600 and task.prompt.startswith(f"Bring {m['package']}")
         assert m["lines_added"] > 0 and m["files_changed"], m
         assert not any(releases.is_test_path(p) for p in m["files_changed"])
-        assert m["split"] in ("train", "heldout")
-    task = tasks["pypi-boltons-26.1.0"]
-    assert score_solution(task, {}, mode="fraction").reward == 0.0
+        assert m["split"] in ("train", "heldout") and task.test_command.endswith("pythonpath=src")
+    task = tasks["pypi-itsdangerous-2.2.0"]
+    assert "(and 2 more changes in the release)" in task.prompt  # 6 entries, 4 fit in 600 chars
     with Sandbox(task) as sb:
-        r = sb.run("git log --all --format=%s; python -c 'import boltons; print(boltons.__file__)';"
-                   f" ls {sdists} 2>/dev/null || echo no-cache;"
-                   " timeout 20 pip download --retries 0 --no-deps -d /tmp/d boltons==26.1.0 >/dev/null 2>&1"
-                   " || echo no-download")
+        r = sb.run("git log --all --format=%s; python -c 'import sys; sys.path.insert(0, \"src\");"
+                   " import itsdangerous; print(itsdangerous.__file__)';"
+                   f" ls {sdists} 2>/dev/null || echo no-cache")
     assert r.stdout.splitlines() == [
-        "boltons 26.0.0: the release's sdist (boltons-26.0.0.tar.gz)",
-        "/workspace/boltons/__init__.py", "no-cache", "no-download"], r
+        "itsdangerous 2.1.2: the release's sdist (itsdangerous-2.1.2.tar.gz)",
+        "/workspace/src/itsdangerous/__init__.py", "no-cache"], r
     assert releases.readable_copies(task, releases.added_lines(gold[task.id])) == []
 
 
-@pytest.mark.slow
-def test_mutant_tasks_across_files_of_a_real_package(tmp_path, capsys, sdists):
-    """boltons 26.1.0 from the index with two bugs in two of its source files: the task
-    verifies (reference 1, start 0), its tests name what broke, and the workspace's history is
-    the mutant alone (no unmutated commit to diff against)."""
+def test_mutant_tasks_across_files_of_a_package(tmp_path, capsys, tiny_package_index):
+    """Two bugs in the two source files of a package release (served by a local index): the
+    task verifies (reference 1, start 0), its prompt names a failing test, and the workspace's
+    history is the mutant alone (no unmutated commit to diff against)."""
     out, sol = tmp_path / "tasks.jsonl", tmp_path / "solutions.jsonl"
     rc = make_tasks.main([
-        "--source", "mutants", "--packages", "boltons==26.1.0", "--n", "1", "--mutations", "2",
-        "--seed", "3", "--repos", str(tmp_path / "repos"), "--sdist-cache", sdists,
-        "--host-python", "--verify", "--workers", "1", "--out", str(out), "--solutions", str(sol),
+        "--source", "mutants", "--packages", "tinypkg7==1.1.0", "--n", "1", "--mutations", "2",
+        "--seed", "0", "--repos", str(tmp_path / "repos"), "--sdist-cache", str(tmp_path / "s"),
+        "--index-url", tiny_package_index, "--host-python", "--verify", "--workers", "1",
+        "--out", str(out), "--solutions", str(sol),
     ])
     err = capsys.readouterr().err
-    print(err)
     assert rc == 0, err
     [task] = read_tasks(str(out))
     reference = read_solutions(str(sol))[task.id]
     m = task.metadata
     assert m["source"] == "mutants" and len(m["mutations"]) == 2
-    assert len({x["file"] for x in m["mutations"]}) == 2 == len(reference)
-    assert task.fail_to_pass and task.pass_to_pass and not set(task.fail_to_pass) & set(
-        task.pass_to_pass)
+    assert {x["file"] for x in m["mutations"]} == set(reference) == {
+        "tinypkg7/__init__.py", "tinypkg7/text.py"}
+    assert task.fail_to_pass and not set(task.fail_to_pass) & set(task.pass_to_pass)
     assert task.fail_to_pass[0] in task.prompt
     with Sandbox(task) as sb:
         assert all(sb.read(p) != text for p, text in reference.items())
         r = sb.run("git log --all --format='%s %P'; git status --porcelain | wc -l")
-    assert r.stdout.splitlines() == ["boltons 26.1.0 ", "0"], r
+    assert r.stdout.splitlines() == ["tinypkg7 1.1.0 ", "0"], r

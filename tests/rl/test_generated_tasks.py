@@ -4,10 +4,7 @@ two releases served by a local package index (a `file://` JSON API, no network) 
 (tests/rl/test_agent.py's engine: the question is mechanics, not what a tiny model would choose)
 rolls them out in real sandboxes; the group trains and the agent eval reports per category."""
 
-import hashlib
-import io
 import json
-import tarfile
 
 import jax
 import jax.numpy as jnp
@@ -27,90 +24,23 @@ from configs import base
 from tests.rl.test_agent import ScriptedEngine
 
 NAME = "tinypkg7"  # its tasks are held out (releases.split_of), so the suite keeps them
-CORE = '''def add(a, b):
-    return a + b
-
-
-def clamp(x, lo, hi):
-    if x < lo:
-        return lo
-    if x > hi:
-        return hi
-    return x
-'''
-TESTS = f'''from {NAME} import add, clamp
-
-
-def test_add():
-    assert add(2, 3) == 5
-
-
-def test_clamp_low():
-    assert clamp(-4, 0, 10) == 0
-
-
-def test_clamp_high():
-    assert clamp(14, 0, 10) == 10
-
-
-def test_clamp_inside():
-    assert clamp(4, 0, 10) == 4
-'''
-MEAN = '''
-
-def mean(xs):
-    xs = list(xs)
-    return sum(xs) / len(xs)
-'''
-RELEASES = {
-    "1.0.0": {f"{NAME}/__init__.py": CORE, "tests/test_core.py": TESTS,
-              "CHANGELOG.md": "# Changelog\n\n## 1.0.0\n\n- First release\n"},
-    "1.1.0": {f"{NAME}/__init__.py": CORE + MEAN,
-              "tests/test_core.py": TESTS + "\n\ndef test_mean():\n    from tinypkg7 import mean\n"
-                                            "    assert mean([1, 2, 6]) == 3\n",
-              "CHANGELOG.md": "# Changelog\n\n## 1.1.0\n\n- Added `mean` ([#4](https://x/4))\n\n"
-                              "## 1.0.0\n\n- First release\n"},
-}
 
 
 @pytest.fixture(scope="module")
-def index(tmp_path_factory):
-    """A package index's JSON API on disk: `file://<dir>` serves NAME's two sdists."""
-    root = tmp_path_factory.mktemp("index")
-    files = {}
-    for i, (version, tree) in enumerate(RELEASES.items()):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-            for path, text in tree.items():
-                data = text.encode()
-                info = tarfile.TarInfo(f"{NAME}-{version}/{path}")
-                info.size, info.mtime = len(data), 1_700_000_000
-                tar.addfile(info, io.BytesIO(data))
-        sdist = root / f"{NAME}-{version}.tar.gz"
-        sdist.write_bytes(buf.getvalue())
-        files[version] = [{"packagetype": "sdist", "url": sdist.as_uri(), "filename": sdist.name,
-                           "digests": {"sha256": hashlib.sha256(buf.getvalue()).hexdigest()},
-                           "upload_time_iso_8601": f"2026-0{i + 1}-01T00:00:00Z"}]
-    (root / NAME).mkdir()
-    (root / NAME / "json").write_text(json.dumps({"releases": files}))
-    return root.as_uri()
-
-
-@pytest.fixture(scope="module")
-def generated(index, tmp_path_factory):
+def generated(tiny_package_index, tmp_path_factory):
     """(feature task, its files after the fix), (bug task, its reference files)."""
     work = tmp_path_factory.mktemp("generated")
     options = releases.Options(history=0, environment={}, timeout_s=60)
     [(feature, gold)], dropped = releases.package_tasks(
         f"{NAME}==1.1.0", str(work / "repos"), cache=str(work / "sdists"), options=options,
-        index=index)
+        index=tiny_package_index)
     assert not dropped
     after = {p: repo_lib.git(f"--git-dir={feature.repo}", "show",
                              f"{feature.metadata['to_commit']}:{p}")
              for p in feature.metadata["files_changed"]}
     [(bug, reference)], rejected = package_mutants.mutant_tasks(
         f"{NAME}==1.1.0", str(work / "repos"), n=1, seed=1, cache=str(work / "sdists"),
-        options=options, index=index, tries=12)
+        options=options, index=tiny_package_index, tries=12)
     return (feature, after), (bug, reference)
 
 
@@ -123,7 +53,7 @@ def test_grpo_and_the_suite_on_generated_repository_tasks(generated, tmp_path):
     assert feature.fail_to_pass == ("tests/test_core.py::test_mean",)
     assert feature.prompt == f"Bring {NAME} from 1.0.0 up to 1.1.0. The release notes say:\n" \
                              "- Added `mean`"
-    assert bug.fail_to_pass and bug.metadata["mutations"][0]["file"] == f"{NAME}/__init__.py"
+    assert bug.fail_to_pass and bug.metadata["mutations"][0]["file"].startswith(f"{NAME}/")
     tasks, left_out = suite.build_suite([feature, bug], noisy=1, seed=0)
     assert not left_out and [suite.category_of(t) for t in tasks] == ["feature", "bug", "noisy-context"]
     noisy = tasks[2]
