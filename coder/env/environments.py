@@ -28,16 +28,14 @@ delete the directory) to rebuild.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
-from coder.env import images
+from coder.env import build_once, images
 
 _PYTHON_KEYS = {"requirements", "find_links", "index_url", "no_index"}
 _MARKER = "coder-environment.json"
@@ -144,25 +142,7 @@ def ensure(spec: dict, directory: str) -> Environment:
     """The built environment of normalised `spec` under `directory`, building it first if no
     finished one is there (see the module docstring). BuildError says why a build failed."""
     path = os.path.join(directory, spec_key(spec))
-    if os.path.isfile(os.path.join(path, _MARKER)):
-        return Environment(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        lock = open(path + ".lock", "a")
-    except OSError as e:
-        raise BuildError(f"environments directory {directory}: {e}") from e
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(path, _MARKER)):  # another builder finished meanwhile
-            return Environment(path)
-        shutil.rmtree(path, ignore_errors=True)  # a killed builder's leftovers
-        try:
-            _build(spec, path)
-        except BaseException as e:
-            shutil.rmtree(path, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise BuildError(f"building {path}: {e}") from e
-            raise
+    build_once.ensure_built(path, _MARKER, lambda p: _build(spec, p), BuildError)
     return Environment(path)
 
 

@@ -16,9 +16,8 @@ no registry; a Python OCI library would leave layer ordering and whiteouts to us
 
 Cache: `<environments dir>/images/<manifest digest>/` (`rootfs/` and umoci's `config.json`),
 keyed by the manifest's digest, so a layout copied elsewhere or re-tagged reuses the unpacked
-tree, and a changed image (new digest) unpacks anew. Builders serialise on `<digest>.lock` and
-an unpack counts as done once its marker `coder-image.json` is written, last (as task venvs do,
-coder.env.environments). The unpacked tree gets the mount points the sandbox binds over it
+tree, and a changed image (new digest) unpacks anew: once per machine (coder.env.build_once,
+marker `coder-image.json`), as task venvs are built. The unpacked tree gets the mount points the sandbox binds over it
 (/workspace, /tmp, /proc, /dev, /etc/passwd, /etc/group, and /.coder-host/usr: the host's /usr,
 from which the sandbox's own helpers, setpriv and prlimit, run through the host's dynamic
 loader, so an image needs neither).
@@ -31,13 +30,14 @@ needs git there, the agent's terminal needs bash.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+
+from coder.env import build_once
 
 HOST = "/.coder-host"  # where the host's /usr is bound inside an image's sandbox
 _MARKER = "coder-image.json"
@@ -135,19 +135,7 @@ def ensure(spec: dict, directory: str) -> Image:
     digest = manifest_digest(spec["layout"], spec["ref"])
     root = os.path.join(directory, "images")
     path = os.path.join(root, digest.replace(":", "-"))
-    if os.path.isfile(os.path.join(path, _MARKER)):
-        return _load(path)
-    try:
-        os.makedirs(root, exist_ok=True)
-        lock = open(path + ".lock", "a")
-    except OSError as e:
-        raise ImageError(f"images directory {root}: {e}") from e
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(path, _MARKER)):
-            return _load(path)
-        shutil.rmtree(path, ignore_errors=True)  # a killed unpacker's leftovers
-        _unpack(spec, digest, path)
+    build_once.ensure_built(path, _MARKER, lambda p: _unpack(spec, digest, p), ImageError)
     return _load(path)
 
 

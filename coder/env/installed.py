@@ -94,6 +94,10 @@ def installed_copies(name: str, extra_bases: tuple = ()) -> tuple[str, ...]:
     roots = set(library_dirs())
     for base in extra_bases:
         roots.update(library_dirs_under(base))
+    return _copies_in(name, roots)
+
+
+def _copies_in(name: str, roots) -> tuple[str, ...]:
     out = []
     for root in sorted(roots):
         source, package = os.path.join(root, f"{name}.py"), os.path.join(root, name)
@@ -107,11 +111,6 @@ def installed_copies(name: str, extra_bases: tuple = ()) -> tuple[str, ...]:
 def installed_copies_in(name: str, base: str) -> tuple[str, ...]:
     """`installed_copies` of module `name` in the library directories of one tree only: an
     image's root filesystem (coder.env.images), whose paths inside are these less `base`."""
-    out = []
-    for root in library_dirs_under(base):
-        source, package = os.path.join(root, f"{name}.py"), os.path.join(root, name)
-        out += [source] if os.path.isfile(source) else []
-        out += [package] if os.path.isdir(package) else []
-        out += glob.glob(os.path.join(root, "__pycache__", glob.escape(name) + ".*.pyc"))
     inside = os.path.realpath(base) + "/"  # an absolute link in the image is not followed out
-    return tuple(sorted(p for p in set(out) if os.path.realpath(p).startswith(inside)))
+    return tuple(p for p in _copies_in(name, library_dirs_under(base))
+                 if os.path.realpath(p).startswith(inside))

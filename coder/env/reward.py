@@ -357,6 +357,16 @@ def _score_exit_status(sb: Sandbox, task, timeout_s: float) -> Score:
     return Score(1.0, 1, 1, output=output)
 
 
+def _report_dir(sb: Sandbox) -> tuple[str, str]:
+    """(host path, path inside) of a fresh directory at a random path for one scoring run's
+    report, mounted only for that run; the caller removes it."""
+    token = secrets.token_hex(8)
+    host = os.path.join(sb.dir, f"report-{token}")
+    os.mkdir(host, 0o700)
+    sb._chown(host)
+    return host, f"/tmp/.r{token}"
+
+
 def _score_runner(sb: Sandbox, task, fmt: str, mode: str, timeout_s: float) -> Score:
     """A task with test ids whose command is another runner (coder.env.runners: go, tap): its
     output goes to a file in a directory mounted for this run only, is parsed into per-test
@@ -365,11 +375,7 @@ def _score_runner(sb: Sandbox, task, fmt: str, mode: str, timeout_s: float) -> S
     report_host = None
     try:
         _clean_workspace(sb, _restore_tests(sb, task))
-        token = secrets.token_hex(8)
-        report_host = os.path.join(sb.dir, f"report-{token}")
-        os.mkdir(report_host, 0o700)
-        sb._chown(report_host)
-        inner = f"/tmp/.r{token}"
+        report_host, inner = _report_dir(sb)
         out = f"{inner}/{secrets.token_hex(8)}.out"
         res = sb.run(f"{{ {runners.command(fmt, task.test_command)}\n}} > {out} 2>&1",
                      timeout_s=timeout_s, binds=((report_host, inner, True),))
@@ -448,11 +454,7 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
     try:
         keep = _restore_tests(sb, task)
         _clean_workspace(sb, keep)
-        token = secrets.token_hex(8)
-        report_host = os.path.join(sb.dir, f"report-{token}")
-        os.mkdir(report_host, 0o700)
-        sb._chown(report_host)
-        inner = f"/tmp/.r{token}"
+        report_host, inner = _report_dir(sb)
         report = f"{inner}/{secrets.token_hex(8)}.xml"
         res = sb.run(pytest_invocation(args, report), timeout_s=timeout_s,
                      binds=((report_host, inner, True),))
