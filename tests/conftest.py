@@ -60,6 +60,16 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first.setdefault(module(item), i)
     items.sort(key=lambda item: (-seconds.get(module(item), 0.0), first[module(item)]))
+    # The toy policy (fixture toy_policy) is fitted once per session under a file lock (~40 s):
+    # when the first two tests both need it, xdist hands them to the two workers and one waits
+    # idle for the other's fit. The longest module that does not need it goes second instead.
+    needs = {module(it) for it in items if "toy_policy" in it.fixturenames}
+    if items and module(items[0]) in needs:
+        free = next((it for it in items if module(it) not in needs), None)
+        if free is not None:
+            moved = [it for it in items if module(it) == module(free)]
+            rest = [it for it in items if module(it) != module(free)]
+            items[:] = rest[:1] + moved + rest[1:]
 
 
 @pytest.fixture(scope="session")
