@@ -30,6 +30,7 @@ needs git there, the agent's terminal needs bash.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -65,6 +66,25 @@ class Image:
     def path_var(self) -> str:
         found = [e.split("=", 1)[1] for e in self.env if e.startswith("PATH=")]
         return found[0] if found else "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+    def root_args(self) -> list[str]:
+        """bwrap arguments of the root filesystem: the image (its mount points made at unpack),
+        and the host's /usr only where the sandbox's helpers run from (`host_tool`)."""
+        return ["--ro-bind", self.rootfs, "/", "--ro-bind", "/usr", HOST + "/usr"]
+
+    def setenv_args(self) -> list[str]:
+        """bwrap `--setenv` arguments of the image's own variables (LANG, PYTHON_VERSION, ...);
+        PATH, HOME, USER and TERM are the sandbox's."""
+        out = []
+        for item in self.env:
+            key, _, value = item.partition("=")
+            if key and key not in ("PATH", "HOME", "USER", "TERM"):
+                out += ["--setenv", key, value]
+        return out
+
+    def host_path(self, inner: str) -> str:
+        """Where path `inner` of the image is on the host."""
+        return os.path.join(self.rootfs, inner.lstrip("/"))
 
 
 def normalize(spec, where: str) -> dict:
@@ -120,6 +140,7 @@ def host_loader() -> tuple[str, str]:
     raise ImageError("no dynamic loader found on the host")
 
 
+@functools.lru_cache(maxsize=8)  # every command of an image's sandbox asks
 def host_tool(name: str) -> list[str]:
     """argv prefix that runs the host's `name` (setpriv, prlimit) inside an image's sandbox."""
     real = os.path.realpath(shutil.which(name) or f"/usr/bin/{name}")

@@ -26,6 +26,7 @@ held-out repository's code is never trained on through another of its releases.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import re
 import shlex
@@ -266,8 +267,6 @@ def _diff(mirror: str, a: str, b: str, paths: list[str]) -> str:
 def environment_of(options: Options, tree: str) -> dict:
     if options.environment is not None:
         return options.environment
-    import importlib.metadata
-
     reqs = list(options.test_requirements) or [f"pytest=={importlib.metadata.version('pytest')}"]
     for r in pypi.runtime_requirements(tree):
         try:

@@ -519,8 +519,7 @@ class Sandbox:
                     f.write(files[path])
                 os.chmod(dst, 0o644)
             for copy in copies:
-                host_copy = copy if self.image is None else os.path.join(
-                    self.image.rootfs, copy.lstrip("/"))
+                host_copy = copy if self.image is None else self.image.host_path(copy)
                 if copy.endswith(".pyc"):
                     mounts.append((empty, copy))
                 elif os.path.isdir(host_copy):
@@ -575,9 +574,7 @@ class Sandbox:
             a += ["--unshare-user", "--cap-drop", "ALL"]
         img = self.image
         if img is not None:
-            # The image is the root filesystem (its mount points made at unpack); the host's
-            # /usr only where the sandbox's helpers run from (images.host_tool).
-            a += ["--ro-bind", img.rootfs, "/", "--ro-bind", "/usr", images.HOST + "/usr"]
+            a += img.root_args()
         else:
             a += ["--ro-bind", "/usr", "/usr"]
             for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -642,18 +639,13 @@ class Sandbox:
             ]
         )
         path = ":".join([*bindirs, "/usr/local/bin", "/usr/bin", "/bin"])
-        image_env = []
         if img is not None:
             path = img.path_var
-            for item in img.env:  # the image's own variables (LANG, PYTHON_VERSION, ...)
-                key, _, value = item.partition("=")
-                if key and key not in ("PATH", "HOME", "USER", "TERM"):
-                    image_env += ["--setenv", key, value]
         a += [
             "--chdir",
             WORKDIR,
             "--clearenv",
-            *image_env,
+            *(img.setenv_args() if img is not None else []),
             "--setenv",
             "PATH",
             path,
