@@ -77,6 +77,14 @@ def get_config() -> ml_collections.ConfigDict:
     # > 0: a repository is cut at file boundaries into documents of at most this many characters
     # (its files still in dependency order), so they shuffle apart (coder.data.repo_docs.RepoSource)
     c.data.repo_part_chars = 0
+    # Held-out code kept out of pretraining and SFT data (coder/data/decontaminate.py): a training
+    # document sharing >= exclude_min_matches distinct runs of exclude_ngram words with the code
+    # of these tasks is left out (data/heldout_dropped counts them). "eval" = rl.eval_tasks' tasks
+    # (nothing for "toy"), "" = off, or a Task JSONL path/glob; each task's repository counts as
+    # a whole (every version it holds)
+    c.data.exclude_tasks = "eval"
+    c.data.exclude_ngram = 13
+    c.data.exclude_min_matches = 20
 
     # Optimisation and the training loop (coder/train).
     c.train = ml_collections.ConfigDict()
@@ -242,6 +250,9 @@ def get_config() -> ml_collections.ConfigDict:
     # where tasks' Python environments (Task.environment: a venv per spec, coder/env/environments.py)
     # are built and kept: a local directory; "" = $XDG_CACHE_HOME/coder/environments (~/.cache/...)
     c.env.environments_dir = ""
+    # a task's `setup` commands run with the host's network (pip installs, downloads); the
+    # agent's commands and scoring never have one
+    c.env.setup_network = False
     # agent memory (memory_write / memory_read, coder/env/memory.py): notes per run, split and
     # repository; a write past the cap is refused
     c.env.memory_max_notes = 64  # notes kept per (split, repository) of a run

@@ -211,3 +211,25 @@ def tiny_package_index(tmp_path_factory):
     (root / "tinypkg7").mkdir()
     (root / "tinypkg7" / "json").write_text(json.dumps({"releases": files}))
     return root.as_uri()
+
+
+@pytest.fixture(scope="session")
+def generated_package_tasks(tiny_package_index, tmp_path_factory):
+    """Repository tasks generated from tinypkg7's releases on `tiny_package_index`, verified in
+    their sandboxes: ((feature task, its changed files after the fix), (bug task, its reference
+    files)); the feature task's `repo` is the release mirror (both releases' commits)."""
+    from coder.env import package_mutants, releases
+    from coder.env import repo as repo_lib
+
+    work = tmp_path_factory.mktemp("generated")
+    options = releases.Options(history=0, environment={}, timeout_s=60)
+    [(feature, _)], dropped = releases.package_tasks(
+        "tinypkg7==1.1.0", str(work / "repos"), cache=str(work / "sdists"), options=options,
+        index=tiny_package_index)
+    assert not dropped
+    after = {p: repo_lib.git(f"--git-dir={feature.repo}", "show", f"{feature.metadata['to_commit']}:{p}")
+             for p in feature.metadata["files_changed"]}
+    [(bug, reference)], _ = package_mutants.mutant_tasks(
+        "tinypkg7==1.1.0", str(work / "repos"), n=1, seed=1, cache=str(work / "sdists"),
+        options=options, index=tiny_package_index, tries=12)
+    return (feature, after), (bug, reference)

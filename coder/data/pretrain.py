@@ -55,9 +55,9 @@ import numpy as np
 from coder.data import corpus, sources
 from coder.data.sources import BAD_KINDS
 
-# Columns of the per-source counters.
-STAT_COLUMNS = ("seen",) + BAD_KINDS + ("truncated", "dropped")
-_SEEN, _TRUNCATED, _DROPPED = 0, len(BAD_KINDS) + 1, len(BAD_KINDS) + 2
+# Columns of the per-source counters ("heldout": documents dropped as overlapping held-out code).
+STAT_COLUMNS = ("seen",) + BAD_KINDS + ("truncated", "dropped", "heldout")
+_SEEN, _TRUNCATED, _DROPPED, _HELDOUT = 0, len(BAD_KINDS) + 1, len(BAD_KINDS) + 2, len(BAD_KINDS) + 3
 
 
 # --- per-record work (runs inside grain, possibly in worker processes: all picklable) --------
@@ -83,11 +83,17 @@ def bad_doc(source_index: int, kind: str) -> dict:
     return {"source": source_index, "bad": BAD_KINDS.index(kind), "tokens": None}
 
 
-class PretrainTransform:
-    """(source index, raw record) -> document {"tokens" int32 [n], "source", "bad"}."""
+def heldout_doc(source_index: int) -> dict:
+    """A document left out for overlapping held-out code (coder.data.decontaminate)."""
+    return {"source": source_index, "bad": -1, "tokens": None, "heldout": True}
 
-    def __init__(self, tokenizer, specs: list[dict]):
-        self.tokenizer = tokenizer
+
+class PretrainTransform:
+    """(source index, raw record) -> document {"tokens" int32 [n], "source", "bad"}; a text
+    overlapping `exclude` (a decontaminate.NgramIndex of held-out code) is left out."""
+
+    def __init__(self, tokenizer, specs: list[dict], exclude=None):
+        self.tokenizer, self.exclude = tokenizer, exclude
         self.formats = [(s["format"], s["text_field"]) for s in specs]
 
     def __call__(self, item) -> dict:
@@ -98,6 +104,8 @@ class PretrainTransform:
             text, bad = sources.extract_text(obj, field)
         if bad is not None:
             return bad_doc(source_index, bad)
+        if self.exclude is not None and self.exclude.contaminated(text):
+            return heldout_doc(source_index)
         ids = self.tokenizer.encode(text)
         tokens = np.empty(len(ids) + 2, np.int32)
         tokens[0], tokens[1:-1], tokens[-1] = self.tokenizer.bos_id, ids, self.tokenizer.eos_id
@@ -153,6 +161,9 @@ class _PackIterator(grain.DatasetIterator):
                     # A long run of bad records would otherwise spin here without ever
                     # returning a batch to DataIterator's check.
                     check_bad_counts(stats, *self._guard)
+                continue
+            if doc.get("heldout"):
+                row[_HELDOUT] += 1
                 continue
             if doc.get("truncated"):
                 row[_TRUNCATED] += 1
@@ -286,6 +297,7 @@ class DataIterator(grain.DatasetIterator):
         for k, kind in enumerate(BAD_KINDS):
             out[f"data/bad_{kind}"] = int(total[1 + k])
         out["data/truncated"], out["data/dropped"] = int(total[_TRUNCATED]), int(total[_DROPPED])
+        out["data/heldout_dropped"] = int(total[_HELDOUT])
         return out
 
     def get_state(self) -> dict:
@@ -293,7 +305,9 @@ class DataIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         self._parent.set_state(state["pipeline"])
-        self._counts = np.asarray(state["counts"], np.int64).reshape(self._counts.shape)
+        counts = np.asarray(state["counts"], np.int64).reshape(len(self.source_names), -1)
+        self._counts = np.zeros_like(self._counts)
+        self._counts[:, : counts.shape[1]] = counts  # a state saved before the "heldout" column
 
 
 # --- pipeline construction --------------------------------------------------------------------
@@ -424,6 +438,7 @@ def make_pretrain_iterator(
     num_epochs: int | None = -1,
     seq_len: int | None = None,
     batch_size: int | None = None,
+    exclude=None,
 ) -> DataIterator:
     """Packed pretraining batches of this host; see the module docstring.
 
@@ -432,6 +447,8 @@ def make_pretrain_iterator(
     A saved state restores only into an iterator built with the same data settings.
     With config.data.repo_weight > 0, repository documents (repo_spec) join the short sources,
     last, so the short sources' shuffles and splits are those of a run without them.
+    exclude: a decontaminate.NgramIndex of held-out code: documents overlapping it are left out
+    and counted (data/heldout_dropped).
     """
     if num_epochs == -1:
         num_epochs = None if split == "train" else 1
@@ -446,7 +463,7 @@ def make_pretrain_iterator(
     return build_iterator(
         config,
         specs,
-        PretrainTransform(tokenizer, specs),
+        PretrainTransform(tokenizer, specs, exclude),
         split=split,
         split_records=split_records,
         split_docs=True,

@@ -60,15 +60,15 @@ class SftTransform:
     conversation that fits. Counters are per process (grain worker processes each count theirs).
     """
 
-    def __init__(self, tokenizer, specs: list[dict], seq_len: int, limit: int = 0):
-        self.tokenizer, self.seq_len, self.limit = tokenizer, seq_len, limit
+    def __init__(self, tokenizer, specs: list[dict], seq_len: int, limit: int = 0, exclude=None):
+        self.tokenizer, self.seq_len, self.limit, self.exclude = tokenizer, seq_len, limit, exclude
         self.formats = [(s["format"], s["text_field"]) for s in specs]
         self._lock = threading.Lock()
         self._reset()
 
     def _reset(self):
         self._run = 0  # records read since the last usable conversation
-        self._dropped, self._bad = set(), set()  # hashes of the distinct records since then
+        self._dropped, self._bad, self._heldout = set(), set(), set()  # the distinct records since then
         self._longest = 0  # tokens of the longest dropped conversation
         self._first_loss = None  # smallest seq_len that would keep one of them
 
@@ -89,14 +89,17 @@ class SftTransform:
             raw = repr(raw)
         return hash((source_index, raw))
 
-    def _unusable(self, source_index: int, raw, n_tokens: int = 0, first_loss: int = 0):
-        """Count a dropped conversation (n_tokens > 0) or a bad record; raise past `limit`."""
+    def _unusable(self, source_index: int, raw, n_tokens: int = 0, first_loss: int = 0, heldout: bool = False):
+        """Count a dropped conversation (n_tokens > 0), one overlapping held-out code (`heldout`)
+        or a bad record; raise past `limit`."""
         if not self.limit:
             return
         key = self._key(source_index, raw)
         with self._lock:
             self._run += 1
-            if n_tokens:
+            if heldout:
+                self._heldout.add(key)
+            elif n_tokens:
                 self._dropped.add(key)
                 self._longest = max(self._longest, n_tokens)
                 self._first_loss = min(first_loss, self._first_loss or first_loss)
@@ -111,14 +114,17 @@ class SftTransform:
                 "usable")
         bad = (f"{len(self._bad)} records were bad (not conversations: the data/bad_* counters "
                "say which kind)")
+        heldout = (f"{len(self._heldout)} conversations overlap the held-out tasks' code "
+                   "(data.exclude_tasks, coder.data.decontaminate)")
         if not self._dropped:
-            return f"SFT data cannot make a batch: {bad}, and {read}."
+            reasons = [r for r, seen in ((bad, self._bad), (heldout, self._heldout)) if seen]
+            return f"SFT data cannot make a batch: {', '.join(reasons)}, and {read}."
         return (
             f"SFT data cannot make a batch: no conversation fits in sft.seq_len={n} tokens (the "
             f"sft stage's data.seq_len; 0 = data.seq_len): {len(self._dropped)} conversations "
             f"were dropped as too long (no assistant token in their first {n} tokens; the "
             f"longest has {self._longest} tokens; sft.seq_len >= {self._first_loss} keeps at "
-            f"least one){', ' + bad if self._bad else ''}, and {read}. Raise sft.seq_len (and "
+            f"least one){', ' + bad if self._bad else ''}{', ' + heldout if self._heldout else ''}, and {read}. Raise sft.seq_len (and "
             "longctx.seq_len, so the model is trained at that length) or give shorter "
             "conversations."
         )
@@ -134,6 +140,9 @@ class SftTransform:
         if not validate_messages(messages):
             self._unusable(source_index, raw)
             return bad_doc(source_index, "invalid_conversation")
+        if self.exclude is not None and self.exclude.contaminated("\n".join(m["content"] for m in messages)):
+            self._unusable(source_index, raw, heldout=True)
+            return pretrain.heldout_doc(source_index)
         try:
             ids, mask = self.tokenizer.render_conversation(messages)
         except UnicodeEncodeError:
@@ -227,8 +236,10 @@ def make_sft_iterator(
     num_epochs: int | None = -1,
     seq_len: int | None = None,
     batch_size: int | None = None,
+    exclude=None,
 ) -> pretrain.DataIterator:
-    """Packed SFT batches of this host. Keyword arguments as in make_pretrain_iterator.
+    """Packed SFT batches of this host. Keyword arguments as in make_pretrain_iterator
+    (`exclude`: conversations overlapping held-out code are left out).
 
     The held-out split is a hash of each conversation's index (config.data.heldout_fraction).
     """
@@ -239,7 +250,7 @@ def make_sft_iterator(
     return pretrain.build_iterator(
         config,
         specs,
-        SftTransform(tokenizer, specs, seq_len or config.data.seq_len, limit),
+        SftTransform(tokenizer, specs, seq_len or config.data.seq_len, limit, exclude),
         split=split,
         split_records=True,
         split_docs=False,

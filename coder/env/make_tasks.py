@@ -61,6 +61,8 @@ def main(argv=None) -> int:
         "--test-command", default=DEFAULT_TEST_COMMAND, help="swebench: every task's pytest command"
     )
     p.add_argument("--setup", default="", help="swebench: setup command of every task")
+    p.add_argument("--setup-network", action="store_true",
+                   help="swebench --verify: setup commands run with the host's network (env.setup_network)")
     p.add_argument(
         "--environments",
         default="",
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
         )
         args.n = len(pairs)
         if args.verify:
-            pairs, dropped = swebench.verify(pairs, workers=args.workers)
+            pairs, dropped = swebench.verify(pairs, workers=args.workers, setup_network=args.setup_network)
             for tid, why in dropped.items():
                 print(f"dropped {tid}: {why}", file=sys.stderr)
     elif args.source in ("releases", "mutants"):

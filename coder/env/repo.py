@@ -93,6 +93,14 @@ def git(*args, cwd: str | None = None, stdin: str | None = None, index: str = ""
         env: Mapping | None = None) -> str:
     """git's stdout (CRLF line ends kept); RepoError with its stderr. The host's git
     configuration plays no part; `env` adds variables (commit dates and names)."""
+    # Decoded without newline translation: a diff of a file with CRLF line ends keeps them.
+    return _git_bytes(*args, cwd=cwd, stdin=None if stdin is None else stdin.encode(), index=index,
+                      env=env).decode("utf-8", errors="replace")
+
+
+def _git_bytes(*args, cwd: str | None = None, stdin: bytes | None = None, index: str = "",
+               env: Mapping | None = None) -> bytes:
+    """`git`'s stdout as bytes (cat-file's output holds binary blobs)."""
     env = {
         **(env or {}),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -107,14 +115,13 @@ def git(*args, cwd: str | None = None, stdin: str | None = None, index: str = ""
     r = subprocess.run(
         ["git", "-c", "safe.directory=*", "-c", "init.defaultBranch=main", *args],
         cwd=cwd,
-        input=None if stdin is None else stdin.encode(),
+        input=stdin,
         capture_output=True,
         env=env,
     )
     if r.returncode != 0:
         raise RepoError(f"git {' '.join(args[:3])}: {r.stderr.decode(errors='replace').strip()[-800:]}")
-    # Decoded without newline translation: a diff of a file with CRLF line ends keeps them.
-    return r.stdout.decode("utf-8", errors="replace")
+    return r.stdout
 
 
 def is_archive(repo: str) -> bool:
@@ -241,6 +248,38 @@ def applies(repo: str, commit: str, patch: str, cache: str = CACHE) -> bool:
 
 
 _CHECKOUTS: dict = {}
+
+
+def text_blobs(repo: str, commit: str, cache: str = CACHE, max_bytes: int = 1 << 20):
+    """Yields the text of every file (UTF-8, at most `max_bytes`) in every commit a local or
+    archived repository holds: its refs' histories and `commit`'s (a release mirror's refs name
+    every release, the next one a feature task asks for included). A remote repository gives
+    `commit`'s tree only (nothing else is fetched). Each distinct blob once. Raises RepoError."""
+    src, local = source(repo, cache)
+    if not local:
+        co = checkout(repo, commit, cache)
+        for path in co.paths:
+            data = co.read(path)
+            if len(data) <= max_bytes:
+                yield data.decode("utf-8", "replace")
+        return
+    sha = resolve(repo, commit, cache)
+    listed = git("rev-list", "--objects", "--all", sha, cwd=src).splitlines()
+    objects = "".join(line.split(" ", 1)[0] + "\n" for line in listed if line)
+    checked = git("cat-file", "--batch-check=%(objectname) %(objecttype) %(objectsize)", cwd=src, stdin=objects)
+    blobs = sorted({name for name, kind, size in (line.split() for line in checked.splitlines())
+                    if kind == "blob" and int(size) <= max_bytes})
+    out = _git_bytes("cat-file", "--batch", cwd=src, stdin="".join(b + "\n" for b in blobs).encode())
+    at = 0
+    for _ in blobs:  # "<sha> blob <size>\n<content>\n" each
+        header_end = out.index(b"\n", at)
+        size = int(out[at:header_end].split()[2])
+        data = out[header_end + 1 : header_end + 1 + size]
+        at = header_end + 2 + size
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError:  # binary files are not code
+            continue
 
 
 def checkout(repo: str, commit: str, cache: str = CACHE, depth: int = 1) -> Checkout:

@@ -101,6 +101,9 @@ class Limits:
     history_depth: int = 1  # commits of a repository task's history in its workspace (>= 1)
     # where task environments (coder.env.environments) are built and kept; "" = the default
     environments_dir: str = ""
+    # a task's `setup` runs with the host's network (to fetch what it installs); the agent's
+    # commands and scoring never have one
+    setup_network: bool = False
 
     def __post_init__(self):
         if int(self.history_depth) < 1:
@@ -121,7 +124,13 @@ class Limits:
             output_bytes=int(env_cfg.output_kb) << 10,
             history_depth=int(env_cfg.history_depth),
             environments_dir=str(env_cfg.environments_dir),
+            setup_network=bool(env_cfg.setup_network),
         )
+
+
+# the host's name resolution and certificates, for a command given the network (a task's setup)
+_NETWORK_ETC = ("resolv.conf", "hosts", "nsswitch.conf", "host.conf", "gai.conf", "ssl", "ca-certificates",
+                "pki")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,7 +437,7 @@ class Sandbox:
         for path, text in task.files.items():
             self.write(path, text)
         if task.setup:
-            r = self.run(task.setup)
+            r = self.run(task.setup, network=self.limits.setup_network)
             if r.exit_code != 0:
                 raise SandboxError(
                     f"task {task.id!r}: setup failed (exit {r.exit_code}): "
@@ -556,13 +565,13 @@ class Sandbox:
         return not self._finalizer.alive
 
     # ---- commands --------------------------------------------------------------------------
-    def _argv(self, cmd: str, binds: tuple) -> list[str]:
+    def _argv(self, cmd: str, binds: tuple, network: bool = False) -> list[str]:
         lim = self.limits
         a = [
             self._bwrap,
             "--unshare-ipc",
             "--unshare-pid",
-            "--unshare-net",
+            *(() if network else ("--unshare-net",)),
             "--unshare-uts",
             "--unshare-cgroup-try",
             "--die-with-parent",
@@ -584,8 +593,8 @@ class Sandbox:
                 elif os.path.isdir(host):
                     a += ["--ro-bind", host, host]
             a += ["--perms", "0755", "--dir", "/etc"]
-            for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives",
-                         "localtime"):
+            for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
+                         *(_NETWORK_ETC if network else ())):
                 if os.path.lexists("/etc/" + name):
                     a += ["--ro-bind", "/etc/" + name, "/etc/" + name]
         a += [
@@ -714,17 +723,19 @@ class Sandbox:
         ]
         return a
 
-    def run(self, cmd: str, timeout_s: float | None = None, binds: tuple = ()) -> Result:
+    def run(self, cmd: str, timeout_s: float | None = None, binds: tuple = (), network: bool = False) -> Result:
         """Run `cmd` with bash inside the sandbox (cwd /workspace). Never raises for the
         command's own failures; raises SandboxError when the sandbox is closed.
 
         binds: extra ((host_path, inner_path, writable), ...) mounts for this command only.
+        network: the host's network namespace (and its name resolution) for this command only;
+        only a task's setup asks for it (Limits.setup_network), every other command has none.
         """
         if self.closed:
             raise SandboxError("sandbox is closed")
         timeout_s = self.limits.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        proc = self._spawn(cmd, binds, stdin=subprocess.DEVNULL)
+        proc = self._spawn(cmd, binds, stdin=subprocess.DEVNULL, network=network)
         caps = {
             proc.stdout: _stream_cap(self.limits.output_bytes),
             proc.stderr: _stream_cap(self.limits.output_bytes),
@@ -785,11 +796,11 @@ class Sandbox:
             raise SandboxError("sandbox is closed")
         return self._spawn(cmd, (), stdin=subprocess.PIPE)
 
-    def _spawn(self, cmd: str, binds: tuple, stdin) -> subprocess.Popen:
+    def _spawn(self, cmd: str, binds: tuple, stdin, network: bool = False) -> subprocess.Popen:
         """bwrap running `cmd` in its own session (so its group can be killed), registered for
         `close()`."""
         proc = subprocess.Popen(
-            self._argv(cmd, binds),
+            self._argv(cmd, binds, network),
             stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

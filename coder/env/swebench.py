@@ -254,8 +254,8 @@ def instance_to_task(
 
 
 def _verify_one(item) -> tuple[str, str | None]:
-    task, gold, timeout_s = item
-    limits = Limits(timeout_s=timeout_s, cpu_s=int(timeout_s))
+    task, gold, timeout_s, setup_network = item
+    limits = Limits(timeout_s=timeout_s, cpu_s=int(timeout_s), setup_network=setup_network)
     s = score_solution(task, gold, limits=limits, mode="all", timeout_s=timeout_s)
     if s.infra_error or s.reward != 1.0:
         return task.id, f"the gold patch scores {s.reward:g}: {s.infra_error or s.error}"
@@ -266,15 +266,16 @@ def _verify_one(item) -> tuple[str, str | None]:
 
 
 def verify(
-    pairs: list[tuple[Task, str]], workers: int = 4, timeout_s: float = 300.0
+    pairs: list[tuple[Task, str]], workers: int = 4, timeout_s: float = 300.0, setup_network: bool = False
 ) -> tuple[list[tuple[Task, str]], dict[str, str]]:
     """(the pairs whose gold patch scores 1 and whose unchanged workspace scores 0 in this
     machine's sandbox, {dropped task id: why}): a task whose tests cannot pass here (a missing
-    dependency, a different interpreter) would only ever teach reward 0."""
+    dependency, a different interpreter) would only ever teach reward 0. `setup_network`: the
+    tasks' setup commands run with the host's network (env.setup_network in training)."""
     if not pairs:
         return [], {}
     with EpisodePool(max(1, min(workers, len(pairs))), token_count=len) as pool:
-        why = dict(pool.map(_verify_one, [(t, g, timeout_s) for t, g in pairs]))
+        why = dict(pool.map(_verify_one, [(t, g, timeout_s, setup_network) for t, g in pairs]))
     return [(t, g) for t, g in pairs if why[t.id] is None], {k: v for k, v in why.items() if v}
 
 

@@ -81,6 +81,22 @@ def eval_tasks(config) -> list:
     return tasks[len(tasks) - int(config.rl.eval_num_tasks):]
 
 
+def heldout_tasks(config) -> list:
+    """The tasks whose code training data must not hold (`data.exclude_tasks`): "eval" = every
+    task of `rl.eval_tasks` (its held-out slice, `eval_tasks`, when it is `rl.tasks`' source too),
+    and none for "toy" (generated one-line fixes: the train and held-out ones share their
+    template by construction and differ in their numbers); "" = none; else a Task JSONL path or
+    glob, all of its tasks."""
+    source = config.data.exclude_tasks
+    if not source or (source == "eval" and config.rl.eval_tasks == "toy"):
+        return []
+    if source != "eval":
+        return _all_tasks(source, int(config.seed), "data.exclude_tasks")
+    if config.rl.eval_tasks == config.rl.tasks:
+        return eval_tasks(config)
+    return _all_tasks(config.rl.eval_tasks, int(config.seed), "rl.eval_tasks")
+
+
 class EpisodeFactory:
     """`task -> Episode` (started, in a local sandbox): `Episode.from_config(config.env, ...)`
     with the tools of `rl.tools`, the preamble `rl.system_prompt` and the tool timeout

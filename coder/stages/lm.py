@@ -33,6 +33,7 @@ from etils import epath
 from flax import nnx
 
 from coder.model import sharding
+from coder.stages import exclude as exclude_lib
 from coder.train.losses import lm_loss, lm_loss_fn
 from coder.train.state import load_model
 from coder.train.balancing import router_balancing
@@ -136,9 +137,11 @@ def heldout_loss(trainer, batches: list[dict]) -> float:
 
 
 def _pretrain_iterator(config, tok, split):
+    """The stage's pretraining batches; its training split without the held-out tasks' code."""
     from coder.data.pretrain import make_pretrain_iterator
 
-    return make_pretrain_iterator(config, tok, split, *sharding.data_shard(config))
+    exclude = exclude_lib.training_exclude(config) if split == "train" else None
+    return make_pretrain_iterator(config, tok, split, *sharding.data_shard(config), exclude=exclude)
 
 
 def pretrain(config, stage_dir: str, init_from: str) -> str:
@@ -218,17 +221,21 @@ def check_sft(config) -> None:
             raise ValueError(f"sft.toy_edit_tool={config.sft.toy_edit_tool!r} (with rl.tools={tuple(config.rl.tools)}): {e}") from None
 
 
-def sft(config, stage_dir: str, init_from: str) -> str:
-    """Fine-tune on conversations; only assistant tokens carry loss (coder.data.sft)."""
-    c = config
-    data = _sft_data(c, stage_dir)
-
+def _sft_iterator(data):
+    """`make_iterator(config, tokenizer, split)` of the conversations `data`; the training split
+    without the held-out tasks' code."""
     def make_iterator(cfg, tokenizer, split):
         from coder.data.sft import make_sft_iterator
 
-        return make_sft_iterator(cfg, tokenizer, data, split, *sharding.data_shard(cfg))
+        exclude = exclude_lib.training_exclude(cfg) if split == "train" else None
+        return make_sft_iterator(cfg, tokenizer, data, split, *sharding.data_shard(cfg), exclude=exclude)
 
-    return _train(c, stage_dir, init_from, make_iterator)
+    return make_iterator
+
+
+def sft(config, stage_dir: str, init_from: str) -> str:
+    """Fine-tune on conversations; only assistant tokens carry loss (coder.data.sft)."""
+    return _train(config, stage_dir, init_from, _sft_iterator(_sft_data(config, stage_dir)))
 
 
 def check_data(config) -> None:
@@ -237,6 +244,7 @@ def check_data(config) -> None:
     from coder.data.pretrain import check_repos
 
     check_repos(config)
+    exclude_lib.check(config)
     for key in ("long_len", "long_rows", "retrieval_examples"):
         if int(config.eval[key]) < 0:
             raise ValueError(f"eval.{key}={config.eval[key]} must be >= 0")

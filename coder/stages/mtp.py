@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from coder.model import sharding
+from coder.stages import exclude as exclude_lib
 from coder.train.distill import MTP_PARAMS, distill_loss_fn
 from coder.train.state import build_model
 from coder.train.trainer import Trainer
@@ -68,7 +69,7 @@ def run(config, stage_dir: str, init_from: str) -> str:
         raise ValueError("stage mtp distils a trained model: set init_from or run it after pretrain in stages")
     c = config
     tok = stage_tokenizer(c, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
-    it = make_pretrain_iterator(c, tok, "train", *sharding.data_shard(c))
+    it = make_pretrain_iterator(c, tok, "train", *sharding.data_shard(c), exclude=exclude_lib.training_exclude(c))
     trainer = Trainer(c, stage_dir, distill_loss_fn(float(c.mtp.ce_weight)), trainable=MTP_PARAMS,
                       init_from=init_from, data_iterator=it, tokenizer=tok)
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from coder.env import sandbox as sandbox_lib
 from coder.env.sandbox import Limits, Sandbox, SandboxError
+from coder.env.tasks import Task
 
 TIGHT = Limits(
     timeout_s=10,
@@ -98,6 +99,39 @@ def test_no_network_loopback_or_outside(sb):
     assert sum(line.startswith("refused") for line in r.stdout.splitlines()) == 3
     assert not accepted  # nothing reached the host's listener
     assert "lo" in sb.run("cat /proc/net/dev").stdout  # only a loopback device inside
+
+
+def test_setup_gets_the_network_only_when_configured_and_the_agent_never(dates_repo_task):
+    """env.setup_network: a task's setup reaches a server on the host (as `pip install` reaches
+    an index); the agent's commands in the same sandbox still have no network. Off (the
+    default), the same setup cannot connect and the sandbox fails naming the task."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"wheel-bytes")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    fetch = ("python -c \"import urllib.request; open('fetched.txt', 'w').write(urllib.request.urlopen("
+             f"'http://127.0.0.1:{server.server_address[1]}/pkg', timeout=5).read().decode())\"")
+    task = Task("net/1", "p", {}, {}, repo=dates_repo_task.task.repo, commit=dates_repo_task.task.commit, setup=fetch)
+    try:
+        with Sandbox(task, Limits(setup_network=True)) as sb:
+            assert sb.read("fetched.txt") == "wheel-bytes"
+            r = sb.run(fetch.replace("fetched.txt", "again.txt"))
+            assert r.exit_code != 0 and "urlopen error" in r.stderr, r.stderr
+            assert "wheel-bytes" not in sb.read("again.txt")
+        with pytest.raises(SandboxError, match=r"task 'net/1': setup failed"):
+            Sandbox(task)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_host_secret_not_readable(sb, tmp_path):

@@ -9,12 +9,10 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
-from coder.env import package_mutants, protocol, releases, suite
-from coder.env import repo as repo_lib
+from coder.env import protocol, suite
 from coder.env import tools as env_tools
 from coder.model import Transformer
 from coder.rl import actor as actor_lib
@@ -23,33 +21,15 @@ from coder.rl import grpo, trajectory
 from configs import base
 from tests.rl.test_agent import ScriptedEngine
 
-NAME = "tinypkg7"  # its tasks are held out (releases.split_of), so the suite keeps them
-
-
-@pytest.fixture(scope="module")
-def generated(tiny_package_index, tmp_path_factory):
-    """(feature task, its files after the fix), (bug task, its reference files)."""
-    work = tmp_path_factory.mktemp("generated")
-    options = releases.Options(history=0, environment={}, timeout_s=60)
-    [(feature, gold)], dropped = releases.package_tasks(
-        f"{NAME}==1.1.0", str(work / "repos"), cache=str(work / "sdists"), options=options,
-        index=tiny_package_index)
-    assert not dropped
-    after = {p: repo_lib.git(f"--git-dir={feature.repo}", "show",
-                             f"{feature.metadata['to_commit']}:{p}")
-             for p in feature.metadata["files_changed"]}
-    [(bug, reference)], rejected = package_mutants.mutant_tasks(
-        f"{NAME}==1.1.0", str(work / "repos"), n=1, seed=1, cache=str(work / "sdists"),
-        options=options, index=tiny_package_index, tries=12)
-    return (feature, after), (bug, reference)
+NAME = "tinypkg7"  # its tasks are held out (coder.env.releases.split_of), so the suite keeps them
 
 
 def _turn(tok, *calls, words=""):
     return tok.encode(words + "".join(protocol.render_tool_call(n, a) for n, a in calls)) + [tok.end_id]
 
 
-def test_grpo_and_the_suite_on_generated_repository_tasks(generated, tmp_path):
-    (feature, after), (bug, reference) = generated
+def test_grpo_and_the_suite_on_generated_repository_tasks(generated_package_tasks, tmp_path):
+    (feature, after), (bug, reference) = generated_package_tasks
     assert feature.fail_to_pass == ("tests/test_core.py::test_mean",)
     assert feature.prompt == f"Bring {NAME} from 1.0.0 up to 1.1.0. The release notes say:\n" \
                              "- Added `mean`"
