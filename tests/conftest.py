@@ -233,3 +233,15 @@ def generated_package_tasks(tiny_package_index, tmp_path_factory):
         "tinypkg7==1.1.0", str(work / "repos"), n=1, seed=1, cache=str(work / "sdists"),
         options=options, index=tiny_package_index, tries=12)
     return (feature, after), (bug, reference)
+
+
+if os.environ.get("CODER_TEST_TIMELINE"):
+    import time as _time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        t0 = _time.time()
+        yield
+        with open(os.environ["CODER_TEST_TIMELINE"], "a") as f:
+            f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "-"), "test": item.nodeid,
+                                "start": t0, "end": _time.time()}) + "\n")
