@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from coder.data import decontaminate, pretrain, sft
-from tests.data.test_repo_docs import CharTokenizer, repo_config, write_repo
+from tests.data.test_repo_docs import repo_config, write_repo
 from tests.data.test_sft import config as sft_config
 from tests.data.test_sft import conversation, segments, write
+from tests.fakes import CharTokenizer
 
 HELD_OUT = '''def harmonic_mean(values, weights=None):
     """The weighted harmonic mean of positive values; weights default to one each."""

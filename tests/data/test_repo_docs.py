@@ -7,6 +7,7 @@ import pytest
 
 from coder.data import pretrain, repo_docs
 from configs import base
+from tests.fakes import CharTokenizer
 
 # A tiny repository: util <- pkg.d <- pkg.c (relative imports), a <-> b (a cycle), main -> a.
 TINY = {
@@ -89,14 +90,6 @@ def test_heldout_repositories_are_disjoint_and_at_least_one():
     assert len(repo_docs.split_repositories(urls, "heldout", 0.3)) == 3
     assert repo_docs.split_repositories(urls[:1], "heldout", 0.5) == []
     assert repo_docs.split_repositories(urls, "train", 0.0) == urls
-
-
-class CharTokenizer:
-    """One token per character (ids 3..), bos 1, eos 2: what the packer needs of a tokenizer."""
-    bos_id, eos_id = 1, 2
-
-    def encode(self, text):
-        return [3 + ord(c) % 250 for c in text]
 
 
 def repo_config(tmp_path, seq_len, max_position, **data):

@@ -9,6 +9,7 @@ import pytest
 from coder import stages
 from coder.stages import lm
 from configs import base
+from tests.fakes import CharTokenizer
 
 
 def repos(tmp_path, n):
@@ -19,13 +20,6 @@ def repos(tmp_path, n):
         (d / "other.py").write_text("".join(f"Y{k} = {k}\n" for k in range(100)))  # filler
         (d / "main.py").write_text("import util\n\n\ndef run():\n    a = util.one()\n    return a + 1\n")
     return (str(tmp_path / "repo*"),)
-
-
-class CharTokenizer:
-    bos_id, eos_id = 1, 2
-
-    def encode(self, text):
-        return [3 + ord(c) % 250 for c in text]
 
 
 def config(tmp_path, n_repos=3):

@@ -11,6 +11,7 @@ from coder.model import Transformer
 from coder.train import long_eval
 from coder.train.losses import lm_loss
 from configs import base
+from tests.fakes import CharTokenizer
 
 REPO = {
     "util.py": "def one():\n    return 1\n\n\ndef two():\n    return one() + one()\n",
@@ -18,13 +19,6 @@ REPO = {
                 "    return y + util.one()\n"),
     "big.py": "".join(f"def f{i}(a):\n    return a * {i} + {i * 7}\n\n\n" for i in range(40)),
 }
-
-
-class CharTokenizer:
-    bos_id, eos_id = 1, 2
-
-    def encode(self, text):
-        return [3 + ord(c) % 60 for c in text]
 
 
 def test_position_rows_are_round_robin_windows():
@@ -44,7 +38,7 @@ def test_retrieval_rows_differ_only_in_the_far_part():
     assert header.startswith("def scale(x):") and '"""x times two."""' in header
     assert body == "    y = util.two() * x\n    return y + util.one()\n"
     assert [p for p, _ in callees] == ["util.py", "util.py"]
-    tok = CharTokenizer()
+    tok = CharTokenizer(60)
     with_far, without, mask = long_eval.retrieval_rows(REPO, tok, 512, max_examples=4)
     assert with_far.shape == without.shape == mask.shape and len(with_far) >= 1
     for w, wo, m in zip(with_far, without, mask):
