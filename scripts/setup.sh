@@ -53,12 +53,5 @@ rm -f /tmp/coder-bwrap-check.$$
 # --- the package -------------------------------------------------------------------------------
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-# The bytecode of every installed module must exist before a run: the sandboxes run this
-# environment read-only (a missing .pyc is recompiled on every sandboxed pytest / mypy call). pip
-# compiles on one core (38 s of a 94 s install on 2 cores); compileall on every core takes 17 s.
-echo "setup: $PYTHON -m pip install --no-compile -e \"$spec\""
-"$PYTHON" -m pip install --no-compile -e "$spec"
-echo "setup: byte-compiling the installed modules"
-# a few modules of packages' own tests are written for newer Pythons (torch's py312 helpers) and
-# do not compile, as under pip: their errors are not the install's
-"$PYTHON" -m compileall -q -j 0 $("$PYTHON" -c 'import sysconfig; p = sysconfig.get_paths(); print(*sorted({p["purelib"], p["platlib"]}))') >/dev/null 2>&1 || true
+echo "setup: $PYTHON -m pip install -e \"$spec\""
+"$PYTHON" -m pip install -e "$spec"
