@@ -211,7 +211,9 @@ def _sft_data(config, stage_dir: str) -> str:
 
 
 def check_sft(config) -> None:
-    """The toy transcripts' edit tool (sft.toy_edit_tool), at start-up, when they are the data."""
+    """The held-out exclusion's keys (data.exclude_*) and the toy transcripts' edit tool
+    (sft.toy_edit_tool, when they are the data), at start-up."""
+    exclude_lib.check(config)
     if not config.sft.data:
         from coder.env import transcripts
 
