@@ -238,10 +238,18 @@ def generated_package_tasks(tiny_package_index, tmp_path_factory):
 if os.environ.get("CODER_TEST_TIMELINE"):
     import time as _time
 
+    import resource as _resource
+
+    def _cpu_seconds() -> float:
+        """User + system CPU of this process and of its children that have exited (the
+        subprocesses a test starts, Ray's processes included once reaped)."""
+        return sum(u.ru_utime + u.ru_stime for u in (_resource.getrusage(_resource.RUSAGE_SELF),
+                                                      _resource.getrusage(_resource.RUSAGE_CHILDREN)))
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        t0 = _time.time()
+        t0, cpu0 = _time.time(), _cpu_seconds()
         yield
         with open(os.environ["CODER_TEST_TIMELINE"], "a") as f:
             f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "-"), "test": item.nodeid,
-                                "start": t0, "end": _time.time()}) + "\n")
+                                "start": t0, "end": _time.time(), "cpu": _cpu_seconds() - cpu0}) + "\n")

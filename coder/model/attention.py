@@ -89,7 +89,7 @@ def force_nsa_impl(impl: str, kernel=None):
 
 def _target_device():
     """The first device of the program being traced: the active mesh's (stage `compile`: TPU
-    devices on a CPU host), else the default backend's (as attention_kernels.targets_cpu)."""
+    devices on a CPU host), else the default backend's (as sharding.targets_cpu)."""
     ctx = sharding.current()
     return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
 
@@ -208,7 +208,7 @@ class MLA(nnx.Module):
         elif cache is None:
             kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
             k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
-            if attention_kernels.targets_cpu() or prefix_segment is not None:
+            if sharding.targets_cpu() or prefix_segment is not None:
                 # XLA: the RoPE half of the scores in the precision RoPE returns (as the cached
                 # path's, so the engine and the learner agree), no per-head key copies; also on
                 # TPU / GPU for shared-prefix rows, whose mask the kernels cannot express
@@ -267,7 +267,7 @@ class MLA(nnx.Module):
             o_lat = call(impl, kernel)(*args)
         elif (parallel := self._nsa_sequence_parallel(*args)) is not None:
             o_lat = parallel
-        elif attention_kernels.targets_cpu():
+        elif sharding.targets_cpu():
             # a program for CPU devices: the kernels' branches would never run, so they are not
             # traced (as for the dense backend)
             o_lat = call("xla")(*args)

@@ -7,7 +7,8 @@
 A query attends to the keys of its own segment at or before its index (causal self-attention of
 packed documents). The lowering is chosen when the program is lowered, for the platform it is
 lowered for (`jax.lax.platform_dependent`, as the NSA kernels and the MoE grouped matmul are),
-so stage `compile` gets the TPU kernel from a CPU host; a program for CPU devices (`targets_cpu`)
+so stage `compile` gets the TPU kernel from a CPU host; a program for CPU devices
+(`sharding.targets_cpu`)
 skips tracing the kernels:
 
   * TPU: splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`): blockwise
@@ -252,22 +253,13 @@ def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
     ref = functools.partial(reference_attention, scale=scale)
     if prefix_segment is not None:
         return ref(q, k, v, segment_ids, prefix_segment=prefix_segment)
-    if targets_cpu():
+    if sharding.targets_cpu():
         return ref(q, k, v, segment_ids)
     return jax.lax.platform_dependent(
         q, k, v, segment_ids,
         tpu=_padded(functools.partial(splash_attention, scale=scale)),
         cuda=_padded(functools.partial(gpu_flash_attention, scale=scale)),
         rocm=ref, default=ref)
-
-
-def targets_cpu() -> bool:
-    """Whether the program being traced runs on CPU: the active mesh's devices (stage `compile`
-    activates a mesh of TPU devices on a CPU host), else the default backend. Tracing the
-    kernels' branches costs ~0.3 s per layer, which CPU programs (the tests) would never use."""
-    ctx = sharding.current()
-    platform = ctx[0].devices.flat[0].platform if ctx is not None else jax.default_backend()
-    return platform == "cpu"
 
 
 def _padded(kernel):

@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from coder.model import sharding
+
 GMM_BLOCK = 128  # rows per block of the block-padded grouped matmul (CPU: bigger blocks run faster)
 
 
@@ -122,8 +124,11 @@ def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
     per-replica vmap). `bench/accelerator.py`'s part moe times the forms side by side.
 
     The choice is made when the program is lowered for its platform (`platform_dependent`),
-    not from the process's default backend: stage `compile` lowers for TPU from a CPU host.
+    not from the process's default backend: stage `compile` lowers for TPU from a CPU host. A
+    program for CPU devices (`sharding.targets_cpu`) traces the block form alone.
     """
+    if sharding.targets_cpu():
+        return block_grouped_matmul(x, w, group_sizes)
     # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
     tpu = functools.partial(megablox_grouped_matmul, mask_rows=mask_rows)
     return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu, default=block_grouped_matmul)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coder.model import expert_dispatch, expert_ffn, grouped_matmul
+from coder.model import expert_dispatch, expert_ffn, grouped_matmul, sharding
 from coder.model.grouped_matmul import megablox_grouped_matmul
 
 
@@ -78,10 +78,11 @@ def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
 
 
 @pytest.mark.parametrize("k,n", [(256, 128), (16, 8)])  # tiny widths: padded to 128 lanes
-def test_grouped_matmul_lowers_megablox_for_tpu(k, n):
+def test_grouped_matmul_lowers_megablox_for_tpu(k, n, monkeypatch):
     """grouped_matmul picks megablox (a Mosaic custom call) when lowered for TPU, from this CPU
     host (as stage compile does), forward and backward, with block shapes Mosaic accepts (it
     checks them while lowering); the CPU program has none, the GPU program no ragged dot."""
+    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)  # as under a mesh of TPU devices
     x = jnp.ones((64, k), jnp.bfloat16)
     w = jnp.ones((4, k, n), jnp.bfloat16)
     gs = jnp.array([10, 0, 30, 4], jnp.int32)
@@ -268,14 +269,13 @@ def test_ragged_dispatch_bounded_buffer_drops_overflow_in_device_order():
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)
 
 
-def test_moe_layer_lowers_with_ragged_dispatch():
+def test_moe_layer_lowers_with_ragged_dispatch(monkeypatch):
     """The MoE layer (forward and backward) under an expert-parallel mesh lowers with the ragged
     dispatch: forced (model.moe_dispatch="ragged_all_to_all"; XLA:CPU could not compile it) and
     "auto" lowered for TPU from this host (ragged_all_to_all + megablox); "auto" on CPU lowers the
     all-gather form."""
     from flax import nnx
 
-    from coder.model import sharding
     from coder.model.moe import MoE
     from tests.model.test_moe import tiny
 
@@ -297,6 +297,8 @@ def test_moe_layer_lowers_with_ragged_dispatch():
 
     forced = lowered("ragged_all_to_all")
     assert forced.count("ragged_all_to_all") == 4  # pairs there and back, and the transposes
-    tpu = lowered("auto", ("tpu",))
+    with monkeypatch.context() as m:
+        m.setattr(sharding, "targets_cpu", lambda: False)  # as under a mesh of TPU devices
+        tpu = lowered("auto", ("tpu",))
     assert tpu.count("ragged_all_to_all") == 4 and "tpu_custom_call" in tpu
     assert "ragged_all_to_all" not in lowered("auto")
