@@ -20,7 +20,10 @@ setup(
         "jax>=0.8,<0.13",
         "flax>=0.12,<0.13",  # NNX's Variable / Optimizer API changes between minors
         "optax>=0.2.5,<0.3",
-        "orbax-checkpoint>=0.11,<0.13",  # the handler registry API of coder.train.checkpoint
+        # the handler registry API of coder.train.checkpoint; from 0.11.30 (checked; 0.11.0 has
+        # not) ArrayHandler takes min_slice_bytes_for_replica_parallel and type_handlers exports
+        # supported_types
+        "orbax-checkpoint>=0.11.30,<0.13",
         "grain>=0.2.12,<0.3",
         "sentencepiece>=0.2,<0.3",
         "tensorstore>=0.1.70",
