@@ -45,11 +45,14 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     """The longest modules first (tests/durations.json, which scripts/test_durations.py writes
-    from a run's JUnit XML), each module's tests together and in their order. xdist hands the
-    first quarter of the tests out alternately and the rest to whichever worker is free: the
-    short tests at the end then fill the gaps the long ones leave, where in file order the
-    longest modules came last and one worker finished them alone. A module the file does not
-    list counts as short; a stale file only orders less well."""
+    from a run's JUnit XML or a CODER_TEST_TIMELINE file), each module's tests together and in
+    their order. With -n, xdist hands out whole modules in this order (pytest.ini: `--dist
+    loadfile --no-loadscope-reorder`), the next to whichever worker has at most two tests left:
+    longest first, so the short modules at the end fill the workers' last gaps. (xdist's default
+    `load` sends each worker a contiguous quarter of its share first: one worker got every
+    multi-process module and finished 70 s after the other, and a module split over two
+    workers builds its module fixtures twice.) A module the file does not list counts as short;
+    a stale file only orders less well."""
     path = os.path.join(os.path.dirname(__file__), "durations.json")
     if not os.path.exists(path):
         return
