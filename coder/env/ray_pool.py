@@ -50,6 +50,7 @@ class EnvWorkerActor:
     """One env worker in its Ray actor process: the episodes it owns, driven by `run`."""
 
     def __init__(self, episode_kwargs: dict):
+        pool_lib.warm_up()  # before `ready` answers: inside the pool's start_timeout_s
         self.episode_kwargs, self.episodes = episode_kwargs, {}
 
     def ready(self) -> int:

@@ -156,11 +156,13 @@ def test_hung_actor_times_out_as_infra_error_and_is_replaced(ray_local):
     from coder.env.ray_pool import RayEpisodePool
 
     ((task, _),) = toy_tasks(1, seed=7)
-    # 6 s, not 2: a new worker's first open prepares the task's tree and starts the sandbox over
-    # it (0.3 s on a quiet machine, past 2 s on a loaded 2-core one); the hung call sleeps 20 s
-    with RayEpisodePool(1, timeout_s=6.0, token_count=len, tools=("shell",)) as pool:
+    # 10 s, not 2: a new worker's first open prepares the task's tree and starts the sandbox over
+    # it (0.3 s on a quiet machine; past 2 s on a loaded 2-core one, and once past 6 s in the
+    # fresh CI beside a multi-process test, when it also walked /usr: `pool.warm_up` now does
+    # that before the actor counts as started); the hung call sleeps 20 s
+    with RayEpisodePool(1, timeout_s=10.0, token_count=len, tools=("shell",)) as pool:
         pool.open("a", task)
-        with pytest.raises(InfraError, match="took more than 6.0 s"):
+        with pytest.raises(InfraError, match="took more than 10.0 s"):
             pool.call("a", ToolCall("shell", {"command": "sleep 20"}, ""))
         pool.open("b", task)  # the killed actor is replaced
         assert "exit code: 0" in pool.call(
