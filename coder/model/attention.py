@@ -87,13 +87,6 @@ def force_nsa_impl(impl: str, kernel=None):
         _NSA_FORCED = before
 
 
-def _target_device():
-    """The first device of the program being traced: the active mesh's (stage `compile`: TPU
-    devices on a CPU host), else the default backend's (as sharding.targets_cpu)."""
-    ctx = sharding.current()
-    return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
-
-
 def _log_once(message: str):
     if message not in _NSA_LOGGED:
         _NSA_LOGGED.add(message)
@@ -322,7 +315,7 @@ class MLA(nnx.Module):
         forward and backward; the window tile is their fixed 64, heads padded to 64 wgmma rows),
         or the XLA path, with the reason logged, where they cannot take this layer. In a program
         for TPU devices (stage `compile`) the branch never runs: XLA, and no GPU kernel traced."""
-        device = _target_device()
+        device = sharding.target_device()
         if device.platform == "tpu":
             return call("xla")
         why = self._nsa_gpu_unsupported(device)

@@ -262,17 +262,21 @@ def current():
     return getattr(_CTX, "value", None)
 
 
+def target_device():
+    """The first device of the program being traced: the active mesh's (stage `compile`
+    activates a mesh of TPU devices on a CPU host), else the default backend's."""
+    ctx = current()
+    return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
+
+
 def targets_cpu() -> bool:
-    """Whether the program being traced runs on CPU: the active mesh's devices (stage `compile`
-    activates a mesh of TPU devices on a CPU host), else the default backend. The model's
+    """Whether the program being traced runs on CPU (`target_device`). The model's
     platform-dependent pieces (attention and NSA kernels, the MoE's grouped matmul, expert FFN
     and dispatch) then trace their CPU form alone: `jax.lax.platform_dependent` traces every
     branch, and the kernels' branches cost ~0.3 s per layer (attention) and ~10% of a small
     MoE model's stage process (megablox's group metadata), which CPU programs never run. A test
     that lowers a CPU-traced program for another platform sets this to False."""
-    ctx = current()
-    platform = ctx[0].devices.flat[0].platform if ctx is not None else jax.default_backend()
-    return platform == "cpu"
+    return target_device().platform == "cpu"
 
 
 def constrain(x, axes):
