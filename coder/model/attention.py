@@ -260,14 +260,10 @@ class MLA(nnx.Module):
             o_lat = call(impl, kernel)(*args)
         elif (parallel := self._nsa_sequence_parallel(*args)) is not None:
             o_lat = parallel
-        elif sharding.targets_cpu():
-            # a program for CPU devices: the kernels' branches would never run, so they are not
-            # traced (as for the dense backend)
-            o_lat = call("xla")(*args)
         else:
-            # chosen where the program is lowered (also from a CPU host, as stage `compile`
-            # lowers for TPU): Pallas TPU kernels, Mosaic GPU kernels, the blockwise XLA path
-            o_lat = jax.lax.platform_dependent(*args, tpu=call("pallas_tpu"), cuda=self._nsa_gpu(call),
+            # the program's platform's (stage `compile` lowers for TPU from a CPU host): Pallas
+            # TPU kernels, Mosaic GPU kernels, the blockwise XLA path
+            o_lat = sharding.platform_dependent(*args, tpu=call("pallas_tpu"), cuda=self._nsa_gpu(call),
                                                default=call("xla"))
         return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])
 

@@ -5,11 +5,10 @@
     segment_ids [B,T] int32 -> o [B,T,H,dv] in q's dtype.
 
 A query attends to the keys of its own segment at or before its index (causal self-attention of
-packed documents). The lowering is chosen when the program is lowered, for the platform it is
-lowered for (`jax.lax.platform_dependent`, as the NSA kernels and the MoE grouped matmul are),
-so stage `compile` gets the TPU kernel from a CPU host; a program for CPU devices
-(`sharding.targets_cpu`)
-skips tracing the kernels:
+packed documents). The lowering is the one of the platform the program is for
+(`sharding.platform_dependent`, as for the NSA kernels and the MoE grouped matmul): the mesh's
+devices decide while tracing where they are CPUs or TPUs (stage `compile` gets the TPU kernel
+from a CPU host), and `jax.lax.platform_dependent` where the program is lowered on GPUs:
 
   * TPU: splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`): blockwise
     online softmax that never materialises the T x T scores and skips the blocks the causal
@@ -253,9 +252,7 @@ def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
     ref = functools.partial(reference_attention, scale=scale)
     if prefix_segment is not None:
         return ref(q, k, v, segment_ids, prefix_segment=prefix_segment)
-    if sharding.targets_cpu():
-        return ref(q, k, v, segment_ids)
-    return jax.lax.platform_dependent(
+    return sharding.platform_dependent(
         q, k, v, segment_ids,
         tpu=_padded(functools.partial(splash_attention, scale=scale)),
         cuda=_padded(functools.partial(gpu_flash_attention, scale=scale)),

@@ -57,9 +57,7 @@ def expert_parallel_ffn(x, ids, weights, wg, wu, wd, mesh, rules, capacity_facto
     if dispatch == "ragged_all_to_all":
         return ragged(x, ids, weights, wg, wu, wd)
     gather = functools.partial(_all_gather_dispatch, mesh=mesh, rules=rules)
-    if sharding.targets_cpu():  # the CPU form alone is traced
-        return gather(x, ids, weights, wg, wu, wd)
-    return jax.lax.platform_dependent(x, ids, weights, wg, wu, wd, cpu=gather, default=ragged)
+    return sharding.platform_dependent(x, ids, weights, wg, wu, wd, cpu=gather, default=ragged)
 
 
 def _token_layout(mesh, rules, b: int, t: int):

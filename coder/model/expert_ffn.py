@@ -51,9 +51,7 @@ def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     `dense_ffn` (decoding); other platforms always take the sorted form.
     """
     if x.shape[0] * wg.shape[0] <= DENSE_FFN_MAX:
-        if sharding.targets_cpu():  # the CPU form alone is traced
-            return dense_ffn(x, ids, weights, wg, wu, wd, first_expert)
-        return jax.lax.platform_dependent(x, ids, weights, wg, wu, wd, cpu=functools.partial(
+        return sharding.platform_dependent(x, ids, weights, wg, wu, wd, cpu=functools.partial(
             dense_ffn, first_expert=first_expert), default=functools.partial(
             sorted_ffn, first_expert=first_expert))
     return sorted_ffn(x, ids, weights, wg, wu, wd, first_expert)

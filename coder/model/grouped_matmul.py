@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from coder.model import sharding
@@ -125,10 +124,9 @@ def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
 
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host. A
-    program for CPU devices (`sharding.targets_cpu`) traces the block form alone.
+    program whose platform is known while tracing (`sharding.platform_dependent`) traces its
+    form alone.
     """
-    if sharding.targets_cpu():
-        return block_grouped_matmul(x, w, group_sizes)
     # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
     tpu = functools.partial(megablox_grouped_matmul, mask_rows=mask_rows)
-    return jax.lax.platform_dependent(x, w, group_sizes, tpu=tpu, default=block_grouped_matmul)
+    return sharding.platform_dependent(x, w, group_sizes, tpu=tpu, default=block_grouped_matmul)

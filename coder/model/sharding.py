@@ -269,14 +269,31 @@ def target_device():
     return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
 
 
+def target_platform() -> str | None:
+    """The platform of the program being traced (`target_device`) when tracing can decide for
+    it: "cpu" or "tpu"; None for GPUs (CUDA or ROCm is decided where the program is lowered).
+    A test that lowers a CPU-traced program for another platform sets this to return None."""
+    platform = target_device().platform
+    return platform if platform in ("cpu", "tpu") else None
+
+
 def targets_cpu() -> bool:
-    """Whether the program being traced runs on CPU (`target_device`). The model's
-    platform-dependent pieces (attention and NSA kernels, the MoE's grouped matmul, expert FFN
-    and dispatch) then trace their CPU form alone: `jax.lax.platform_dependent` traces every
-    branch, and the kernels' branches cost ~0.3 s per layer (attention) and ~10% of a small
-    MoE model's stage process (megablox's group metadata), which CPU programs never run. A test
-    that lowers a CPU-traced program for another platform sets this to False."""
-    return target_device().platform == "cpu"
+    """Whether the program being traced runs on CPU (`target_platform`)."""
+    return target_platform() == "cpu"
+
+
+def platform_dependent(*args, **branches):
+    """`jax.lax.platform_dependent(*args, **branches)` (branches keyed cpu / tpu / cuda / rocm /
+    default), with the branch chosen while tracing when `target_platform` knows the platform.
+    `jax.lax.platform_dependent` traces every branch (and differentiates, batches and transposes
+    each under the model's vmap and grad): the TPU kernels' branches cost ~0.3 s per layer
+    (attention) and ~10% of a small MoE model's stage process (megablox's group metadata) in
+    CPU programs that never run them, and the CPU forms as much again in stage `compile`'s
+    TPU programs (lowered for TPU from a CPU host: the mesh's devices say which)."""
+    platform = target_platform()
+    if platform is None:
+        return jax.lax.platform_dependent(*args, **branches)
+    return branches.get(platform, branches["default"])(*args)
 
 
 def constrain(x, axes):

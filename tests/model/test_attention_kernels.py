@@ -84,7 +84,7 @@ def test_gpu_flash_attention_equals_reference_forward_and_backward():
 def test_attention_lowers_to_splash_for_tpu_and_to_xla_for_cpu(monkeypatch):
     q, k, v, seg = _inputs()
     assert sharding.targets_cpu()  # here: the reference alone is traced
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)  # as under a mesh of TPU devices
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered: each lowering below
     fn = jax.jit(lambda *a: ak.attention(*a, scale=0.1))
     tpu = fn.trace(q, k, v, seg).lower(lowering_platforms=("tpu",)).as_text()
     cpu = fn.trace(q, k, v, seg).lower(lowering_platforms=("cpu",)).as_text()
@@ -100,7 +100,7 @@ def test_attention_lowers_to_triton_flash_for_cuda_with_tiles_an_h100_holds(monk
     *qkv, seg = _inputs()
     q, k, v = (a.astype(jnp.bfloat16) for a in qkv)
     t = q.shape[1]
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
     loss = lambda q, k, v: jnp.sum(ak.attention(q, k, v, seg, scale=0.1).astype(jnp.float32))
     text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     grids = [tuple(int(n) for n in g) for g in re.findall(r"grid_x = (\d+).*?grid_y = (\d+).*?grid_z = (\d+)", text)]
@@ -128,7 +128,7 @@ def test_save_attention_remat_keeps_the_kernel_output_instead_of_rerunning_it(mo
     "save_attention" (its output and log-sum-exp kept) it does not."""
     from coder.model.transformer import REMAT_POLICIES
 
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
     q, k, v, seg = _inputs()
 
     def kernel_calls(policy):

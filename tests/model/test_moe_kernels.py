@@ -82,7 +82,7 @@ def test_grouped_matmul_lowers_megablox_for_tpu(k, n, monkeypatch):
     """grouped_matmul picks megablox (a Mosaic custom call) when lowered for TPU, from this CPU
     host (as stage compile does), forward and backward, with block shapes Mosaic accepts (it
     checks them while lowering); the CPU program has none, the GPU program no ragged dot."""
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)  # as under a mesh of TPU devices
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered: each lowering below
     x = jnp.ones((64, k), jnp.bfloat16)
     w = jnp.ones((4, k, n), jnp.bfloat16)
     gs = jnp.array([10, 0, 30, 4], jnp.int32)
@@ -298,7 +298,7 @@ def test_moe_layer_lowers_with_ragged_dispatch(monkeypatch):
     forced = lowered("ragged_all_to_all")
     assert forced.count("ragged_all_to_all") == 4  # pairs there and back, and the transposes
     with monkeypatch.context() as m:
-        m.setattr(sharding, "targets_cpu", lambda: False)  # as under a mesh of TPU devices
+        m.setattr(sharding, "target_platform", lambda: None)  # decided where lowered: each lowering below
         tpu = lowered("auto", ("tpu",))
     assert tpu.count("ragged_all_to_all") == 4 and "tpu_custom_call" in tpu
     assert "ragged_all_to_all" not in lowered("auto")

@@ -91,7 +91,7 @@ def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch,
     mesh = sharding.make_mesh(mc)
     model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
     sharding.shard_model(model, mesh, mc.rules)
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)  # as a TPU program would
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as for a GPU
     monkeypatch.setattr(attention, "_NSA_LOGGED", set())
     with sharding.activate(mesh, mc.rules), caplog.at_level(logging.WARNING, logger=attention.__name__):
         (loss, logits), grads = step(model, tok, pos, seg)
@@ -180,7 +180,7 @@ def test_model_lowers_to_the_mosaic_gpu_kernels_for_cuda(monkeypatch):
     """The model's forward lowered for CUDA holds the two forward kernels (selected, window), its
     gradient also the four backward ones (dQ and dK/dV of each branch); the same forward lowered
     for TPU holds the Pallas TPU kernels and no Mosaic GPU one, for CPU neither."""
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)  # as under a mesh of GPUs
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as on GPUs
     with_params, params = split_params(Transformer(gpu_cfg(), rngs=nnx.Rngs(0)))
     tok, pos, seg = two_documents()
     fwd_ = lambda p: with_params(p)(tok, pos, seg)[0]
@@ -197,7 +197,7 @@ def test_a_layer_the_gpu_kernels_cannot_take_lowers_to_xla_with_the_reason_logge
     """nsa_cfg(): selection blocks of 8 and widths 20 / 16. Lowered for CUDA: no Mosaic GPU kernel,
     and one warning naming the config keys (both layers take the XLA path; the reason is logged
     once per process); forcing pallas_gpu raises instead."""
-    monkeypatch.setattr(sharding, "targets_cpu", lambda: False)
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
     monkeypatch.setattr(attention, "_NSA_LOGGED", set())
     model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
     with_params, params = split_params(model)

@@ -213,3 +213,36 @@ def test_expert_capacity_under_expert_parallelism(layout):
         got, aux = fwd(sharded, tok, pos, seg)
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert float(aux["router_dropped"]) == pytest.approx(want_dropped, rel=1e-5)
+
+
+def test_platform_dependent_traces_the_branch_of_the_programs_platform(monkeypatch):
+    """A program for CPU devices traces its cpu branch alone, one for a mesh of TPU devices (stage
+    `compile` on a CPU host) its tpu branch alone; where the platform is left to the lowering
+    (GPUs), jax.lax.platform_dependent traces every branch and the lowering picks one."""
+    traced = []
+
+    def branch(name, add):
+        def fn(x):
+            traced.append(name)
+            return x + add
+        return fn
+
+    branches = dict(cpu=branch("cpu", 1.0), tpu=branch("tpu", 2.0), default=branch("default", 3.0))
+    fn = jax.jit(lambda x: sharding.platform_dependent(x, **branches))
+    assert float(fn(jnp.float32(0))) == 1.0 and traced == ["cpu"]
+
+    pytest.importorskip("libtpu", reason="a mesh of TPU devices needs libtpu's topologies")
+    from coder.train.aot import hardware as hw
+
+    traced.clear()
+    mesh = jax.sharding.Mesh(np.array(hw.topology_devices(hw.parse_topology("v5e-4"))), ("fsdp",))
+    with sharding.activate(mesh, mesh_cfg().rules):
+        assert sharding.target_platform() == "tpu"
+        fn.trace(jax.ShapeDtypeStruct((), jnp.float32))
+    assert traced == ["tpu"]
+
+    traced.clear()
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
+    text = jax.jit(lambda x: sharding.platform_dependent(x, **branches)).trace(jnp.float32(0)).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert sorted(traced) == ["cpu", "default", "tpu"] and "2.0" in text and "1.0" not in text
