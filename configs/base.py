@@ -122,6 +122,10 @@ def get_config() -> ml_collections.ConfigDict:
     # and the gradient sum move model.dtype (no per-micro-batch float32 round trip); costs a
     # model.dtype copy of those parameters
     c.train.cast_params_once = False
+    # keep the optimizer state in pinned host memory between steps: each step moves it to the
+    # devices for the update and back (its HBM is free while the forward and backward run, at the
+    # cost of two host <-> device copies of it per step; stage compile's reports say which)
+    c.train.offload_optimizer = False
     c.train.mtp_loss_weight = 0.3  # weight of the MTP cross-entropy in the loss
     c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
     c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run
@@ -320,7 +324,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile = ml_collections.ConfigDict()
     c.compile.topology = "v5e-4"  # target slice: "v5e-4", "v5p-512", "v6e-256" or "v5p:4x8x8"
     c.compile.report_dir = ""  # where report.json / report.md go ("" = {workdir}/compile)
-    c.compile.offload_optimizer = False  # optimizer state in pinned host memory between steps
     # the RL engine's prefill and decode programs (coder/infer/engine.py), compiled beside the
     # training step on the same mesh: rows decoded together (0 = rl.group_size), cache slots
     # (0 = rl.context_budget), tokens per prefill chunk (0 = min(2048, cache slots))

@@ -205,6 +205,11 @@ def test_named_configs_and_overrides_still_set_existing_keys(tmp_path):
     assert (c.data.seq_len, c.data.batch_size, c.train.grad_accum) == (262144, 16, 8)
     assert c.model.rope_scaling.factor == 64.0 and c.model.max_position_embeddings == 262144
     assert c.compile.report_dir.endswith("deepseek_v3_671b_v5p-512x2_long256k") and not c.compile.engine
+    assert not c.train.offload_optimizer
+    # NSA at 128k: one row per micro-batch, the Adam moments in host memory between steps
+    c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512,long128k-nsa")
+    assert c.model.attention_backend == "nsa" and c.train.offload_optimizer
+    assert c.data.batch_size // c.train.grad_accum == 1
     c = _parse(
         "--config.model.rope_scaling.factor=4.0", "--config.model.nsa.window=128",
         "--config.rl.length_penalty.weights.turn=2.0", "--config.rl.aux_rewards.lint_introduced=0.5",

@@ -26,8 +26,8 @@ why and what to change) instead of raising, so a sweep over topologies finishes.
 
 The step compiled is the trainer's own (coder.train.trainer.make_train_step, with the pretraining
 loss), with the optimizer moments sharded like their parameters
-(coder.train.state.opt_state_shardings). `compile.offload_optimizer` keeps them in pinned host
-memory between steps (moved in and out around the update). With `compile.engine` the RL engine's
+(coder.train.state.opt_state_shardings). `train.offload_optimizer` keeps them in pinned host
+memory between steps (moved in and out around the update), as the trainer does. With `compile.engine` the RL engine's
 prefill and decode programs are compiled beside it on the same mesh (`lower_engine`), and with
 `compile.grpo` the GRPO learner's step (`lower_grpo_step`): the same trainer step with
 coder.rl.grpo.grpo_loss_fn as coder.rl.learner.Learner configures it (router replay, staleness
@@ -167,12 +167,6 @@ def _with_shardings(tree, shardings):
                         tree, shardings)
 
 
-def _memory_kind(shardings, kind: str):
-    import jax
-
-    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
-
-
 class AbstractState(NamedTuple):
     """The trainer's model state over a mesh, never allocated: `nnx.split(model, nnx.Param, ...)`
     as jax.ShapeDtypeStruct leaves carrying their NamedShardings (p_sh / r_sh: those shardings)."""
@@ -218,7 +212,7 @@ def _rows(mesh, rules, shape: tuple, dtype, axis: int = 0):
 def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     """The trainer's step (coder.train.trainer.make_train_step) with `loss_fn`, the optimizer of
     config.train (moments sharded like their parameters, or offloaded to host memory with
-    compile.offload_optimizer), lowered over `mesh` on `state` and the abstract `batch`.
+    train.offload_optimizer: coder.train.trainer.offloaded_optimizer), lowered over `mesh` on `state` and the abstract `batch`.
 
     Returns (lowered, sizes): per-chip bytes of params (+ non-trained variables), optimizer
     state (0 when offloaded) and batch.
@@ -231,7 +225,7 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     from coder.train.balancing import router_balancing
     from coder.train.optim import lr_schedule, make_optimizer
     from coder.train.state import opt_state_shardings
-    from coder.train.trainer import StepOptions, make_train_step
+    from coder.train.trainer import StepOptions, make_train_step, offloaded_optimizer
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
@@ -244,22 +238,15 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
     fn = step_fn
-    if config.compile.offload_optimizer:
-        # optimizer state lives in host memory between steps: in, update on device, back out
-        host_sh, dev_sh = _memory_kind(o_sh, "pinned_host"), _memory_kind(o_sh, "device")
-        opt = _with_shardings(opt, host_sh)
-        o_sh = host_sh
-
-        def fn(params, rest, opt_host, step, batch):
-            opt_dev = jax.device_put(opt_host, dev_sh)
-            new_p, new_r, new_o, metrics = step_fn(params, rest, opt_dev, step, batch)
-            return new_p, new_r, jax.device_put(new_o, host_sh), metrics
+    if options.offload_optimizer:
+        fn, o_sh = offloaded_optimizer(step_fn, o_sh)
+        opt = _with_shardings(opt, o_sh)
 
     jitted = jax.jit(fn, out_shardings=(p_sh, r_sh, o_sh, None), donate_argnums=(0, 1, 2))
     with sharding.activate(mesh, rules):
         lowered = jitted.lower(params, rest, opt, step, batch)
     sizes = dict(params=bytes_per_chip(params) + bytes_per_chip(rest),
-                 optimizer=0.0 if config.compile.offload_optimizer else bytes_per_chip(opt),
+                 optimizer=0.0 if options.offload_optimizer else bytes_per_chip(opt),
                  batch=bytes_per_chip(batch))
     return lowered, sizes
 
@@ -617,8 +604,8 @@ def advice(report: dict, config) -> list[str]:
         if o:
             out.append(f"XLA needs {_gib(o['used_bytes'])} GiB of the chip's "
                        f"{_gib(o['hbm_bytes'])} GiB HBM ({100 * o['fraction_of_hbm']:.0f}%)")
-            if not config.compile.offload_optimizer:
-                out.append("compile.offload_optimizer=True moves the Adam moments to host memory")
+            if not config.train.offload_optimizer:
+                out.append("train.offload_optimizer=True moves the Adam moments to host memory")
             if config.model.remat != "full":
                 out.append("model.remat=full keeps only block inputs for the backward pass")
             out.append("more chips (fsdp x expert) divide the parameters and optimizer state; "
@@ -628,8 +615,8 @@ def advice(report: dict, config) -> list[str]:
     if not m["fits"]:
         over = m["total_bytes"] - m["hbm_bytes"]
         out.append(f"over HBM by {_gib(over)} GiB per chip")
-        if m["optimizer_bytes"] > over and not config.compile.offload_optimizer:
-            out.append("compile.offload_optimizer=True moves the optimizer state "
+        if m["optimizer_bytes"] > over and not config.train.offload_optimizer:
+            out.append("train.offload_optimizer=True moves the optimizer state "
                        f"({_gib(m['optimizer_bytes'])} GiB per chip) to host memory")
         if m["activations_temp_bytes"] > over and config.model.remat != "full":
             out.append(f"model.remat=full (now {config.model.remat!r}) recomputes activations "
@@ -680,7 +667,7 @@ def _run(config, stage_dir: str, init_from: str) -> str:
         setup=dict(
             mesh=sizes, num_slices=topo.num_slices, batch=b, seq_len=t, tokens_per_step=b * t,
             grad_accum=int(config.train.grad_accum), remat=config.model.remat,
-            optimizer=config.train.optimizer, offload_optimizer=bool(config.compile.offload_optimizer),
+            optimizer=config.train.optimizer, offload_optimizer=bool(config.train.offload_optimizer),
             dtype=config.model.dtype, param_dtype=config.model.param_dtype,
             params_total=counts["total"], params_mtp=counts.get("mtp", 0),
             params_active_matmul=active, attention_backend=config.model.attention_backend,

@@ -83,6 +83,10 @@ def validate(config) -> None:
     if (rl.colocated or rl.offload_optimizer) and config.grpo["async"]:
         raise ValueError(f"rl.colocated={rl.colocated} / rl.offload_optimizer={rl.offload_optimizer} need "
                          "grpo.async=False: the learner and the actor take turns on the same devices")
+    if rl.offload_optimizer and config.train.offload_optimizer:
+        raise ValueError("rl.offload_optimizer=True and train.offload_optimizer=True both keep the optimizer "
+                         "state in host memory (the first while the actor rolls out, the second between "
+                         "steps, inside every step): set one")
     if rl.colocated and int(rl.num_actors) != 0:
         raise ValueError(f"rl.colocated=True runs the actor in the learner's process: set rl.num_actors=0 "
                          f"(it is {rl.num_actors})")

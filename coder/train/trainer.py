@@ -29,7 +29,9 @@ What the step does (`make_train_step`, one pure function): micro-batch loop (lax
 the `trainable` parameters, weighted average, global-norm clipping and the optimizer update;
 when the loss or the gradient norm is NaN/Inf the update is skipped (params, optimizer state
 and the other variables unchanged), counted, and `config.train.max_nonfinite_steps` skipped steps in a
-row stop the run with a RuntimeError.
+row stop the run with a RuntimeError. How it trades memory for communication (StepOptions):
+gradient accumulation dtype, per-replica reduction, a compute-dtype copy of the parameters,
+ZeRO over `data`, and the optimizer state in host memory between steps (`offloaded_optimizer`).
 
 State and checkpoints: trainable params, the other model variables (router bias), optimizer
 state, step, RNG key, each process's data-iterator state and the stage's tokenizer are saved by
@@ -173,6 +175,8 @@ class StepOptions:
       per step (train.params_over_data: ("data",); `_gathered_to_rules`).
     optimizer_over: mesh axes the optimizer moments are split over beyond their parameter's
       sharding (train.optimizer_over_data, or with the parameters by train.params_over_data).
+    offload_optimizer: the optimizer state waits in pinned host memory between steps
+      (train.offload_optimizer; `offloaded_optimizer`).
     """
 
     grad_accum: int = 1
@@ -181,6 +185,7 @@ class StepOptions:
     compute_dtype: Any = None
     gather_params: tuple[str, ...] = ()
     optimizer_over: tuple[str, ...] = ()
+    offload_optimizer: bool = False
 
     @classmethod
     def from_config(cls, config) -> "StepOptions":
@@ -194,7 +199,8 @@ class StepOptions:
                    replica_axis="data" if tc.reduce_grads_once else None,
                    compute_dtype=jnp.dtype(config.model.dtype) if tc.cast_params_once else None,
                    gather_params=over_data,
-                   optimizer_over=("data",) if tc.optimizer_over_data else over_data)
+                   optimizer_over=("data",) if tc.optimizer_over_data else over_data,
+                   offload_optimizer=bool(tc.offload_optimizer))
 
 
 def _accumulate(micro_grad, weighted, zeros, micro: dict, step_key, accum: int):
@@ -338,6 +344,23 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, options: StepOption
     return train_step
 
 
+def offloaded_optimizer(step_fn: Callable, opt_shardings) -> tuple[Callable, Any]:
+    """`step_fn` (make_train_step's) taking and returning the optimizer state in pinned host
+    memory (train.offload_optimizer): the step moves it to the devices for the update and back,
+    so it holds HBM only around the update, not through the forward and backward passes
+    (XLA schedules the copies). `opt_shardings`: the state's device shardings.
+
+    Returns (the step, the state's host shardings: its place between steps)."""
+    host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_shardings)
+    device = jax.tree.map(lambda s: s.with_memory_kind("device"), opt_shardings)
+
+    def step(params, rest, opt_state, step_, batch):
+        params, rest, opt_state, metrics = step_fn(params, rest, jax.device_put(opt_state, device), step_, batch)
+        return params, rest, jax.device_put(opt_state, host), metrics
+
+    return step, host
+
+
 class Trainer:
     """Model, optimizer, checkpoints and the jit-compiled step of one stage (module docstring).
 
@@ -412,9 +435,13 @@ class Trainer:
         st = self.state
         self._step = make_train_step(st.graphdef, loss_fn, self.tx, key=st.key, options=self.options,
                                      trainable=trainable, schedule=self._schedule, post_update=post_update)
+        step_fn, opt_sh = self._step, shard_of(st.opt_state)
+        if self.options.offload_optimizer:
+            step_fn, opt_sh = offloaded_optimizer(step_fn, opt_sh)
+            st.opt_state = jax.device_put(st.opt_state, opt_sh)
         self._jit_step = jax.jit(
-            self._step,
-            out_shardings=(shard_of(st.params), shard_of(st.rest), shard_of(st.opt_state), None),
+            step_fn,
+            out_shardings=(shard_of(st.params), shard_of(st.rest), opt_sh, None),
             donate_argnums=(0, 1, 2),
         )
         self._jit_eval = jax.jit(self._eval)

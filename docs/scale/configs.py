@@ -12,7 +12,7 @@ Layout for the full-size MoE models (why, in numbers, in docs/scale/README.md):
   * every parameter is sharded over all chips of a slice: experts over `expert` (32-way) x the
     embedding dimension over `sequence` (FSDP; on v6e also over the slices, `data`); the Adam
     moments like their parameter, or also over the slices (train.optimizer_over_data) or in
-    host memory (compile.offload_optimizer);
+    host memory (train.offload_optimizer, as the trainer runs it);
   * attention heads, the dense layers' hidden units and the vocabulary are tensor-parallel over
     the same `expert` axis, so no chip repeats attention or dense work while experts are split;
   * a 32k row is split over `sequence` (queries in zigzag order for the splash kernel; keys
@@ -191,7 +191,7 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     c.model.moe_a2a_buffer_factor = A2A_BUFFER_FACTOR
     c.model.moe_shared_data_parallel = True  # the shared expert on each chip's own tokens
     c.model.scan_layers = True  # one compiled MoE layer (an unrolled 61-layer step: ~45 min here)
-    c.compile.offload_optimizer = s.get("offload_optimizer", False)
+    c.train.offload_optimizer = s.get("offload_optimizer", False)
     c.compile.update(ENGINE)
     c.compile.engine = s.get("engine", True)
     c.compile.grpo = s.get("grpo", True)
@@ -208,12 +208,15 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         # NSA (its defaults, configs/base.py): the mesh splits the sequence, so each layer runs the
         # XLA path in a shard_map (docs/nsa.md), whose temporaries are the selected blocks gathered
         # per query chunk: one row per micro-batch (DeepSeek-V3 on v5p-512: 121.6 GiB with two,
-        # with remat save_attention or full alike; 101.5 with one)
+        # with remat save_attention or full alike; 101.5 with one), and the Adam moments in host
+        # memory between steps (train.offload_optimizer; on the device: 101.5 of 95 GiB for
+        # DeepSeek-V3 on v5p-512, 95.25 for Kimi K2 on 2 x v5p-512)
         rows = 1 if nsa else lg["rows"]
         c.train.grad_accum = c.data.batch_size // (rows * s["slices"])
         c.model.remat = lg.get("remat", REMAT)
         if nsa:
             c.model.attention_backend = "nsa"
+            c.train.offload_optimizer = True
         c.compile.update(engine=False, grpo=lg["grpo"] and s.get("grpo", True) and not nsa,
                          grpo_batch=c.data.batch_size,
                          grpo_seq_len=c.data.seq_len)

@@ -101,9 +101,13 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
     ({"colocated": True, "num_actors": 1}, False, "rl.num_actors=0"),
     ({"colocated": True}, True, "grpo.async=False"),
     ({"offload_optimizer": True}, True, "grpo.async=False"),
+    ({"offload_optimizer": True, "train_offload": True}, False, "set one"),
 ])
 def test_colocated_keys_are_checked_at_start_up(rl, grpo_async, message):
+    rl = dict(rl)
+    train_offload = rl.pop("train_offload", False)
     cfg = config(rl_test.tokenizer(), **rl)
     cfg.grpo["async"] = grpo_async
+    cfg.train.offload_optimizer = train_offload
     with pytest.raises(ValueError, match=message):
         grpo_stage.validate(cfg)

@@ -218,7 +218,7 @@ def test_memory_report_flags_a_step_over_hbm_and_advice_names_the_fix():
     report = dict(memory=mem, setup=dict(mesh={"data": 4}),
                   roofline=dict(bound="compute", step_time_lower_s=1.0, step_time_serial_s=2.0))
     tips = " ".join(C.advice(report, config))
-    assert "compile.offload_optimizer=True" in tips and "model.remat=full" in tips
+    assert "train.offload_optimizer=True" in tips and "model.remat=full" in tips
 
 
 @pytest.mark.parametrize("message, used, hbm", [

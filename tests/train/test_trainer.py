@@ -292,6 +292,33 @@ def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_pa
                  out[False][1], out[True][1])
 
 
+def test_offload_optimizer_keeps_the_moments_in_host_memory_and_steps_alike(tmp_path):
+    """train.offload_optimizer: between steps every optimizer-state array sits in pinned host
+    memory (the step moves it to the devices for the update and back); the parameters equal the
+    on-device optimizer's bit for bit; a checkpoint of the host-resident state resumes to the
+    same next step."""
+    from coder.train.checkpoint import tree_to_flat
+
+    out = {}
+    for offload in (False, True):
+        cfg = make_config(offload_optimizer=offload)
+        cfg.mesh.data, cfg.mesh.fsdp = 2, 4
+        tr = make_trainer(tmp_path / str(offload), cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+        tr.train_step(make_batch(0))
+        tr.train_step(make_batch(1))
+        kinds = {leaf.sharding.memory_kind for leaf in tree_to_flat(tr.opt_state).values()}
+        tr.save(force=True)
+        tr.close()
+        resumed = make_trainer(tmp_path / str(offload), cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+        assert resumed.step == 2
+        assert {leaf.sharding.memory_kind for leaf in tree_to_flat(resumed.opt_state).values()} == kinds
+        resumed.train_step(make_batch(2))
+        out[offload] = (kinds, jax.tree.map(np.asarray, nnx.to_pure_dict(resumed.params)))
+        resumed.close()
+    assert out[True][0] == {"pinned_host"} and "pinned_host" not in out[False][0]
+    jax.tree.map(np.testing.assert_array_equal, out[False][1], out[True][1])
+
+
 @pytest.mark.slow
 def test_params_over_data_splits_the_parameters_and_gathers_the_bf16_copy_once(tmp_path):
     """train.params_over_data (Kimi K2's two-slice setting, with reduce_grads_once and
