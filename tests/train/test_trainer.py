@@ -270,17 +270,25 @@ def test_bfloat16_grad_accumulation_is_close_to_float32_and_rejects_other_dtypes
         make_trainer(tmp_path / "bad", make_config(grad_accum_dtype="float16"))
 
 
+def _sharded_after_two_steps(path, **train):
+    """(config, trainer) of ShardedToy on a data 2 x fsdp 4 mesh with `train` keys, after steps on
+    batches 0 and 1."""
+    cfg = make_config(**train)
+    cfg.mesh.data, cfg.mesh.fsdp = 2, 4
+    tr = make_trainer(path, cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
+    tr.train_step(make_batch(0))
+    tr.train_step(make_batch(1))
+    return cfg, tr
+
+
 def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_path):
     """train.optimizer_over_data (ZeRO-1 over `data`): moments split over data x fsdp, the step
     equal to the replicated optimizer's."""
+    from coder.train.checkpoint import tree_to_flat
+
     out = {}
     for over in (False, True):
-        cfg = make_config(optimizer_over_data=over)
-        cfg.mesh.data, cfg.mesh.fsdp = 2, 4
-        tr = make_trainer(tmp_path / str(over), cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
-        tr.train_step(make_batch(0))
-        tr.train_step(make_batch(1))
-        from coder.train.checkpoint import tree_to_flat
+        _, tr = _sharded_after_two_steps(tmp_path / str(over), optimizer_over_data=over)
 
         specs = {n: leaf.sharding.spec for n, leaf in tree_to_flat(tr.opt_state).items()
                  if n.endswith(".w.value") and leaf.ndim == 2}
@@ -301,11 +309,7 @@ def test_offload_optimizer_keeps_the_moments_in_host_memory_and_steps_alike(tmp_
 
     out = {}
     for offload in (False, True):
-        cfg = make_config(offload_optimizer=offload)
-        cfg.mesh.data, cfg.mesh.fsdp = 2, 4
-        tr = make_trainer(tmp_path / str(offload), cfg, model_fn=lambda: ShardedToy(nnx.Rngs(0)))
-        tr.train_step(make_batch(0))
-        tr.train_step(make_batch(1))
+        cfg, tr = _sharded_after_two_steps(tmp_path / str(offload), offload_optimizer=offload)
         kinds = {leaf.sharding.memory_kind for leaf in tree_to_flat(tr.opt_state).values()}
         tr.save(force=True)
         tr.close()
