@@ -210,6 +210,9 @@ def test_named_configs_and_overrides_still_set_existing_keys(tmp_path):
     c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512,long128k-nsa")
     assert c.model.attention_backend == "nsa" and c.train.offload_optimizer
     assert c.data.batch_size // c.train.grad_accum == 1
+    c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512,long256k-offload")
+    assert c.model.attention_backend == "dense" and c.train.offload_optimizer
+    assert c.compile.report_dir.endswith("deepseek_v3_671b_v5p-512_long256k_offload")
     c = _parse(
         "--config.model.rope_scaling.factor=4.0", "--config.model.nsa.window=128",
         "--config.rl.length_penalty.weights.turn=2.0", "--config.rl.aux_rewards.lint_introduced=0.5",
