@@ -148,7 +148,7 @@ LONG_TOKENS = 2 ** 22
 LONG = {
     128: dict(rows=2, grpo=True),
     # one row per micro-batch and slice; on one v5p-512 DeepSeek-V3 needed 98.7 of 95 GiB with
-    # remat save_attention (71.3 GiB of temporaries) and 95.9 with full remat, which keeps only
+    # remat save_attention (71.3 GiB of temporaries) and 95.8 with full remat, which keeps only
     # each block's input
     256: dict(rows=1, grpo=False, remat="full"),
 }
