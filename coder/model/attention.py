@@ -262,9 +262,10 @@ class MLA(nnx.Module):
             o_lat = parallel
         else:
             # the program's platform's (stage `compile` lowers for TPU from a CPU host): Pallas
-            # TPU kernels, Mosaic GPU kernels, the blockwise XLA path
-            o_lat = sharding.platform_dependent(*args, tpu=call("pallas_tpu"), cuda=self._nsa_gpu(call),
-                                               default=call("xla"))
+            # TPU kernels, Mosaic GPU kernels, the blockwise XLA path. The GPU branch is chosen
+            # (its kernels checked, a fallback logged) only when that branch is traced
+            o_lat = sharding.platform_dependent(*args, tpu=call("pallas_tpu"),
+                                               cuda=lambda *a: self._nsa_gpu(call)(*a), default=call("xla"))
         return jnp.einsum("bthr,rhd->bthd", o_lat.astype(self.dtype), w_kvb[..., self.dn:])
 
     def _nsa_sequence_parallel(self, q, k, v, x, segment_ids, positions):

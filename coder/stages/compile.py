@@ -27,11 +27,11 @@ why and what to change) instead of raising, so a sweep over topologies finishes.
 The step compiled is the trainer's own (coder.train.trainer.make_train_step, with the pretraining
 loss), with the optimizer moments sharded like their parameters
 (coder.train.state.opt_state_shardings). `train.offload_optimizer` keeps them in pinned host
-memory between steps (moved in and out around the update), as the trainer does. With `compile.engine` the RL engine's
-prefill and decode programs are compiled beside it on the same mesh (`lower_engine`), and with
-`compile.grpo` the GRPO learner's step (`lower_grpo_step`): the same trainer step with
-coder.rl.grpo.grpo_loss_fn as coder.rl.learner.Learner configures it (router replay, staleness
-mask) on the GRPO batch (behaviour / reference logprobs, staleness, advantages, the engine's
+memory between steps (moved in and out around the update), as the trainer does. With
+`compile.engine` the RL engine's prefill and decode programs are compiled beside it on the same
+mesh (`lower_engine`), and with `compile.grpo` the GRPO learner's step (`lower_grpo_step`): the
+same trainer step with coder.rl.grpo.grpo_loss_fn as coder.rl.learner.Learner configures it
+(router replay, staleness mask) on the GRPO batch (behaviour / reference logprobs, staleness, advantages, the engine's
 expert ids), `compile.grpo_batch` x `compile.grpo_seq_len` tokens; its model FLOPs leave out
 the MTP modules, which the GRPO loss does not run.
 
@@ -212,7 +212,8 @@ def _rows(mesh, rules, shape: tuple, dtype, axis: int = 0):
 def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     """The trainer's step (coder.train.trainer.make_train_step) with `loss_fn`, the optimizer of
     config.train (moments sharded like their parameters, or offloaded to host memory with
-    train.offload_optimizer: coder.train.trainer.offloaded_optimizer), lowered over `mesh` on `state` and the abstract `batch`.
+    train.offload_optimizer: coder.train.trainer.offloaded_optimizer), lowered over `mesh` on
+    `state` and the abstract `batch`.
 
     Returns (lowered, sizes): per-chip bytes of params (+ non-trained variables), optimizer
     state (0 when offloaded) and batch.

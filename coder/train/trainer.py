@@ -355,7 +355,8 @@ def offloaded_optimizer(step_fn: Callable, opt_shardings) -> tuple[Callable, Any
     device = jax.tree.map(lambda s: s.with_memory_kind("device"), opt_shardings)
 
     def step(params, rest, opt_state, step_, batch):
-        params, rest, opt_state, metrics = step_fn(params, rest, jax.device_put(opt_state, device), step_, batch)
+        opt_state = jax.device_put(opt_state, device)
+        params, rest, opt_state, metrics = step_fn(params, rest, opt_state, step_, batch)
         return params, rest, jax.device_put(opt_state, host), metrics
 
     return step, host
