@@ -145,3 +145,23 @@ def test_rejects_unknown_backend_and_remat():
         Transformer(tiny(attention_backend="sparse"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="remat"):
         Transformer(tiny(remat="some"), rngs=nnx.Rngs(0))
+
+
+def test_next_key_is_the_streams_own_key_sequence():
+    """layers.next_key draws what RngStream.__call__ would (the same keys, the same count), so
+    every model's init is unchanged; and it is the one allowed under a trace of the stream's level."""
+    from coder.model.layers import next_key
+
+    a, b = nnx.Rngs(7), nnx.Rngs(7)
+    ours = [next_key(a.params) for _ in range(3)]
+    flax = [b.params() for _ in range(3)]
+    for x, y in zip(ours, flax):
+        np.testing.assert_array_equal(jax.random.key_data(x), jax.random.key_data(y))
+    assert int(a.params.count.get_value()) == int(b.params.count.get_value()) == 3
+
+    @nnx.jit
+    def draw(rngs):
+        return next_key(rngs.params)
+
+    np.testing.assert_array_equal(jax.random.key_data(draw(a)), jax.random.key_data(b.params()))
+    assert int(a.params.count.get_value()) == 4
