@@ -20,6 +20,11 @@ learning tests.
 
 A resumed stage continuing the single epoch where it stopped is tests/rl/test_grpo_preemption.py.
 The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
+
+`FILE_TOY` is the same task as a sandboxed coding task (lucky.py must set `lucky` to 3, pytest
+checks it in a bwrap sandbox, the one tool is the env's write_file): the stage's own episodes,
+tool and scorer, with its own fitted model (`fitted_policy(dir, FILE_TOY)`); the sync learning
+test of tests/rl/test_actor_learner.py runs on it.
 """
 import dataclasses
 import functools
@@ -84,19 +89,102 @@ class SubmitEpisode:
 PREAMBLE = "Answer with the submit tool."
 
 
-def tokenizer():
-    """A small tokenizer fitted to the toy prompts (the system prompt is ~175 tokens)."""
+# --- the sandboxed variant ------------------------------------------------------------------------
+# The same lucky number as a coding task in a real bwrap sandbox: the workspace holds lucky.py
+# (`lucky = 0`) and test_lucky.py (asserts lucky == 3); the one tool is the env's own write_file
+# (coder.env.tools) and the episode has one turn (rl.max_turns=1), so the reward is pytest's verdict
+# on the written file, run by coder.env.episode in the sandbox: the production episode, tool and
+# scorer (EpisodeFactory, as stage grpo builds them), with a task the 2-layer model can learn.
+FILE_TOOLS = ("write_file",)
+FILE_PREAMBLE = "Answer with the write_file tool."
+FILE_TEST = "from lucky import lucky\n\n\ndef test_lucky():\n    assert lucky == 3\n"
+
+
+def file_content(answer: str) -> str:
+    return f"lucky = {answer}"
+
+
+def file_tasks(n, seed):
+    """n distinct sandboxed toy tasks (distinct prompts) -> [(Task, LUCKY)]."""
+    combos = [(o, name, c) for o in OPENERS for name in NAMES for c in CLOSERS]
+    random.Random(seed).shuffle(combos)
+    out = []
+    for o, name, c in combos[:n]:
+        prompt = f"{o} {name}, set lucky in lucky.py to the lucky number from 1 to 4. {c}"
+        task = tasks_lib.Task(id=prompt, prompt=prompt, files={"lucky.py": file_content("0"), "test_lucky.py": FILE_TEST},
+                              tests={"test_lucky.py": FILE_TEST}, source="toy-sandboxed")
+        out.append((task, LUCKY))
+    return out
+
+
+class FileEpisode:
+    """In-process stand-in of the sandboxed episode for the fit's format check only: one
+    write_file call; `answer` is the digit it wrote as `lucky` to lucky.py (None for anything else)."""
+
+    def __init__(self, expected):
+        from coder.env.episode import select_tools
+
+        self.tools = select_tools(FILE_TOOLS)
+        self.expected, self.answer, self.done = expected, None, False
+
+    def call(self, call):
+        content, path = call.arguments.get("content"), call.arguments.get("path")
+        ok = path == "lucky.py" and content in [file_content(a) for a in ANSWERS]
+        self.answer, self.done = (content[-1] if ok else None), True
+        return "written"
+
+    def score(self):
+        return float(self.answer == self.expected), {}
+
+    def close(self):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    """One toy format: its tools, preamble, tasks, the call that answers, the in-process episode
+    that checks the fit, and the file stem its fitted weights are cached under."""
+
+    name: str
+    tools: tuple
+    preamble: str
+    make_tasks: object  # (n, seed) -> [(Task, expected answer)]
+    call: object  # answer -> the rendered tool call
+    episode: object  # expected answer -> an in-process episode
+    room: int  # stage length past the system prompt and 24 prompt tokens: the prompt's rest, rl.summary_reserve, a turn
+
+    @property
+    def system_prompt(self) -> str:
+        return protocol.render_system_prompt(list(self.tools), self.preamble)
+
+
+def _file_tools():
+    from coder.env.episode import select_tools
+
+    return tuple(select_tools(FILE_TOOLS))
+
+
+SUBMIT_TOY = Toy("toy_policy", (SUBMIT,), PREAMBLE, make_tasks,
+                 lambda a: protocol.render_tool_call("submit", {"answer": a}), SubmitEpisode, 64)
+FILE_TOY = Toy("file_policy", _file_tools(), FILE_PREAMBLE, file_tasks,
+               lambda a: protocol.render_tool_call("write_file", {"path": "lucky.py", "content": file_content(a)}),
+               FileEpisode, 112)
+
+
+def tokenizer(toy: Toy = SUBMIT_TOY):
+    """A small tokenizer fitted to the toy prompts (the submit toy's system prompt is ~175 tokens)."""
     import json.decoder
     import json.encoder
 
     code = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
-    system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
-    prompts = [t.prompt for t, _ in make_tasks(200, 1)]
-    calls = [protocol.render_tool_call("submit", {"answer": k}) for k in ANSWERS]
-    return tokenizer_lib.train_tokenizer([system] * 20 + prompts + calls * 20 + [code], 600)
+    prompts = [t.prompt for t, _ in toy.make_tasks(200, 1)]
+    calls = [toy.call(k) for k in ANSWERS]
+    return tokenizer_lib.train_tokenizer([toy.system_prompt] * 20 + prompts + calls * 20 + [code], 600)
 
 
-def tiny_config(tok, stage_len):
+def tiny_config(tok, stage_len, toy: Toy = SUBMIT_TOY):
+    """The toy runs' config: the tiny MoE, GRPO's group and turn budgets, `toy`'s preamble (and
+    for FILE_TOY its env tool and one turn: the sandboxed episode ends after the write)."""
     c = base.get_config()
     c.model.update(dict(vocab_size=tok.padded_vocab_size, hidden_size=64, intermediate_size=128,
                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -106,7 +194,9 @@ def tiny_config(tok, stage_len):
                         dtype="float32"))
     c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=28,
                      max_rollout_tokens=56, context_budget=stage_len, summary_reserve=32, max_summaries=0,
-                     system_prompt=PREAMBLE))
+                     system_prompt=toy.preamble))
+    if toy is FILE_TOY:  # the write_file call is longer than submit's
+        c.rl.update(dict(tools=FILE_TOOLS, max_turns=1, max_turn_tokens=48, max_rollout_tokens=48))
     # no agent eval before the first step: the learning tests read the rollouts' rewards
     c.grpo.update(dict(kl_coef=0.0, clip_low=0.2, clip_high=0.28, eval_at_start=False))
     c.train.update(dict(lr=1.5e-3, warmup_steps=3, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0,
@@ -114,8 +204,8 @@ def tiny_config(tok, stage_len):
     return c
 
 
-def sft_format(cfg, tok, steps=200, seed=0, lr=3e-3):
-    """Teaches the call format with a uniformly random answer from 1 to 4 -> (model, last loss).
+def sft_format(cfg, tok, steps=200, seed=0, lr=3e-3, toy: Toy = SUBMIT_TOY):
+    """Teaches `toy`'s call format with a uniformly random answer from 1 to 4 -> (model, last loss).
 
     Adam with a short warmup and global-norm clipping: at a constant 5e-3 from the first step
     the fit sat on an edge where another CPU's float rounding sent it to a model that never
@@ -124,8 +214,8 @@ def sft_format(cfg, tok, steps=200, seed=0, lr=3e-3):
     schedule = optax.linear_schedule(0.0, lr, 10)
     opt = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule)), wrt=nnx.Param)
     rng = random.Random(seed)
-    system = protocol.render_system_prompt([SUBMIT], PREAMBLE)
-    tasks = make_tasks(300, 99)  # prompts for the format only
+    system = toy.system_prompt
+    tasks = toy.make_tasks(300, 99)  # prompts for the format only
     T = cfg.model.max_position_embeddings
 
     def batch():
@@ -135,7 +225,7 @@ def sft_format(cfg, tok, steps=200, seed=0, lr=3e-3):
             task, _ = rng.choice(tasks)
             answer = rng.choice(ANSWERS)
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt},
-                    {"role": "assistant", "content": protocol.render_tool_call("submit", {"answer": answer})}]
+                    {"role": "assistant", "content": toy.call(answer)}]
             ids, mask = tok.render_conversation(msgs)
             toks[i, :len(ids)], masks[i, :len(ids)], seg[i, :len(ids)] = ids, mask, 1
         pos = np.broadcast_to(np.arange(T, dtype=np.int32), (16, T))
@@ -145,7 +235,7 @@ def sft_format(cfg, tok, steps=200, seed=0, lr=3e-3):
     return model, train_steps(model, opt, batch, steps, xla_opt_level=2)
 
 
-def call_format(model, cfg, tok, tasks: int = 8, seed: int = 0) -> dict:
+def call_format(model, cfg, tok, tasks: int = 8, seed: int = 0, toy: Toy = SUBMIT_TOY) -> dict:
     """How the model answers the toy tasks through the actor's own agent loop and engine
     (rl.group_size rollouts per task at rl.temperature) -> {"submitted": fraction of rollouts
     that submitted through a well-formed call, "lucky": fraction that submitted LUCKY}."""
@@ -158,8 +248,8 @@ def call_format(model, cfg, tok, tasks: int = 8, seed: int = 0) -> dict:
     try:
         agent = Agent(engine, tok, cfg.rl, sampling_params(cfg.rl))
         episodes = []
-        for i, (task, answer) in enumerate(make_tasks(tasks, seed + 1000)):
-            group = [SubmitEpisode(answer) for _ in range(int(cfg.rl.group_size))]
+        for i, (task, answer) in enumerate(toy.make_tasks(tasks, seed + 1000)):
+            group = [toy.episode(answer) for _ in range(int(cfg.rl.group_size))]
             agent.run_group(task.id, task.prompt, group, jax.random.key(seed + i))
             episodes += group
     finally:
@@ -214,8 +304,8 @@ class ToyPolicy:
     format: dict
 
 
-def fitted_policy(cache_dir: str) -> ToyPolicy:
-    """The SFT-ed toy (sft_format), fitted by the first process of the session that asks and
+def fitted_policy(cache_dir: str, toy: Toy = SUBMIT_TOY) -> ToyPolicy:
+    """The SFT-ed `toy` (sft_format), fitted by the first process of the session that asks and
     loaded from `cache_dir` by the others; fails at once, saying so, when the fit does not
     produce a model that submits (every learning test would otherwise fail at reward -0.3)."""
     import filelock
@@ -223,15 +313,15 @@ def fitted_policy(cache_dir: str) -> ToyPolicy:
 
     from coder.train import checkpoint as ckpt_lib
 
-    tok = tokenizer()
-    head = len(tok.turn_ids("system", protocol.render_system_prompt([SUBMIT], PREAMBLE))) + 24
-    stage_len = -(-(head + 64) // 16) * 16
-    cfg = tiny_config(tok, stage_len)
-    weights, report = os.path.join(cache_dir, "toy_policy.npz"), os.path.join(cache_dir, "toy_policy.json")
-    with filelock.FileLock(os.path.join(cache_dir, "toy_policy.lock")):
+    tok = tokenizer(toy)
+    head = len(tok.turn_ids("system", toy.system_prompt)) + 24
+    stage_len = -(-(head + toy.room) // 16) * 16
+    cfg = tiny_config(tok, stage_len, toy)
+    weights, report = (os.path.join(cache_dir, f"{toy.name}.{ext}") for ext in ("npz", "json"))
+    with filelock.FileLock(os.path.join(cache_dir, f"{toy.name}.lock")):
         if not os.path.exists(report):
-            model, loss = sft_format(cfg, tok)
-            fmt = dict(call_format(model, cfg, tok), loss=loss)
+            model, loss = sft_format(cfg, tok, toy=toy)
+            fmt = dict(call_format(model, cfg, tok, toy=toy), loss=loss)
             np.savez(weights, **{k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()})
             with open(report, "w") as f:
                 json.dump(fmt, f)
