@@ -57,15 +57,17 @@ CLOSERS = ["Thanks.", "Please.", "Quickly.", "Now."]
 LUCKY = "3"
 
 
-def make_tasks(n, seed):
-    """n distinct toy tasks (distinct prompts: single epoch); the right answer is always LUCKY."""
+def phrasings(n, seed, request: str) -> list[str]:
+    """n distinct prompts "{opener} {name}, {request}. {closer}", in an order drawn from seed."""
     combos = [(o, name, c) for o in OPENERS for name in NAMES for c in CLOSERS]
     random.Random(seed).shuffle(combos)
-    out = []
-    for o, name, c in combos[:n]:
-        prompt = f"{o} {name}, submit the lucky number from 1 to 4. {c}"
-        out.append((tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), LUCKY))
-    return out
+    return [f"{o} {name}, {request}. {c}" for o, name, c in combos[:n]]
+
+
+def make_tasks(n, seed):
+    """n distinct toy tasks (distinct prompts: single epoch); the right answer is always LUCKY."""
+    return [(tasks_lib.Task(id=prompt, prompt=prompt, files={}, tests={}, source="toy-inproc"), LUCKY)
+            for prompt in phrasings(n, seed, "submit the lucky number from 1 to 4")]
 
 
 class SubmitEpisode:
@@ -106,15 +108,10 @@ def file_content(answer: str) -> str:
 
 def file_tasks(n, seed):
     """n distinct sandboxed toy tasks (distinct prompts) -> [(Task, LUCKY)]."""
-    combos = [(o, name, c) for o in OPENERS for name in NAMES for c in CLOSERS]
-    random.Random(seed).shuffle(combos)
-    out = []
-    for o, name, c in combos[:n]:
-        prompt = f"{o} {name}, set lucky in lucky.py to the lucky number from 1 to 4. {c}"
-        task = tasks_lib.Task(id=prompt, prompt=prompt, files={"lucky.py": file_content("0"), "test_lucky.py": FILE_TEST},
-                              tests={"test_lucky.py": FILE_TEST}, source="toy-sandboxed")
-        out.append((task, LUCKY))
-    return out
+    files = {"lucky.py": file_content("0"), "test_lucky.py": FILE_TEST}
+    return [(tasks_lib.Task(id=prompt, prompt=prompt, files=dict(files), tests={"test_lucky.py": FILE_TEST},
+                            source="toy-sandboxed"), LUCKY)
+            for prompt in phrasings(n, seed, "set lucky in lucky.py to the lucky number from 1 to 4")]
 
 
 class FileEpisode:
