@@ -40,6 +40,7 @@ from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
+from coder.env.episode import select_tools
 from coder.env import tasks as tasks_lib
 from coder.model import Transformer
 from coder.train import losses
@@ -119,8 +120,6 @@ class FileEpisode:
     write_file call; `answer` is the digit it wrote as `lucky` to lucky.py (None for anything else)."""
 
     def __init__(self, expected):
-        from coder.env.episode import select_tools
-
         self.tools = select_tools(FILE_TOOLS)
         self.expected, self.answer, self.done = expected, None, False
 
@@ -140,7 +139,8 @@ class FileEpisode:
 @dataclasses.dataclass(frozen=True)
 class Toy:
     """One toy format: its tools, preamble, tasks, the call that answers, the in-process episode
-    that checks the fit, and the file stem its fitted weights are cached under."""
+    that checks the fit, the file stem its fitted weights are cached under, and its `rl` keys
+    over tiny_config's."""
 
     name: str
     tools: tuple
@@ -149,23 +149,19 @@ class Toy:
     call: object  # answer -> the rendered tool call
     episode: object  # expected answer -> an in-process episode
     room: int  # stage length past the system prompt and 24 prompt tokens: the prompt's rest, rl.summary_reserve, a turn
+    rl: dict = dataclasses.field(default_factory=dict)
 
     @property
     def system_prompt(self) -> str:
         return protocol.render_system_prompt(list(self.tools), self.preamble)
 
 
-def _file_tools():
-    from coder.env.episode import select_tools
-
-    return tuple(select_tools(FILE_TOOLS))
-
-
 SUBMIT_TOY = Toy("toy_policy", (SUBMIT,), PREAMBLE, make_tasks,
                  lambda a: protocol.render_tool_call("submit", {"answer": a}), SubmitEpisode, 64)
-FILE_TOY = Toy("file_policy", _file_tools(), FILE_PREAMBLE, file_tasks,
+# the write_file call is longer than submit's; the sandboxed episode ends after the write
+FILE_TOY = Toy("file_policy", tuple(select_tools(FILE_TOOLS)), FILE_PREAMBLE, file_tasks,
                lambda a: protocol.render_tool_call("write_file", {"path": "lucky.py", "content": file_content(a)}),
-               FileEpisode, 112)
+               FileEpisode, 112, dict(tools=FILE_TOOLS, max_turns=1, max_turn_tokens=48, max_rollout_tokens=48))
 
 
 def tokenizer(toy: Toy = SUBMIT_TOY):
@@ -180,8 +176,8 @@ def tokenizer(toy: Toy = SUBMIT_TOY):
 
 
 def tiny_config(tok, stage_len, toy: Toy = SUBMIT_TOY):
-    """The toy runs' config: the tiny MoE, GRPO's group and turn budgets, `toy`'s preamble (and
-    for FILE_TOY its env tool and one turn: the sandboxed episode ends after the write)."""
+    """The toy runs' config: the tiny MoE, GRPO's group and turn budgets, `toy`'s preamble and
+    `rl` keys."""
     c = base.get_config()
     c.model.update(dict(vocab_size=tok.padded_vocab_size, hidden_size=64, intermediate_size=128,
                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -192,8 +188,7 @@ def tiny_config(tok, stage_len, toy: Toy = SUBMIT_TOY):
     c.rl.update(dict(group_size=8, tasks_per_step=8, temperature=1.0, max_turns=2, max_turn_tokens=28,
                      max_rollout_tokens=56, context_budget=stage_len, summary_reserve=32, max_summaries=0,
                      system_prompt=toy.preamble))
-    if toy is FILE_TOY:  # the write_file call is longer than submit's
-        c.rl.update(dict(tools=FILE_TOOLS, max_turns=1, max_turn_tokens=48, max_rollout_tokens=48))
+    c.rl.update(toy.rl)
     # no agent eval before the first step: the learning tests read the rollouts' rewards
     c.grpo.update(dict(kl_coef=0.0, clip_low=0.2, clip_high=0.28, eval_at_start=False))
     c.train.update(dict(lr=1.5e-3, warmup_steps=3, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0,
