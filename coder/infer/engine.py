@@ -864,9 +864,23 @@ def _fresh_copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+@jax.jit
+def _fold_rows(rng, rows):
+    """fold_in(rng, row) for each of `rows` [n] -> keys [n] (typed or raw, as `rng` is)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, rows)
+
+
 def _row_key_data(rng, rows: np.ndarray) -> np.ndarray:
-    """Key data `[n, *key_shape]` uint32 of fold_in(rng, row) for each row."""
-    keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.asarray(rows))
+    """Key data `[n, *key_shape]` uint32 of fold_in(rng, row) for each row.
+
+    One jitted program per power-of-two row count (the rows padded with zeros, the padding's
+    keys dropped): once per group and turn, an eager vmap over a fresh lambda retraced every
+    call and took as much of a rollout actor's time as its model's decode (py-spy, the
+    sandboxed learning test)."""
+    n = len(rows)
+    padded = np.zeros(max(1, 1 << (n - 1).bit_length()), np.uint32)
+    padded[:n] = rows
+    keys = _fold_rows(rng, padded)
     if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.key_data(keys)
-    return np.asarray(keys)
+    return np.asarray(keys)[:n]
