@@ -320,3 +320,21 @@ def test_speculative_sampling_distribution_is_exact(spec_setup):
             stat, bound = _chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
             assert stat < bound, (engine.spec_k, pos, stat, bound)
     assert 0.3 < spec.accepted / spec.drafted < 0.99
+
+
+@pytest.mark.parametrize("make_key", [lambda: jax.random.key(3), lambda: jax.random.PRNGKey(5)],
+                         ids=["typed", "raw"])
+def test_row_keys_are_fold_in_of_each_row(make_key):
+    """A generate call's per-row sampling keys are fold_in(rng, row), whatever the row count
+    (the rows are padded to a power of two for the jitted program, the padding's keys dropped)."""
+    from coder.infer.engine import _row_key_data
+
+    rng = make_key()
+    for n in (1, 3, 8, 13):
+        rows = (np.arange(n, dtype=np.uint32) * 5 + 2)[::-1].copy()
+        want = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, int(r))))
+                         if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+                         else np.asarray(jax.random.fold_in(rng, int(r))) for r in rows])
+        got = _row_key_data(rng, rows)
+        assert got.dtype == np.uint32 and got.shape == want.shape, (n, got.shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"{n} rows")
