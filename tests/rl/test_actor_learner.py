@@ -4,8 +4,9 @@ updates, the staleness mask, learning in async and sync mode, a killed actor.
 The runs use tests/rl_toy.py's in-process toy task ("submit the lucky number", one
 `submit` tool, reward 1 for "3") and its tiny model, SFT-ed once per session on the call
 format with a random answer; the sync learning test uses its sandboxed variant (FILE_TOY: write
-lucky.py so that its pytest test passes, in bwrap sandboxes) and that variant's fitted model. In-process episodes reach Ray actors by cloudpickle (their classes
-by reference to this module, the lambdas by value).
+lucky.py so that its pytest test passes, in bwrap sandboxes) and that variant's fitted model.
+In-process episodes reach Ray actors by cloudpickle (their classes by reference to this module,
+the lambdas by value).
 """
 import json
 import os
