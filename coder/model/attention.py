@@ -29,9 +29,10 @@ forward compresses, selects and attends over the whole sequence (`MLA._nsa`), it
 window branches by the kernels of the platform the program is lowered for: Pallas TPU kernels
 for TPU, Mosaic GPU kernels for CUDA (`MLA._nsa_gpu`: where they cannot take the layer's shape
 or the devices, the XLA path, with the reason logged), the blockwise XLA path elsewhere (CPU,
-ROCm); wherever the mesh splits the sequence, the XLA path in a shard_map, each device its
-queries against the gathered keys (`MLA._nsa_sequence_parallel`: the kernels have no sequence
-sharding); `force_nsa_impl` overrides the choice (tests run the kernels in interpret mode). A
+ROCm); wherever the mesh splits the sequence, a shard_map, each device its queries against
+the gathered keys (`MLA._nsa_sequence_parallel`): the Pallas TPU kernels at the shard's offset
+for TPU, the XLA path elsewhere (the GPU kernels take whole rows); `force_nsa_impl` overrides
+the choice (tests run the kernels in interpret mode). A
 cached call writes c / k_r as above, then recomputes NSA's compressed keys/values for every
 compression block whose last slot it wrote (kept per layer in the cache as `k_cmp`
 [B,Sc,1,r+dr] and `v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query
@@ -253,13 +254,13 @@ class MLA(nnx.Module):
         args = (q, k, v, x, segment_ids, positions)
         call = lambda impl, kernel=None: lambda *a: self.nsa(*a, softmax_scale=self.scale, impl=impl,
                                                              kernel=kernel)
-        if _NSA_FORCED is not None:
+        if (parallel := self._nsa_sequence_parallel(*args)) is not None:
+            o_lat = parallel
+        elif _NSA_FORCED is not None:
             impl, kernel = _NSA_FORCED
             if impl == "pallas_gpu" and (why := self._nsa_gpu_unsupported(lower=False)):
                 raise ValueError(f"force_nsa_impl('pallas_gpu'): {why}")
             o_lat = call(impl, kernel)(*args)
-        elif (parallel := self._nsa_sequence_parallel(*args)) is not None:
-            o_lat = parallel
         else:
             # the program's platform's (stage `compile` lowers for TPU from a CPU host): Pallas
             # TPU kernels, Mosaic GPU kernels, the blockwise XLA path. The GPU branch is chosen
@@ -272,12 +273,13 @@ class MLA(nnx.Module):
         """NSA with each row's queries split over the mesh's `sequence` axes, or None when the
         active mesh does not split them. Compression and gates run as XLA partitions them; the
         attention in a shard_map: each device its queries against the row's whole keys (k, v,
-        k_cmp, v_cmp gathered: r + dr features a token, T/d compressed ones) by the XLA path at
-        the queries' absolute positions (coder.pallas.nsa.xla.nsa_local), with the window's halo
-        read from the gathered keys. The Pallas NSA kernels have no sequence sharding: a
-        sequence-split layer takes this path on every platform (logged). Left to XLA's SPMD
-        pass, the XLA path computed the same numbers but put collectives inside its per-chunk
-        loops: 16 million all-reduces a step at 128k on v5p-512 (docs/scale)."""
+        k_cmp, v_cmp gathered: r + dr features a token, T/d compressed ones) at the queries'
+        absolute positions, with the window's halo read from the gathered keys: on TPU by the
+        Pallas kernels (coder.pallas.nsa.ops.nsa_local: the shard's offset a prefetched scalar),
+        elsewhere by the XLA path (coder.pallas.nsa.xla.nsa_local; the GPU kernels take whole
+        rows: logged); `force_nsa_impl` may pick "xla" or "pallas_tpu". Left to XLA's SPMD pass,
+        the XLA path computed the same numbers but put collectives inside its per-chunk loops:
+        16 million all-reduces a step at 128k on v5p-512 (docs/scale)."""
         del positions
         ctx = sharding.current()
         if ctx is None:
@@ -290,20 +292,35 @@ class MLA(nnx.Module):
         n = attention_kernels._size(mesh, ss)
         if n == 1:
             return None
+        from coder.pallas.nsa import ops as nsa_ops
         from coder.pallas.nsa import xla as nsa_xla
 
-        _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: NSA's XLA path in a "
-                  "shard_map against the gathered keys (the Pallas NSA kernels have no sequence sharding)")
-        k_cmp, v_cmp = self.nsa.compress(k, v)
-        gates = self.nsa.gates(x)
         cfg, scale = self.nsa.cfg, self.scale
 
-        def local(q, k, v, k_cmp, v_cmp, gates, seg):
-            offset = jax.lax.axis_index(ss) * q.shape[1]
-            return nsa_xla.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg, scale).astype(v.dtype)
+        def local(impl, kernel=None):
+            def run(q, k, v, k_cmp, v_cmp, gates, seg):
+                offset = jax.lax.axis_index(ss) * q.shape[1]
+                if impl == "pallas_tpu":
+                    return nsa_ops.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg=cfg, softmax_scale=scale,
+                                             kernel=kernel or nsa_ops.Kernel())
+                return nsa_xla.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg, scale).astype(v.dtype)
+            return run
 
+        if _NSA_FORCED is not None:
+            impl, kernel = _NSA_FORCED
+            if impl not in ("xla", "pallas_tpu"):
+                raise ValueError(f"force_nsa_impl({impl!r}): the queries are split over {n} sequence shards, "
+                                 "which only 'xla' and 'pallas_tpu' take (the others attend whole rows)")
+            body = local(impl, kernel)
+        else:
+            _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: each device's queries "
+                      "against the gathered keys in a shard_map (TPU: the Pallas NSA kernels at the shard's "
+                      "offset; elsewhere NSA's XLA path: the GPU kernels take whole rows)")
+            body = lambda *a: sharding.platform_dependent(*a, tpu=local("pallas_tpu"), default=local("xla"))
+        k_cmp, v_cmp = self.nsa.compress(k, v)
+        gates = self.nsa.gates(x)
         split, whole = P(bs, ss, hs, None), P(bs, None, None, None)
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, whole, split, P(bs, None)),
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(split, whole, whole, whole, whole, split, P(bs, None)),
                            out_specs=split, check_vma=False)
         return fn(q, k, v, k_cmp, v_cmp, gates, segment_ids)
 

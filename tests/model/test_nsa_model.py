@@ -10,6 +10,7 @@ carry the Mosaic GPU kernels' custom calls; a layer they cannot take lowers to t
 the reason logged; and forced through the pallas_gpu implementation in GPU interpret mode
 (`force_nsa_impl`), the model's logits and gradients match the XLA path's. Not shown here (no
 GPU): PTX compilation and running on hardware (tests/pallas/test_nsa_gpu.py's docstring)."""
+import contextlib
 import logging
 
 import jax
@@ -71,12 +72,21 @@ def test_nsa_backend_is_causal_and_respects_documents():
 
 
 @pytest.mark.slow
-def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch, caplog):
+@pytest.mark.parametrize("forced", [None, "pallas_tpu"])
+def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch, caplog, forced):
     """Queries split over the mesh's `sequence` axis (8 CPU devices, 5 queries each: the 8-token
-    window's halo spans shards): the layer runs the XLA path in a shard_map against the gathered
-    keys (the Pallas NSA kernels have no sequence sharding; logged, also where a program would
-    otherwise get the kernels), and the logits and gradients equal the unsharded model's."""
-    from coder.model import sharding
+    window's halo spans shards, and the first shard's reaches past the row's start): the layer
+    runs each device's queries in a shard_map against the gathered keys, and the logits and
+    gradients equal the unsharded model's (the XLA path over whole rows).
+    - forced None: the platform's choice where the program is lowered (as for a GPU, whose
+      kernels take whole rows): the XLA path at the shard's offset, logged;
+    - forced "pallas_tpu": the Pallas TPU kernels, the selected kernels at the shard's traced
+      offset, the window kernels behind a halo of dummy queries. Run by Pallas's generic
+      interpreter (`interpret=True`: 4 s here; TPU interpret mode, which also simulates DMAs
+      and memory spaces, took 69 s for these 8 devices x 2 layers, and checks the same kernels
+      at an offset in tests/pallas/test_nsa_tpu.py). Their sums run in another order than the
+      XLA path's: measured differences 4.8e-7 (loss ~4.2), 8.9e-7 (logits) and 5.8e-8
+      (gradients), under the tolerances below (rtol 1e-6, atol 1e-5 and 1e-6)."""
     from tests.model.test_sharding import mesh_cfg
 
     def loss_and_logits(m, tok, pos, seg):
@@ -93,16 +103,38 @@ def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch,
     sharding.shard_model(model, mesh, mc.rules)
     monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as for a GPU
     monkeypatch.setattr(attention, "_NSA_LOGGED", set())
-    with sharding.activate(mesh, mc.rules), caplog.at_level(logging.WARNING, logger=attention.__name__):
+    step = nnx.jit(nnx.value_and_grad(loss_and_logits, has_aux=True))  # traced again, inside the blocks
+    kernel = ops.Kernel(backend="pallas_tpu", interpret=True)
+    with (sharding.activate(mesh, mc.rules), caplog.at_level(logging.WARNING, logger=attention.__name__),
+          attention.force_nsa_impl(forced, kernel) if forced else contextlib.nullcontext()):
         (loss, logits), grads = step(model, tok, pos, seg)
         text = step.lower(model, tok, pos, seg).compile().as_text()
     assert "all-gather" in text  # the keys, gathered for each device's queries
-    assert any("8 sequence shards" in r.getMessage() and "shard_map" in r.getMessage() for r in caplog.records)
+    logged = any("8 sequence shards" in r.getMessage() and "shard_map" in r.getMessage() for r in caplog.records)
+    assert logged == (forced is None)
+    if forced:
+        with sharding.activate(mesh, mc.rules), attention.force_nsa_impl(forced, kernel):
+            jaxpr = str(jax.make_jaxpr(lambda m: loss_and_logits(m, tok, pos, seg))(model))
+        assert "pallas_call" in jaxpr, "the forced impl must reach the kernels"
     np.testing.assert_allclose(loss, loss0, rtol=1e-6)
     np.testing.assert_allclose(logits, logits0, atol=1e-5)
     flat0 = dict(nnx.to_flat_state(grads0))
     for path, g in nnx.to_flat_state(grads):
         np.testing.assert_allclose(g.get_value(), flat0[path].get_value(), atol=1e-6, err_msg=str(path))
+
+
+def test_forcing_a_whole_row_impl_on_a_sequence_split_layer_raises():
+    """Under a `sequence`-split mesh only "xla" and "pallas_tpu" take a shard's queries: forcing
+    another raises, naming what it can force, rather than running a path the layer does not take."""
+    from tests.model.test_sharding import mesh_cfg
+
+    mc = mesh_cfg(sequence=8)
+    mesh = sharding.make_mesh(mc)
+    model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
+    tok, pos, seg = inputs()
+    with (sharding.activate(mesh, mc.rules), attention.force_nsa_impl("reference"),
+          pytest.raises(ValueError, match="8 sequence shards.*'xla' and 'pallas_tpu'")):
+        jax.make_jaxpr(lambda m: m(tok, pos, seg)[0])(model)
 
 
 def test_nsa_backend_trains():

@@ -93,6 +93,30 @@ def test_full_layer_with_race_detection():
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
 
 
+def test_queries_at_a_traced_offset_equal_the_whole_row():
+    """Sequence parallelism's kernel path (ops.nsa_local, what one device of the model's
+    shard_map runs): a row of 15 queries in 3 pieces of 5, each at its offset against the whole
+    row's keys, put together equal the reference over the whole row, forward and gradients
+    w.r.t. q, k, v, the compressed keys/values and the gates. One jitted program serves the
+    three pieces (the offset is traced, as `axis_index` is in a shard_map); the pieces cut
+    selection blocks and window tiles (offsets 5 and 10, blocks of 4), the window (7) reaches
+    into the piece before (the halo) and, for the first piece, past the row's start; 5 queries
+    pad to 8 (two token tiles)."""
+    b, t, h, g, dk, dv, piece = 2, 15, 4, 1, 16, 8, 5
+    x = make_inputs(b, t, h, g, dk, dv, CFG, seed=8)
+    seg = packed_segments(b, t, 3, 2, seed=8)
+    w = normal((b, t, h, dv), 8)
+    local = jax.jit(lambda q, k, v, kc, vc, gates, offset: ops.nsa_local(
+        q, k, v, kc, vc, gates, seg, offset, cfg=CFG, softmax_scale=0.3, kernel=KERNEL))
+
+    def pieces(q, k, v, kc, vc, gates):
+        return jnp.concatenate([local(q[:, i:i + piece], k, v, kc, vc, gates[:, i:i + piece], jnp.int32(i))
+                                for i in range(0, t, piece)], axis=1)
+
+    whole = lambda *a: ops.nsa_attention(*a, seg, cfg=CFG, softmax_scale=0.3, impl="reference")
+    _check(whole, pieces, [x[n] for n in ("q", "k", "v", "k_cmp", "v_cmp", "gates")], w)
+
+
 @pytest.mark.parametrize("h,g,dk,dv,dtype", [
     pytest.param(16, 1, 576, 512, jnp.bfloat16, id="mla-absorbed"),
     pytest.param(8, 2, 128, 128, jnp.float32, id="gqa"),

@@ -8,6 +8,9 @@ impl:
   "xla"        - xla.py, blockwise (training on CPU);
   "pallas_tpu" - Mosaic TPU kernels for the selected and window branches (tpu.py);
   "pallas_gpu" - Mosaic GPU kernels (gpu.py).
+`nsa_local(..., offset, ...)`: one device's share of a sequence-parallel NSA (queries [offset,
+offset + Tl) against the whole row's keys) with the TPU kernels: the selected kernels take the
+offset as a prefetched scalar, the window kernels run on the queries behind a halo of dummy ones.
 In every impl the compressed branch and the block selection come from xla.compress_and_select:
 compressed attention is a dense attention over only T/d keys that XLA already runs well, and
 the selection (a top-k) is gradient-free.
@@ -52,28 +55,33 @@ class Kernel:
         """Keyword arguments that only the GPU kernels take."""
         return {"head_tile": self.head_tile} if self.backend == "pallas_gpu" and self.head_tile else {}
 
+    def offset(self, token_offset):
+        """The selected kernels' `token_offset` keyword: the TPU kernels scalar-prefetch it (an
+        int32, traced or not); the GPU kernels take whole rows only (`selected_attention` refuses
+        an offset for them), so they get none."""
+        return {"token_offset": token_offset} if self.backend == "pallas_tpu" else {}
+
 
 # ---------------------------------------------------------------- selected branch
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _selected(q, k, v, sel, ds, block, scale, kernel, offset):
-    return _selected_fwd(q, k, v, sel, ds, block, scale, kernel, offset)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _selected(q, k, v, sel, ds, offset, block, scale, kernel):
+    return _selected_fwd(q, k, v, sel, ds, offset, block, scale, kernel)[0]
 
 
-def _selected_fwd(q, k, v, sel, ds, block, scale, kernel, offset):
+def _selected_fwd(q, k, v, sel, ds, offset, block, scale, kernel):
     o, lse = kernel.module().selected_fwd(q, k, v, sel, ds, block=block, scale=scale, token_tile=kernel.token_tile,
-                                          token_offset=offset, interpret=kernel.interpret,
-                                          **kernel.widths())
-    return o, (q, k, v, sel, ds, o, lse)
+                                          interpret=kernel.interpret, **kernel.offset(offset), **kernel.widths())
+    return o, (q, k, v, sel, ds, offset, o, lse)
 
 
-def _selected_bwd(block, scale, kernel, offset, res, do):
-    q, k, v, sel, ds, o, lse = res
+def _selected_bwd(block, scale, kernel, res, do):
+    q, k, v, sel, ds, offset, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dq, dk, dv = kernel.module().selected_bwd(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
-                                              token_tile=kernel.token_tile, token_offset=offset,
-                                              interpret=kernel.interpret, **kernel.widths())
-    return dq, dk, dv, None, None
+                                              token_tile=kernel.token_tile, interpret=kernel.interpret,
+                                              **kernel.offset(offset), **kernel.widths())
+    return dq, dk, dv, None, None, None
 
 
 _selected.defvjp(_selected_fwd, _selected_bwd)
@@ -111,13 +119,23 @@ def _pad_len(t, *multiples):
     return -(-t // m) * m
 
 
+def _queries_to_kernel_layout(q, g, tp):
+    """[B,T,H,Dk] -> [B,G,Tp,Hg,Dk], zero rows past T."""
+    b, t, h, dk = q.shape
+    q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    return q.reshape(b, tp, g, h // g, dk).transpose(0, 2, 1, 3, 4)
+
+
+def _keys_to_kernel_layout(x, sp):
+    """[B,S,G,D] -> [B,G,Sp,D], zero rows past S."""
+    return jnp.pad(x, ((0, 0), (0, sp - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+
 def _to_kernel_layout(q, k, v, doc_start, tp):
     """[B,T,H,D] / [B,T,G,D] -> q [B,G,Tp,Hg,Dk], k [B,G,Tp,Dk], v [B,G,Tp,Dv], doc_start [B,Tp]."""
-    b, t, h, dk = q.shape
-    g = k.shape[2]
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
-    qk = pad(q).reshape(b, tp, g, h // g, dk).transpose(0, 2, 1, 3, 4)
-    kk, vk = pad(k).transpose(0, 2, 1, 3), pad(v).transpose(0, 2, 1, 3)
+    b, t = doc_start.shape
+    qk = _queries_to_kernel_layout(q, k.shape[2], tp)
+    kk, vk = _keys_to_kernel_layout(k, tp), _keys_to_kernel_layout(v, tp)
     # padded queries see only themselves: no NaN, and they never touch real keys' gradients
     ds = jnp.concatenate([doc_start, jnp.broadcast_to(jnp.arange(t, tp, dtype=jnp.int32), (b, tp - t))], 1)
     return qk, kk, vk, ds
@@ -129,24 +147,44 @@ def _from_kernel_layout(o, t):
     return o.transpose(0, 2, 1, 3, 4).reshape(b, tp, g * hg, dv)[:, :t]
 
 
-def selected_attention(q, k, v, sel, doc_start, *, block, scale, kernel: Kernel):
-    """Kernel-backed selected branch: q [B,T,H,Dk], k/v [B,T,G,D], sel [B,T,G,n] -> [B,T,H,Dv]."""
-    t = q.shape[1]
-    tp = _pad_len(t, block, kernel.token_tile)
-    qk, kk, vk, ds = _to_kernel_layout(q, k, v, doc_start, tp)
-    cur = jnp.arange(t, tp, dtype=jnp.int32) // block  # padded rows select only their own block
+def selected_attention(q, k, v, sel, doc_start, *, block, scale, kernel: Kernel, offset=None):
+    """Kernel-backed selected branch: q [B,T,H,Dk], k/v [B,S,G,D], sel [B,T,G,n] -> [B,T,H,Dv].
+
+    S = T; or, with `offset` (an int32 scalar, traced where a device holds a shard of the row's
+    queries), the queries are [offset, offset + T) and k, v the whole row's keys: TPU kernels
+    only (the GPU kernels take whole rows)."""
+    b, t = q.shape[:2]
+    g = k.shape[2]
+    if offset is None:
+        tp = _pad_len(t, block, kernel.token_tile)
+        qk, kk, vk, ds = _to_kernel_layout(q, k, v, doc_start, tp)
+        cur = jnp.arange(t, tp, dtype=jnp.int32) // block  # padded rows select only their own block
+        offset = 0
+    else:
+        if kernel.backend != "pallas_tpu":
+            raise ValueError(f"NSA's {kernel.backend} selected kernels take whole rows: no query offset")
+        tp, sp = _pad_len(t, kernel.token_tile), _pad_len(k.shape[1], block)
+        qk, kk, vk = _queries_to_kernel_layout(q, g, tp), _keys_to_kernel_layout(k, sp), _keys_to_kernel_layout(v, sp)
+        # padded rows see block 0 from its start (their own block may lie past the row's keys):
+        # never an empty softmax, and their zero output gradient adds nothing to dK / dV
+        ds = jnp.concatenate([doc_start, jnp.zeros((b, tp - t), jnp.int32)], 1)
+        cur = jnp.zeros((tp - t,), jnp.int32)
     sel_pad = jnp.broadcast_to(cur[None, :, None, None], (sel.shape[0], tp - t) + sel.shape[2:])
     selk = jnp.concatenate([sel.astype(jnp.int32), sel_pad], axis=1).transpose(0, 2, 1, 3)
     step = tp
     if kernel.backend == "pallas_tpu":
         step = max(kernel.token_tile, kernel.max_tokens // kernel.token_tile * kernel.token_tile)
     outs = [_selected(qk[:, :, lo:lo + step], kk, vk, selk[:, :, lo:lo + step], ds[:, lo:lo + step],
-                      block, scale, kernel, lo) for lo in range(0, tp, step)]
+                      jnp.asarray(offset + lo, jnp.int32), block, scale, kernel) for lo in range(0, tp, step)]
     return _from_kernel_layout(jnp.concatenate(outs, axis=2), t)
 
 
-def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):
-    """Kernel-backed sliding window: q [B,T,H,Dk], k/v [B,T,G,D] -> [B,T,H,Dv]."""
+def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel, offset=None):
+    """Kernel-backed sliding window: q [B,T,H,Dk], k/v [B,S,G,D] -> [B,T,H,Dv]. S = T, or
+    (`offset`, traced or not) the queries are [offset, offset + T) of the row k, v hold whole
+    (`_window_at_offset`)."""
+    if offset is not None:
+        return _window_at_offset(q, k, v, doc_start, offset, window=window, scale=scale, kernel=kernel)
     b, t, h, dk = q.shape
     g = k.shape[2]
     if kernel.backend == "pallas_tpu":  # the GPU kernel's tile is fixed by wgmma
@@ -160,6 +198,25 @@ def window_attention(q, k, v, doc_start, *, window, scale, kernel: Kernel):
     rows_ds = jnp.repeat(ds, hg, axis=1)[..., None]  # [B,Tp*Hg,1]
     o = _window(qk.reshape(b, g, tp * hg, dk), kk, vk, rows_ds, window, scale, kernel)
     return _from_kernel_layout(o.reshape(b, g, tp, hg, -1), t)
+
+
+def _window_at_offset(q, k, v, doc_start, offset, *, window, scale, kernel: Kernel):
+    """The window branch of the queries [offset, offset + T) against the row's keys k, v
+    [B,S,G,D], by the unchanged whole-row kernels on a local row of L = halo + T tokens: the
+    keys [offset - halo, offset + T) (zeros before the row's start, outside every document),
+    and before the T queries `halo` >= window - 1 dummy ones (zeros, each attending only its own
+    slot; their outputs are dropped, so their gradient adds nothing to dK / dV). A query's
+    document start moves into the local row, clipped at its first slot, which its window
+    cannot see past anyway."""
+    b, t, h, dk = q.shape
+    halo = _pad_len(max(window - 1, 1), 8)
+    local = lambda x: jax.lax.dynamic_slice_in_dim(jnp.pad(x, ((0, 0), (halo, 0), (0, 0), (0, 0))),
+                                                   offset, halo + t, axis=1)
+    q_local = jnp.concatenate([jnp.zeros((b, halo, h, dk), q.dtype), q], axis=1)
+    ds = jnp.concatenate([jnp.broadcast_to(jnp.arange(halo, dtype=jnp.int32), (b, halo)),
+                          jnp.maximum(doc_start - (offset - halo), 0).astype(jnp.int32)], axis=1)
+    o = window_attention(q_local, local(k), local(v), ds, window=window, scale=scale, kernel=kernel)
+    return o[:, halo:]
 
 
 # ---------------------------------------------------------------- the whole layer
@@ -243,4 +300,21 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, segment_ids, *, cfg: NSAConfig, 
     o_cmp, sel = xla.compress_and_select(q, k_cmp, v_cmp, ds, cfg, softmax_scale, chunk, unroll)
     o_slc = selected_attention(q, k, v, sel, ds, block=cfg.select_block, scale=softmax_scale, kernel=kernel)
     o_win = window_attention(q, k, v, ds, window=cfg.window, scale=softmax_scale, kernel=kernel)
+    return xla.combine(gates, o_cmp, o_slc.astype(jnp.float32), o_win.astype(jnp.float32)).astype(v.dtype)
+
+
+def nsa_local(q, k, v, k_cmp, v_cmp, gates, segment_ids, offset, *, cfg: NSAConfig, softmax_scale: float,
+              kernel: Kernel, chunk: int = 128):
+    """One device's part of a sequence-parallel NSA with the TPU kernels (xla.nsa_local's
+    arguments and layout): q [B,Tl,H,Dk] and gates [B,Tl,H,3] of the queries [offset, offset +
+    Tl) (offset an int32 scalar, traced in a shard_map); k [B,T,G,Dk], v [B,T,G,Dv], k_cmp/v_cmp
+    [B,Nc,G,D] and segment_ids [B,T] of the whole rows -> [B,Tl,H,Dv] in v's dtype. The
+    compressed branch and the selection are XLA's at the offset, as in `nsa_attention`."""
+    t_local = q.shape[1]
+    ds = jax.lax.dynamic_slice_in_dim(xla.doc_starts(segment_ids), offset, t_local, axis=1)
+    o_cmp, sel = xla.compress_and_select(q, k_cmp, v_cmp, ds, cfg, softmax_scale, chunk, offset=offset,
+                                         total=k.shape[1])
+    o_slc = selected_attention(q, k, v, sel, ds, block=cfg.select_block, scale=softmax_scale, kernel=kernel,
+                               offset=offset)
+    o_win = window_attention(q, k, v, ds, window=cfg.window, scale=softmax_scale, kernel=kernel, offset=offset)
     return xla.combine(gates, o_cmp, o_slc.astype(jnp.float32), o_win.astype(jnp.float32)).astype(v.dtype)

@@ -10,7 +10,9 @@ Selected branch (the paper's group-centric kernel): the Hg heads of a group shar
 so every selected key block is loaded once per group and token. Grid `(B, G, T/Tt, n, Tt)`: for a
 tile of Tt tokens, slot i of the (sorted) selection of every token in turn. Because selections are
 sorted and neighbouring tokens select nearly the same blocks, consecutive grid steps usually ask
-for the same block and the pipeline skips the copy. Block indices are scalar-prefetched.
+for the same block and the pipeline skips the copy. Block indices are scalar-prefetched, and so
+is `token_offset`, the absolute index of the first query token (the causal mask's bound): a
+Python int, or a traced int32 where a device holds a shard of the row's queries (ops.nsa_local).
 The key/value gradient inverts the selection: (token, slot) pairs sorted by block, plus one empty
 pair per block so every output block is visited (and zeroed) once, consecutively; dK and dV of a
 block accumulate in VMEM while the grid walks the pairs that selected it.
@@ -38,6 +40,11 @@ def _params(*semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
+def _offset(token_offset):
+    """The selected kernels' token offset as their scalar-prefetched [1] int32 operand."""
+    return jnp.asarray(token_offset, jnp.int32).reshape(1)
+
+
 def _vmem(shape):
     return pltpu.MemorySpace.VMEM(shape, jnp.float32)
 
@@ -47,14 +54,15 @@ def _vmem(shape):
 def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_offset=0, interpret=None):
     """-> (o [B,G,T,Hg,Dv] q.dtype, lse [B,G,T,Hg,1] f32). sel [B,G,T,n] canonical.
 
-    q, sel, doc_start hold T query tokens starting at absolute index token_offset; k, v the whole row."""
+    q, sel, doc_start hold T query tokens starting at absolute index token_offset (an int or a
+    traced int32 scalar); k, v the whole row."""
     b_, g_, t_, hg, dk = q.shape
     dv, n, tt_ = v.shape[-1], sel.shape[-1], token_tile
 
     def slot(sel_ref, b, g, t, i):
         return sel_ref[((b * g_ + g) * t_ + t) * n + i]
 
-    def kernel(sel_ref, ds_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
+    def kernel(sel_ref, ds_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
         b, g, qt, i, tt = (pl.program_id(a) for a in range(5))
         t = qt * tt_ + tt
         blk = slot(sel_ref, b, g, t, i)
@@ -70,7 +78,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_off
         def _step():
             s = _dot(q_ref[tt], k_ref[...], _DOT_T) * scale  # [Hg, l']
             pos = blk * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (pos <= token_offset + t) & (pos >= ds_ref[b * t_ + t])
+            mask = (pos <= off_ref[0] + t) & (pos >= ds_ref[b * t_ + t])
             s = jnp.where(mask, s, NEG_INF)
             m_prev = m_sc[tt]
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -86,10 +94,10 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_off
             o_ref[tt] = (acc_sc[tt] / l).astype(o_ref.dtype)
             lse_ref[tt] = m_sc[tt] + jnp.log(l)
 
-    tile = lambda b, g, qt, i, tt, sel_ref, ds_ref: (b, g, qt, 0, 0)
-    kv = lambda b, g, qt, i, tt, sel_ref, ds_ref: (b, g, slot(sel_ref, b, g, qt * tt_ + tt, i), 0)
+    tile = lambda b, g, qt, i, tt, sel_ref, ds_ref, off_ref: (b, g, qt, 0, 0)
+    kv = lambda b, g, qt, i, tt, sel_ref, ds_ref, off_ref: (b, g, slot(sel_ref, b, g, qt * tt_ + tt, i), 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(b_, g_, t_ // tt_, n, tt_),
         in_specs=[pl.BlockSpec((None, None, tt_, hg, dk), tile),
                   pl.BlockSpec((None, None, block, dk), kv),
@@ -104,7 +112,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_off
                    jax.ShapeDtypeStruct((b_, g_, t_, hg, 1), jnp.float32)],
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-    )(sel.reshape(-1), doc_start.reshape(-1), q, k, v)
+    )(sel.reshape(-1), doc_start.reshape(-1), _offset(token_offset), q, k, v)
 
 
 # ---------------------------------------------------------------- selected branch, backward
@@ -118,7 +126,7 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
     def slot(sel_ref, b, g, t, i):
         return sel_ref[((b * g_ + g) * t_ + t) * n + i]
 
-    def kernel(sel_ref, ds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, dq_sc):
+    def kernel(sel_ref, ds_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, dq_sc):
         b, g, qt, i, tt = (pl.program_id(a) for a in range(5))
         t = qt * tt_ + tt
         blk = slot(sel_ref, b, g, t, i)
@@ -133,7 +141,7 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
             kb = k_ref[...]
             s = _dot(q_ref[tt], kb, _DOT_T) * scale
             pos = blk * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (pos <= token_offset + t) & (pos >= ds_ref[b * t_ + t])
+            mask = (pos <= off_ref[0] + t) & (pos >= ds_ref[b * t_ + t])
             p = jnp.exp(jnp.where(mask, s, NEG_INF) - lse_ref[tt]) * mask
             dp = _dot(do_ref[tt], v_ref[...], _DOT_T)
             ds = p * (dp - dl_ref[tt])
@@ -143,10 +151,10 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
         def _finish():
             dq_ref[tt] = dq_sc[tt].astype(dq_ref.dtype)
 
-    tile = lambda b, g, qt, i, tt, sel_ref, ds_ref: (b, g, qt, 0, 0)
-    kv = lambda b, g, qt, i, tt, sel_ref, ds_ref: (b, g, slot(sel_ref, b, g, qt * tt_ + tt, i), 0)
+    tile = lambda b, g, qt, i, tt, sel_ref, ds_ref, off_ref: (b, g, qt, 0, 0)
+    kv = lambda b, g, qt, i, tt, sel_ref, ds_ref, off_ref: (b, g, slot(sel_ref, b, g, qt * tt_ + tt, i), 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(b_, g_, t_ // tt_, n, tt_),
         in_specs=[pl.BlockSpec((None, None, tt_, hg, dk), tile),
                   pl.BlockSpec((None, None, block, dk), kv),
@@ -162,7 +170,7 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-    )(sel.reshape(-1), doc_start.reshape(-1), q, k, v, do, lse, delta)
+    )(sel.reshape(-1), doc_start.reshape(-1), _offset(token_offset), q, k, v, do, lse, delta)
 
 
 def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile, token_offset=0,
@@ -202,7 +210,7 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
     blk, tok, on = selection_pairs(sel, k.shape[2] // block)
     p_ = blk.shape[-1]
 
-    def kernel(blk_ref, tok_ref, on_ref, ds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref,
+    def kernel(blk_ref, tok_ref, on_ref, ds_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref,
                dk_ref, dv_ref, dk_sc, dv_sc):
         b, g, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         base = (b * g_ + g) * p_
@@ -221,7 +229,7 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
             qv, dov = q_ref[...], do_ref[...]  # [Hg, Dk], [Hg, Dv]
             s = _dot(qv, k_ref[...], _DOT_T) * scale  # [Hg, l']
             pos = cur * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (pos <= token_offset + t) & (pos >= ds_ref[b * t_ + t])
+            mask = (pos <= off_ref[0] + t) & (pos >= ds_ref[b * t_ + t])
             p_prob = jnp.exp(jnp.where(mask, s, NEG_INF) - lse_ref[...]) * mask
             dv_sc[...] += _dot(p_prob.astype(dov.dtype), dov, _DOT_TN)
             ds = p_prob * (_dot(dov, v_ref[...], _DOT_T) - dl_ref[...])
@@ -232,14 +240,14 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
             dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
-    def tok_map(b, g, p, blk_ref, tok_ref, on_ref, ds_ref):
+    def tok_map(b, g, p, blk_ref, tok_ref, on_ref, ds_ref, off_ref):
         return (b, g, tok_ref[(b * g_ + g) * p_ + p], 0, 0)
 
-    def blk_map(b, g, p, blk_ref, tok_ref, on_ref, ds_ref):
+    def blk_map(b, g, p, blk_ref, tok_ref, on_ref, ds_ref, off_ref):
         return (b, g, blk_ref[(b * g_ + g) * p_ + p], 0)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(b_, g_, p_),
         in_specs=[pl.BlockSpec((None, None, None, hg, dk), tok_map),
                   pl.BlockSpec((None, None, block, dk), blk_map),
@@ -256,7 +264,8 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
-    )(blk.reshape(-1), tok.reshape(-1), on.reshape(-1), doc_start.reshape(-1), q, k, v, do, lse, delta)
+    )(blk.reshape(-1), tok.reshape(-1), on.reshape(-1), doc_start.reshape(-1), _offset(token_offset),
+      q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------- sliding window
