@@ -30,9 +30,9 @@ window branches by the kernels of the platform the program is lowered for: Palla
 for TPU, Mosaic GPU kernels for CUDA (`MLA._nsa_gpu`: where they cannot take the layer's shape
 or the devices, the XLA path, with the reason logged), the blockwise XLA path elsewhere (CPU,
 ROCm); wherever the mesh splits the sequence, a shard_map, each device its queries against
-the gathered keys (`MLA._nsa_sequence_parallel`): the Pallas TPU kernels at the shard's offset
-for TPU, the XLA path elsewhere (the GPU kernels take whole rows); `force_nsa_impl` overrides
-the choice (tests run the kernels in interpret mode). A
+the gathered keys (`MLA._nsa_sequence_parallel`), by the same platform's choice of kernels at
+the shard's offset; `force_nsa_impl` overrides the choice (tests run the kernels in interpret
+mode). A
 cached call writes c / k_r as above, then recomputes NSA's compressed keys/values for every
 compression block whose last slot it wrote (kept per layer in the cache as `k_cmp`
 [B,Sc,1,r+dr] and `v_cmp` [B,Sc,1,r], Sc = ceil(S / nsa.compress_stride)), and runs each query
@@ -274,10 +274,11 @@ class MLA(nnx.Module):
         active mesh does not split them. Compression and gates run as XLA partitions them; the
         attention in a shard_map: each device its queries against the row's whole keys (k, v,
         k_cmp, v_cmp gathered: r + dr features a token, T/d compressed ones) at the queries'
-        absolute positions, with the window's halo read from the gathered keys: on TPU by the
-        Pallas kernels (coder.pallas.nsa.ops.nsa_local: the shard's offset a prefetched scalar),
-        elsewhere by the XLA path (coder.pallas.nsa.xla.nsa_local; the GPU kernels take whole
-        rows: logged); `force_nsa_impl` may pick "xla" or "pallas_tpu". Left to XLA's SPMD pass,
+        absolute positions, with the window's halo read from the gathered keys: by the kernels
+        the platform's whole-row call would run (coder.pallas.nsa.ops.nsa_local: the shard's
+        offset an operand of the selected kernels; on GPU where `_nsa_gpu` takes them), else by
+        the XLA path (coder.pallas.nsa.xla.nsa_local); `force_nsa_impl` may pick any but
+        "reference". Left to XLA's SPMD pass,
         the XLA path computed the same numbers but put collectives inside its per-chunk loops:
         16 million all-reduces a step at 128k on v5p-512 (docs/scale)."""
         del positions
@@ -300,23 +301,26 @@ class MLA(nnx.Module):
         def local(impl, kernel=None):
             def run(q, k, v, k_cmp, v_cmp, gates, seg):
                 offset = jax.lax.axis_index(ss) * q.shape[1]
-                if impl == "pallas_tpu":
-                    return nsa_ops.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg=cfg, softmax_scale=scale,
-                                             kernel=kernel or nsa_ops.Kernel())
-                return nsa_xla.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg, scale).astype(v.dtype)
+                if impl == "xla":
+                    return nsa_xla.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg, scale).astype(v.dtype)
+                return nsa_ops.nsa_local(q, k, v, k_cmp, v_cmp, gates, seg, offset, cfg=cfg, softmax_scale=scale,
+                                         kernel=kernel or nsa_ops.Kernel(backend=impl))
             return run
 
         if _NSA_FORCED is not None:
             impl, kernel = _NSA_FORCED
-            if impl not in ("xla", "pallas_tpu"):
-                raise ValueError(f"force_nsa_impl({impl!r}): the queries are split over {n} sequence shards, "
-                                 "which only 'xla' and 'pallas_tpu' take (the others attend whole rows)")
+            if impl == "reference":
+                raise ValueError(f"force_nsa_impl('reference'): the queries are split over {n} sequence shards, "
+                                 "which 'xla', 'pallas_tpu' and 'pallas_gpu' take (the reference attends whole rows)")
+            if impl == "pallas_gpu" and (why := self._nsa_gpu_unsupported(lower=False)):
+                raise ValueError(f"force_nsa_impl('pallas_gpu'): {why}")
             body = local(impl, kernel)
         else:
             _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: each device's queries "
-                      "against the gathered keys in a shard_map (TPU: the Pallas NSA kernels at the shard's "
-                      "offset; elsewhere NSA's XLA path: the GPU kernels take whole rows)")
-            body = lambda *a: sharding.platform_dependent(*a, tpu=local("pallas_tpu"), default=local("xla"))
+                      "against the gathered keys in a shard_map, by the platform's NSA kernels at the shard's "
+                      "offset (or its XLA path)")
+            body = lambda *a: sharding.platform_dependent(*a, tpu=local("pallas_tpu"),
+                                                          cuda=lambda *b: self._nsa_gpu(local)(*b), default=local("xla"))
         k_cmp, v_cmp = self.nsa.compress(k, v)
         gates = self.nsa.gates(x)
         split, whole = P(bs, ss, hs, None), P(bs, None, None, None)
@@ -325,7 +329,8 @@ class MLA(nnx.Module):
         return fn(q, k, v, k_cmp, v_cmp, gates, segment_ids)
 
     def _nsa_gpu(self, call):
-        """The `cuda` branch of `_nsa`: NSA with the Mosaic GPU kernels (coder/pallas/nsa/gpu.py,
+        """The `cuda` branch of `_nsa` (and of `_nsa_sequence_parallel`, whose `call` runs a
+        shard's queries): NSA with the Mosaic GPU kernels (coder/pallas/nsa/gpu.py,
         forward and backward; the window tile is their fixed 64, heads padded to 64 wgmma rows),
         or the XLA path, with the reason logged, where they cannot take this layer. In a program
         for TPU devices (stage `compile`) the branch never runs: XLA, and no GPU kernel traced."""

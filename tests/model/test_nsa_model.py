@@ -78,8 +78,8 @@ def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch,
     window's halo spans shards, and the first shard's reaches past the row's start): the layer
     runs each device's queries in a shard_map against the gathered keys, and the logits and
     gradients equal the unsharded model's (the XLA path over whole rows).
-    - forced None: the platform's choice where the program is lowered (as for a GPU, whose
-      kernels take whole rows): the XLA path at the shard's offset, logged;
+    - forced None: the platform's choice where the program is lowered (as on GPUs; here the
+      CPU's: the XLA path at the shard's offset), logged;
     - forced "pallas_tpu": the Pallas TPU kernels, the selected kernels at the shard's traced
       offset, the window kernels behind a halo of dummy queries. Run by Pallas's generic
       interpreter (`interpret=True`: 4 s here; TPU interpret mode, which also simulates DMAs
@@ -124,8 +124,9 @@ def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch,
 
 
 def test_forcing_a_whole_row_impl_on_a_sequence_split_layer_raises():
-    """Under a `sequence`-split mesh only "xla" and "pallas_tpu" take a shard's queries: forcing
-    another raises, naming what it can force, rather than running a path the layer does not take."""
+    """Under a `sequence`-split mesh the reference (whole rows only) cannot take a shard's
+    queries: forcing it raises, naming what can be forced, rather than running a path the
+    layer does not take."""
     from tests.model.test_sharding import mesh_cfg
 
     mc = mesh_cfg(sequence=8)
@@ -133,7 +134,7 @@ def test_forcing_a_whole_row_impl_on_a_sequence_split_layer_raises():
     model = Transformer(nsa_cfg(), rngs=nnx.Rngs(0))
     tok, pos, seg = inputs()
     with (sharding.activate(mesh, mc.rules), attention.force_nsa_impl("reference"),
-          pytest.raises(ValueError, match="8 sequence shards.*'xla' and 'pallas_tpu'")):
+          pytest.raises(ValueError, match="8 sequence shards.*'xla', 'pallas_tpu' and 'pallas_gpu'")):
         jax.make_jaxpr(lambda m: m(tok, pos, seg)[0])(model)
 
 
@@ -223,6 +224,27 @@ def test_model_lowers_to_the_mosaic_gpu_kernels_for_cuda(monkeypatch):
     assert "tpu_custom_call" not in cpu and "mosaic_gpu" not in cpu
     [cuda_grad] = lowered(jax.grad(lambda p: jnp.sum(fwd_(p))), params, "cuda")
     assert cuda_grad.count(gpu_call) == 6
+
+
+@pytest.mark.slow
+def test_sequence_sharded_model_lowered_for_cuda_holds_the_gpu_kernels(monkeypatch):
+    """Queries split over 8 `sequence` shards (5 each): the model lowered for CUDA runs the
+    shard_map's queries through the Mosaic GPU kernels at the shard's offset, two forward
+    kernels and six in its gradient, as the whole-row layer does (their numbers:
+    tests/pallas/test_nsa_gpu.py, a piece at a traced offset in GPU interpret mode)."""
+    from tests.model.test_sharding import mesh_cfg
+
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as on GPUs
+    mc = mesh_cfg(sequence=8)
+    with_params, params = split_params(Transformer(gpu_cfg(), rngs=nnx.Rngs(0)))
+    tok, pos, seg = two_documents()
+    fwd_ = lambda p: with_params(p)(tok, pos, seg)[0]
+    gpu_call = "stablehlo.custom_call @mosaic_gpu"
+    with sharding.activate(sharding.make_mesh(mc), mc.rules):
+        [cuda] = lowered(fwd_, params, "cuda")
+        [cuda_grad] = lowered(jax.grad(lambda p: jnp.sum(fwd_(p))), params, "cuda")
+    assert "sdy.manual_computation" in cuda or "shard_map" in cuda
+    assert cuda.count(gpu_call) == 2 and cuda_grad.count(gpu_call) == 6
 
 
 def test_a_layer_the_gpu_kernels_cannot_take_lowers_to_xla_with_the_reason_logged(monkeypatch, caplog):

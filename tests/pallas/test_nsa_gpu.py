@@ -203,6 +203,33 @@ def test_branches_match_reference_in_gpu_interpret_mode():
 
 
 @pytest.mark.slow
+def test_queries_at_a_traced_offset_match_the_reference_in_gpu_interpret_mode():
+    """Sequence parallelism's kernel path on GPU (ops.nsa_local, what one device of the model's
+    shard_map runs): the queries [72, 112) of a 128-token row, at a traced offset against the
+    whole row's keys, equal the reference's rows 72-111, forward and the gradients w.r.t. their
+    q and gates and the whole row's k, v and compressed k/v. The offset sits inside selection
+    block 1 (the selected kernels read it from a one-element array; their dK/dV kernel writes
+    both key blocks), the window (100) reaches past the row's start (the halo of dummy queries
+    in front, zero keys before position 0), 3 documents and a padding token cross the piece."""
+    t, h, g, lo, n = 128, 2, 1, 72, 40
+    seg = _segments(t, (50, 90, 127))
+    x = make_inputs(1, t, h, g, 64, 64, CFG, seed=9)
+    x = {k_: a.astype(jnp.bfloat16).astype(jnp.float32) if k_ in ("q", "k", "v") else a for k_, a in x.items()}
+    kernel = ops.Kernel(backend="pallas_gpu", interpret=InterpretGPUParams())
+    local = jax.jit(lambda q, k, v, kc, vc, gates, offset: ops.nsa_local(
+        q, k, v, kc, vc, gates, seg, offset, cfg=CFG, softmax_scale=SCALE, kernel=kernel))
+    w = normal((1, n, h, 64), 9)
+    names = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
+    piece = lambda *a: local(a[0][:, lo:lo + n], *a[1:5], a[5][:, lo:lo + n], jnp.int32(lo))
+    rows = lambda *a: reference.nsa(*a, seg, CFG, SCALE)[:, lo:lo + n]
+    (o_ker, g_ker), (o_ref, g_ref) = (_output_and_grads(piece, [x[k_] for k_ in names], w),
+                                      _output_and_grads(rows, [x[k_] for k_ in names], w))
+    _assert_close(o_ker, o_ref, err_msg="output")
+    for name, a, b in zip(names, g_ker, g_ref):
+        _assert_close(a, b, err_msg=f"d{name}")
+
+
+@pytest.mark.slow
 def test_full_layer_batch2_short_mla_layout_matches_reference():
     """nsa_attention(impl=pallas_gpu) == reference, forward and gradients w.r.t. q, k, v, the compressed
     keys/values and the gates: 2 rows, each with its own 2 documents and a padding token (the kernels

@@ -154,3 +154,14 @@ def test_selection_pairs_invert_the_selection():
     assert set(blk.tolist()) == {0, 1, 2}, "every block visited, even the unselected one"
     active = sorted((int(bk), int(tk)) for bk, tk, o in zip(blk, tok, on) if o)
     assert active == [(0, 0), (0, 1), (0, 3), (1, 1), (1, 2), (1, 3)]
+    packed = np.asarray(tpu.pack_pairs(*tpu.selection_pairs(sel, num_blocks=3)))[0, 0]  # the kernel's operand
+    assert [(p >> 17, (p >> 1) & 0xFFFF, p & 1) for p in packed.tolist()] == list(zip(blk, tok, on))
+
+
+def test_dkv_kernel_refuses_calls_its_packed_pairs_cannot_hold():
+    """A pair's token takes 16 bits of the packed int32: a call of 2**16 tokens names the knob."""
+    t = 1 << 16
+    q, k = jnp.zeros((1, 1, t, 1, 8)), jnp.zeros((1, 1, t, 8))
+    sel, ds, lse = jnp.zeros((1, 1, t, 1), jnp.int32), jnp.zeros((1, t), jnp.int32), jnp.zeros((1, 1, t, 1, 1))
+    with pytest.raises(ValueError, match="Kernel.max_tokens"):
+        tpu.selected_dkv(q, k, k, sel, ds, q, lse, lse, block=64, scale=1.0)

@@ -101,3 +101,47 @@ def test_grouped_rows_fraction_is_the_routed_share_of_the_kernel_rows():
     assert expert_dispatch.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1 / 8
     cfg.moe_capacity_factor = 2.0  # no grouped matmul kernel
     assert expert_dispatch.grouped_rows_fraction(cfg, mesh, rules, 1, 64) == 1.0
+
+
+def test_a_kernel_with_a_cost_estimate_counts_what_it_states_every_run():
+    """coder's NSA kernels state their cost (pl.CostEstimate, in the backend_config as compiled
+    HLO prints it: numbers in quotes); XLA counts it once per loop body, and loop_corrected_cost
+    puts it in for each of the loop's 4 trips: its FLOPs, and its bytes in place of its
+    operands' and result's."""
+    hlo = """HloModule m, entry_computation_layout={()->f32[]}
+
+%body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
+  %p = (s32[], bf16[8,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8,64]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %jvp_nsa_window_fwd_.1 = bf16[8,64]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"TUzvUg==","cost_estimate":{"flops":"1000","transcendentals":"10","bytes_accessed":"300"},"serialization_format":1}}
+  ROOT %t = (s32[], bf16[8,64]{1,0}) tuple(%j, %jvp_nsa_window_fwd_.1)
+}
+
+%cond (c: (s32[], bf16[8,64])) -> pred[] {
+  %c = (s32[], bf16[8,64]{1,0}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[8,64]) -> bf16[8,64] {
+  %a = bf16[8,64]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,64]{1,0}) tuple(%zero, %a)
+  %w = (s32[], bf16[8,64]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %out = bf16[8,64]{1,0} get-tuple-element(%w), index=1
+}
+"""
+    module = hlo_stats.parse_hlo(hlo)
+    call = next(i for i in module.computations["body"] if i.opcode == "custom-call")
+    assert hlo_stats.estimated_cost(call) == (1000.0, 300.0)
+    assert hlo_stats.kernel_costs(module) == {"body": (1000.0, 0.0, 1000.0)}
+    assert [b for _, i, b in hlo_stats.instruction_traffic(module) if i is call] == [300.0]
+    # XLA's cost analysis counted the body once (1000 FLOPs): the 3 trips it missed are added,
+    # and a kernel stating 300 more bytes moves 3 x 300 more over them
+    flops, traffic = hlo_stats.loop_corrected_cost(module, 1000.0, 0.0)
+    more = hlo_stats.parse_hlo(hlo.replace('"bytes_accessed":"300"', '"bytes_accessed":"600"'))
+    assert flops == 4000.0 and hlo_stats.loop_corrected_cost(more, 1000.0, 0.0)[1] - traffic == 3 * 300.0

@@ -168,6 +168,11 @@ def _pad_rows(x, axis, multiple):
     return jnp.pad(x, widths)
 
 
+def _offset(token_offset):
+    """The selected kernels' token offset as a one-element int32 array (an operand in GMEM)."""
+    return jnp.asarray(token_offset, jnp.int32).reshape(1)
+
+
 def _check(block_or_tile, dk, dv):
     if block_or_tile != 64 or dk % 64 or dv % 64:
         raise ValueError(f"Mosaic GPU NSA kernels need 64-token blocks and head dims that are multiples of 64; "
@@ -205,10 +210,10 @@ def _softmax_init(rows, dv, interp):
 
 def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, token_offset=0, head_tile=HEAD_TILE,
                  interpret=None):
-    """-> (o [B,G,T,Hg,Dv] float32, lse [B,G,T,Hg,1] float32). sel [B,G,T,n] canonical."""
+    """-> (o [B,G,T,Hg,Dv] float32, lse [B,G,T,Hg,1] float32). sel [B,G,T,n] canonical; q, sel,
+    doc_start hold T query tokens from absolute index token_offset (an int or a traced int32,
+    read by every CTA from a one-element array); k, v the whole row."""
     del token_tile  # one token per CTA
-    if token_offset:
-        raise ValueError("the GPU selected kernel takes the whole row (token_offset 0)")
     b_, g_, t_, hg, dk = q.shape
     dv, n = v.shape[-1], sel.shape[-1]
     _check(block, dk, dv)
@@ -220,11 +225,11 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, toke
     vb = v.astype(jnp.bfloat16)
     interp = interpret is not None
 
-    def body(sel_ref, ds_ref, q_ref, kt_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, bar):
+    def body(sel_ref, ds_ref, off_ref, q_ref, kt_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, bar):
         bg, t, d = lax.axis_index("bg"), lax.axis_index("t"), lax.axis_index("d")
         b, g = bg // g_, bg % g_
         q_c = _operand(nk, bar, 0, lambda c: q_ref.at[b, g, t, :, pl.ds(c * ck, ck)], q_s)
-        ds = ds_ref[b, t]
+        ds, last = ds_ref[b, t], off_ref[0] + t  # the token's document start and absolute index
 
         def step(i, carry):
             blk = sel_ref[b, g, t, i]
@@ -233,7 +238,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, toke
             plgpu.copy_gmem_to_smem(v_ref.at[b, g, keys, pl.ds(d * tv, tv)], v_s, bar.at[2])
             s = _contract(bar, 0, nk, q_c, lambda c: kt_ref.at[b, g, pl.ds(c * ck, ck), keys], q_s, k_s, interp) * scale
             pos = blk * block + _iota((rows, block), 1, interp)
-            mask = (pos <= t) & (pos >= ds) & active
+            mask = (pos <= last) & (pos >= ds) & active
             return _online_softmax(carry, s, mask, v_s, bar.at[2], p_s)
 
         out = lax.fori_loop(0, n, step, _softmax_init(rows, tv, interp))
@@ -246,7 +251,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile=None, toke
         scratch_types=[_smem((rows, ck)), _smem((ck, block)), _smem((block, tv)), _smem((rows, block)),
                        _f32_smem((rows, tv)), _f32_smem((rows,)), plgpu.Barrier(num_barriers=3)],
         grid=(b_ * g_, t_, nv), grid_names=("bg", "t", "d"), interpret=interpret,
-    )(sel.astype(jnp.int32), doc_start.astype(jnp.int32), qp, kt, vb)
+    )(sel.astype(jnp.int32), doc_start.astype(jnp.int32), _offset(token_offset), qp, kt, vb)
     return o[:, :, :, :hg], lse[:, :, :, 0, :hg, None]
 
 
@@ -415,7 +420,7 @@ def selection_csr(sel, num_blocks):
             (order // n).reshape(b_, g_, t_ * n).astype(jnp.int32))
 
 
-def _selected_dq(sel, ds, qp, dop, lse, dl, kt, kb, vt, *, block, scale, head_tile, interpret):
+def _selected_dq(sel, ds, off, qp, dop, lse, dl, kt, kb, vt, *, block, scale, head_tile, interpret):
     """-> dq [B,G,T,rows,Dk] float32: one CTA per (batch*group, token, Dk slice), looping over its n blocks."""
     b_, g_, t_, rows, dk = qp.shape
     dv, n = dop.shape[-1], sel.shape[-1]
@@ -423,7 +428,7 @@ def _selected_dq(sel, ds, qp, dop, lse, dl, kt, kb, vt, *, block, scale, head_ti
     nk, nv = dk // ck, dv // cv
     interp = interpret is not None
 
-    def body(sel_ref, ds_ref, q_ref, do_ref, lse_ref, dl_ref, kt_ref, k_ref, vt_ref, dq_ref,
+    def body(sel_ref, ds_ref, off_ref, q_ref, do_ref, lse_ref, dl_ref, kt_ref, k_ref, vt_ref, dq_ref,
              q_s, do_s, lse_s, dl_s, kt_s, k_s, vt_s, p_s, dq_s, bar):
         bg, t, e = lax.axis_index("bg"), lax.axis_index("t"), lax.axis_index("e")
         b, g = bg // g_, bg % g_
@@ -431,7 +436,7 @@ def _selected_dq(sel, ds, qp, dop, lse, dl, kt, kb, vt, *, block, scale, head_ti
         q_c = _operand(nk, bar, 0, lambda c: q_ref.at[b, g, t, :, pl.ds(c * ck, ck)], q_s)
         do_c = _operand(nv, bar, 0, lambda c: do_ref.at[b, g, t, :, pl.ds(c * cv, cv)], do_s)
         lse, delta = _load_vec(lse_s, 1, interp), _load_vec(dl_s, 1, interp)
-        start = ds_ref[b, t]
+        start, last = ds_ref[b, t], off_ref[0] + t
 
         def step(i, dq):
             blk = sel_ref[b, g, t, i]
@@ -439,7 +444,7 @@ def _selected_dq(sel, ds, qp, dop, lse, dl, kt, kb, vt, *, block, scale, head_ti
             keys = pl.ds(blk * block, block)
             plgpu.copy_gmem_to_smem(k_ref.at[b, g, keys, pl.ds(e * tk, tk)], k_s, bar.at[2])
             pos = blk * block + _iota((rows, block), 1, interp)
-            mask = (pos <= t) & (pos >= start) & active
+            mask = (pos <= last) & (pos >= start) & active
             kt_c = lambda c: kt_ref.at[b, g, pl.ds(c * ck, ck), keys]
             s = _contract(bar, 0, nk, q_c, kt_c, q_s, kt_s, interp) * scale
             dp = _contract(bar, 0, nv, do_c, lambda c: vt_ref.at[b, g, pl.ds(c * cv, cv), keys], do_s, vt_s, interp)
@@ -456,21 +461,22 @@ def _selected_dq(sel, ds, qp, dop, lse, dl, kt, kb, vt, *, block, scale, head_ti
                        _smem((ck, block)), _smem((block, tk)), _smem((cv, block)), _smem((rows, block)),
                        _f32_smem((rows, tk)), plgpu.Barrier(num_barriers=3)],
         grid=(b_ * g_, t_, dk // tk), grid_names=("bg", "t", "e"), interpret=interpret,
-    )(sel, ds, qp, dop, lse, dl, kt, kb, vt)
+    )(sel, ds, off, qp, dop, lse, dl, kt, kb, vt)
 
 
-def _selected_dkv(offsets, tokens, ds, kb, vb, qtp, qp, dotp, dop, lse, dl, *, block, scale, head_tile,
+def _selected_dkv(offsets, tokens, ds, off, kb, vb, qtp, qp, dotp, dop, lse, dl, *, block, scale, head_tile,
                   interpret):
-    """-> (dk [B,G,T,Dk], dv [B,G,T,Dv]) float32: one CTA per (batch*group, key block, output slice),
+    """-> (dk [B,G,S,Dk], dv [B,G,S,Dv]) float32: one CTA per (batch*group, key block, output slice),
     looping over the tokens that selected the block (CSR from `selection_csr`), one token's Hg heads
     (padded to `rows`) per step."""
-    b_, g_, t_, rows, dk = qp.shape
+    b_, g_, _, rows, dk = qp.shape
+    s_ = kb.shape[2]
     dv = dop.shape[-1]
     tk, ck, ek, tv, cv, ev, programs = _dkv_plan(dk, dv, block, head_tile)
     nk, nv = dk // ck, dv // cv
     interp = interpret is not None
 
-    def body(off_ref, tok_ref, ds_ref, k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, dl_ref,
+    def body(off_ref, tok_ref, ds_ref, base_ref, k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, dl_ref,
              dk_ref, dv_ref):
         bg, j, d = lax.axis_index("bg"), lax.axis_index("blk"), lax.axis_index("d")
         b, g = bg // g_, bg % g_
@@ -490,7 +496,7 @@ def _selected_dkv(offsets, tokens, ds, kb, vb, qtp, qp, dotp, dop, lse, dl, *, b
                 if e_v is not None:
                     plgpu.copy_gmem_to_smem(do_ref.at[b, g, t, :, pl.ds(e_v * tv, tv)], r["do_s"], bar.at[3])
                 _fetch(bar, 4, (lse_ref.at[b, g, t], r["lse_s"]), (dl_ref.at[b, g, t], r["dl_s"]))
-                mask = (pos <= t) & (pos >= ds_ref[b, t])
+                mask = (pos <= base_ref[0] + t) & (pos >= ds_ref[b, t])
                 st = _contract(bar, 0, nk, k_c, lambda c: qt_ref.at[b, g, t, pl.ds(c * ck, ck), :],
                                r["k_s"], r["qt_s"], interp) * scale
                 dpt = lambda: _contract(bar, 0, nv, v_c, lambda c: dot_ref.at[b, g, t, pl.ds(c * cv, cv), :],
@@ -511,10 +517,10 @@ def _selected_dkv(offsets, tokens, ds, kb, vb, qtp, qp, dotp, dop, lse, dl, *, b
 
     return plgpu.kernel(
         body,
-        out_type=[jax.ShapeDtypeStruct((b_, g_, t_, dk), jnp.float32),
-                  jax.ShapeDtypeStruct((b_, g_, t_, dv), jnp.float32)],
-        grid=(b_ * g_, t_ // block, programs), grid_names=("bg", "blk", "d"), interpret=interpret,
-    )(offsets, tokens, ds, kb, vb, qtp, qp, dotp, dop, lse, dl)
+        out_type=[jax.ShapeDtypeStruct((b_, g_, s_, dk), jnp.float32),
+                  jax.ShapeDtypeStruct((b_, g_, s_, dv), jnp.float32)],
+        grid=(b_ * g_, s_ // block, programs), grid_names=("bg", "blk", "d"), interpret=interpret,
+    )(offsets, tokens, ds, off, kb, vb, qtp, qp, dotp, dop, lse, dl)
 
 
 def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_tile=None, token_offset=0,
@@ -533,13 +539,12 @@ def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
     rows) without double buffering, so the kernel is latency-bound; XLA writes Q^T and dO^T.
     """
     del token_tile  # one token per CTA
-    if token_offset:
-        raise ValueError("the GPU selected kernels take the whole row (token_offset 0)")
-    t_, hg, dk = q.shape[2:]
-    dv = v.shape[-1]
+    hg, dk = q.shape[3:]
+    s_, dv = k.shape[2], v.shape[-1]
     _check(block, dk, dv)
-    if t_ % block:
-        raise ValueError(f"the GPU selected backward needs T padded to a multiple of {block} (ops.py does); got {t_}")
+    if s_ % block:
+        raise ValueError(f"the GPU selected backward needs the keys padded to a multiple of {block} (ops.py does); "
+                         f"got {s_}")
     bf = lambda x: x.astype(jnp.bfloat16)
     qp, dop = bf(_pad_rows(q, 3, ROWS)), bf(_pad_rows(do, 3, ROWS))  # [B,G,T,rows,D]
     lse_p = _pad_rows(lse[..., 0].astype(jnp.float32), 3, ROWS)  # [B,G,T,rows]
@@ -547,9 +552,10 @@ def selected_bwd(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
     kb, vb = bf(k), bf(v)
     sel, ds = sel.astype(jnp.int32), doc_start.astype(jnp.int32)
     kw = {"block": block, "scale": scale, "head_tile": head_tile, "interpret": interpret}
-    dq = _selected_dq(sel, ds, qp, dop, lse_p, dl_p, jnp.swapaxes(kb, 2, 3), kb, jnp.swapaxes(vb, 2, 3), **kw)
-    offsets, tokens = selection_csr(sel, t_ // block)
-    dk_, dv_ = _selected_dkv(offsets, tokens, ds, kb, vb, jnp.swapaxes(qp, 3, 4), qp, jnp.swapaxes(dop, 3, 4),
+    off = _offset(token_offset)
+    dq = _selected_dq(sel, ds, off, qp, dop, lse_p, dl_p, jnp.swapaxes(kb, 2, 3), kb, jnp.swapaxes(vb, 2, 3), **kw)
+    offsets, tokens = selection_csr(sel, s_ // block)
+    dk_, dv_ = _selected_dkv(offsets, tokens, ds, off, kb, vb, jnp.swapaxes(qp, 3, 4), qp, jnp.swapaxes(dop, 3, 4),
                              dop, lse_p, dl_p, **kw)
     return dq[:, :, :, :hg].astype(q.dtype), dk_.astype(k.dtype), dv_.astype(v.dtype)
 

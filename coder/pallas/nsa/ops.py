@@ -9,8 +9,8 @@ impl:
   "pallas_tpu" - Mosaic TPU kernels for the selected and window branches (tpu.py);
   "pallas_gpu" - Mosaic GPU kernels (gpu.py).
 `nsa_local(..., offset, ...)`: one device's share of a sequence-parallel NSA (queries [offset,
-offset + Tl) against the whole row's keys) with the TPU kernels: the selected kernels take the
-offset as a prefetched scalar, the window kernels run on the queries behind a halo of dummy ones.
+offset + Tl) against the whole row's keys) with the TPU or GPU kernels: the selected kernels
+take the offset as an operand, the window kernels run on the queries behind a halo of dummy ones.
 In every impl the compressed branch and the block selection come from xla.compress_and_select:
 compressed attention is a dense attention over only T/d keys that XLA already runs well, and
 the selection (a top-k) is gradient-free.
@@ -56,10 +56,9 @@ class Kernel:
         return {"head_tile": self.head_tile} if self.backend == "pallas_gpu" and self.head_tile else {}
 
     def offset(self, token_offset):
-        """The selected kernels' `token_offset` keyword: the TPU kernels scalar-prefetch it (an
-        int32, traced or not); the GPU kernels take whole rows only (`selected_attention` refuses
-        an offset for them), so they get none."""
-        return {"token_offset": token_offset} if self.backend == "pallas_tpu" else {}
+        """The selected kernels' `token_offset` keyword (an int32, traced or not): the TPU
+        kernels scalar-prefetch it, the GPU kernels read it from a one-element array."""
+        return {"token_offset": token_offset}
 
 
 # ---------------------------------------------------------------- selected branch
@@ -151,8 +150,7 @@ def selected_attention(q, k, v, sel, doc_start, *, block, scale, kernel: Kernel,
     """Kernel-backed selected branch: q [B,T,H,Dk], k/v [B,S,G,D], sel [B,T,G,n] -> [B,T,H,Dv].
 
     S = T; or, with `offset` (an int32 scalar, traced where a device holds a shard of the row's
-    queries), the queries are [offset, offset + T) and k, v the whole row's keys: TPU kernels
-    only (the GPU kernels take whole rows)."""
+    queries), the queries are [offset, offset + T) and k, v the whole row's keys."""
     b, t = q.shape[:2]
     g = k.shape[2]
     if offset is None:
@@ -161,8 +159,6 @@ def selected_attention(q, k, v, sel, doc_start, *, block, scale, kernel: Kernel,
         cur = jnp.arange(t, tp, dtype=jnp.int32) // block  # padded rows select only their own block
         offset = 0
     else:
-        if kernel.backend != "pallas_tpu":
-            raise ValueError(f"NSA's {kernel.backend} selected kernels take whole rows: no query offset")
         tp, sp = _pad_len(t, kernel.token_tile), _pad_len(k.shape[1], block)
         qk, kk, vk = _queries_to_kernel_layout(q, g, tp), _keys_to_kernel_layout(k, sp), _keys_to_kernel_layout(v, sp)
         # padded rows see block 0 from its start (their own block may lie past the row's keys):
@@ -305,7 +301,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, segment_ids, *, cfg: NSAConfig, 
 
 def nsa_local(q, k, v, k_cmp, v_cmp, gates, segment_ids, offset, *, cfg: NSAConfig, softmax_scale: float,
               kernel: Kernel, chunk: int = 128):
-    """One device's part of a sequence-parallel NSA with the TPU kernels (xla.nsa_local's
+    """One device's part of a sequence-parallel NSA with the kernels (xla.nsa_local's
     arguments and layout): q [B,Tl,H,Dk] and gates [B,Tl,H,3] of the queries [offset, offset +
     Tl) (offset an int32 scalar, traced in a shard_map); k [B,T,G,Dk], v [B,T,G,Dv], k_cmp/v_cmp
     [B,Nc,G,D] and segment_ids [B,T] of the whole rows -> [B,Tl,H,Dv] in v's dtype. The

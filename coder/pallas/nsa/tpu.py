@@ -21,6 +21,8 @@ Window branch: flash attention restricted to the key tiles that can fall inside 
 grid's last axis walks them, index maps clamp the out-of-range ones (the copy is then skipped and
 the compute guarded by `pl.when`).
 """
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -38,6 +40,43 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
 
 def _params(*semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _cost(flops, transcendentals, bytes_accessed):
+    """A kernel's pl.CostEstimate: what it computes (masked entries of a computed tile
+    included) and moves. XLA's scheduler sees it, and coder.train.aot.hlo_stats.kernel_costs
+    counts it once for every run of the kernel (XLA counts a loop body's once)."""
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed))
+
+
+def _nbytes(*arrays_or_shapes):
+    """Bytes of arrays (or (shape, dtype) pairs)."""
+    total = 0
+    for a in arrays_or_shapes:
+        shape, dtype = (a.shape, a.dtype) if hasattr(a, "shape") else a
+        total += math.prod(shape) * jnp.dtype(dtype).itemsize
+    return total
+
+
+def _selected_cost(q, k, v, n, block, token_tile, widths, extra_bytes):
+    """Selected kernels: every (token, slot) pair is a [Hg, l'] tile of scores; `widths` the
+    matmul widths per score; K/V blocks are copied once per token tile and slot (neighbouring
+    tokens mostly select the same block at a slot, and the pipeline skips a repeated copy)."""
+    b_, g_, t_, hg, _ = q.shape
+    pairs = b_ * g_ * t_ * n
+    kv = b_ * g_ * -(-t_ // token_tile) * n * block * (k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize)
+    return _cost(2 * pairs * hg * block * widths, pairs * hg * block, kv + extra_bytes)
+
+
+def _window_cost(q, k, v, window, tile, widths, extra_bytes):
+    """Window kernels: every query tile meets `_window_tiles` key tiles, each a [tile*Hg, tile]
+    tile of scores; `widths` the matmul widths per score; K/V tiles read once per meeting."""
+    b_, g_, r_, _ = q.shape
+    t_ = k.shape[2]
+    meetings = b_ * g_ * (t_ // tile) * _window_tiles(window, tile)
+    scores = meetings * (r_ // t_) * tile * tile
+    kv = meetings * tile * (k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize)
+    return _cost(2 * scores * widths, scores, kv + extra_bytes)
 
 
 def _offset(token_offset):
@@ -94,6 +133,7 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_off
             o_ref[tt] = (acc_sc[tt] / l).astype(o_ref.dtype)
             lse_ref[tt] = m_sc[tt] + jnp.log(l)
 
+    lse_shape = ((b_, g_, t_, hg, 1), jnp.float32)
     tile = lambda b, g, qt, i, tt, sel_ref, ds_ref, off_ref: (b, g, qt, 0, 0)
     kv = lambda b, g, qt, i, tt, sel_ref, ds_ref, off_ref: (b, g, slot(sel_ref, b, g, qt * tt_ + tt, i), 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -112,6 +152,9 @@ def selected_fwd(q, k, v, sel, doc_start, *, block, scale, token_tile, token_off
                    jax.ShapeDtypeStruct((b_, g_, t_, hg, 1), jnp.float32)],
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
+        name="nsa_selected_fwd",
+        cost_estimate=_selected_cost(q, k, v, n, block, tt_, dk + dv,
+                                     _nbytes(q, ((b_, g_, t_, hg, dv), q.dtype), sel, doc_start, lse_shape)),
     )(sel.reshape(-1), doc_start.reshape(-1), _offset(token_offset), q, k, v)
 
 
@@ -170,6 +213,9 @@ def selected_dq(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
+        name="nsa_selected_dq",
+        cost_estimate=_selected_cost(q, k, v, n, block, tt_, 2 * dk + dv,
+                                     2 * _nbytes(q) + _nbytes(do, lse, delta, sel)),
     )(sel.reshape(-1), doc_start.reshape(-1), _offset(token_offset), q, k, v, do, lse, delta)
 
 
@@ -203,29 +249,48 @@ def selection_pairs(sel, num_blocks):
     return take(blk), take(tok), take(on)
 
 
+_TOK_BITS = 16  # selected_dkv's packed pairs: [block | token (16 bits) | active (1 bit)] in one int32
+
+
+def pack_pairs(blk, tok, on):
+    """(blk, tok, on) of `selection_pairs` -> one int32 a pair, `blk << 17 | tok << 1 | on`: the
+    dK/dV kernel's scalar-prefetched operand in SMEM (1 MiB on TPU v5p) at a third of three
+    arrays' size. At 128k tokens a row, T = 8192 tokens a call (Kernel.max_tokens) and n = 16,
+    the three took 1.56 MiB and XLA:TPU refused the kernel; packed, 520 KiB."""
+    return (blk << (_TOK_BITS + 1)) | (tok << 1) | on
+
+
 def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token_offset=0, interpret=None):
-    """-> (dk [B,G,T,Dk], dv [B,G,T,Dv]) by walking (token, slot) pairs sorted by block."""
+    """-> (dk [B,G,S,Dk], dv [B,G,S,Dv]) by walking (token, slot) pairs sorted by block."""
     b_, g_, t_, hg, dk = q.shape
     dv = v.shape[-1]
-    blk, tok, on = selection_pairs(sel, k.shape[2] // block)
-    p_ = blk.shape[-1]
+    num_blocks = k.shape[2] // block
+    if t_ >= 1 << _TOK_BITS or num_blocks >= 1 << (30 - _TOK_BITS):
+        raise ValueError(f"NSA's TPU dK/dV kernel packs a pair's token and block in one int32: {t_} tokens a "
+                         f"call (at most {(1 << _TOK_BITS) - 1}: lower Kernel.max_tokens) and {num_blocks} key "
+                         f"blocks (at most {(1 << (30 - _TOK_BITS)) - 1})")
+    pairs = pack_pairs(*selection_pairs(sel, num_blocks))
+    p_ = pairs.shape[-1]
+    blk_of = lambda pair: pair >> (_TOK_BITS + 1)
+    tok_of = lambda pair: (pair >> 1) & ((1 << _TOK_BITS) - 1)
 
-    def kernel(blk_ref, tok_ref, on_ref, ds_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref,
+    def kernel(pair_ref, ds_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref,
                dk_ref, dv_ref, dk_sc, dv_sc):
         b, g, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         base = (b * g_ + g) * p_
-        cur = blk_ref[base + p]
-        first = (p == 0) | (cur != blk_ref[base + jnp.maximum(p - 1, 0)])
-        last = (p == p_ - 1) | (cur != blk_ref[base + jnp.minimum(p + 1, p_ - 1)])
+        pair = pair_ref[base + p]
+        cur = blk_of(pair)
+        first = (p == 0) | (cur != blk_of(pair_ref[base + jnp.maximum(p - 1, 0)]))
+        last = (p == p_ - 1) | (cur != blk_of(pair_ref[base + jnp.minimum(p + 1, p_ - 1)]))
 
         @pl.when(first)
         def _init():
             dk_sc[...] = jnp.zeros_like(dk_sc)
             dv_sc[...] = jnp.zeros_like(dv_sc)
 
-        @pl.when(on_ref[base + p] == 1)
+        @pl.when((pair & 1) == 1)
         def _step():
-            t = tok_ref[base + p]
+            t = tok_of(pair)
             qv, dov = q_ref[...], do_ref[...]  # [Hg, Dk], [Hg, Dv]
             s = _dot(qv, k_ref[...], _DOT_T) * scale  # [Hg, l']
             pos = cur * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -240,14 +305,14 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
             dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
-    def tok_map(b, g, p, blk_ref, tok_ref, on_ref, ds_ref, off_ref):
-        return (b, g, tok_ref[(b * g_ + g) * p_ + p], 0, 0)
+    def tok_map(b, g, p, pair_ref, ds_ref, off_ref):
+        return (b, g, tok_of(pair_ref[(b * g_ + g) * p_ + p]), 0, 0)
 
-    def blk_map(b, g, p, blk_ref, tok_ref, on_ref, ds_ref, off_ref):
-        return (b, g, blk_ref[(b * g_ + g) * p_ + p], 0)
+    def blk_map(b, g, p, pair_ref, ds_ref, off_ref):
+        return (b, g, blk_of(pair_ref[(b * g_ + g) * p_ + p]), 0)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=3,
         grid=(b_, g_, p_),
         in_specs=[pl.BlockSpec((None, None, None, hg, dk), tok_map),
                   pl.BlockSpec((None, None, block, dk), blk_map),
@@ -264,8 +329,13 @@ def selected_dkv(q, k, v, sel, doc_start, do, lse, delta, *, block, scale, token
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
-    )(blk.reshape(-1), tok.reshape(-1), on.reshape(-1), doc_start.reshape(-1), _offset(token_offset),
-      q, k, v, do, lse, delta)
+        name="nsa_selected_dkv",
+        # per active pair one token's q and dO rows (and lse, delta); K, V read and dK, dV written once
+        cost_estimate=_cost(2 * b_ * g_ * t_ * sel.shape[-1] * hg * block * 2 * (dk + dv),
+                            b_ * g_ * t_ * sel.shape[-1] * hg * block,
+                            b_ * g_ * t_ * sel.shape[-1] * hg * (dk * q.dtype.itemsize + dv * do.dtype.itemsize + 8)
+                            + 2 * _nbytes(k, v) + _nbytes(pairs)),
+    )(pairs.reshape(-1), doc_start.reshape(-1), _offset(token_offset), q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------- sliding window
@@ -334,6 +404,9 @@ def window_fwd(q, k, v, rows_ds, *, window, scale, tile, interpret=None):
                    jax.ShapeDtypeStruct((b_, g_, r_, 1), jnp.float32)],
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
+        name="nsa_window_fwd",
+        cost_estimate=_window_cost(q, k, v, window, tile, dk + dv,
+                                   _nbytes(q, ((b_, g_, r_, dv), q.dtype)) + 4 * b_ * g_ * r_),
     )(q, k, v, rows_ds)
 
 
@@ -389,6 +462,8 @@ def window_dq(q, k, v, rows_ds, do, lse, delta, *, window, scale, tile, interpre
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
+        name="nsa_window_dq",
+        cost_estimate=_window_cost(q, k, v, window, tile, 2 * dk + dv, 2 * _nbytes(q) + _nbytes(do, lse, delta)),
     )(q, k, v, rows_ds, do, lse, delta)
 
 
@@ -441,4 +516,8 @@ def window_dkv(q, k, v, rows_ds, do, lse, delta, *, window, scale, tile, interpr
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
+        name="nsa_window_dkv",
+        # each key tile reads the q and dO rows of every query tile it meets
+        cost_estimate=_window_cost(q, k, v, window, tile, 2 * (dk + dv),
+                                   2 * _nbytes(k, v) + nq * nw * b_ * g_ * rows * (dk + dv) * q.dtype.itemsize),
     )(q, k, v, rows_ds, do, lse, delta)
