@@ -55,14 +55,11 @@ class Kernel:
         """Keyword arguments that only the GPU kernels take."""
         return {"head_tile": self.head_tile} if self.backend == "pallas_gpu" and self.head_tile else {}
 
-    def offset(self, token_offset):
-        """The selected kernels' `token_offset` keyword (an int32, traced or not): the TPU
-        kernels scalar-prefetch it, the GPU kernels read it from a one-element array."""
-        return {"token_offset": token_offset}
-
 
 # ---------------------------------------------------------------- selected branch
 
+# offset: the queries' first absolute index, an int32 array (traced in a shard_map), so a
+# differentiable argument whose cotangent is None, like sel's and ds's
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _selected(q, k, v, sel, ds, offset, block, scale, kernel):
     return _selected_fwd(q, k, v, sel, ds, offset, block, scale, kernel)[0]
@@ -70,7 +67,7 @@ def _selected(q, k, v, sel, ds, offset, block, scale, kernel):
 
 def _selected_fwd(q, k, v, sel, ds, offset, block, scale, kernel):
     o, lse = kernel.module().selected_fwd(q, k, v, sel, ds, block=block, scale=scale, token_tile=kernel.token_tile,
-                                          interpret=kernel.interpret, **kernel.offset(offset), **kernel.widths())
+                                          token_offset=offset, interpret=kernel.interpret, **kernel.widths())
     return o, (q, k, v, sel, ds, offset, o, lse)
 
 
@@ -78,8 +75,8 @@ def _selected_bwd(block, scale, kernel, res, do):
     q, k, v, sel, ds, offset, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dq, dk, dv = kernel.module().selected_bwd(q, k, v, sel, ds, do, lse, delta, block=block, scale=scale,
-                                              token_tile=kernel.token_tile, interpret=kernel.interpret,
-                                              **kernel.offset(offset), **kernel.widths())
+                                              token_tile=kernel.token_tile, token_offset=offset,
+                                              interpret=kernel.interpret, **kernel.widths())
     return dq, dk, dv, None, None, None
 
 
