@@ -319,8 +319,9 @@ class MLA(nnx.Module):
             _log_once(f"attention_backend=nsa: queries split over {n} sequence shards: each device's queries "
                       "against the gathered keys in a shard_map, by the platform's NSA kernels at the shard's "
                       "offset (or its XLA path)")
-            body = lambda *a: sharding.platform_dependent(*a, tpu=local("pallas_tpu"),
-                                                          cuda=lambda *b: self._nsa_gpu(local)(*b), default=local("xla"))
+            heads = h // attention_kernels._size(mesh, hs)  # a device's share, what its kernels take
+            body = lambda *a: sharding.platform_dependent(*a, tpu=local("pallas_tpu"), default=local("xla"),
+                                                          cuda=lambda *b: self._nsa_gpu(local, heads)(*b))
         k_cmp, v_cmp = self.nsa.compress(k, v)
         gates = self.nsa.gates(x)
         split, whole = P(bs, ss, hs, None), P(bs, None, None, None)
@@ -328,7 +329,7 @@ class MLA(nnx.Module):
                            out_specs=split, check_vma=False)
         return fn(q, k, v, k_cmp, v_cmp, gates, segment_ids)
 
-    def _nsa_gpu(self, call):
+    def _nsa_gpu(self, call, heads: int | None = None):
         """The `cuda` branch of `_nsa` (and of `_nsa_sequence_parallel`, whose `call` runs a
         shard's queries): NSA with the Mosaic GPU kernels (coder/pallas/nsa/gpu.py,
         forward and backward; the window tile is their fixed 64, heads padded to 64 wgmma rows),
@@ -337,24 +338,25 @@ class MLA(nnx.Module):
         device = sharding.target_device()
         if device.platform == "tpu":
             return call("xla")
-        why = self._nsa_gpu_unsupported(device)
+        why = self._nsa_gpu_unsupported(device, heads=heads)
         if why is None:
             return call("pallas_gpu")
         _log_once(f"attention_backend=nsa: a program lowered for GPU runs NSA's XLA path, not "
                   f"its Mosaic GPU kernels: {why}")
         return call("xla")
 
-    def _nsa_gpu_unsupported(self, device=None, lower: bool = True) -> str | None:
+    def _nsa_gpu_unsupported(self, device=None, lower: bool = True, heads: int | None = None) -> str | None:
         """Why the Mosaic GPU NSA kernels cannot run this layer (naming the config keys), or None.
         MLA's absorbed form is one key group for all heads, key width r + dr, value width r;
         coder.pallas.nsa.ops.gpu_unsupported checks those (lower: also that Mosaic GPU lowers the
         kernels, i.e. their shared memory fits). device: the program's; a CUDA device must be
         Hopper (compute capability 9.x), the kernels being built on wgmma. Other devices (a CPU
-        host lowering for CUDA) and None (forced, interpret mode) are not checked."""
+        host lowering for CUDA) and None (forced, interpret mode) are not checked. heads: the
+        query heads one kernel call takes (a shard_map's share; default all of the layer's)."""
         from coder.pallas.nsa import ops
 
         cfg = self.nsa.cfg
-        why = ops.gpu_unsupported(self.h, self.r + self.dr, self.r, cfg.select_block, lower=lower)
+        why = ops.gpu_unsupported(heads or self.h, self.r + self.dr, self.r, cfg.select_block, lower=lower)
         if why:
             return (f"model.num_attention_heads={self.h}, model.kv_lora_rank={self.r}, "
                     f"model.qk_rope_head_dim={self.dr} (key width {self.r + self.dr}, value width "
