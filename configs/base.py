@@ -274,6 +274,10 @@ def get_config() -> ml_collections.ConfigDict:
     # SWE-bench's resolution rule, also named "resolved"): coder.env.reward.REWARD_MODES
     c.env.reward_mode = "fraction"
     c.env.test_timeout_s = 300.0  # wall time of the scoring test run
+    # pooled episodes whose prepared workspaces are identical (same task scoring fields, same
+    # tree: coder.env.reward.scoring_digest) share one test run's verdict (coder/env/verdicts.py);
+    # False runs the tests for every rollout (e.g. to see how flaky a task's tests are)
+    c.env.share_verdicts = True
     # where the env workers (rl.env_workers) run: "local" = processes of the actor's host; "ray" =
     # Ray actors (coder/env/ray_pool.py) on the cluster at rl.ray_address, e.g. its CPU nodes
     c.env.workers_backend = "local"

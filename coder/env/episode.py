@@ -7,6 +7,8 @@ Per-call interface (coder/rl/agent.py, which parses calls from sampled token ids
     ep.reset(task); out = ep.call(tool_call)   # one parsed protocol.ToolCall -> output text
     outs = ep.call_many(tool_calls)            # one turn's calls: independent ones concurrently
     ep.done; n = ep.lint_count(); reward, info = ep.score(); ep.close()
+Scoring with a verdict shared between identical workspaces (coder/env/verdicts.py, the pool):
+    d = ep.scoring_digest(); reward, info = ep.score(verdict); ep.verdict  # the test run's Score
 (`step` also accepts a `protocol.ToolCall` and then behaves as `call`.)
 
 `tools` names the tools offered (`()`: all of coder.env.tools; an unknown name is a ValueError);
@@ -115,6 +117,7 @@ class Episode:
         self.task = None
         self.done = True
         self.scored = False
+        self.verdict: reward.Score | None = None  # the hidden tests' verdict, once scored
         self.messages: list[dict] = []
         self.info: dict = {}
 
@@ -148,7 +151,7 @@ class Episode:
         self.close()
         self.task = task
         self.memory_scope = self.memory.scope(task) if self.memory is not None else None
-        self.done, self.scored = False, False
+        self.done, self.scored, self.verdict = False, False, None
         self.messages = [
             {"role": "system", "content": self.system_prompt},
             {"role": "user", "content": task.prompt},
@@ -308,23 +311,42 @@ class Episode:
         return observation, True, dict(self.info)
 
     # ---- scoring ---------------------------------------------------------------------------
-    def score(self) -> tuple[float, dict]:
+    def scoring_digest(self) -> str | None:
+        """Ends the agent's part (its terminal closed), readies the workspace for scoring
+        (`reward.prepare`) and returns `reward.scoring_digest` of it; None when the episode is
+        already scored or the workspace cannot be read (scoring then reports what is wrong)."""
+        if self.scored or self.sandbox is None:
+            return None
+        self._close_terminal()  # nothing the agent left running may touch the workspace
+        try:
+            reward.prepare(self.sandbox, self.task)
+            return reward.scoring_digest(self.sandbox, self.task, self.reward_mode, self.test_timeout_s)
+        except Exception:  # noqa: BLE001 - scored alone, where the error is reported
+            return None
+
+    def score(self, verdict: reward.Score | None = None) -> tuple[float, dict]:
         """Score the workspace once (later calls return the same); closes the sandbox.
 
-        Returns (reward, info); reward is 0.0 with `info["infra_error"]` set when the harness
-        failed. A text-interface episode with broken calls scores 0.
+        `verdict`: the tests' verdict on an identical workspace of the same task (equal
+        `scoring_digest`), used instead of running them. Returns (reward, info); reward is 0.0
+        with `info["infra_error"]` set when the harness failed. A text-interface episode with
+        broken calls scores 0.
         """
         if not self.scored:
             self.scored = True
             self._close_terminal()  # nothing the agent left running may touch the workspace
-            try:
-                s = reward.score(
-                    self.sandbox, self.task, mode=self.reward_mode, timeout_s=self.test_timeout_s
-                )
-            except Exception:
-                s = reward.Score(
-                    0.0, 0, 0, infra_error=f"scoring crashed:\n{traceback.format_exc(limit=5)}"
-                )
+            if verdict is not None:
+                s = verdict
+            else:
+                try:
+                    s = reward.score(
+                        self.sandbox, self.task, mode=self.reward_mode, timeout_s=self.test_timeout_s
+                    )
+                except Exception:
+                    s = reward.Score(
+                        0.0, 0, 0, infra_error=f"scoring crashed:\n{traceback.format_exc(limit=5)}"
+                    )
+            self.verdict = s
             if s.infra_error:
                 self._fail_infra(s.infra_error)
             else:

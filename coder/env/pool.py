@@ -48,6 +48,7 @@ import uuid
 from coder.env import installed
 from coder.env.episode import Episode, select_tools
 from coder.env.sandbox import InfraError
+from coder.env.verdicts import Claim, SharedVerdicts
 
 BACKENDS = ("local", "ray")  # env.workers_backend
 
@@ -103,6 +104,12 @@ def run_command(episodes: dict, episode_kwargs: dict, cmd: str, batch: list) -> 
                 out.append(episodes[item].lint_count())
             elif cmd == "score":
                 out.append(episodes[item].score())
+            elif cmd == "digest":
+                out.append(episodes[item].scoring_digest())
+            elif cmd == "score_with":  # (key, verdict or None) -> (reward, info, the verdict)
+                key, verdict = item
+                ep = episodes[key]
+                out.append((*ep.score(verdict), ep.verdict))
             elif cmd == "map":
                 fn, x = item
                 out.append(fn(x))
@@ -232,7 +239,8 @@ class _Worker:
 
 
 class EpisodePool:
-    def __init__(self, n_workers: int, timeout_s: float | None = None, **episode_kwargs):
+    def __init__(self, n_workers: int, timeout_s: float | None = None, *, share_verdicts: bool = True,
+                 **episode_kwargs):
         if "token_count" not in episode_kwargs:
             raise TypeError("EpisodePool needs token_count= (a picklable str -> int function)")
         if n_workers < 1:
@@ -247,6 +255,8 @@ class EpisodePool:
         self._epoch: dict = {}  # episode key -> its worker's epoch when it started
         self._done: dict = {}  # episode key -> the episode reported itself done (per-call path)
         self._rr = 0
+        # one test run per distinct workspace (coder/env/verdicts.py; env.share_verdicts)
+        self.verdicts = SharedVerdicts() if share_verdicts else None
 
     def _new_worker(self, index: int):
         """Worker `index`, started (the backend: a local process here)."""
@@ -450,9 +460,20 @@ class EpisodePool:
         return self._request(w, epoch, "lint", key, f"episode {key!r}: lint")
 
     def score(self, key) -> tuple[float, dict]:
-        """`Episode.score()` of episode `key`: (test reward, info)."""
+        """`Episode.score()` of episode `key`: (test reward, info). With shared verdicts, an
+        episode whose scoring digest was scored already (or is being scored by another thread,
+        which it waits for) gets that verdict without a test run; `info["verdict_shared"]` says
+        which it was."""
         w, epoch = self._route(key)
-        return self._request(w, epoch, "score", key, f"episode {key!r}: score")
+        what = f"episode {key!r}: score"
+        if self.verdicts is None:
+            reward, info, _ = self._request(w, epoch, "score_with", (key, None), what)
+            return reward, dict(info, verdict_shared=False)
+        digest = self._request(w, epoch, "digest", key, f"episode {key!r}: scoring digest")
+        with self.verdicts.slot(digest) as slot:
+            reward, info, verdict = self._request(w, epoch, "score_with", (key, slot.verdict), what)
+            slot.offer(verdict)
+        return reward, dict(info, verdict_shared=slot.claim is Claim.REUSE)
 
     def close_episode(self, key) -> None:
         """Closes episode `key` (its sandbox); a lost or unknown episode is just forgotten."""

@@ -159,6 +159,7 @@ class RayEpisodePool(pool_lib.EpisodePool):
       resource: custom Ray resource the actors' nodes must have ("" = any node; env.ray_resource).
       address: the cluster to connect to when this process is not connected ("" = a local one).
       start_timeout_s: longest wait for the actors to be placed and started.
+      share_verdicts: one test run per distinct workspace, as for `EpisodePool`.
       episode_kwargs: `Episode` constructor arguments, as for `EpisodePool`.
     """
 
@@ -171,6 +172,7 @@ class RayEpisodePool(pool_lib.EpisodePool):
         resource: str = "",
         address: str = "",
         start_timeout_s: float = START_TIMEOUT_S,
+        share_verdicts: bool = True,
         **episode_kwargs,
     ):
         if num_cpus <= 0:
@@ -197,6 +199,7 @@ class RayEpisodePool(pool_lib.EpisodePool):
         super().__init__(
             n_workers,
             timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+            share_verdicts=share_verdicts,
             **episode_kwargs,
         )
         try:

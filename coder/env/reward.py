@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import pkgutil
 import secrets
@@ -252,6 +254,50 @@ def _clean_workspace(sb: Sandbox, keep: set) -> None:
                 or (ext in (".py", ".so") and stem.split(".")[0] in protected)
             ):
                 os.unlink(full)
+
+
+def prepare(sb: Sandbox, task) -> None:
+    """Steps 1 and 2 (module docstring) on the workspace as the agent left it: what `score`
+    does before it runs the tests. Idempotent."""
+    _clean_workspace(sb, _restore_tests(sb, task))
+
+
+# the Task fields a verdict depends on (not its id, prompt, source or metadata)
+_SCORING_FIELDS = ("files", "tests", "test_command", "language", "repo", "commit", "setup",
+                   "fail_to_pass", "pass_to_pass", "test_patch", "environment", "test_format")
+
+
+def scoring_digest(sb: Sandbox, task, mode: str, timeout_s: float) -> str:
+    """sha256 (hex) of what `score` sees, on a workspace `prepare`d first: the task's scoring
+    fields, `mode`, `timeout_s`, and the workspace's tree (every path, its kind, executable bit
+    and contents or link target; of `.git` its refs, HEAD and index, not the object store, which
+    only grows). Two workspaces with one digest get one verdict up to flaky tests
+    (coder.env.verdicts); the sandbox's /tmp is private to each command, so the tree is all the
+    state a test run can read. OSError when a file cannot be read."""
+    h = hashlib.sha256()
+    fields = {f: getattr(task, f, None) for f in _SCORING_FIELDS}
+    h.update(json.dumps([fields, mode, float(timeout_s)], sort_keys=True, default=list).encode())
+    root = sb.workspace
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == ".git":
+            dirnames[:] = [d for d in dirnames if d != "objects"]
+        for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            full = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                h.update(b"L\0" + rel.encode() + b"\0" + os.readlink(full).encode() + b"\0")
+            elif stat.S_ISREG(st.st_mode):
+                h.update(b"F\0" + rel.encode() + b"\0" + (b"x" if st.st_mode & 0o111 else b"-"))
+                with open(full, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+            else:  # fifos, sockets: their presence is all a test could see
+                h.update(b"O\0" + rel.encode() + b"\0")
+        for d in dirnames:
+            h.update(b"D\0" + os.path.normpath(os.path.join(rel_dir, d)).encode() + b"\0")
+    return h.hexdigest()
 
 
 def pytest_args(test_command: str) -> list[str]:

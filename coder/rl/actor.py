@@ -128,6 +128,7 @@ class EpisodeFactory:
             env, len, tools=tuple(rl.tools), system_preamble=rl.system_prompt or None,
             tool_timeout_s=float(rl.tool_timeout_s), memory=memory, semantic=semantic)
         self.backend = str(env.workers_backend)
+        self.share_verdicts = bool(env.share_verdicts)
         self.ray = {"num_cpus": float(env.ray_num_cpus_per_worker), "resource": str(env.ray_resource),
                     "address": str(rl.ray_address)}
 
@@ -139,10 +140,12 @@ class EpisodeFactory:
         if self.backend == "ray":
             from coder.env.ray_pool import RayEpisodePool
 
-            return RayEpisodePool(n_workers, timeout_s=self.harness_timeout_s, **self.ray, **self.kwargs)
+            return RayEpisodePool(n_workers, timeout_s=self.harness_timeout_s, share_verdicts=self.share_verdicts,
+                                  **self.ray, **self.kwargs)
         from coder.env.pool import EpisodePool
 
-        return EpisodePool(n_workers, timeout_s=self.harness_timeout_s, **self.kwargs)
+        return EpisodePool(n_workers, timeout_s=self.harness_timeout_s, share_verdicts=self.share_verdicts,
+                           **self.kwargs)
 
     @property
     def harness_timeout_s(self) -> float:
@@ -363,7 +366,8 @@ def rollout_metrics(groups: list[list]) -> dict:
     if flat:  # time the rows spent waiting on the env (tool calls and lint; scoring), all rollouts
         tool = [r.tool_time_s for r in flat]
         m.update(tool_wait_s_sum=float(np.sum(tool)), tool_wait_s=float(np.mean(tool)),
-                 score_time_s=float(np.mean([r.score_time_s for r in flat])))
+                 score_time_s=float(np.mean([r.score_time_s for r in flat])),
+                 shared_verdicts=int(sum(r.verdict_shared for r in flat)))
     if not ok:
         return m
 

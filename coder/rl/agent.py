@@ -288,6 +288,7 @@ class AgentRun:
         else:
             r.test_reward = float(test_reward)
             r.clarification_needed = bool((info or {}).get("clarification_needed"))
+            r.verdict_shared = bool((info or {}).get("verdict_shared"))
             if (info or {}).get("infra_error"):
                 r.infra_error = str(info["infra_error"])
         self._finish()

@@ -94,6 +94,7 @@ class Rollout:
     advantage: float = 0.0
     tool_time_s: float = 0.0  # wall time the rollout waited on tool calls and lint
     score_time_s: float = 0.0  # wall time of scoring (the hidden tests)
+    verdict_shared: bool = False  # its tests' verdict came from an identical workspace (no run)
 
     def usage(self) -> np.ndarray:
         """`[5]` in coder.rl.reward.USAGE_KEYS order."""
