@@ -27,7 +27,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-# Artifacts every test process of the session shares (the fitted toy policy): made by whichever
+# Artifacts every test process of the session shares (the toy policies' format checks, or their
+# fits when the committed ones do not apply: tests/rl_toy.py fitted_policy): made by whichever
 # process needs one first, under a file lock, in a directory the controller creates and removes.
 if "CODER_TEST_SHARED_DIR" not in os.environ:
     import atexit
@@ -63,9 +64,10 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first.setdefault(module(item), i)
     items.sort(key=lambda item: (-seconds.get(module(item), 0.0), first[module(item)]))
-    # The toy policy (fixture toy_policy) is fitted once per session under a file lock (~40 s):
-    # when the first two tests both need it, xdist hands them to the two workers and one waits
-    # idle for the other's fit. The longest module that does not need it goes second instead.
+    # The toy policy (fixture toy_policy) is loaded and its format checked once per session under
+    # a file lock (fitted there when the committed fit does not apply, ~80 s): when the first two
+    # tests both need it, xdist hands them to the two workers and one waits idle for the other.
+    # The longest module that does not need it goes second instead.
     needs = {module(it) for it in items if "toy_policy" in it.fixturenames}
     if items and module(items[0]) in needs:
         free = next((it for it in items if module(it) not in needs), None)
@@ -114,9 +116,9 @@ def dates_repo_task(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def toy_policy():
-    """tests/rl_toy.py's tiny model SFT-ed on the submit-call format, fitted once per test
-    session (every xdist worker loads the same file) and checked right after fitting:
-    `rl_toy.ToyPolicy(tokenizer, stage_len, state, format)`."""
+    """tests/rl_toy.py's tiny model SFT-ed on the submit-call format (the committed fit, or one
+    made once per session; every xdist worker loads the same file), its call format checked once
+    per session: `rl_toy.ToyPolicy(tokenizer, stage_len, state, format)`."""
     from tests import rl_toy
 
     return rl_toy.fitted_policy(os.environ["CODER_TEST_SHARED_DIR"])

@@ -18,6 +18,12 @@ are negative examples). A wrong loss sign, misaligned targets, masks that miss t
 or weights that never reach the engine leave the reward at chance or lower: each fails the
 learning tests.
 
+The fitted weights are committed (tests/data/toy_policies, `python -m tests.rl_toy` refreshes
+them after a change to the toy, its tokenizer or the model): every machine starts the learning
+tests from the same model, and the suite skips two 200-step fits. `fitted_policy` falls back to
+fitting when the committed fit was made with another tokenizer, and checks the call format once
+per session either way.
+
 A resumed stage continuing the single epoch where it stopped is tests/rl/test_grpo_preemption.py.
 The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
 
@@ -296,33 +302,97 @@ class ToyPolicy:
     format: dict
 
 
+# The committed fits (`python -m tests.rl_toy` writes them): one npz of weights and one json of
+# what made them per toy. A session loads them instead of fitting when its tokenizer is the one
+# they were fitted with: 200 -O2 steps are ~80 s of CPU per toy on the CI's machines, and every
+# machine then starts the learning tests from the same weights, whatever its float rounding.
+COMMITTED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy_policies")
+
+
+def _setup(toy: Toy):
+    tok = tokenizer(toy)
+    head = len(tok.turn_ids("system", toy.system_prompt)) + 24
+    stage_len = -(-(head + toy.room) // 16) * 16
+    return tok, stage_len, tiny_config(tok, stage_len, toy)
+
+
+def _tokenizer_digest(tok) -> str:
+    import hashlib
+
+    return hashlib.sha256(tok.model_proto).hexdigest()
+
+
+def write_fit(directory: str, toy: Toy = SUBMIT_TOY) -> dict:
+    """Fits `toy` (sft_format) and writes `{toy.name}.npz` (the weights) and `{toy.name}.json`
+    (the last loss, the tokenizer's digest, the stage length) into `directory`."""
+    from coder.train import checkpoint as ckpt_lib
+
+    tok, stage_len, cfg = _setup(toy)
+    model, loss = sft_format(cfg, tok, toy=toy)
+    os.makedirs(directory, exist_ok=True)
+    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+    np.savez_compressed(os.path.join(directory, f"{toy.name}.npz"), **flat)
+    meta = dict(loss=loss, tokenizer_sha256=_tokenizer_digest(tok), stage_len=stage_len)
+    with open(os.path.join(directory, f"{toy.name}.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def _committed(toy: Toy, tok) -> str | None:
+    """The committed fit's directory when it exists and was made with `tok`; None otherwise
+    (the session fits), and always with CODER_TEST_REFIT=1."""
+    meta = os.path.join(COMMITTED_DIR, f"{toy.name}.json")
+    if os.environ.get("CODER_TEST_REFIT") == "1" or not os.path.exists(meta):
+        return None
+    with open(meta) as f:
+        if json.load(f)["tokenizer_sha256"] != _tokenizer_digest(tok):
+            import warnings
+
+            warnings.warn(f"tests/data/toy_policies/{toy.name}: fitted with another tokenizer; "
+                          "fitting again (python -m tests.rl_toy refreshes the committed fits)")
+            return None
+    return COMMITTED_DIR
+
+
 def fitted_policy(cache_dir: str, toy: Toy = SUBMIT_TOY) -> ToyPolicy:
-    """The SFT-ed `toy` (sft_format), fitted by the first process of the session that asks and
-    loaded from `cache_dir` by the others; fails at once, saying so, when the fit does not
-    produce a model that submits (every learning test would otherwise fail at reward -0.3)."""
+    """The SFT-ed `toy` (sft_format): the committed fit (COMMITTED_DIR) when it matches this
+    tokenizer, else fitted by the first process of the session that asks into `cache_dir` and
+    loaded from there by the others. Its call format (`call_format`) is measured once per
+    session, right after the weights are at hand, and the fixture fails at once, saying so, when
+    the model does not submit (every learning test would otherwise fail at reward -0.3)."""
     import filelock
     import jax.numpy as jnp
 
     from coder.train import checkpoint as ckpt_lib
 
-    tok = tokenizer(toy)
-    head = len(tok.turn_ids("system", toy.system_prompt)) + 24
-    stage_len = -(-(head + toy.room) // 16) * 16
-    cfg = tiny_config(tok, stage_len, toy)
-    weights, report = (os.path.join(cache_dir, f"{toy.name}.{ext}") for ext in ("npz", "json"))
+    tok, stage_len, cfg = _setup(toy)
+    report = os.path.join(cache_dir, f"{toy.name}.format.json")
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    template = nnx.state(model)
     with filelock.FileLock(os.path.join(cache_dir, f"{toy.name}.lock")):
+        source = _committed(toy, tok)
+        if source is None:
+            source = cache_dir
+            if not os.path.exists(os.path.join(cache_dir, f"{toy.name}.json")):
+                write_fit(cache_dir, toy)
+        with open(os.path.join(source, f"{toy.name}.json")) as f:
+            meta = json.load(f)
+        assert meta["stage_len"] == stage_len, (meta, stage_len)
+        flat = np.load(os.path.join(source, f"{toy.name}.npz"))
+        state = ckpt_lib.flat_to_state(template, {k: jnp.asarray(v) for k, v in flat.items()})
         if not os.path.exists(report):
-            model, loss = sft_format(cfg, tok, toy=toy)
-            fmt = dict(call_format(model, cfg, tok, toy=toy), loss=loss)
-            np.savez(weights, **{k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()})
+            nnx.update(model, state)
             with open(report, "w") as f:
-                json.dump(fmt, f)
+                json.dump(dict(call_format(model, cfg, tok, toy=toy), loss=meta["loss"], source=source), f)
         with open(report) as f:
             fmt = json.load(f)
     assert fmt["submitted"] >= MIN_SUBMITTED, (
-        f"the toy SFT fit (tests/rl_toy.py sft_format: loss {fmt['loss']:.3f}) submits in only "
-        f"{fmt['submitted']:.0%} of its rollouts (needs {MIN_SUBMITTED:.0%}): the GRPO learning tests "
-        f"would start from a model that never calls its tool. The fit, not GRPO, broke.")
-    template = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    state = ckpt_lib.flat_to_state(template, {k: jnp.asarray(v) for k, v in np.load(weights).items()})
+        f"the toy SFT fit ({fmt['source']}, tests/rl_toy.py sft_format: loss {fmt['loss']:.3f}) submits "
+        f"in only {fmt['submitted']:.0%} of its rollouts (needs {MIN_SUBMITTED:.0%}): the GRPO learning "
+        f"tests would start from a model that never calls its tool. The fit, not GRPO, broke.")
     return ToyPolicy(tok, stage_len, state, fmt)
+
+
+if __name__ == "__main__":  # refresh the committed fits: python -m tests.rl_toy
+    for _toy in (SUBMIT_TOY, FILE_TOY):
+        print(_toy.name, write_fit(COMMITTED_DIR, _toy))

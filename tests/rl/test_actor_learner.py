@@ -2,7 +2,7 @@
 updates, the staleness mask, learning in async and sync mode, a killed actor.
 
 The runs use tests/rl_toy.py's in-process toy task ("submit the lucky number", one
-`submit` tool, reward 1 for "3") and its tiny model, SFT-ed once per session on the call
+`submit` tool, reward 1 for "3") and its tiny model, SFT-ed (tests/rl_toy.py fitted_policy) on the call
 format with a random answer; the sync learning test uses its sandboxed variant (FILE_TOY: write
 lucky.py so that its pytest test passes, in bwrap sandboxes) and that variant's fitted model.
 In-process episodes reach Ray actors by cloudpickle (their classes by reference to this module,
@@ -28,7 +28,7 @@ from tests import rl_toy as rl_test
 @pytest.fixture(scope="module")
 def toy(toy_policy):
     """(tokenizer, stage_len, SFT-ed weights): the model writes well-formed submit calls
-    (checked when the session fitted it: tests/rl_toy.py fitted_policy)."""
+    (checked once per session: tests/rl_toy.py fitted_policy)."""
     return toy_policy.tokenizer, toy_policy.stage_len, toy_policy.state
 
 
@@ -252,7 +252,10 @@ def run_toy(tmp_path, toy, kind=rl_test.SUBMIT_TOY, seed=0, **overrides) -> list
     worked = [r for r in m if r["engine_decode_steps"] > 0]
     assert len(worked) == len(m) or (cfg.grpo["async"] and worked), [r["engine_decode_steps"] for r in m]
     assert all(r["engine_tokens_per_s"] > 0 and 0 < r["engine_occupancy"] <= 1 for r in worked)
-    assert all(r["engine_prefill_tokens"] > 0 for r in worked)
+    # an async window may only decode groups prefilled in the window before it (seen in a local
+    # run here: a window of decode steps with 0 prefill tokens, groups started the window before)
+    prefilled = [r["engine_prefill_tokens"] > 0 for r in worked]
+    assert all(prefilled) or (cfg.grpo["async"] and sum(prefilled) >= len(worked) // 2), prefilled
     return m
 
 

@@ -8,7 +8,7 @@ and its replacement; here one process keeps each of the three runs ~20 s cheaper
 
 The runs are subprocesses (this file run as a script, like tests/train/test_checkpoint_resume.py):
 stage grpo's `train` on tests/rl_toy.py's in-process toy task ("submit the lucky
-number", reward 1 for "3") with its tiny MoE model, SFT-ed once per test session (tests/conftest.py toy_policy) on the call format
+number", reward 1 for "3") with its tiny MoE model, SFT-ed (tests/conftest.py toy_policy) on the call format
 with a random answer (so rewards differ within a group, the policy moves, and the KL to the
 frozen reference is > 0 from step 2 on). Sync mode (`grpo.async=False`, lockstep), the actor
 inside the stage's process (`rl.num_actors=0`: the driver's thread and the actor's group thread
