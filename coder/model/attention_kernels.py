@@ -19,13 +19,12 @@ from a CPU host), and `jax.lax.platform_dependent` where the program is lowered 
     keys and values whole per device (XLA gathers them over the `seq` axes). Split queries are
     exchanged into zigzag order for the kernel (`zigzag_positions`), so every query shard does
     the same causal work, and back.
-  * GPU: the Pallas (Triton) flash attention of `jax.experimental.pallas.ops.gpu.attention`,
-    which takes segment ids. It needs one head width for q, k and v, so v is zero-padded to dq
-    (1.5x the P V product for DeepSeek-V3) and the output sliced back. cuDNN
-    (`jax.nn.dot_product_attention`) is not used: it takes no segment ids, only a dense
-    `[B, 1, T, T]` mask, which is what this module exists to avoid. Under a mesh the GPU kernel
-    sees every query of its heads (queries are gathered over the `seq` axes: sequence-parallel
-    GPU meshes repeat attention work; heads split as on TPU).
+  * GPU: the Pallas (Triton) flash kernel of coder.pallas.flash_gpu, which masks by query
+    position and segment ids and takes MLA's narrower values (the one JAX ships needs one width
+    for q, k and v and masks by array index). Under a mesh it runs in a `shard_map` split as on
+    TPU: heads over the `heads` axes, queries over the `seq` axes in zigzag order (each device's
+    kernel call gets its queries' positions), keys and values whole per device (gathered by
+    XLA), so sequence-parallel GPU meshes split the attention work as TPU meshes do.
   * Anything else (CPU): `reference_attention`, plain XLA with the `[B, H, T, T]` scores.
 
 All three are equal up to float rounding (tests/model/test_attention_kernels.py, interpret mode).
@@ -46,11 +45,6 @@ from coder.model import sharding
 RESIDUALS = "attention_residuals"
 NEG_INF = -1e30  # finite, so fully masked rows (padding only) give no NaN
 BLOCKS = (512, 256, 128)  # kernel block lengths tried, largest first (TPU tiles are 128 x 128)
-# The Triton kernel's tiles (GPU). Its operands live in shared memory (227 KiB a block on H100)
-# with the head dim padded to a power of two (MLA's 192 -> 256) and two pipeline stages: the
-# forward holds q [64,256] + 2 x (k, v) [64,256] bf16 = 160 KiB; 512-token tiles asked for
-# 1.25 MiB and failed to compile on an H100. The backward keeps the library's 32-token tiles.
-GPU_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
 
 
 def attention_mask(segment_ids, prefix_segment=None):
@@ -214,30 +208,34 @@ def splash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = Fa
 
 # ----------------------------------------------------------------------------- GPU: Triton flash
 def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = False):
-    """`reference_attention` by the Pallas GPU (Triton) flash kernel (module docstring)."""
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+    """`reference_attention` by the Pallas GPU (Triton) flash kernel of coder.pallas.flash_gpu
+    (module docstring); `interpret=True` runs it in the Pallas interpreter (the tests)."""
+    from coder.pallas import flash_gpu
 
-    b, t, h, dq = q.shape
-    dv = v.shape[-1]
-    block_len(t)  # the padded rows hold whole blocks (ValueError naming the fix otherwise)
-    sizes = gpu_attention.BlockSizes(**GPU_BLOCKS)
-
-    def local(q, k, v, seg):
-        vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dq - dv))) if dv < dq else v
-        o = gpu_attention.mha(q, k, vp, seg, sm_scale=scale, causal=True, block_sizes=sizes,
-                              interpret=interpret)
-        return o[..., :dv]
-
+    b, t, h, _ = q.shape
+    tiles = flash_gpu.Tiles(interpret=interpret)
     ctx = sharding.current()
     if ctx is None:
-        return local(q, k, v, segment_ids)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return flash_gpu.flash_attention(q, k, v, pos, segment_ids, segment_ids, scale, tiles)
     mesh, rules = ctx
     bs, ss, hs = _specs(mesh, rules, b, t, h)
-    spec = P(bs, None, hs, None)  # every query of the device's heads (see module docstring)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(bs, None)),
-                       out_specs=spec, check_vma=False)
-    o = fn(q, k, v, segment_ids)
-    return sharding.constrain(o, ("batch", "seq", "heads", None))
+    n = _size(mesh, ss)
+    q_spec, kv_spec = P(bs, ss, hs, None), P(bs, None, hs, None)
+    # each query shard's positions in zigzag order (the order _zigzag gives its queries)
+    table = jnp.asarray(zigzag_positions(t, n).reshape(n, t // n), jnp.int32) if n > 1 else None
+
+    def local(q, k, v, seg_q, seg_kv):
+        if n == 1:
+            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg_q.shape)
+            return flash_gpu.flash_attention(q, k, v, pos, seg_q, seg_kv, scale, tiles)
+        pos = jnp.broadcast_to(table[jax.lax.axis_index(ss)], seg_q.shape)
+        o = flash_gpu.flash_attention(_zigzag(q, ss, n), k, v, pos, _zigzag(seg_q, ss, n), seg_kv, scale, tiles)
+        return _zigzag(o, ss, n, inverse=True)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None)),
+                       out_specs=q_spec, check_vma=False)
+    return fn(q, k, v, segment_ids, segment_ids)
 
 
 # ----------------------------------------------------------------------------- dispatch

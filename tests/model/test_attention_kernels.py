@@ -1,7 +1,8 @@
 """The dense backend's attention kernels (coder.model.attention_kernels) against the XLA reference,
-forward and backward, in the Pallas interpreter: TPU splash attention (one device, and split over
-heads, queries and rows on 8 fake devices) and the GPU Triton flash kernel. MLA's widths (queries
-and keys 192, values 128), several documents per row and a padded (segment 0) tail."""
+forward and backward, in the Pallas interpreter: TPU splash attention and the GPU Triton flash
+kernel (coder.pallas.flash_gpu), each on one device and split over heads, queries (zigzag) and
+rows on 8 fake devices. MLA's widths (queries and keys 192, values 128), several documents per
+row and a padded (segment 0) tail."""
 import re
 
 import jax
@@ -92,23 +93,72 @@ def test_attention_lowers_to_splash_for_tpu_and_to_xla_for_cpu(monkeypatch):
     assert "tpu_custom_call" not in cpu and "splash" not in cpu
 
 
+def _cuda_grids(fn, *args) -> dict:
+    """{kernel name: its launch grid (x, y, z)} of every Triton call of `fn` lowered for CUDA from
+    this CPU host (one custom call per line of the module's text)."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tpu_custom_call" not in text
+    grids = {}
+    for line in text.splitlines():
+        if "@__gpu$xla.gpu.triton" in line:
+            grid = tuple(int(re.search(rf"grid_{a} = (\d+)", line).group(1)) for a in "xyz")
+            grids[re.search(r'name = "([^"]+)"', line).group(1)] = grid
+    return grids
+
+
 def test_attention_lowers_to_triton_flash_for_cuda_with_tiles_an_h100_holds(monkeypatch):
-    """Lowered for GPU from this CPU host: the Triton flash kernel, forward and backward, over
-    GPU_BLOCKS' tiles (grid = tokens / tile). 512-token tiles (the TPU's) asked an H100 for
-    1.25 MiB of shared memory and failed to compile (docs/accelerator.md); lowering cannot see
-    shared memory, the tile count can."""
+    """Lowered for GPU from this CPU host: the Triton flash kernels, forward, dQ and dK/dV,
+    over flash_gpu.Tiles' tiles (grid = tokens / tile, rows, heads). 512-token tiles (the TPU's)
+    asked an H100 for 1.25 MiB of shared memory and failed to compile (docs/accelerator.md);
+    lowering cannot see shared memory, the tile count can."""
+    from coder.pallas.flash_gpu import Tiles
+
     *qkv, seg = _inputs()
     q, k, v = (a.astype(jnp.bfloat16) for a in qkv)
-    t = q.shape[1]
+    t, b, h = q.shape[1], q.shape[0], q.shape[2]
     monkeypatch.setattr(sharding, "target_platform", lambda: None)
     loss = lambda q, k, v: jnp.sum(ak.attention(q, k, v, seg, scale=0.1).astype(jnp.float32))
-    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    grids = [tuple(int(n) for n in g) for g in re.findall(r"grid_x = (\d+).*?grid_y = (\d+).*?grid_z = (\d+)", text)]
-    b, h = q.shape[0], q.shape[2]
-    fwd = (t // ak.GPU_BLOCKS["block_q"], b, h)  # mha: (query tiles, batch, heads)
-    bwd = (b, h, t // ak.GPU_BLOCKS["block_kv_dkv"])  # mha_backward: (batch, heads, key tiles)
-    assert fwd in grids and bwd in grids, grids
-    assert "tpu_custom_call" not in text
+    grids = _cuda_grids(jax.grad(loss, (0, 1, 2)), q, k, v)
+    tiles = Tiles()
+    assert grids == {"flash_fwd_at_positions": (t // tiles.block_q, b, h),
+                     "flash_dq_at_positions": (t // tiles.block_q_bwd, b, h),
+                     "flash_dkv_at_positions": (t // tiles.block_k_bwd, b, h)}, grids
+
+
+@pytest.mark.parametrize("data,seq", [(2, 2), (1, 4)])
+def test_gpu_flash_attention_split_over_heads_queries_and_rows_on_8_devices(data, seq):
+    """Context parallelism on GPU meshes, in the interpreter: heads over `tensor` (2), queries
+    over `sequence` (2 or 4, in zigzag order, each device's kernel given its queries' positions),
+    rows over `data`, keys and values whole per device; equal to the reference forward and
+    backward."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(data, 1, 1, 2, seq), sharding.AXES,
+                axis_types=(AxisType.Auto,) * 5)
+    rules = (("batch", "data"), ("seq", "sequence"), ("heads", "tensor"))
+    q, k, v, seg = _inputs(t=512)
+    with sharding.activate(mesh, rules):
+        _check(lambda *a, scale: jax.jit(lambda *b: ak.gpu_flash_attention(*b, scale=scale, interpret=True))(*a),
+               q, k, v, seg, tol=2e-4)
+
+
+def test_a_sequence_split_gpu_mesh_gives_each_device_its_share_of_the_queries(monkeypatch):
+    """Lowered for CUDA under a mesh with queries over 4 `sequence` devices: each device's
+    kernels run over T/4 queries against the T keys (a query-tile grid of T/4/64), where the
+    whole-row kernel would run over every query on every device."""
+    from coder.pallas.flash_gpu import Tiles
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 1, 1, 1, 4), sharding.AXES,
+                axis_types=(AxisType.Auto,) * 5)
+    rules = (("batch", "data"), ("seq", "sequence"), ("heads", "tensor"))
+    *qkv, seg = _inputs(t=1024)
+    q, k, v = (a.astype(jnp.bfloat16) for a in qkv)
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
+    loss = lambda q, k, v: jnp.sum(ak.attention(q, k, v, seg, scale=0.1).astype(jnp.float32))
+    with sharding.activate(mesh, rules):
+        grids = _cuda_grids(jax.grad(loss, (0, 1, 2)), q, k, v)
+    tiles, rows, heads = Tiles(), 1, q.shape[2]  # 2 rows over data 2, both heads per device
+    assert grids["flash_fwd_at_positions"] == (1024 // 4 // tiles.block_q, rows, heads), grids
+    assert grids["flash_dq_at_positions"] == (1024 // 4 // tiles.block_q_bwd, rows, heads), grids
+    assert grids["flash_dkv_at_positions"] == (1024 // tiles.block_k_bwd, rows, heads), grids  # all keys
 
 
 def test_rows_not_a_multiple_of_the_block_are_padded_for_the_kernel():

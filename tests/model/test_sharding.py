@@ -246,3 +246,20 @@ def test_platform_dependent_traces_the_branch_of_the_programs_platform(monkeypat
     text = jax.jit(lambda x: sharding.platform_dependent(x, **branches)).trace(jnp.float32(0)).lower(
         lowering_platforms=("tpu",)).as_text()
     assert sorted(traced) == ["cpu", "default", "tpu"] and "2.0" in text and "1.0" not in text
+
+
+def test_a_sequence_split_dense_model_lowered_for_cuda_splits_attention_by_queries(monkeypatch):
+    """The model's dense attention on a GPU mesh with queries over 4 `sequence` devices and heads
+    over 2 `tensor` ones: each device's Triton flash kernels take its 128 of the 512 queries
+    (grid 128 / 64 query tiles) and its 2 heads, against all 512 keys
+    (coder.model.attention_kernels.gpu_flash_attention; numbers in its tests)."""
+    from tests.model.test_attention_kernels import _cuda_grids
+
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as on GPUs
+    mc = mesh_cfg(sequence=4, tensor=2)
+    model = Transformer(tiny(max_position_embeddings=512), rngs=nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    tok, pos, seg = batch(b=2, t=512)
+    with sharding.activate(sharding.make_mesh(mc), mc.rules):
+        grids = _cuda_grids(lambda p: nnx.merge(graph, p, rest)(tok, pos, seg)[0], params)
+    assert grids == {"flash_fwd_at_positions": (512 // 4 // 64, 2, 2)}, grids
