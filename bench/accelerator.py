@@ -35,7 +35,9 @@ FULL["deadline"] (540 s) with exit code 3 and the summary so far.
    output's and dq, dk, dv's max relative difference. Shapes: q, k [1,T,16,192], v [1,T,16,128]
    bf16 (V3's MLA head widths, 16 heads as above), one document; T = 4k, 8k, 16k, 32k. Where
    the reference's float32 [H,T,T] tensors (~4 H T^2 x 4 bytes) would take over 70% of the
-   device's memory it is skipped and the kernel timed alone.
+   device's memory it is skipped and the kernel timed alone. On a GPU each size also times
+   cuDNN's flash attention with V zero-padded to 192 (the other way to run MLA there: it wants
+   one head width and takes no segment ids) in a note: which of the two is faster.
 3. MoE grouped matmul (coder/model/grouped_matmul.py): one expert matmul of part 4's model at
    part 4's batch, x [98304, 1024] (8 x 2048 tokens x top-6 routed pairs, sorted by expert) x
    w [64, 1024, 384] bf16, forward + backward (dx, dw): `jax.lax.ragged_dot` (`grouped_matmul`'s
@@ -459,6 +461,20 @@ def part_attention(ctx: Context, budget: Budget, table_rows: list) -> bool:
             rels = [float(r) for r in rel_diffs([(o_k, o_x)] + list(zip(g_k, g_x)))]
             ok &= record_comparison(table, table_rows, t, (tk, tx), (ck, cx), rels, ("out", "dq", "dk", "dv"))
             last, last_t = dict(compile=ck + cx, run=rk + rx), t
+            if ctx.platform == "gpu" and ctx.interpret is None:
+                # the other way to flash-attend MLA on GPUs: cuDNN, which wants one width for q, k
+                # and v (V zero-padded to dq) and has no segment ids (fine here: one document)
+                def cudnn(q, k, v, seg, scale):
+                    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, dq - dv)])
+                    out = jax.nn.dot_product_attention(q, k, vp, is_causal=True, scale=scale, implementation="cudnn")
+                    return out[..., :dv]
+                try:
+                    _, cc, tc, _ = compile_and_time(functools.partial(fwd_bwd, f=cudnn), args, s["reps"])
+                    table.note(f"T={t}: cuDNN (V padded to {dq}) {tc * 1e3:.2f} ms fwd+bwd, the kernel {tk * 1e3:.2f} ms "
+                               f"(kernel/cuDNN {tk / tc:.2f}; compile {cc:.1f} s)")
+                    table_rows[-1]["cudnn_padded_v_ms"] = tc * 1e3
+                except Exception as e:  # noqa: BLE001 - a note: cuDNN is the comparison, not the path
+                    table.note(f"T={t}: cuDNN failed: {type(e).__name__}: {str(e)[:200]}")
             del res_k, res_x, args
         except Exception as e:  # noqa: BLE001 - reported in the table and the summary
             ok = record_error(table, table_rows, e, T=t)
