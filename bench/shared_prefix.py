@@ -12,9 +12,9 @@ Measured: a jitted forward + backward of the GRPO loss (`coder.rl.grpo.grpo_loss
 learner's loss) over the model's parameters, both layouts in one process, timed in alternation
 (median of `--repeats` rounds), and their losses compared (equal up to float rounding).
 Learner tokens/s = the group's rollout tokens G x (P + C) / step time, the same numerator for
-both: the ratio is the speed-up. The shared layout's attention is XLA on every platform
-(coder.model.attention_kernels.attention_mask: the kernels have no prefix mask); the unshared
-one uses the platform's kernel on TPU / GPU (XLA on CPU).
+both: the ratio is the speed-up. The shared layout's attention is the flash kernel on GPU
+(coder/pallas/flash_gpu.py takes the prefix mask) and XLA on TPU and CPU (splash has no prefix
+mask); the unshared one uses the platform's kernel on TPU / GPU (XLA on CPU).
 
     python bench/shared_prefix.py            # CPU-sized: quickstart model, P=1024, C=128, G=8
     python bench/shared_prefix.py --model 100m --prompt 512 --completion 64   # ~100M MoE (CPU memory)

@@ -295,8 +295,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.router_replay = False  # train with the engine's expert ids (routing=) for MoE
     # shared-prefix packing (coder.rl.trajectory.shared_prefix_rows): the learner computes a group's
     # shared prompt once, its rollouts' continuations attending to it; the value is the packed rows'
-    # length in tokens (>= rl.context_budget; 0 = off: one generation per row). Dense XLA attention
-    # only (the [B,H,T,T] scores: the splash / Triton kernels have no such mask); no NSA, no MTP refresh.
+    # length in tokens (>= rl.context_budget; 0 = off: one generation per row). Dense attention only:
+    # the GPU flash kernel takes the prefix mask; on TPU and CPU it is XLA's [B,H,T,T] scores (splash
+    # has no such mask); no NSA, no MTP refresh.
     c.grpo.shared_prefix_len = 0
     c.grpo.eval_every = 0  # steps between agent evals during grpo (0 = only at the end)
     c.grpo.eval_at_start = True  # also before the first step: the baseline the stage's pass@1 gain is read against

@@ -16,7 +16,8 @@ CPU; chosen at lowering).
 Masking: a query attends to keys of its own segment (`segment_ids`) at or before its index
 (full forward), or to cache slots at or before its absolute position (cached call). A full
 forward given `prefix_segment` (shared-prefix rows of the GRPO learner) also attends to the keys
-of the segment it names (`attention_kernels.attention_mask`), in XLA on every platform.
+of the segment it names (`attention_kernels.attention_mask`): by the flash kernel on GPU, in XLA
+elsewhere (splash's mask cannot say "own segment or the shared prefix").
 
 Cached calls (decode, chunked prefill) use the *absorbed* form (DeepSeek-V2 section 2.1.3):
 W_kvb's key half is folded into the query and its value half applied after the softmax, so
@@ -202,22 +203,30 @@ class MLA(nnx.Module):
         elif cache is None:
             kvb = jnp.einsum("bsr,rhd->bshd", latent, w_kvb)
             k_nope, v = kvb[..., : self.dn], kvb[..., self.dn:]
-            if sharding.targets_cpu() or prefix_segment is not None:
-                # XLA: the RoPE half of the scores in the precision RoPE returns (as the cached
-                # path's, so the engine and the learner agree), no per-head key copies; also on
-                # TPU / GPU for shared-prefix rows, whose mask the kernels cannot express
+            def xla(q_nope, q_rope, k_nope, k_rope, v):
+                # the RoPE half of the scores in the precision RoPE returns (as the cached path's,
+                # so the engine and the learner agree), no per-head key copies
                 scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
                           + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
                 mask = attention_kernels.attention_mask(segment_ids, prefix_segment)  # [B,1,T,S]
                 probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
-                o = jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
-            else:
+                return jnp.einsum("bhts,bshd->bthd", probs.astype(dt), v)
+
+            def kernel(q_nope, q_rope, k_nope, k_rope, v):
                 # one RoPE key for all heads: broadcast, so q . k = q_n . k_n + q_r . k_r per head
                 k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :].astype(dt),
                                                               (*k_rope.shape[:2], self.h, self.dr))], -1)
                 q = jnp.concatenate([q_nope, q_rope.astype(dt)], -1)
                 # splash attention on TPU, the Triton flash kernel on GPU (chosen at lowering)
-                o = attention_kernels.attention(q, k, v, segment_ids, self.scale)
+                return attention_kernels.attention(q, k, v, segment_ids, self.scale, prefix_segment)
+
+            parts = (q_nope, q_rope, k_nope, k_rope, v)
+            if sharding.targets_cpu():
+                o = xla(*parts)
+            elif prefix_segment is None:
+                o = kernel(*parts)
+            else:  # shared-prefix rows: the GPU kernel takes their mask, splash does not
+                o = sharding.platform_dependent(*parts, cuda=kernel, default=xla)
             new_cache = None
         elif self.nsa is not None:
             new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)

@@ -207,17 +207,19 @@ def splash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = Fa
 
 
 # ----------------------------------------------------------------------------- GPU: Triton flash
-def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = False):
+def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = False, prefix_segment=None):
     """`reference_attention` by the Pallas GPU (Triton) flash kernel of coder.pallas.flash_gpu
-    (module docstring); `interpret=True` runs it in the Pallas interpreter (the tests)."""
+    (module docstring), shared-prefix rows included (`prefix_segment`, as `attention_mask`);
+    `interpret=True` runs it in the Pallas interpreter (the tests)."""
     from coder.pallas import flash_gpu
 
     b, t, h, _ = q.shape
     tiles = flash_gpu.Tiles(interpret=interpret)
+    prefix = jnp.zeros_like(segment_ids) if prefix_segment is None else prefix_segment
     ctx = sharding.current()
     if ctx is None:
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return flash_gpu.flash_attention(q, k, v, pos, segment_ids, segment_ids, scale, tiles)
+        return flash_gpu.flash_attention(q, k, v, pos, segment_ids, segment_ids, scale, tiles, q_prefix=prefix)
     mesh, rules = ctx
     bs, ss, hs = _specs(mesh, rules, b, t, h)
     n = _size(mesh, ss)
@@ -225,17 +227,18 @@ def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool =
     # each query shard's positions in zigzag order (the order _zigzag gives its queries)
     table = jnp.asarray(zigzag_positions(t, n).reshape(n, t // n), jnp.int32) if n > 1 else None
 
-    def local(q, k, v, seg_q, seg_kv):
+    def local(q, k, v, seg_q, seg_kv, pre_q):
         if n == 1:
             pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg_q.shape)
-            return flash_gpu.flash_attention(q, k, v, pos, seg_q, seg_kv, scale, tiles)
+            return flash_gpu.flash_attention(q, k, v, pos, seg_q, seg_kv, scale, tiles, q_prefix=pre_q)
         pos = jnp.broadcast_to(table[jax.lax.axis_index(ss)], seg_q.shape)
-        o = flash_gpu.flash_attention(_zigzag(q, ss, n), k, v, pos, _zigzag(seg_q, ss, n), seg_kv, scale, tiles)
+        zig = lambda a: _zigzag(a, ss, n)
+        o = flash_gpu.flash_attention(zig(q), k, v, pos, zig(seg_q), seg_kv, scale, tiles, q_prefix=zig(pre_q))
         return _zigzag(o, ss, n, inverse=True)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None)),
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None), P(bs, ss)),
                        out_specs=q_spec, check_vma=False)
-    return fn(q, k, v, segment_ids, segment_ids)
+    return fn(q, k, v, segment_ids, segment_ids, prefix)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -243,13 +246,15 @@ def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
     """Causal segment-masked attention by the kernel of the platform the program is lowered for
     (module docstring). Shapes: q `[B,T,H,dq]`, k `[B,T,H,dq]`, v `[B,T,H,dv]` -> `[B,T,H,dv]`.
 
-    With `prefix_segment` (shared-prefix rows, `attention_mask`) it is the XLA reference on every
-    platform: neither kernel's mask can say "own segment or the shared prefix" (splash compares
-    segment ids for equality only, the Triton kernel likewise), so the `[B,H,T,T]` scores are
-    materialised."""
+    With `prefix_segment` (shared-prefix rows, `attention_mask`) it is the GPU flash kernel on
+    GPUs (its mask takes the prefix term) and the XLA reference elsewhere: splash compares
+    segment ids for equality only, so on TPU the `[B,H,T,T]` scores are materialised."""
     ref = functools.partial(reference_attention, scale=scale)
     if prefix_segment is not None:
-        return ref(q, k, v, segment_ids, prefix_segment=prefix_segment)
+        return sharding.platform_dependent(
+            q, k, v, segment_ids, prefix_segment,
+            cuda=_padded(lambda q, k, v, s, p: gpu_flash_attention(q, k, v, s, scale=scale, prefix_segment=p)),
+            default=lambda q, k, v, s, p: ref(q, k, v, s, prefix_segment=p))
     return sharding.platform_dependent(
         q, k, v, segment_ids,
         tpu=_padded(functools.partial(splash_attention, scale=scale)),
@@ -258,15 +263,16 @@ def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
 
 
 def _padded(kernel):
-    """`kernel` on rows padded to a multiple of BLOCKS[-1] tokens (segment 0: the padding's own
-    segment, which no real token attends to), its output cut back to the input's length."""
-    def run(q, k, v, segment_ids):
+    """`kernel(q, k, v, *rows)` on rows padded to a multiple of BLOCKS[-1] tokens (`rows`: the
+    [B,T] segment ids, and prefix segments where given; padding is segment 0, the padding's own,
+    which no real token attends to, with no prefix), its output cut back to the input's length."""
+    def run(q, k, v, *rows):
         t = q.shape[1]
         pad = -t % BLOCKS[-1]
         if not pad:
-            return kernel(q, k, v, segment_ids)
+            return kernel(q, k, v, *rows)
         widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return kernel(widen(q), widen(k), widen(v), widen(segment_ids))[:, :t]
+        return kernel(widen(q), widen(k), widen(v), *map(widen, rows))[:, :t]
     return run
 
 

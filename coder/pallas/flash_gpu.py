@@ -1,10 +1,12 @@
 """Causal, segment-masked flash attention for GPUs (Pallas Triton) at given query positions.
 
-    o = flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale)
-    q [B,Tq,H,dq], k [B,S,H,dq], v [B,S,H,dv], q_pos / q_seg [B,Tq] int32, kv_seg [B,S] int32
-    -> o [B,Tq,H,dv] in q's dtype
+    o = flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale, q_prefix=None)
+    q [B,Tq,H,dq], k [B,S,H,dq], v [B,S,H,dv], q_pos / q_seg / q_prefix [B,Tq] int32,
+    kv_seg [B,S] int32 -> o [B,Tq,H,dv] in q's dtype
 
-Query i sees key s iff s <= q_pos[i] and kv_seg[s] == q_seg[i] (`reference`). With q_pos =
+Query i sees key s iff s <= q_pos[i] and kv_seg[s] is q_seg[i], or q_prefix[i] when that is
+> 0 (`reference`): the second term is the GRPO learner's shared-prefix rows (a group's prompt
+once, each continuation attending to it and to itself: attention_kernels.attention_mask). With q_pos =
 arange(S) and q_seg = kv_seg this is the dense backend's causal attention of packed documents
 (coder.model.attention_kernels.attention_mask); with a device's share of the queries, in any
 order, against the whole row's keys, it is that device's part of a sequence-parallel attention
@@ -52,22 +54,24 @@ class Tiles:
     interpret: bool = False
 
 
-def reference(q, k, v, q_pos, q_seg, kv_seg, scale: float):
+def reference(q, k, v, q_pos, q_seg, kv_seg, scale: float, q_prefix=None):
     """`flash_attention` in plain XLA (the [B, H, Tq, S] scores): the kernel's test oracle."""
     s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    seen = _seen(q_pos[:, :, None], q_seg[:, :, None], jnp.arange(k.shape[1])[None, None], kv_seg[:, None])
+    q_prefix = jnp.zeros_like(q_seg) if q_prefix is None else q_prefix
+    seen = _seen(q_pos[:, :, None], q_seg[:, :, None], q_prefix[:, :, None], jnp.arange(k.shape[1])[None, None],
+                 kv_seg[:, None])
     p = jax.nn.softmax(jnp.where(seen[:, None], s, NEG_INF), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v).astype(q.dtype)
 
 
-def _seen(q_pos, q_seg, k_pos, k_seg):
-    return (k_pos <= q_pos) & (k_seg == q_seg)
+def _seen(q_pos, q_seg, q_pre, k_pos, k_seg):
+    return (k_pos <= q_pos) & ((k_seg == q_seg) | ((k_seg == q_pre) & (q_pre > 0)))
 
 
 # ----------------------------------------------------------------------------- kernels
-def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, scale, block_k):
+def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, o_ref, lse_ref, *, scale, block_k):
     """One query block of one (row, head): o_ref [bq, dv], lse_ref [bq]."""
-    q, qpos, qseg = q_ref[...], qpos_ref[...], qseg_ref[...]
+    q, qpos, qseg, qpre = q_ref[...], qpos_ref[...], qseg_ref[...], qpre_ref[...]
     n_k = k_ref.shape[0] // block_k
 
     def body(j, carry):
@@ -75,7 +79,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kseg_ref, o_ref, lse_re
         ks = pl.ds(j * block_k, block_k)
         k, v, kseg = k_ref[ks, :], v_ref[ks, :], kseg_ref[ks]
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [bq, bk]
-        seen = _seen(qpos[:, None], qseg[:, None], j * block_k + jnp.arange(block_k)[None, :], kseg[None, :])
+        seen = _seen(qpos[:, None], qseg[:, None], qpre[:, None], j * block_k + jnp.arange(block_k)[None, :],
+                     kseg[None, :])
         s = jnp.where(seen, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
@@ -92,18 +97,19 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kseg_ref, o_ref, lse_re
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kseg_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, dq_ref, *,
                scale, block_k):
     """dQ of one query block: sum over the key blocks it sees of dS K (dS = P (dP - delta))."""
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    qpos, qseg = qpos_ref[...], qseg_ref[...]
+    qpos, qseg, qpre = qpos_ref[...], qseg_ref[...], qpre_ref[...]
     n_k = k_ref.shape[0] // block_k
 
     def body(j, dq):
         ks = pl.ds(j * block_k, block_k)
         k, v, kseg = k_ref[ks, :], v_ref[ks, :], kseg_ref[ks]
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale
-        seen = _seen(qpos[:, None], qseg[:, None], j * block_k + jnp.arange(block_k)[None, :], kseg[None, :])
+        seen = _seen(qpos[:, None], qseg[:, None], qpre[:, None], j * block_k + jnp.arange(block_k)[None, :],
+                     kseg[None, :])
         p = jnp.where(seen, jnp.exp(s - lse[:, None]), 0.0)
         dp = plgpu.dot(do, v, trans_b=True).astype(jnp.float32)
         ds = p * (dp - delta[:, None])
@@ -114,8 +120,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_r
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kseg_ref, dk_ref, dv_ref, *,
-                scale, block_q):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, dk_ref,
+                dv_ref, *, scale, block_q):
     """dK, dV of one key block: sums over the query blocks (any order of positions) that see it."""
     j = pl.program_id(0)
     k, v, kseg = k_ref[...], v_ref[...], kseg_ref[...]
@@ -129,9 +135,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_
 
         def add(carry):
             dk, dv = carry
-            q, do, lse, delta, qseg = q_ref[qs, :], do_ref[qs, :], lse_ref[qs], delta_ref[qs], qseg_ref[qs]
+            q, do, lse, delta = q_ref[qs, :], do_ref[qs, :], lse_ref[qs], delta_ref[qs]
+            qseg, qpre = qseg_ref[qs], qpre_ref[qs]
             s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [bq, bk]
-            seen = _seen(qpos[:, None], qseg[:, None], kpos[None, :], kseg[None, :])
+            seen = _seen(qpos[:, None], qseg[:, None], qpre[:, None], kpos[None, :], kseg[None, :])
             p = jnp.where(seen, jnp.exp(s - lse[:, None]), 0.0)
             dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
             dp = plgpu.dot(do, v, trans_b=True).astype(jnp.float32)
@@ -152,7 +159,7 @@ def _params(tiles: Tiles):
     return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def _forward(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles):
+def _forward(q, k, v, q_pos, q_seg, q_pre, kv_seg, scale: float, tiles: Tiles):
     """(o [B,Tq,H,dv], lse [B,H,Tq] float32) on widths already powers of two."""
     b, tq, h, dq = q.shape
     s, dv = k.shape[1], v.shape[-1]
@@ -164,15 +171,16 @@ def _forward(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles):
         in_specs=[pl.BlockSpec((None, bq, None, dq), lambda i, b_, h_: (b_, i, h_, 0)), row(s, dq), row(s, dv),
                   pl.BlockSpec((None, bq), lambda i, b_, h_: (b_, i)),
                   pl.BlockSpec((None, bq), lambda i, b_, h_: (b_, i)),
+                  pl.BlockSpec((None, bq), lambda i, b_, h_: (b_, i)),
                   pl.BlockSpec((None, s), lambda i, b_, h_: (b_, 0))],
         out_specs=[pl.BlockSpec((None, bq, None, dv), lambda i, b_, h_: (b_, i, h_, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, b_, h_: (b_, h_, i))],
         out_shape=[jax.ShapeDtypeStruct((b, tq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)],
         compiler_params=_params(tiles), interpret=tiles.interpret, name="flash_fwd_at_positions",
-    )(q, k, v, q_pos, q_seg, kv_seg)
+    )(q, k, v, q_pos, q_seg, q_pre, kv_seg)
 
 
-def _backward(q, k, v, q_pos, q_seg, kv_seg, o, lse, do, scale: float, tiles: Tiles):
+def _backward(q, k, v, q_pos, q_seg, q_pre, kv_seg, o, lse, do, scale: float, tiles: Tiles):
     b, tq, h, dq = q.shape
     s, dv = k.shape[1], v.shape[-1]
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -187,46 +195,46 @@ def _backward(q, k, v, q_pos, q_seg, kv_seg, o, lse, do, scale: float, tiles: Ti
         in_specs=[tile(bq, dq), whole(s, dq), whole(s, dv), tile(bq, dv),
                   stat(bq, lambda i, b_, h_: (b_, h_, i)), stat(bq, lambda i, b_, h_: (b_, h_, i)),
                   seq(bq, lambda i, b_, h_: (b_, i)), seq(bq, lambda i, b_, h_: (b_, i)),
-                  seq(s, lambda i, b_, h_: (b_, 0))],
+                  seq(bq, lambda i, b_, h_: (b_, i)), seq(s, lambda i, b_, h_: (b_, 0))],
         out_specs=tile(bq, dq), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(tiles), interpret=tiles.interpret, name="flash_dq_at_positions",
-    )(q, k, v, do, lse, delta, q_pos, q_seg, kv_seg)
+    )(q, k, v, do, lse, delta, q_pos, q_seg, q_pre, kv_seg)
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, block_q=bq),
         grid=(s // bk, b, h),
         in_specs=[whole(tq, dq), tile(bk, dq), tile(bk, dv), whole(tq, dv),
                   stat(tq, lambda j, b_, h_: (b_, h_, 0)), stat(tq, lambda j, b_, h_: (b_, h_, 0)),
                   seq(tq, lambda j, b_, h_: (b_, 0)), seq(tq, lambda j, b_, h_: (b_, 0)),
-                  seq(bk, lambda j, b_, h_: (b_, j))],
+                  seq(tq, lambda j, b_, h_: (b_, 0)), seq(bk, lambda j, b_, h_: (b_, j))],
         out_specs=[tile(bk, dq), tile(bk, dv)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(tiles), interpret=tiles.interpret, name="flash_dkv_at_positions",
-    )(q, k, v, do, lse, delta, q_pos, q_seg, kv_seg)
+    )(q, k, v, do, lse, delta, q_pos, q_seg, q_pre, kv_seg)
     return dq_, dk, dv_
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, q_pos, q_seg, kv_seg, scale, tiles):
-    return _forward(q, k, v, q_pos, q_seg, kv_seg, scale, tiles)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, q_pos, q_seg, q_pre, kv_seg, scale, tiles):
+    return _forward(q, k, v, q_pos, q_seg, q_pre, kv_seg, scale, tiles)[0]
 
 
-def _flash_fwd(q, k, v, q_pos, q_seg, kv_seg, scale, tiles):
-    o, lse = _forward(q, k, v, q_pos, q_seg, kv_seg, scale, tiles)
-    return o, (q, k, v, q_pos, q_seg, kv_seg, o, lse)
+def _flash_fwd(q, k, v, q_pos, q_seg, q_pre, kv_seg, scale, tiles):
+    o, lse = _forward(q, k, v, q_pos, q_seg, q_pre, kv_seg, scale, tiles)
+    return o, (q, k, v, q_pos, q_seg, q_pre, kv_seg, o, lse)
 
 
 def _flash_bwd(scale, tiles, res, do):
-    q, k, v, q_pos, q_seg, kv_seg, o, lse = res
-    dq, dk, dv = _backward(q, k, v, q_pos, q_seg, kv_seg, o, lse, do, scale, tiles)
-    return dq, dk, dv, None, None, None
+    q, k, v, q_pos, q_seg, q_pre, kv_seg, o, lse = res
+    dq, dk, dv = _backward(q, k, v, q_pos, q_seg, q_pre, kv_seg, o, lse, do, scale, tiles)
+    return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = Tiles()):
-    """See the module docstring. Tq must be a multiple of the query tiles and S of the key
-    tiles (ValueError naming them otherwise)."""
+def flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = Tiles(), q_prefix=None):
+    """See the module docstring (q_prefix None: no shared prefix). Tq must be a multiple of the
+    query tiles and S of the key tiles (ValueError naming them otherwise)."""
     tq, s = q.shape[1], k.shape[1]
     for name, n, blocks in (("queries", tq, (tiles.block_q, tiles.block_q_bwd)),
                             ("keys", s, (tiles.block_k, tiles.block_k_bwd))):
@@ -236,6 +244,7 @@ def flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = 
     dq, dv = q.shape[-1], v.shape[-1]
     pad = lambda a, width: a if a.shape[-1] == width else jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])])
     wq, wv = pl.next_power_of_2(dq), pl.next_power_of_2(dv)
-    o = _flash(pad(q, wq), pad(k, wq), pad(v, wv), q_pos.astype(jnp.int32), q_seg.astype(jnp.int32),
+    q_pre = jnp.zeros_like(q_seg, jnp.int32) if q_prefix is None else q_prefix.astype(jnp.int32)
+    o = _flash(pad(q, wq), pad(k, wq), pad(v, wv), q_pos.astype(jnp.int32), q_seg.astype(jnp.int32), q_pre,
                kv_seg.astype(jnp.int32), float(scale), tiles)
     return o[..., :dv]

@@ -244,3 +244,51 @@ def test_shared_prefix_attention_equals_unshared_rows():
     g_unshared = jax.grad(lambda *x: jnp.sum(unshared(*x) * w), argnums=(0, 1, 2))(*shared)
     for x, y in zip(g_packed, g_unshared):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _prefix_rows(t=256):
+    """Row 0: a prompt of 90 tokens (segment 1), continuations of 70, 50 and 30 (segments 2-4,
+    prefix 1) and a padded tail; row 1: a document of its own and a second prompt with two
+    continuations crossing a kernel tile."""
+    seg, pre = np.zeros((2, t), np.int32), np.zeros((2, t), np.int32)
+    seg[0, :90], seg[0, 90:160], seg[0, 160:210], seg[0, 210:240] = 1, 2, 3, 4
+    pre[0, 90:240] = 1
+    seg[1, :40], seg[1, 40:140], seg[1, 140:200], seg[1, 200:] = 5, 6, 7, 8
+    pre[1, 140:] = 6
+    return jnp.asarray(seg), jnp.asarray(pre)
+
+
+@pytest.mark.parametrize("seq", [1, 4])
+def test_gpu_flash_attention_takes_shared_prefix_rows(seq):
+    """The flash kernel with the prefix mask equals reference_attention with it, forward and
+    backward, whole rows and with queries over 4 `sequence` devices (zigzag, each device's
+    prefix ids exchanged with its queries)."""
+    q, k, v, _ = _inputs(t=512)
+    seg, pre = (jnp.tile(a, (1, 2)) for a in _prefix_rows())  # two copies of the layout per row
+    ref = lambda q, k, v, s, scale: ak.reference_attention(q, k, v, s, scale, prefix_segment=pre)
+    mine = lambda q, k, v, s, scale: ak.gpu_flash_attention(q, k, v, s, scale=scale, interpret=True,
+                                                             prefix_segment=pre)
+    scale = DQ ** -0.5
+    w = jnp.cos(jnp.arange(q.shape[0] * 512 * 2 * DV, dtype=jnp.float32).reshape(q.shape[:3] + (DV,)))
+    loss = lambda f: lambda *a: jnp.sum(jnp.where((seg > 0)[:, :, None, None], f(*a, seg, scale) * w, 0.0))
+    mesh = Mesh(np.asarray(jax.devices()[:2 * seq]).reshape(2, 1, 1, 1, seq), sharding.AXES,
+                axis_types=(AxisType.Auto,) * 5)
+    rules = (("batch", "data"), ("seq", "sequence"), ("heads", "tensor"))
+    with sharding.activate(mesh, rules):
+        g = jax.jit(jax.grad(loss(mine), argnums=(0, 1, 2)))(q, k, v)
+        o = jax.jit(lambda *a: mine(*a, seg, scale))(q, k, v)
+    g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    valid = (seg > 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(valid, o, 0), np.where(valid, ref(q, k, v, seg, scale), 0), atol=2e-4)
+    for name, a, b in zip("qkv", g, g_ref):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4, err_msg=f"d{name}")
+
+
+def test_shared_prefix_rows_lower_to_the_flash_kernel_for_cuda_and_to_xla_for_tpu(monkeypatch):
+    q, k, v, _ = _inputs()
+    seg, pre = _prefix_rows()
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
+    fn = jax.jit(lambda q, k, v: ak.attention(q, k, v, seg, 0.1, prefix_segment=pre))
+    assert set(_cuda_grids(fn, q, k, v)) == {"flash_fwd_at_positions"}
+    tpu = fn.trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in tpu  # splash has no prefix mask: the reference there

@@ -263,3 +263,19 @@ def test_a_sequence_split_dense_model_lowered_for_cuda_splits_attention_by_queri
     with sharding.activate(sharding.make_mesh(mc), mc.rules):
         grids = _cuda_grids(lambda p: nnx.merge(graph, p, rest)(tok, pos, seg)[0], params)
     assert grids == {"flash_fwd_at_positions": (512 // 4 // 64, 2, 2)}, grids
+
+
+def test_shared_prefix_rows_lowered_for_cuda_go_through_the_flash_kernel(monkeypatch):
+    """The GRPO learner's shared-prefix rows (prefix_segment) lowered for CUDA: the model's dense
+    attention takes the flash kernel's prefix mask, no [B,H,T,T] scores (XLA stays on TPU / CPU,
+    where splash has no such mask)."""
+    from tests.model.test_attention_kernels import _cuda_grids
+
+    monkeypatch.setattr(sharding, "target_platform", lambda: None)
+    model = Transformer(tiny(max_position_embeddings=256, num_mtp_layers=0), rngs=nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    tok, pos, _ = batch(b=1, t=256)
+    seg = jnp.asarray([[1] * 100 + [2] * 80 + [3] * 76], jnp.int32)  # a prompt and two continuations
+    pre = jnp.asarray([[0] * 100 + [1] * 156], jnp.int32)
+    fwd = lambda p: nnx.merge(graph, p, rest)(tok, pos, seg, prefix_segment=pre)[0]
+    assert set(_cuda_grids(fwd, params)) == {"flash_fwd_at_positions"}
