@@ -158,7 +158,11 @@ def missing_tools(config, names=None) -> dict:
     return {t: SANDBOX_TOOLS.get(t, t) for t in sorted(needed) if shutil.which(t) is None}
 
 
-def _check_batch(config, n_devices: int, name: str):
+def check_batch(config, n_devices: int, name: str):
+    """ValueError naming the keys when a micro-batch (data.batch_size / train.grad_accum rows)
+    does not divide over the batch mesh axes of `n_devices` devices. Not a style rule: XLA pads
+    the rows of an uneven split and reshards them in every micro-batch (stage compile measured an
+    all-gather of the token ids across the slices inside the loop)."""
     from coder.model import sharding
 
     sizes = sharding.validate(config.model, config.mesh, n_devices)
@@ -201,8 +205,9 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
         c = stage_config(name, chained)
         if STAGES[name].check:
             _import(STAGES[name].check, f"stage {name!r}")(c)
-        if name != "compile" and name not in SERVICES:  # compile targets a TPU topology; services train no data batches
-            _check_batch(c, n_devices, name)
+        # compile checks against its TPU topology's devices (stages/compile.py); services train no batches
+        if name != "compile" and name not in SERVICES:
+            check_batch(c, n_devices, name)
         if name == names[0] and name != "compile" and not config.init_from:
             from coder.model.routing import balancing_warning
 

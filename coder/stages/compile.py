@@ -651,11 +651,13 @@ def _run(config, stage_dir: str, init_from: str) -> str:
     import traceback
 
     from coder.model import count_params, sharding
+    from coder.stages import check_batch
     from coder.train.aot import hardware
 
     topo = hardware.parse_topology(config.compile.topology, int(config.mesh.num_slices))
     out_dir = config.compile.report_dir or stage_dir
     devices = hardware.topology_devices(topo)
+    check_batch(config, len(devices), "compile")  # the target's devices (validate skips compile)
     sizes = dict(zip(sharding.AXES, sharding.mesh_shape(config.mesh, len(devices))))
     active = active_params(config.model)
     counts = count_params(config.model)

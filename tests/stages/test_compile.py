@@ -459,9 +459,13 @@ def test_grpo_step_failure_is_recorded_not_raised():
 @pytest.mark.slow
 def test_reduce_grads_once_crosses_the_dcn_once_per_step_not_per_micro_batch():
     """Two v5e-4 slices (data 2 over DCN x fsdp 2 x expert 2), the quickstart model's MoE step
-    with splash attention, megablox and ragged_all_to_all under the per-replica vmap: with
-    train.reduce_grads_once every DCN transfer runs once per step (none inside the micro-batch
-    loop); by default every micro-batch's gradient crosses the DCN inside the loop."""
+    (without its MTP module: the same dispatch, a shorter compile) with splash attention,
+    megablox and ragged_all_to_all under the per-replica vmap: with train.reduce_grads_once
+    every DCN transfer runs once per step (none inside the micro-batch loop); by default every
+    micro-batch's gradient crosses the DCN inside the loop. 4 rows per micro-batch, 2 per
+    replica, one per fsdp device: with 1 row per replica (an uneven split, which stage compile
+    now refuses) XLA padded the rows and all-gathered the token ids across the slices in every
+    micro-batch."""
     from coder.model import sharding
 
     from configs import quickstart
@@ -471,8 +475,9 @@ def test_reduce_grads_once_crosses_the_dcn_once_per_step_not_per_micro_batch():
     for once in (False, True):
         config = quickstart.get_config()
         config.model.dtype = "bfloat16"
+        config.model.num_mtp_layers = 0
         config.mesh.update(dict(data=2, fsdp=2, expert=2, num_slices=2))
-        config.data.batch_size, config.data.seq_len = 8, 128
+        config.data.batch_size, config.data.seq_len = 16, 128
         config.train.grad_accum, config.train.reduce_grads_once = 4, once
         mesh = sharding.make_mesh(config.mesh, devices)
         lowered, _ = C.lower_train_step(config, mesh)
@@ -483,6 +488,21 @@ def test_reduce_grads_once_crosses_the_dcn_once_per_step_not_per_micro_batch():
     assert dcn[True]["executed"] == dcn[True]["count"] > 0  # each once per step
     assert dcn[False]["executed"] > dcn[False]["count"]  # some inside the loop: per micro-batch
     assert dcn[False]["executed"] > 2 * dcn[True]["executed"]
+
+
+def test_stage_compile_refuses_a_micro_batch_that_does_not_divide_over_the_batch_axes(tmp_path):
+    """data.batch_size / train.grad_accum rows must divide over the batch mesh axes of the target
+    topology (stage validation checks the host's devices and skips compile): refused before
+    anything is traced, naming the keys."""
+    from configs import quickstart
+
+    config = quickstart.get_config()
+    config.compile.topology = "v5e-4"
+    config.mesh.update(dict(data=2, fsdp=2, expert=2, num_slices=2))
+    config.data.batch_size, config.train.grad_accum = 8, 4  # 2 rows over data 2 x fsdp 2
+    with pytest.raises(ValueError, match=r"stage compile: data.batch_size=8 / train.grad_accum=4 rows"):
+        C.run(config, str(tmp_path), "")
+    assert not os.listdir(tmp_path)
 
 
 _CACHE_SCRIPT = """
