@@ -223,6 +223,7 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     assert reference[-1] < reference[0]  # it trains
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path):
     """Only process 1 gets SIGTERM (while fetching its third batch): both processes finish step
     3, write its checkpoint together (each its own data position) and stop; without agreeing

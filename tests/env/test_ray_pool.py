@@ -85,6 +85,7 @@ def _session(pool, pairs) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_ray_pool_gives_the_local_pools_results(ray_local):
     pairs = toy_tasks(2, seed=3)
     local = actor_lib.episode_factory(_config("local"))
@@ -116,6 +117,7 @@ def test_ray_pool_gives_the_local_pools_results(ray_local):
     assert env_node_free(1.0) == pytest.approx(1.0)  # closed: the actors are gone
 
 
+@pytest.mark.slow
 def test_killed_actor_turns_calls_into_infra_errors_and_is_replaced(ray_local):
     """tests/env/test_pool.py's dead-worker test, the worker a Ray actor killed by Ray."""
     from coder.env.ray_pool import RayEpisodePool
@@ -152,6 +154,7 @@ def test_killed_actor_turns_calls_into_infra_errors_and_is_replaced(ray_local):
         fresh.close()
 
 
+@pytest.mark.slow
 def test_hung_actor_times_out_as_infra_error_and_is_replaced(ray_local):
     from coder.env.ray_pool import RayEpisodePool
 
@@ -170,6 +173,7 @@ def test_hung_actor_times_out_as_infra_error_and_is_replaced(ray_local):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")  # 4 CPUs, no cpu_node resource
 def test_actors_the_cluster_cannot_place_fail_at_start_naming_the_key():
     from coder.env.ray_pool import RayEpisodePool
@@ -197,6 +201,7 @@ def test_bad_worker_keys_stop_at_start_naming_the_key():
 POOLS = {"local": "EpisodePool", "ray": "RayEpisodePool"}
 
 
+@pytest.mark.slow
 def test_concurrent_actor_rolls_out_the_same_on_both_backends(ray_local):
     """The agent loop end to end (scripted engine, real sandboxes): every row writes task 0's
     fix and submits; the rollouts and each row's whole context (tool outputs included) are the

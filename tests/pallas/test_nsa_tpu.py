@@ -93,6 +93,7 @@ def test_full_layer_with_race_detection():
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
 
 
+@pytest.mark.slow
 def test_queries_at_a_traced_offset_equal_the_whole_row():
     """Sequence parallelism's kernel path (ops.nsa_local, what one device of the model's
     shard_map runs): a row of 15 queries in 3 pieces of 5, each at its offset against the whole

@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
@@ -28,6 +29,7 @@ def _turn(tok, *calls, words=""):
     return tok.encode(words + "".join(protocol.render_tool_call(n, a) for n, a in calls)) + [tok.end_id]
 
 
+@pytest.mark.slow
 def test_grpo_and_the_suite_on_generated_repository_tasks(generated_package_tasks, tmp_path):
     (feature, after), (bug, reference) = generated_package_tasks
     assert feature.fail_to_pass == ("tests/test_core.py::test_mean",)

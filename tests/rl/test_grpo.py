@@ -428,6 +428,7 @@ def test_resumed_reference_equals_fresh_bit_for_bit(tmp_path, with_init_from=Tru
         Learner(c, str(tmp_path / "grpo"), init_from, model_fn)
 
 
+@pytest.mark.slow
 def test_without_a_kl_term_the_learner_keeps_no_reference(tmp_path):
     """grpo.kl_coef = 0: no reference copy of the model (at 1T parameters it would be a second
     model on the learner's devices), no ref_logp in the batch, no "kl" metric; the step trains.
@@ -459,6 +460,7 @@ def test_without_a_kl_term_the_learner_keeps_no_reference(tmp_path):
 
 # ---------------------------------------------------------------- the MTP refresh
 
+@pytest.mark.slow
 def test_mtp_refresh_trains_the_mtp_modules_and_leaves_the_policy_gradient_unchanged():
     """grpo.mtp_weight > 0: the distillation term reaches the MTP modules only (the trunk's,
     embedding's and head's gradients equal the plain GRPO loss's), the MTP modules get a

@@ -65,6 +65,7 @@ def tok(dates_repo_task):
     return tokenizer_lib.train_tokenizer(texts, 400)
 
 
+@pytest.mark.slow
 def test_every_tool_runs_in_the_rl_loop_and_the_group_trains(dates_repo_task, tok, tmp_path):
     repo_task = dates_repo_task.task
     config = _config()

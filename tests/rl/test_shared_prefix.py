@@ -135,6 +135,7 @@ def _positions_of(batch_rows):
     return where
 
 
+@pytest.mark.slow
 def test_shared_prefix_learner_equals_unshared():
     """With router replay (the harder case: the prompt's recorded routing must be shared too);
     without it the learner routes each token itself, the same in both layouts."""

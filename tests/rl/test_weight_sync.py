@@ -449,6 +449,7 @@ def test_two_processes_write_and_read_their_own_share(tmp_path):
 
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_sharded_bench_runs_and_checks_its_reads():
     """bench/weight_sync.py --processes: a 2-process job writes halves and reads halves, exact."""

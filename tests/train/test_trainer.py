@@ -495,6 +495,7 @@ def test_cast_params_once_takes_gradients_in_the_model_dtype(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, out[True], out[False])
 
 
+@pytest.mark.slow
 def test_build_model_compiles_a_configs_initialiser_once():
     """state.build_model: one compiled initialiser per (model config, mesh, rules), the seed its
     argument; the parameters are those of Transformer(config.model, nnx.Rngs(seed)) bit for bit,
