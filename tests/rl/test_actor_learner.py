@@ -265,21 +265,23 @@ def reward_gain(m: list[dict]) -> tuple[float, float]:
 
 
 LEARN = dict(rl__tasks_per_step=8, rl__group_size=8, train__steps=12)  # tests/rl_toy.py's lr 1.5e-3
-# Sync mode on the sandboxed tasks: B=4 tasks x G=8 rollouts, 12 steps at lr 1e-3 with a KL of
-# 0.05 to the fitted policy, from the session's fitted sandboxed toy. Learning is measured as the
-# least-squares slope of the per-step pass rate over the 12 steps (it uses every step; a
-# difference of two windows was twice as noisy). Measured on the developers' machine, seeds 0-5 of
-# config.seed (tasks and sampling): slopes 0.0250 / 0.0258 / 0.0181 / 0.0310 / 0.0328 / 0.0299
-# per step (mean 0.027, run-to-run sd 0.005; the pass rate goes from ~0.25 to ~0.5). A run that
-# does not learn has a slope of 0 with a standard deviation of 0.0064-0.0072 (a step's pass rate
-# over 32 rollouts at p = 0.25-0.4 moves by 0.077-0.087). SYNC_PASS_SLOPE is ~2 of those above 0
-# and 2.7 run-to-run sds under the measured mean. Tried and dropped: lr 1.5e-3 (with or without
-# the KL) learns faster but one seed in four lost the call format at step 6 (pass rate 0 for the
-# rest of the run without the KL; 0.0087 with it); lr 1e-3 over 10 steps, one of four learned by
-# a third of the others.
-SANDBOXED = dict(rl__tasks_per_step=4, rl__group_size=8, rl__env_workers=4, train__steps=12, train__lr=1e-3,
+# Sync mode on the sandboxed tasks: B=4 tasks x G=8 rollouts, 16 steps at lr 1e-3 with a KL of
+# 0.05 to the fitted policy, from the committed fitted sandboxed toy. Learning is measured as the
+# least-squares slope of the per-step pass rate over the 16 steps (it uses every step; a
+# difference of two windows was twice as noisy). Measured 2026-11-29 on the slower 2-core machine
+# (AMD EPYC), seeds 0-9 of config.seed (tasks and sampling): slopes 0.0191 / 0.0322 / 0.0316 /
+# 0.0327 / 0.0318 / 0.0273 / 0.0229 / 0.0331 / 0.0244 / 0.0292 per step (mean 0.0284, seed-to-seed
+# sd 0.0049; the pass rate goes from ~0.25 to ~0.6). A run that does not learn has a slope of 0
+# with a standard deviation of 0.0042-0.0048 (a step's pass rate over 32 rollouts at p = 0.25-0.5
+# moves by 0.077-0.088, over the 16 steps' spread of 340; the runs' residuals about their lines:
+# 0.056-0.124). SYNC_PASS_SLOPE is 3 of those null sds above 0 and 2.9 seed-to-seed sds under the
+# measured mean (the lowest seed, 0.0191, clears it by 1 sd). At 12 steps (until 2026-11-29) the
+# margin was ~2 null sds (0.0125 against 0.0064-0.0072). Tried and dropped: lr 1.5e-3 (with or
+# without the KL) learns faster but one seed in four lost the call format at step 6 (pass rate 0
+# for the rest of the run without the KL; 0.0087 with it).
+SANDBOXED = dict(rl__tasks_per_step=4, rl__group_size=8, rl__env_workers=4, train__steps=16, train__lr=1e-3,
                  grpo__kl_coef=0.05)
-SYNC_PASS_SLOPE = 0.0125
+SYNC_PASS_SLOPE = 0.0145
 
 
 def pass_rate_slope(m: list[dict]) -> float:
@@ -294,11 +296,11 @@ def test_sync_mode_raises_the_sandboxed_pass_rate_with_a_ray_actor(tmp_path, san
     the learner just published, and every token is trained on-policy. The tasks are coding tasks
     in bwrap sandboxes (tests/rl_toy.py FILE_TOY: write lucky.py so that its test passes), the
     episodes the stage's own (coder.rl.actor.EpisodeFactory), the reward pytest's verdict: the
-    pass rate rises by SYNC_PASS_SLOPE = 0.0125 per step or more (the least-squares slope over
-    the 12 steps). Measured over seeds 0-5: slopes 0.018-0.033, mean 0.027, seed-to-seed sd
-    0.005; a run that does not learn: slope 0 with sd 0.0064-0.0072. So the margin is ~2 null
-    sds and 2.4 seed-to-seed sds, and the measured mean ~4 null sds (details beside the
-    constant). (The actor inside the learner's process runs this mode in
+    pass rate rises by SYNC_PASS_SLOPE = 0.0145 per step or more (the least-squares slope over
+    the 16 steps). Measured over seeds 0-9: slopes 0.019-0.033, mean 0.0284, seed-to-seed sd
+    0.0049; a run that does not learn: slope 0 with sd 0.0042-0.0048. So the margin is 3 null
+    sds, the measured mean 6 null sds and 2.9 seed-to-seed sds above the margin (details beside
+    the constant). (The actor inside the learner's process runs this mode in
     tests/rl/test_grpo_preemption.py.)"""
     m = run_toy(tmp_path, sandboxed_toy, rl_test.FILE_TOY, grpo__async=False, rl__num_actors=1, **SANDBOXED)
     assert all(r["staleness_max"] == 0 and r["stale_tokens"] == 0 for r in m)
