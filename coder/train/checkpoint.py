@@ -301,10 +301,11 @@ class Restored:
 def _resolve(path: str) -> tuple[str, int]:
     """A manager directory (latest step) or one step's directory -> (manager dir, step).
 
-    Local paths and URLs orbax understands (gs://...) both work (etils.epath). Only finalized
-    steps count (orbax's own listing), and nothing is written or synchronised.
+    Local paths (relative ones made absolute: orbax's tensorstore reads refuse them) and URLs
+    orbax understands (gs://...) both work (etils.epath). Only finalized steps count (orbax's own
+    listing), and nothing is written or synchronised.
     """
-    p = epath.Path(path)
+    p = epath.Path(path if "://" in path else os.path.abspath(path))
     if re.fullmatch(r"\d+", p.name) and (p / "state").exists():
         return os.fspath(p.parent), int(p.name)
     if not p.exists():

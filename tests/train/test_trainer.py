@@ -190,7 +190,7 @@ def test_trainable_filter_freezes_the_rest(tmp_path):
     tr.close()
 
 
-def test_init_from_loads_by_name_and_keeps_new_params(tmp_path):
+def test_init_from_loads_by_name_and_keeps_new_params(tmp_path, monkeypatch):
     cfg = make_config()
     tr = make_trainer(tmp_path / "a", cfg)
     for s in range(3):
@@ -204,6 +204,12 @@ def test_init_from_loads_by_name_and_keeps_new_params(tmp_path):
     np.testing.assert_array_equal(np.asarray(tr2.params["mtp_w"][...]), np.full((D, D), 0.25))
     assert tr2.init_report["missing"] == ["mtp_w"] and tr2.step == 0
     tr2.close()
+    # a path relative to the working directory, as a user types it (orbax's reads need absolute
+    # paths: this raised from deep inside tensorstore)
+    monkeypatch.chdir(tmp_path)
+    tr3 = make_trainer(tmp_path / "c", cfg, init_from="a/checkpoints")
+    np.testing.assert_array_equal(np.asarray(tr3.params["w"][...]), trained_w)
+    tr3.close()
 
 
 def test_muon_optimizer_trains(tmp_path):
