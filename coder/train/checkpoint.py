@@ -194,11 +194,17 @@ def mismatches(stored: dict, target: dict) -> list[str]:
     return out
 
 
+def absolute(path: str) -> str:
+    """A local path made absolute (orbax's tensorstore reads and writes refuse relative ones), a
+    URL (gs://...) as it is."""
+    return path if "://" in path else os.path.abspath(path)
+
+
 class Checkpointer:
     """CheckpointManager over `directory` keeping `keep` checkpoints."""
 
     def __init__(self, directory: str, *, keep: int, async_save: bool = True):
-        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.directory = absolute(directory)
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -301,11 +307,11 @@ class Restored:
 def _resolve(path: str) -> tuple[str, int]:
     """A manager directory (latest step) or one step's directory -> (manager dir, step).
 
-    Local paths (relative ones made absolute: orbax's tensorstore reads refuse them) and URLs
-    orbax understands (gs://...) both work (etils.epath). Only finalized steps count (orbax's own
+    Local paths (relative ones made absolute: `absolute`) and URLs orbax understands (gs://...)
+    both work (etils.epath). Only finalized steps count (orbax's own
     listing), and nothing is written or synchronised.
     """
-    p = epath.Path(path if "://" in path else os.path.abspath(path))
+    p = epath.Path(absolute(path))
     if re.fullmatch(r"\d+", p.name) and (p / "state").exists():
         return os.fspath(p.parent), int(p.name)
     if not p.exists():

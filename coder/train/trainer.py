@@ -397,7 +397,7 @@ class Trainer:
         post_update: Callable | None = None,
     ):
         self.config = config
-        self.stage_dir = stage_dir if "://" in stage_dir else os.path.abspath(stage_dir)
+        self.stage_dir = ckpt_lib.absolute(stage_dir)
         self.stage = stage or os.path.basename(self.stage_dir.rstrip("/"))
         self.loss_fn = loss_fn
         self.trainable = trainable
