@@ -26,8 +26,10 @@ Variants whose fields were checked against their dataset cards (Hugging Face, 20
   is read as the diff that introduced it, so the gold solution is its reverse when that applies
   to the branch (checked against a throwaway index), else `patch` itself when that applies, else
   the instance is an error. Not confirmed against SWE-smith's own harness.
-Not handled: R2E-Gym (`repo_name`, `commit_hash`, tests as `expected_output_json`: no
-FAIL_TO_PASS list). Test ids must be pytest node ids for scoring (`coder.env.reward`): ids in
+- R2E-Gym: `repo_name`, `commit_hash`, `parsed_commit_content`, `execution_result_content`,
+  `expected_output_json` (no FAIL_TO_PASS list, tests inside its images): coder.env.r2egym
+  derives the split from the rows' own logs; `--environments` keys it by `repo_name`.
+Test ids must be pytest node ids for scoring (`coder.env.reward`): ids in
 another runner's form (django's `test_x (module.Class)`, sympy's bare names) import, but score
 as an infrastructure error.
 
@@ -52,7 +54,7 @@ import json
 import os
 import re
 
-from coder.env import environments
+from coder.env import environments, r2egym
 from coder.env import repo as repo_lib
 from coder.env.pool import EpisodePool
 from coder.env.reward import score_solution
@@ -82,10 +84,19 @@ def _test_ids(row: dict, key: str) -> tuple:
 
 
 def mirror_path(repos: str, repo: str) -> str:
-    """The local mirror of `repo` ("owner/name", or SWE-smith's "swesmith/owner__name.sha8")
-    under `repos`: a directory or an archive. ValueError naming the paths tried."""
-    owner, _, name = repo.partition("/")
-    stems = [] if owner == "swesmith" else [f"{owner}__{name}"]
+    """The local mirror of `repo` ("owner/name", SWE-smith's "swesmith/owner__name.sha8", or
+    R2E-Gym's bare "name") under `repos`: a directory or an archive. ValueError naming the paths tried."""
+    owner, slash, name = repo.partition("/")
+    if not slash:  # R2E-Gym names no owner: DIR/name, else the one DIR/<owner>__name
+        root = os.path.abspath(repos)
+        names = {repo + s for s in ("", *repo_lib.ARCHIVE_SUFFIXES)}
+        owners = sorted({e.partition("__")[0] for e in (os.listdir(root) if os.path.isdir(root)
+                                                         else ()) if e.partition("__")[2] in names})
+        if len(owners) > 1:
+            raise ValueError(f"mirrors of {repo!r} under {root} from several owners: {owners}")
+        stems = [repo] + [f"{o}__{repo}" for o in owners]
+    else:
+        stems = [] if owner == "swesmith" else [f"{owner}__{name}"]
     if owner == "swesmith" or "__" in name:  # SWE-smith: the mirror is named owner__name.sha8
         stems += [name, name.rsplit(".", 1)[0]]
     tried = []
@@ -182,7 +193,14 @@ def instance_to_task(
     environment_specs: dict | None = None,
 ) -> tuple[Task, str]:
     """(the task, its gold patch) of one instance; ValueError naming the instance and field.
-    `environment_specs`: `check_environments`' map, the task's environment by its repository."""
+    `environment_specs`: `check_environments`' map, the task's environment by its repository.
+    An R2E-Gym row goes to coder.env.r2egym (its mirror and environment by `repo_name`)."""
+    if r2egym.is_row(row):
+        name = row.get("repo_name")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"an R2E-Gym row's repo_name must be a repository name: {name!r}")
+        env = environment_of({"repo": name}, environment_specs or {})
+        return r2egym.to_task(row, mirror_path(repos, name), test_command, setup, env)
     iid = row.get("instance_id")
     if not isinstance(iid, str) or not iid:
         raise ValueError(f"an instance lacks instance_id: keys {sorted(row)[:12]}")

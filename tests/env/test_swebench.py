@@ -354,3 +354,105 @@ def test_patch_parsing_and_reversal(fixture):
     assert repo_lib.parse_patch(created) == [
         {"old": None, "new": "new.py", "added": 2, "removed": 0}
     ]
+
+
+R2E_TEST_1 = (
+    "import pytest\n\nfrom calc.ops import add, mul\n\n\n"
+    "def test_add():\n    assert add(2, 3) == 5\n\n\n"
+    "class TestMul:\n"
+    "    @pytest.mark.parametrize('a,b', [(2, 3)])\n"
+    "    def test_mul(self, a, b):\n        assert mul(a, b) == 6\n"
+)
+R2E_TEST_2 = (
+    "from calc.ops import neg\n\n\ndef test_neg():\n    assert neg(2) == -2\n\n\n"
+    "def test_known_failure():\n    assert neg(0) == 1\n"
+)
+R2E_OLD_LOG = (  # pytest -rA's summary at the old commit, as R2E-Gym's rows carry it
+    "r2e_tests/test_1.py FF\nr2e_tests/test_2.py .F\n"
+    "=========================== short test summary info ============================\n"
+    "PASSED r2e_tests/test_2.py::test_neg\n"
+    "FAILED r2e_tests/test_1.py::test_add - assert -1 == 5\n"
+    "FAILED r2e_tests/test_1.py::TestMul::test_mul[2-3] - assert 5 == 6\n"
+    "FAILED r2e_tests/test_2.py::test_known_failure - assert 0 == 1\n"
+    "========================= 3 failed, 1 passed in 0.05s ==========================\n"
+)
+
+
+def _r2e_row(fx, new_hash=None):
+    """One row in R2E-Gym's shape over the fixture's fix commit (JSON strings as released)."""
+    new_hash = new_hash or fx["fix"]
+    diffs = [
+        {"header": {"file": {"path": "calc/ops.py"}}, "old_file_content": OPS_BUGGY,
+         "new_file_content": OPS_FIXED},
+        {"header": {"file": {"path": "tests/test_fix.py"}}, "old_file_content": "",
+         "new_file_content": TEST_FIX},  # the commit's own test: not part of the fix
+    ]
+    new_log = R2E_OLD_LOG.replace("FAILED r2e_tests/test_1.py", "PASSED r2e_tests/test_1.py")
+    return {
+        "repo_name": "calc",  # R2E-Gym names no owner: the mirror is DIR/acme__calc
+        "docker_image": f"namanjain12/calc_final:{new_hash}",
+        "commit_hash": new_hash,
+        "parsed_commit_content": json.dumps({
+            "file_diffs": diffs, "old_commit_hash": fx["base"], "new_commit_hash": new_hash,
+            "commit_message": "fix", "commit_date": "2024-01-01T00:00:00"}),
+        "execution_result_content": json.dumps({
+            "repo_name": "calc", "new_commit_hash": new_hash,
+            "test_file_codes": [R2E_TEST_1, R2E_TEST_2],
+            "test_file_names": ["test_1.py", "test_2.py"],
+            "setup_res_code": 0, "setup_res_stdout": "", "setup_res_stderr": "",
+            "old_commit_res_code": 1, "old_commit_res_stdout": R2E_OLD_LOG,
+            "new_commit_res_code": 1, "new_commit_res_stdout": new_log}),
+        "expected_output_json": json.dumps({
+            "test_add": "PASSED", "TestMul.test_mul[2-3]": "PASSED",
+            "\x1b[32mtest_neg\x1b[0m": "PASSED", "test_known_failure": "FAILED"}),
+        "problem_statement": "[ISSUE]\nadd() subtracts and mul() adds.\n[/ISSUE]",
+        "prompt": "the generating prompt, with the fix:\n" + fx["gold"],
+        "num_non_test_lines": 4,
+        "modified_files": ["calc/ops.py", "tests/test_fix.py"],
+    }
+
+
+def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path):
+    """An R2E-Gym row: the workspace is the parent commit, the hidden tests come from the row
+    and stay out of reach until scoring, FAIL_TO_PASS / PASS_TO_PASS come from the old commit's
+    log against the expected map (the test expected to fail is not counted), and the gold patch
+    is the commit's non-test diff, from the mirror or, without the commit there, from the
+    row's file texts."""
+    (task,), sols = _import(fixture, tmp_path, [_r2e_row(fixture)])
+    f2p = ("r2e_tests/test_1.py::test_add", "r2e_tests/test_1.py::TestMul::test_mul[2-3]")
+    assert (task.fail_to_pass, task.pass_to_pass) == (f2p, ("r2e_tests/test_2.py::test_neg",))
+    assert task.repo == str(fixture["repos"] / "acme__calc") and task.commit == fixture["base"]
+    assert task.prompt == "add() subtracts and mul() adds."  # never the `prompt` column
+    assert sorted(task.tests) == ["r2e_tests/test_1.py", "r2e_tests/test_2.py"]
+    m = task.metadata
+    assert (m["variant"], m["files_changed"], m["expected_failing"]) == ("r2e-gym", ["calc/ops.py"], 1)
+    assert m["docker_image"].startswith("namanjain12/") and m["fix_commit"] == fixture["fix"]
+    assert sols[task.id] == fixture["gold"]  # the mirror's diff, tests/test_fix.py left out
+    s = score_solution(task, sols[task.id], mode="resolved")
+    assert (s.reward, s.passed, s.total) == (1.0, 3, 3), s.output
+    s = score_solution(task, "", mode="resolved")
+    assert (s.reward, set(s.not_passed)) == (0.0, set(f2p))
+    assert score_solution(task, {"calc/ops.py": OPS_HALF}, mode="fraction").reward == 0.5
+    with Sandbox(task) as sb:
+        r = sb.run("ls; find / -path /proc -prune -o -name 'test_1.py' -print 2>/dev/null; "
+                   "grep -rl known_failure /workspace /tmp")
+        assert "r2e_tests" not in r.stdout and "known_failure" not in r.stdout, r.stdout
+
+    (text,), sols = _import(fixture, tmp_path, [_r2e_row(fixture, new_hash="e" * 40)])
+    assert text.id == "r2e__calc-" + "e" * 12 and text.fail_to_pass == f2p
+    assert score_solution(text, sols[text.id], mode="resolved").reward == 1.0, sols[text.id]
+    assert "tests/test_fix.py" not in sols[text.id]
+
+    row = _r2e_row(fixture)
+    nothing = dict(row, expected_output_json=json.dumps({"test_neg": "PASSED"}))
+    with pytest.raises(ValueError, match="no test is expected to pass that failed before"):
+        swebench.import_instances([nothing], str(fixture["repos"]))
+    result = json.loads(row["execution_result_content"])
+    unknown = dict(row, execution_result_content=json.dumps(dict(result, old_commit_res_stdout="",
+                                                                 new_commit_res_stdout="")))
+    with pytest.raises(ValueError, match="'test_add' is in neither log's summary"):
+        swebench.import_instances([unknown], str(fixture["repos"]))
+    with pytest.raises(ValueError, match="no local mirror of 'none'"):
+        swebench.import_instances([dict(row, repo_name="none")], str(fixture["repos"]))
+    with pytest.raises(ValueError, match="parsed_commit_content is not JSON"):
+        swebench.import_instances([dict(row, parsed_commit_content="{")], str(fixture["repos"]))
