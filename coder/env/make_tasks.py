@@ -34,7 +34,7 @@ import sys
 import fsspec
 
 from coder.env import mutate, package_mutants, pypi, releases, swebench
-from coder.env.tasks import DEFAULT_TEST_COMMAND, read_jsonl, toy_tasks, write_solutions
+from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions
 from coder.env.tasks import write_tasks
 
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--modules", default="", help="stdlib: comma-separated modules to draw from")
     p.add_argument("--max-per-module", type=int, default=3, help="stdlib: tasks per module")
     p.add_argument("--solutions", default="", help="also write reference solutions here")
-    p.add_argument("--input", default="", help="swebench: instances JSONL")
+    p.add_argument("--input", default="", help="swebench: instances, JSONL or .parquet")
     p.add_argument("--repos", default="",
                    help="swebench: directory of mirrors owner__name; releases: where to write them")
     p.add_argument(
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             with fsspec.open(args.environments, "r", encoding="utf-8") as f:
                 specs = json.load(f)
         pairs = swebench.import_instances(
-            read_jsonl(args.input), args.repos, args.test_command, args.setup, specs
+            swebench.read_instances(args.input), args.repos, args.test_command, args.setup, specs
         )
         args.n = len(pairs)
         if args.verify:

@@ -1,7 +1,8 @@
 """SWE-bench-style instances -> task format v2 (`python -m coder.env.make_tasks --source swebench
 --input I.jsonl --repos DIR --out T.jsonl [--solutions S.jsonl]`).
 
-One instance per JSONL line. Fields read (SWE-bench's names):
+One instance per JSONL line, or per row of a Parquet file (`read_instances`: Hugging Face's
+format; pyarrow reads it). Fields read (SWE-bench's names):
 - `instance_id` -> the task id; `problem_statement` -> the prompt (nothing else is shown);
 - `repo` ("owner/name") -> the local mirror `DIR/owner__name` (a git repository, or an archive
   `DIR/owner__name.tar.gz` / `.tgz` / `.zip`); no network is used;
@@ -54,12 +55,14 @@ import json
 import os
 import re
 
+import fsspec
+
 from coder.env import environments, r2egym
 from coder.env import repo as repo_lib
 from coder.env.pool import EpisodePool
 from coder.env.reward import score_solution
 from coder.env.sandbox import Limits
-from coder.env.tasks import DEFAULT_TEST_COMMAND, Task
+from coder.env.tasks import DEFAULT_TEST_COMMAND, Task, read_jsonl
 
 
 def _json_field(row: dict, key: str, kind, default):
@@ -295,6 +298,21 @@ def verify(
     with EpisodePool(max(1, min(workers, len(pairs))), token_count=len) as pool:
         why = dict(pool.map(_verify_one, [(t, g, timeout_s, setup_network) for t, g in pairs]))
     return [(t, g) for t, g in pairs if why[t.id] is None], {k: v for k, v in why.items() if v}
+
+
+def read_instances(path: str) -> list[dict]:
+    """The rows of an instances file, local or an fsspec URL: JSONL, or Parquet (`.parquet`,
+    as Hugging Face serves SWE-bench, SWE-Gym, SWE-rebench and R2E-Gym), read a batch at a time
+    (an R2E-Gym row carries its commit's whole files)."""
+    if not os.fspath(path).endswith(".parquet"):
+        return read_jsonl(path)
+    import pyarrow.parquet as pq
+
+    rows = []
+    with fsspec.open(os.fspath(path), "rb") as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=64):
+            rows += batch.to_pylist()
+    return rows
 
 
 def import_instances(

@@ -438,6 +438,14 @@ def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path):
                    "grep -rl known_failure /workspace /tmp")
         assert "r2e_tests" not in r.stdout and "known_failure" not in r.stdout, r.stdout
 
+    import pyarrow as pa  # Hugging Face's format, as R2E-Gym is released
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([_r2e_row(fixture)]), tmp_path / "rows.parquet")
+    assert swebench.read_instances(str(tmp_path / "rows.parquet")) == [_r2e_row(fixture)]
+    assert make_tasks.main(["--source", "swebench", "--input", str(tmp_path / "rows.parquet"),
+                            "--repos", str(fixture["repos"]), "--out", str(tmp_path / "p.jsonl")]) == 0
+    assert read_tasks(tmp_path / "p.jsonl") == [task]
     (text,), sols = _import(fixture, tmp_path, [_r2e_row(fixture, new_hash="e" * 40)])
     assert text.id == "r2e__calc-" + "e" * 12 and text.fail_to_pass == f2p
     assert score_solution(text, sols[text.id], mode="resolved").reward == 1.0, sols[text.id]
