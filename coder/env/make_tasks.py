@@ -98,10 +98,12 @@ def main(argv=None) -> int:
         if args.environments:
             with fsspec.open(args.environments, "r", encoding="utf-8") as f:
                 specs = json.load(f)
-        pairs = swebench.import_instances(
-            swebench.read_instances(args.input), args.repos, args.test_command, args.setup, specs
-        )
-        args.n = len(pairs)
+        rows, skipped = swebench.read_instances(args.input), {}
+        pairs = swebench.import_instances(rows, args.repos, args.test_command, args.setup, specs,
+                                          skipped=skipped)
+        for where, why in skipped.items():
+            print(f"skipped {where}: {why}", file=sys.stderr)
+        args.n = len(rows)  # a skipped row makes the exit status 1
         if args.verify:
             pairs, dropped = swebench.verify(pairs, workers=args.workers, setup_network=args.setup_network)
             for tid, why in dropped.items():

@@ -317,12 +317,22 @@ def read_instances(path: str) -> list[dict]:
 
 def import_instances(
     rows: list[dict], repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = "",
-    environment_specs: dict | None = None,
+    environment_specs: dict | None = None, skipped: dict | None = None,
 ) -> list[tuple[Task, str]]:
     """Every instance as (task, gold patch); duplicate ids are an error. `environment_specs`:
-    {"owner/name@version" or "owner/name": environment spec} (`environment_of`)."""
+    {"owner/name@version" or "owner/name": environment spec} (`environment_of`). An instance
+    that cannot be converted raises, or with `skipped` (a dict) is left out and its reason
+    recorded there under its row's number and id (a released set has such rows: R2E-Gym ships
+    8101, of which ~6800 have usable logs)."""
     specs = check_environments(environment_specs or {})
-    out = [instance_to_task(r, repos, test_command, setup, specs) for r in rows]
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(instance_to_task(row, repos, test_command, setup, specs))
+        except ValueError as e:
+            if skipped is None:
+                raise
+            skipped[f"row {i} ({row.get('instance_id') or row.get('repo_name') or '?'})"] = str(e)
     dup = sorted(i for i, n in collections.Counter(t.id for t, _ in out).items() if n > 1)
     if dup:
         raise ValueError(f"duplicate instance ids {dup[:5]}")

@@ -412,7 +412,7 @@ def _r2e_row(fx, new_hash=None):
     }
 
 
-def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path):
+def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path, capsys):
     """An R2E-Gym row: the workspace is the parent commit, the hidden tests come from the row
     and stay out of reach until scoring, FAIL_TO_PASS / PASS_TO_PASS come from the old commit's
     log against the expected map (the test expected to fail is not counted), and the gold patch
@@ -453,6 +453,12 @@ def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path):
 
     row = _r2e_row(fixture)
     nothing = dict(row, expected_output_json=json.dumps({"test_neg": "PASSED"}))
+    inp = tmp_path / "mixed.jsonl"  # a released set's unusable rows are skipped, named, exit 1
+    inp.write_text(json.dumps(nothing) + "\n" + json.dumps(row) + "\n")
+    assert make_tasks.main(["--source", "swebench", "--input", str(inp), "--repos",
+                            str(fixture["repos"]), "--out", str(tmp_path / "m.jsonl")]) == 1
+    assert read_tasks(tmp_path / "m.jsonl") == [task]
+    assert "skipped row 0 (calc): R2E-Gym row 'r2e__calc-" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no test is expected to pass that failed before"):
         swebench.import_instances([nothing], str(fixture["repos"]))
     result = json.loads(row["execution_result_content"])
