@@ -175,25 +175,28 @@ def hidden_tests(result: dict, where: str) -> dict:
 def split_tests(expected: dict, old_log: str, new_log: str, files: list[str],
                 where: str) -> tuple[tuple, tuple, int]:
     """(FAIL_TO_PASS node ids, PASS_TO_PASS node ids, tests expected not to pass) from the
-    expected status map and the two logs: the node id of an expected key comes from the logs'
-    summaries (the new commit's first), or from the one test file when there is only one."""
+    expected status map and the two logs. The node ids of an expected key are those of the logs'
+    summaries that the key names (R2E-Gym's keys drop the file: a name in two files is one key,
+    and both count), or the one test file's when there is only one; each is FAIL_TO_PASS unless
+    it passed in the old commit's log."""
     old = summary_node_ids(old_log)
-    new = summary_node_ids(new_log)
-    node_of = {_key_of(n): n for n in old} | {_key_of(n): n for n in new}
-    old_status = {_key_of(n): s for n, s in old.items()}
+    nodes_of: dict = {}
+    for node in [*old, *summary_node_ids(new_log)]:
+        nodes_of.setdefault(_key_of(node), set()).add(node)
     f2p, p2p, other = [], [], 0
     for raw_key, status in expected.items():
         key = test_key(raw_key)
         if status != "PASSED":
             other += 1
             continue
-        node = node_of.get(key)
-        if node is None and len(files) == 1 and "[" not in key:
-            node = "::".join([files[0], *key.split(".")])
-        if node is None:
+        nodes = sorted(nodes_of.get(key, ()))
+        if not nodes and len(files) == 1 and "[" not in key:
+            nodes = ["::".join([files[0], *key.split(".")])]
+        if not nodes:
             raise ValueError(f"{where}: test {key!r} is in neither log's summary, and there are "
                              f"{len(files)} test files to guess from")
-        (p2p if old_status.get(key) == "PASSED" else f2p).append(node)
+        for node in nodes:
+            (p2p if old.get(node) == "PASSED" else f2p).append(node)
     if not f2p:
         raise ValueError(f"{where}: no test is expected to pass that failed before the fix "
                          f"({len(p2p)} pass before and after)")

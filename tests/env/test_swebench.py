@@ -470,3 +470,20 @@ def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path, c
         swebench.import_instances([dict(row, repo_name="none")], str(fixture["repos"]))
     with pytest.raises(ValueError, match="parsed_commit_content is not JSON"):
         swebench.import_instances([dict(row, parsed_commit_content="{")], str(fixture["repos"]))
+
+
+def test_r2e_gym_split_names_every_file_of_a_key_and_guesses_only_from_one_file():
+    from coder.env import r2egym
+
+    old = ("==== short test summary info ====\n"
+           "PASSED r2e_tests/test_1.py::test_same\nFAILED r2e_tests/test_2.py::test_same - x\n"
+           "ERROR r2e_tests/test_2.py - ImportError: collection failed\n")
+    new = old.replace("FAILED", "PASSED")
+    f2p, p2p, other = r2egym.split_tests({"test_same": "PASSED", "test_gone": "ERROR"}, old, new,
+                                         ["r2e_tests/test_1.py", "r2e_tests/test_2.py"], "row")
+    assert (f2p, p2p, other) == (("r2e_tests/test_2.py::test_same",),
+                                 ("r2e_tests/test_1.py::test_same",), 1)
+    f2p, _, _ = r2egym.split_tests({"TestA.test_b": "PASSED"}, "", "", ["r2e_tests/test_1.py"], "row")
+    assert f2p == ("r2e_tests/test_1.py::TestA::test_b",)  # no log: the one file's node id
+    assert r2egym.issue_text("intro [ISSUE]\n body \n[/ISSUE] tail") == "body"
+    assert r2egym.is_test_file("pkg/tests/x.py") and not r2egym.is_test_file("pkg/core.py")
