@@ -451,6 +451,12 @@ def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path, c
     assert score_solution(text, sols[text.id], mode="resolved").reward == 1.0, sols[text.id]
     assert "tests/test_fix.py" not in sols[text.id]
 
+    specs = tmp_path / "environments.json"  # R2E-Gym's environments by repo_name
+    specs.write_text(json.dumps({"calc": {"python": {"requirements": ["attrs==23.2.0"]}}}))
+    (env_task,), _ = _import(fixture, tmp_path, [_r2e_row(fixture)],
+                             extra=("--environments", str(specs)))
+    assert env_task.environment["python"]["requirements"] == ["attrs==23.2.0"]
+
     row = _r2e_row(fixture)
     nothing = dict(row, expected_output_json=json.dumps({"test_neg": "PASSED"}))
     inp = tmp_path / "mixed.jsonl"  # a released set's unusable rows are skipped, named, exit 1
