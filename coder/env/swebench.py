@@ -322,8 +322,8 @@ def import_instances(
     """Every instance as (task, gold patch); duplicate ids are an error. `environment_specs`:
     {"owner/name@version" or "owner/name": environment spec} (`environment_of`). An instance
     that cannot be converted raises, or with `skipped` (a dict) is left out and its reason
-    recorded there under its row's number and id (a released set has such rows: R2E-Gym ships
-    8101, of which ~6800 have usable logs)."""
+    recorded there under its row's number and id (a released set has such rows: an R2E-Gym row
+    whose logs lack the summary its split is read from, a SWE-bench row whose mirror is missing)."""
     specs = check_environments(environment_specs or {})
     out = []
     for i, row in enumerate(rows):
