@@ -102,11 +102,11 @@ def is_test_file(path: str) -> bool:
             or any(p in ("tests", "Tests", "test", "Test") for p in parts[:-1]))
 
 
-def _file_path(diff: dict) -> str:
+def _file_path(diff: dict, where: str) -> str:
     header = diff.get("header") or {}
     path = (header.get("file") or {}).get("path") if isinstance(header, dict) else None
     if not isinstance(path, str) or not path:
-        raise ValueError("a file diff without header.file.path")
+        raise ValueError(f"{where}: a file diff without header.file.path")
     return path
 
 
@@ -131,23 +131,24 @@ def _text_patch(path: str, old: str, new: str) -> str:
     return "".join(head + body) if body else ""
 
 
-def gold_patch(commit: dict, mirror: str, where: str) -> tuple[str, list[str]]:
-    """(the fix: the commit's diff of its non-test files, the paths it changes)."""
+def gold_patch(commit: dict, mirror: str, base: str, where: str) -> tuple[str, list[str]]:
+    """(the fix: the commit's diff of its non-test files from `base`, the old commit's resolved
+    sha, the paths it changes)."""
     diffs = commit.get("file_diffs")
     if not isinstance(diffs, list):
         raise ValueError(f"{where}: parsed_commit_content has no file_diffs list")
-    fixes = [d for d in diffs if not is_test_file(_file_path(d)) and not d.get("is_binary_file")]
-    paths = sorted({_file_path(d) for d in fixes})
+    fixes = {_file_path(d, where): d for d in diffs if not d.get("is_binary_file")}
+    fixes = {p: d for p, d in fixes.items() if not is_test_file(p)}
+    paths = sorted(fixes)
     if not paths:
         raise ValueError(f"{where}: the commit changes no non-test text file")
-    src, _ = repo_lib.source(mirror)
     try:
         new = repo_lib.resolve(mirror, commit["new_commit_hash"])
-        old = repo_lib.resolve(mirror, commit["old_commit_hash"])
-        patch = repo_lib.git("diff", "--no-renames", "--binary", old, new, "--", *paths, cwd=src)
+        patch = repo_lib.git("diff", "--no-renames", "--binary", base, new, "--", *paths,
+                             cwd=repo_lib.source(mirror)[0])
     except (repo_lib.RepoError, KeyError):
-        patch = "".join(_text_patch(_file_path(d), d.get("old_file_content") or "",
-                                    d.get("new_file_content") or "") for d in fixes)
+        patch = "".join(_text_patch(p, fixes[p].get("old_file_content") or "",
+                                    fixes[p].get("new_file_content") or "") for p in paths)
     if not patch.strip():
         raise ValueError(f"{where}: the commit's non-test files {paths[:5]} do not change")
     return patch, paths
@@ -223,7 +224,7 @@ def to_task(row: dict, mirror: str, test_command: str = DEFAULT_TEST_COMMAND, se
         base = repo_lib.resolve(mirror, commit["old_commit_hash"])
     except repo_lib.RepoError as e:
         raise ValueError(f"{where}: commit {commit['old_commit_hash']!r} not in {mirror}: {e}") from e
-    gold, paths = gold_patch(commit, mirror, where)
+    gold, paths = gold_patch(commit, mirror, base, where)
     tests = hidden_tests(result, where)
     f2p, p2p, expected_failing = split_tests(
         expected, result.get("old_commit_res_stdout") or "",
