@@ -18,11 +18,11 @@ are negative examples). A wrong loss sign, misaligned targets, masks that miss t
 or weights that never reach the engine leave the reward at chance or lower: each fails the
 learning tests.
 
-The fitted weights are committed (tests/data/toy_policies, `python -m tests.rl_toy` refreshes
-them after a change to the toy, its tokenizer or the model): every machine starts the learning
-tests from the same model, and the suite skips two 200-step fits. `fitted_policy` falls back to
-fitting when the committed fit was made with another tokenizer, and checks the call format once
-per session either way.
+The fitted weights are committed (tests/fits.py: tests/data/fits, `python -m tests.fits`
+refreshes them after a change to the toy, its tokenizer, the model or the fit): every machine
+starts the learning tests from the same model, and the suite skips two 200-step fits.
+`fitted_policy` falls back to fitting when the committed fit was made by another recipe, and
+checks the call format once per session either way.
 
 A resumed stage continuing the single epoch where it stopped is tests/rl/test_grpo_preemption.py.
 The real sandboxed toy tasks of coder.env run through the same loop in tests/test_quickstart.py.
@@ -51,6 +51,7 @@ from coder.env import tasks as tasks_lib
 from coder.model import Transformer
 from coder.train import losses
 from configs import base
+from tests import fits
 
 SUBMIT = protocol.ToolSpec(
     "submit", "Submit your answer.",
@@ -302,11 +303,7 @@ class ToyPolicy:
     format: dict
 
 
-# The committed fits (`python -m tests.rl_toy` writes them): one npz of weights and one json of
-# what made them per toy. A session loads them instead of fitting when its tokenizer is the one
-# they were fitted with: 200 -O2 steps are ~80 s of CPU per toy on the CI's machines, and every
-# machine then starts the learning tests from the same weights, whatever its float rounding.
-COMMITTED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy_policies")
+TOYS = {toy.name: toy for toy in (SUBMIT_TOY, FILE_TOY)}
 
 
 def _setup(toy: Toy):
@@ -316,70 +313,45 @@ def _setup(toy: Toy):
     return tok, stage_len, tiny_config(tok, stage_len, toy)
 
 
-def _tokenizer_digest(tok) -> str:
-    import hashlib
-
-    return hashlib.sha256(tok.model_proto).hexdigest()
+def _fit_key(toy: Toy, tok, cfg) -> str:
+    return fits.key(tok, sft_format, toy=toy.name, model=cfg.model.to_dict())
 
 
-def write_fit(directory: str, toy: Toy = SUBMIT_TOY) -> dict:
-    """Fits `toy` (sft_format) and writes `{toy.name}.npz` (the weights) and `{toy.name}.json`
-    (the last loss, the tokenizer's digest, the stage length) into `directory`."""
-    from coder.train import checkpoint as ckpt_lib
-
+def write_fit(directory: str, name: str) -> dict:
+    """Fits the toy `name` (sft_format) and writes it into `directory` (tests/fits.py save); its
+    metadata holds the last loss and the stage length. `python -m tests.fits` refreshes the
+    committed ones (tests/data/fits)."""
+    toy = TOYS[name]
     tok, stage_len, cfg = _setup(toy)
     model, loss = sft_format(cfg, tok, toy=toy)
-    os.makedirs(directory, exist_ok=True)
-    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
-    np.savez_compressed(os.path.join(directory, f"{toy.name}.npz"), **flat)
-    meta = dict(loss=loss, tokenizer_sha256=_tokenizer_digest(tok), stage_len=stage_len)
-    with open(os.path.join(directory, f"{toy.name}.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    return meta
-
-
-def _committed(toy: Toy, tok) -> str | None:
-    """The committed fit's directory when it exists and was made with `tok`; None otherwise
-    (the session fits), and always with CODER_TEST_REFIT=1."""
-    meta = os.path.join(COMMITTED_DIR, f"{toy.name}.json")
-    if os.environ.get("CODER_TEST_REFIT") == "1" or not os.path.exists(meta):
-        return None
-    with open(meta) as f:
-        if json.load(f)["tokenizer_sha256"] != _tokenizer_digest(tok):
-            import warnings
-
-            warnings.warn(f"tests/data/toy_policies/{toy.name}: fitted with another tokenizer; "
-                          "fitting again (python -m tests.rl_toy refreshes the committed fits)")
-            return None
-    return COMMITTED_DIR
+    return fits.save(directory, name, _fit_key(toy, tok, cfg), nnx.state(model), loss=loss, stage_len=stage_len,
+                     xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def fitted_policy(cache_dir: str, toy: Toy = SUBMIT_TOY) -> ToyPolicy:
-    """The SFT-ed `toy` (sft_format): the committed fit (COMMITTED_DIR) when it matches this
-    tokenizer, else fitted by the first process of the session that asks into `cache_dir` and
+    """The SFT-ed `toy` (sft_format): the committed fit (tests/fits.py) when it was made by this
+    recipe and tokenizer, else fitted by the first process of the session that asks into `cache_dir` and
     loaded from there by the others. Its call format (`call_format`) is measured once per
     session, right after the weights are at hand, and the fixture fails at once, saying so, when
     the model does not submit (every learning test would otherwise fail at reward -0.3)."""
     import filelock
-    import jax.numpy as jnp
-
-    from coder.train import checkpoint as ckpt_lib
 
     tok, stage_len, cfg = _setup(toy)
     report = os.path.join(cache_dir, f"{toy.name}.format.json")
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     template = nnx.state(model)
     with filelock.FileLock(os.path.join(cache_dir, f"{toy.name}.lock")):
-        source = _committed(toy, tok)
-        if source is None:
+        source = fits.FITS_DIR
+        meta = fits.committed(toy.name, _fit_key(toy, tok, cfg))
+        if meta is None:  # fitted once per session, by the first process that asks
             source = cache_dir
-            if not os.path.exists(os.path.join(cache_dir, f"{toy.name}.json")):
-                write_fit(cache_dir, toy)
-        with open(os.path.join(source, f"{toy.name}.json")) as f:
-            meta = json.load(f)
+            meta_path = os.path.join(cache_dir, f"{toy.name}.json")
+            if not os.path.exists(meta_path):
+                write_fit(cache_dir, toy.name)
+            with open(meta_path) as f:
+                meta = json.load(f)
         assert meta["stage_len"] == stage_len, (meta, stage_len)
-        flat = np.load(os.path.join(source, f"{toy.name}.npz"))
-        state = ckpt_lib.flat_to_state(template, {k: jnp.asarray(v) for k, v in flat.items()})
+        state = fits.load(source, toy.name, template)
         if not os.path.exists(report):
             nnx.update(model, state)
             with open(report, "w") as f:
@@ -391,8 +363,3 @@ def fitted_policy(cache_dir: str, toy: Toy = SUBMIT_TOY) -> ToyPolicy:
         f"in only {fmt['submitted']:.0%} of its rollouts (needs {MIN_SUBMITTED:.0%}): the GRPO learning "
         f"tests would start from a model that never calls its tool. The fit, not GRPO, broke.")
     return ToyPolicy(tok, stage_len, state, fmt)
-
-
-if __name__ == "__main__":  # refresh the committed fits: python -m tests.rl_toy
-    for _toy in (SUBMIT_TOY, FILE_TOY):
-        print(_toy.name, write_fit(COMMITTED_DIR, _toy))

@@ -49,6 +49,7 @@ import collections
 import concurrent.futures
 import inspect
 import json
+import os
 import random
 import time
 
@@ -68,6 +69,7 @@ from coder.serve.server import Server
 from coder.stages import realtime as realtime_stage
 from coder.stages import stage_config
 from configs import base, quickstart
+from tests import fits
 from tests.rl.test_realtime import _post
 from tests.rl_toy import train_steps
 from tests.serve.test_serve import MAX_LEN, NAMES, PREAMBLE, SUBMIT, TOOLS, make_engine, start_uvicorn
@@ -132,6 +134,35 @@ def fit(cfg, tok, steps, lr, seed=0):
         return dict(tokens=toks, positions=pos, segment_ids=seg, loss_mask=masks)
 
     return model, train_steps(model, opt, batch, steps, mtp=False)
+
+
+PICKER = "realtime_picker"  # the committed fit's name (tests/fits.py)
+PICKER_FIT = dict(steps=80, lr=5e-3)
+
+
+def _picker_key(tok, cfg) -> str:
+    return fits.key(tok, fit, train_steps, model=cfg.to_dict(), **PICKER_FIT)
+
+
+def write_fit(directory: str, name: str = PICKER) -> dict:
+    """Fits the picker and writes it into `directory` (`python -m tests.fits` refreshes the
+    committed one)."""
+    tok = make_tokenizer()
+    cfg = quickstart_model_config(tok)
+    model, loss = fit(cfg, tok, **PICKER_FIT)
+    return fits.save(directory, name, _picker_key(tok, cfg), nnx.state(model), loss=loss,
+                     xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def picker(tok, cfg):
+    """(the fitted picker, its last fit loss): the committed fit (tests/fits.py) when this recipe
+    made it, else fitted here."""
+    meta = fits.committed(PICKER, _picker_key(tok, cfg))
+    if meta is None:
+        return fit(cfg, tok, **PICKER_FIT)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, fits.load(fits.FITS_DIR, PICKER, nnx.state(model)))
+    return model, meta["loss"]
 
 
 class EvenEpisode:
@@ -212,7 +243,7 @@ def test_kept_rate_rises_over_cycles_and_a_regressing_cycle_is_refused(tmp_path)
     t_start = time.perf_counter()
     tok = make_tokenizer()
     cfg = quickstart_model_config(tok)
-    model, fit_loss = fit(cfg, tok, steps=80, lr=5e-3)
+    model, fit_loss = picker(tok, cfg)
     state = nnx.state(model)
     c = learning_config(tmp_path, cfg)
     t_fit = time.perf_counter() - t_start
