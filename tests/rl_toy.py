@@ -317,6 +317,12 @@ def _fit_key(toy: Toy, tok, cfg) -> str:
     return fits.key(tok, sft_format, toy=toy.name, model=cfg.model.to_dict())
 
 
+def fit_key(name: str) -> str:
+    """The current recipe's key of the toy `name`'s fit (tests/fits.py)."""
+    tok, _, cfg = _setup(TOYS[name])
+    return _fit_key(TOYS[name], tok, cfg)
+
+
 def write_fit(directory: str, name: str) -> dict:
     """Fits the toy `name` (sft_format) and writes it into `directory` (tests/fits.py save); its
     metadata holds the last loss and the stage length. `python -m tests.fits` refreshes the

@@ -144,6 +144,12 @@ def _picker_key(tok, cfg) -> str:
     return fits.key(tok, fit, train_steps, model=cfg.to_dict(), **PICKER_FIT)
 
 
+def fit_key(name: str = PICKER) -> str:
+    """The current recipe's key of the picker's fit (tests/fits.py)."""
+    tok = make_tokenizer()
+    return _picker_key(tok, quickstart_model_config(tok))
+
+
 def write_fit(directory: str, name: str = PICKER) -> dict:
     """Fits the picker and writes it into `directory` (`python -m tests.fits` refreshes the
     committed one)."""

@@ -118,6 +118,12 @@ def _greeter_key(tok, cfg) -> str:
     return fits.key(tok, fit, train_steps, model=cfg.to_dict())
 
 
+def fit_key(name: str = GREETER) -> str:
+    """The current recipe's key of the greeter's fit (tests/fits.py)."""
+    tok = make_tokenizer()
+    return _greeter_key(tok, tiny_cfg(tok))
+
+
 def write_fit(directory: str, name: str = GREETER) -> dict:
     """Fits the greeter and writes it into `directory` (`python -m tests.fits` refreshes the
     committed one)."""
