@@ -11,25 +11,33 @@ what the fit reported, e.g. the last loss). The key is a digest of the tokenizer
 the recipe (the model config, the fit's arguments and source): change any of them and the test
 warns and fits again, until `python -m tests.fits` refreshes the committed files.
 """
+import dataclasses
 import hashlib
 import importlib
 import inspect
 import json
 import os
 import warnings
+from typing import Callable
 
 import numpy as np
 
 FITS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fits")
 
-# name -> the module that owns the fit: its `fit_key(name)` is the current recipe's key and its
-# `write_fit(directory, name)` fits and saves (`python -m tests.fits` runs them all)
-OWNERS = {
-    "toy_policy": "tests.rl_toy",
-    "file_policy": "tests.rl_toy",
-    "serve_greeter": "tests.serve.test_serve",
-    "realtime_picker": "tests.rl.test_realtime_learning",
+# name -> "module:attribute" of the fit's recipe (a Recipe, or tests/rl_toy.py's ToyRecipe): its
+# `current_key()` is the key the current code gives it and `write(directory)` fits and saves it
+# (`python -m tests.fits` runs them all)
+RECIPES = {
+    "toy_policy": "tests.rl_toy:SUBMIT_RECIPE",
+    "file_policy": "tests.rl_toy:FILE_RECIPE",
+    "serve_greeter": "tests.serve.test_serve:GREETER",
+    "realtime_picker": "tests.rl.test_realtime_learning:PICKER",
 }
+
+
+def recipe(name: str):
+    module, attribute = RECIPES[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def key(tok, *fit_fns, **recipe) -> str:
@@ -81,10 +89,51 @@ def load(directory: str, name: str, template):
     return ckpt_lib.flat_to_state(template, {k: jnp.asarray(v) for k, v in flat.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one committed fit of a Transformer is made: `setup()` -> (tokenizer, model config),
+    `fit(cfg, tok, **args)` -> (fitted model, last loss); `sources` are the functions the fit
+    calls whose source enters the key beside `fit`'s own."""
+
+    name: str
+    setup: Callable
+    fit: Callable
+    args: dict = dataclasses.field(default_factory=dict)
+    sources: tuple = ()
+
+    def key(self, tok, cfg) -> str:
+        return key(tok, self.fit, *self.sources, model=cfg.to_dict(), **self.args)
+
+    def current_key(self) -> str:
+        return self.key(*self.setup())
+
+    def write(self, directory: str) -> dict:
+        """Fits and saves (+ the last loss and the XLA flags it was fitted under)."""
+        from flax import nnx
+
+        tok, cfg = self.setup()
+        model, loss = self.fit(cfg, tok, **self.args)
+        return save(directory, self.name, self.key(tok, cfg), nnx.state(model), loss=loss,
+                    xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+    def model(self, tok, cfg):
+        """(model, last loss): the committed fit when this recipe made it, else fitted here."""
+        from flax import nnx
+
+        from coder.model import Transformer
+
+        meta = committed(self.name, self.key(tok, cfg))
+        if meta is None:
+            return self.fit(cfg, tok, **self.args)
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        nnx.update(model, load(FITS_DIR, self.name, nnx.state(model)))
+        return model, meta["loss"]
+
+
 if __name__ == "__main__":  # refresh every committed fit: python -m tests.fits [name ...]
     import sys
 
     import tests.conftest  # noqa: F401  (the suite's XLA flags: the fits are made as the tests would)
 
-    for fit_name in sys.argv[1:] or OWNERS:
-        print(fit_name, importlib.import_module(OWNERS[fit_name]).write_fit(FITS_DIR, fit_name))
+    for fit_name in sys.argv[1:] or RECIPES:
+        print(fit_name, recipe(fit_name).write(FITS_DIR))

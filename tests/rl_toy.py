@@ -317,10 +317,22 @@ def _fit_key(toy: Toy, tok, cfg) -> str:
     return fits.key(tok, sft_format, toy=toy.name, model=cfg.model.to_dict())
 
 
-def fit_key(name: str) -> str:
-    """The current recipe's key of the toy `name`'s fit (tests/fits.py)."""
-    tok, _, cfg = _setup(TOYS[name])
-    return _fit_key(TOYS[name], tok, cfg)
+@dataclasses.dataclass(frozen=True)
+class ToyRecipe:
+    """A toy's committed fit (tests/fits.py): sft_format on the toy's tokenizer and config, saved
+    with its stage length."""
+
+    toy: Toy
+
+    def current_key(self) -> str:
+        tok, _, cfg = _setup(self.toy)
+        return _fit_key(self.toy, tok, cfg)
+
+    def write(self, directory: str) -> dict:
+        return write_fit(directory, self.toy.name)
+
+
+SUBMIT_RECIPE, FILE_RECIPE = ToyRecipe(SUBMIT_TOY), ToyRecipe(FILE_TOY)
 
 
 def write_fit(directory: str, name: str) -> dict:

@@ -49,7 +49,6 @@ import collections
 import concurrent.futures
 import inspect
 import json
-import os
 import random
 import time
 
@@ -136,39 +135,13 @@ def fit(cfg, tok, steps, lr, seed=0):
     return model, train_steps(model, opt, batch, steps, mtp=False)
 
 
-PICKER = "realtime_picker"  # the committed fit's name (tests/fits.py)
-PICKER_FIT = dict(steps=80, lr=5e-3)
-
-
-def _picker_key(tok, cfg) -> str:
-    return fits.key(tok, fit, train_steps, model=cfg.to_dict(), **PICKER_FIT)
-
-
-def fit_key(name: str = PICKER) -> str:
-    """The current recipe's key of the picker's fit (tests/fits.py)."""
+def _picker_setup():
     tok = make_tokenizer()
-    return _picker_key(tok, quickstart_model_config(tok))
+    return tok, quickstart_model_config(tok)
 
 
-def write_fit(directory: str, name: str = PICKER) -> dict:
-    """Fits the picker and writes it into `directory` (`python -m tests.fits` refreshes the
-    committed one)."""
-    tok = make_tokenizer()
-    cfg = quickstart_model_config(tok)
-    model, loss = fit(cfg, tok, **PICKER_FIT)
-    return fits.save(directory, name, _picker_key(tok, cfg), nnx.state(model), loss=loss,
-                     xla_flags=os.environ.get("XLA_FLAGS", ""))
-
-
-def picker(tok, cfg):
-    """(the fitted picker, its last fit loss): the committed fit (tests/fits.py) when this recipe
-    made it, else fitted here."""
-    meta = fits.committed(PICKER, _picker_key(tok, cfg))
-    if meta is None:
-        return fit(cfg, tok, **PICKER_FIT)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    nnx.update(model, fits.load(fits.FITS_DIR, PICKER, nnx.state(model)))
-    return model, meta["loss"]
+# the committed fit (tests/fits.py)
+PICKER = fits.Recipe("realtime_picker", _picker_setup, fit, dict(steps=80, lr=5e-3), sources=(train_steps,))
 
 
 class EvenEpisode:
@@ -249,7 +222,7 @@ def test_kept_rate_rises_over_cycles_and_a_regressing_cycle_is_refused(tmp_path)
     t_start = time.perf_counter()
     tok = make_tokenizer()
     cfg = quickstart_model_config(tok)
-    model, fit_loss = picker(tok, cfg)
+    model, fit_loss = PICKER.model(tok, cfg)
     state = nnx.state(model)
     c = learning_config(tmp_path, cfg)
     t_fit = time.perf_counter() - t_start

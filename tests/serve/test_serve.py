@@ -12,7 +12,6 @@ import copy
 import functools
 import inspect
 import json
-import os
 import random
 import socket
 import threading
@@ -111,27 +110,12 @@ def fit(cfg, tok, steps=160, seed=0):
     return model, train_steps(model, opt, batch, steps)
 
 
-GREETER = "serve_greeter"  # the committed fit's name (tests/fits.py)
-
-
-def _greeter_key(tok, cfg) -> str:
-    return fits.key(tok, fit, train_steps, model=cfg.to_dict())
-
-
-def fit_key(name: str = GREETER) -> str:
-    """The current recipe's key of the greeter's fit (tests/fits.py)."""
+def _greeter_setup():
     tok = make_tokenizer()
-    return _greeter_key(tok, tiny_cfg(tok))
+    return tok, tiny_cfg(tok)
 
 
-def write_fit(directory: str, name: str = GREETER) -> dict:
-    """Fits the greeter and writes it into `directory` (`python -m tests.fits` refreshes the
-    committed one)."""
-    tok = make_tokenizer()
-    cfg = tiny_cfg(tok)
-    model, loss = fit(cfg, tok)
-    return fits.save(directory, name, _greeter_key(tok, cfg), nnx.state(model), loss=loss,
-                     xla_flags=os.environ.get("XLA_FLAGS", ""))
+GREETER = fits.Recipe("serve_greeter", _greeter_setup, fit, sources=(train_steps,))  # tests/fits.py
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,15 +123,8 @@ def fitted():
     """(tokenizer, model config, fitted model, final loss), once per test process (this module and
     test_realtime.py share it; nothing mutates the model: engines copy its weights): the committed
     fit (tests/fits.py) when this recipe made it, else fitted here."""
-    tok = make_tokenizer()
-    cfg = tiny_cfg(tok)
-    meta = fits.committed(GREETER, _greeter_key(tok, cfg))
-    if meta is None:
-        model, loss = fit(cfg, tok)
-    else:
-        model, loss = Transformer(cfg, rngs=nnx.Rngs(0)), meta["loss"]
-        nnx.update(model, fits.load(fits.FITS_DIR, GREETER, nnx.state(model)))
-    return tok, cfg, model, loss
+    tok, cfg = _greeter_setup()
+    return (tok, cfg, *GREETER.model(tok, cfg))
 
 
 class Spy:
