@@ -40,13 +40,13 @@ def recipe(name: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-def key(tok, *fit_fns, **recipe) -> str:
+def key(tok, *fit_fns, **settings) -> str:
     """sha256 of the tokenizer's model, the source of `fit_fns` (the fit and what it calls) and
-    `recipe` (JSON-able values: a config dict, step counts, learning rates, seeds)."""
+    `settings` (JSON-able values: a config dict, step counts, learning rates, seeds)."""
     h = hashlib.sha256(tok.model_proto)
     for fn in fit_fns:
         h.update(inspect.getsource(fn).encode())
-    h.update(json.dumps(recipe, sort_keys=True, default=str).encode())
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
