@@ -66,13 +66,14 @@ def committed(name: str, fit_key: str) -> dict | None:
 
 
 def save(directory: str, name: str, fit_key: str, state, **meta) -> dict:
-    """Writes `state` (an nnx.State) and `meta` (+ the key) as `{name}.npz` / `{name}.json`."""
+    """Writes `state` (an nnx.State) and `meta` (+ the key and the XLA flags it was fitted under)
+    as `{name}.npz` / `{name}.json`."""
     from coder.train import checkpoint as ckpt_lib
 
     os.makedirs(directory, exist_ok=True)
     flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(state).items()}
     np.savez_compressed(os.path.join(directory, f"{name}.npz"), **flat)
-    meta = dict(meta, key=fit_key)
+    meta = dict(meta, xla_flags=os.environ.get("XLA_FLAGS", ""), key=fit_key)
     with open(os.path.join(directory, f"{name}.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
@@ -108,13 +109,12 @@ class Recipe:
         return self.key(*self.setup())
 
     def write(self, directory: str) -> dict:
-        """Fits and saves (+ the last loss and the XLA flags it was fitted under)."""
+        """Fits and saves, with the last loss."""
         from flax import nnx
 
         tok, cfg = self.setup()
         model, loss = self.fit(cfg, tok, **self.args)
-        return save(directory, self.name, self.key(tok, cfg), nnx.state(model), loss=loss,
-                    xla_flags=os.environ.get("XLA_FLAGS", ""))
+        return save(directory, self.name, self.key(tok, cfg), nnx.state(model), loss=loss)
 
     def model(self, tok, cfg):
         """(model, last loss): the committed fit when this recipe made it, else fitted here."""

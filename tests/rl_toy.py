@@ -303,9 +303,6 @@ class ToyPolicy:
     format: dict
 
 
-TOYS = {toy.name: toy for toy in (SUBMIT_TOY, FILE_TOY)}
-
-
 def _setup(toy: Toy):
     tok = tokenizer(toy)
     head = len(tok.turn_ids("system", toy.system_prompt)) + 24
@@ -313,37 +310,28 @@ def _setup(toy: Toy):
     return tok, stage_len, tiny_config(tok, stage_len, toy)
 
 
-def _fit_key(toy: Toy, tok, cfg) -> str:
-    return fits.key(tok, sft_format, toy=toy.name, model=cfg.model.to_dict())
-
-
 @dataclasses.dataclass(frozen=True)
 class ToyRecipe:
     """A toy's committed fit (tests/fits.py): sft_format on the toy's tokenizer and config, saved
-    with its stage length."""
+    with its stage length. `python -m tests.fits` refreshes the committed ones (tests/data/fits)."""
 
     toy: Toy
 
+    def key(self, tok, cfg) -> str:
+        return fits.key(tok, sft_format, toy=self.toy.name, model=cfg.model.to_dict())
+
     def current_key(self) -> str:
         tok, _, cfg = _setup(self.toy)
-        return _fit_key(self.toy, tok, cfg)
+        return self.key(tok, cfg)
 
     def write(self, directory: str) -> dict:
-        return write_fit(directory, self.toy.name)
+        tok, stage_len, cfg = _setup(self.toy)
+        model, loss = sft_format(cfg, tok, toy=self.toy)
+        return fits.save(directory, self.toy.name, self.key(tok, cfg), nnx.state(model), loss=loss,
+                         stage_len=stage_len)
 
 
 SUBMIT_RECIPE, FILE_RECIPE = ToyRecipe(SUBMIT_TOY), ToyRecipe(FILE_TOY)
-
-
-def write_fit(directory: str, name: str) -> dict:
-    """Fits the toy `name` (sft_format) and writes it into `directory` (tests/fits.py save); its
-    metadata holds the last loss and the stage length. `python -m tests.fits` refreshes the
-    committed ones (tests/data/fits)."""
-    toy = TOYS[name]
-    tok, stage_len, cfg = _setup(toy)
-    model, loss = sft_format(cfg, tok, toy=toy)
-    return fits.save(directory, name, _fit_key(toy, tok, cfg), nnx.state(model), loss=loss, stage_len=stage_len,
-                     xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def fitted_policy(cache_dir: str, toy: Toy = SUBMIT_TOY) -> ToyPolicy:
@@ -359,13 +347,13 @@ def fitted_policy(cache_dir: str, toy: Toy = SUBMIT_TOY) -> ToyPolicy:
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     template = nnx.state(model)
     with filelock.FileLock(os.path.join(cache_dir, f"{toy.name}.lock")):
-        source = fits.FITS_DIR
-        meta = fits.committed(toy.name, _fit_key(toy, tok, cfg))
+        recipe, source = ToyRecipe(toy), fits.FITS_DIR
+        meta = fits.committed(toy.name, recipe.key(tok, cfg))
         if meta is None:  # fitted once per session, by the first process that asks
             source = cache_dir
             meta_path = os.path.join(cache_dir, f"{toy.name}.json")
             if not os.path.exists(meta_path):
-                write_fit(cache_dir, toy.name)
+                recipe.write(cache_dir)
             with open(meta_path) as f:
                 meta = json.load(f)
         assert meta["stage_len"] == stage_len, (meta, stage_len)
