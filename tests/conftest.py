@@ -124,6 +124,19 @@ def toy_policy():
     return rl_toy.fitted_policy(os.environ["CODER_TEST_SHARED_DIR"])
 
 
+@pytest.fixture
+def quickstart_grpo():
+    """configs/quickstart.py's config as stage grpo runs it (its derive, and the context longctx
+    extended the model to): the 2-layer MoE with one MTP module, rl.context_budget 1024, 32
+    engine slots (rl.tasks_per_step 4 x rl.group_size 8). The start-up checks' tests."""
+    from coder.stages import stage_config
+    from configs import quickstart
+
+    c = quickstart.get_config()
+    c.model.max_position_embeddings = c.longctx.seq_len
+    return stage_config("grpo", c)
+
+
 _TINY_CORE = '''def add(a, b):
     return a + b
 

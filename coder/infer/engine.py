@@ -89,9 +89,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from coder.infer import channel as channel_lib
-from coder.infer import programs
-from coder.infer.scheduler import (FINISH_REASONS, Call, Generation, Request, Row, SamplingParams, Scheduler,
-                                   bucket, default_len_buckets)
+from coder.infer import programs, speculative
+from coder.infer.scheduler import (BATCH_BUCKETS, FINISH_REASONS, Call, Generation, Request, Row, SamplingParams,
+                                   Scheduler, bucket, default_len_buckets)
 from coder.model import init_cache, sharding
 
 __all__ = ["Engine", "Group", "Generation", "SamplingParams", "FINISH_REASONS", "default_len_buckets"]
@@ -139,14 +139,12 @@ class Engine:
     thread_safe = True  # generate / append / set_weights may be called from many threads
 
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
-                 batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=None, speculative_k: int = 0,
+                 batch_buckets=BATCH_BUCKETS, len_buckets=None, speculative_k: int = 0,
                  cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0,
                  follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0, offload_idle_rows: bool = False):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
-        if not 0 <= speculative_k <= model_cfg.num_mtp_layers:
-            raise ValueError(f"speculative_k={speculative_k}: drafting uses one MTP module per token, "
-                             f"the model has model.num_mtp_layers={model_cfg.num_mtp_layers}")
+        speculative.check_draft_depth("speculative_k", speculative_k, model_cfg.num_mtp_layers)
         if decode_steps < 1 or max_slots < 1:
             raise ValueError(f"decode_steps={decode_steps}, max_slots={max_slots}: both must be >= 1")
         if not 0 <= prefix_cache_slots < max_slots:

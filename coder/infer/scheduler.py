@@ -69,6 +69,9 @@ def bucket(buckets, n: int) -> int:
     return -(-n // top) * top
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # an engine's slot counts by default (past 32: multiples of 32)
+
+
 def default_len_buckets(max_len: int) -> tuple:
     """Powers of two from 16 up to the first one >= max_len."""
     b = [16]

@@ -35,6 +35,20 @@ import jax.numpy as jnp
 from coder.infer import sampling
 
 
+def check_draft_depth(key: str, k: int, num_mtp_layers: int) -> None:
+    """ValueError naming config key `key` (e.g. "serve.speculative_k") unless its draft depth `k`
+    is in [0, num_mtp_layers]: each drafted token takes one MTP module (0 = no speculative
+    decoding). Every place that builds an engine from a config checks its key with this."""
+    k, mtp = int(k), int(num_mtp_layers)
+    if k < 0:
+        raise ValueError(f"{key}={k} must be >= 0 (0 = no speculative decoding)")
+    if k > mtp:
+        why = (f"the model has no MTP modules (model.num_mtp_layers=0): set {key}=0, or use a model with MTP "
+               "modules (model.num_mtp_layers >= 1, distilled by stage mtp)" if mtp == 0 else
+               f"the model has model.num_mtp_layers={mtp}: set {key} <= {mtp}")
+        raise ValueError(f"{key}={k}: each drafted token takes one MTP module, and {why}")
+
+
 def advance(model, cache, h_last, mtp_last, main_hidden, tokens, start, n_valid, active):
     """Run every MTP depth over a chunk that entered the main cache.
 

@@ -18,6 +18,8 @@ Used by stage `grpo` (coder/stages/grpo.py) and the agent eval (coder/rl/eval.py
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 import threading
 import weakref
@@ -186,6 +188,20 @@ def model_fn(config):
     return lambda: Transformer(config.model, rngs=nnx.Rngs(0))
 
 
+def _engine_mesh_config(config, slices: int = 1):
+    """The mesh config of `engine_mesh`: the training mesh's expert / tensor / sequence sizes
+    (`rl.engine_mesh`'s where not 0), data = -1 (the rest: rows), fsdp = 1."""
+    cfg = config.mesh.copy_and_resolve_references()
+    own = {axis: int(n) for axis, n in config.rl.engine_mesh.items()}
+    unknown = set(own) - {"expert", "tensor", "sequence"}
+    if unknown or any(n < 0 for n in own.values()):
+        raise ValueError(f"rl.engine_mesh={dict(own)}: sizes >= 0 (0 = the training mesh's) of expert, "
+                         f"tensor and sequence only")
+    with cfg.unlocked():
+        cfg.update(dict(data=-1, fsdp=1, num_slices=slices, **{a: n for a, n in own.items() if n}))
+    return cfg
+
+
 def engine_mesh(config, devices=None):
     """An engine's mesh: `devices` (default: this process's), with the training mesh's expert /
     tensor / sequence axes and everything else over data (rows). The same logical rules as
@@ -196,17 +212,16 @@ def engine_mesh(config, devices=None):
     processes) passes `jax.devices()`."""
     from coder.model import sharding
 
-    cfg = config.mesh.copy_and_resolve_references()
-    own = {axis: int(n) for axis, n in config.rl.engine_mesh.items()}
-    unknown = set(own) - {"expert", "tensor", "sequence"}
-    if unknown or any(n < 0 for n in own.values()):
-        raise ValueError(f"rl.engine_mesh={dict(own)}: sizes >= 0 (0 = the training mesh's) of expert, "
-                         f"tensor and sequence only")
     devices = jax.local_devices() if devices is None else list(devices)
     slices = len({getattr(d, "slice_index", 0) for d in devices})  # a colocated multislice learner's
-    with cfg.unlocked():
-        cfg.update(dict(data=-1, fsdp=1, num_slices=slices, **{a: n for a, n in own.items() if n}))
-    return sharding.make_mesh(cfg, devices)
+    return sharding.make_mesh(_engine_mesh_config(config, slices), devices)
+
+
+def engine_mesh_shape(config, n_devices: int) -> dict[str, int]:
+    """{axis: size} of `engine_mesh` over `n_devices` devices, without any device."""
+    from coder.model import sharding
+
+    return dict(zip(sharding.AXES, sharding.mesh_shape(_engine_mesh_config(config), int(n_devices))))
 
 
 ENGINE_ATTENTION = ("training", "data_parallel")
@@ -226,18 +241,176 @@ def engine_rules(config) -> tuple:
     return sharding.data_parallel_attention(rules) if mode == "data_parallel" else rules
 
 
+def engine_slots(config) -> int:
+    """Rows the RL engine holds at once: `rl.engine_slots`, 0 = the larger of a step's B x G
+    rollouts (rl.tasks_per_step x rl.group_size) and an eval's groups (rl.eval_samples)."""
+    rl = config.rl
+    return int(rl.engine_slots) or max(int(rl.tasks_per_step) * int(rl.group_size), int(rl.eval_samples))
+
+
+def serving_dtype(config):
+    """The dtype of the weights the store publishes and of the engine's KV cache:
+    `rl.engine_dtype`, "" = model.dtype."""
+    import jax.numpy as jnp
+
+    return jnp.dtype(config.rl.engine_dtype or config.model.dtype)
+
+
 def make_engine(model, config, *, mesh=None):
     """The RL engine on `mesh` (default: `engine_mesh(config)`), with its own copy of the
-    model's weights in `rl.engine_dtype`; slots for the larger of a step's B x G rollouts and an
-    eval's groups."""
+    model's weights in `rl.engine_dtype`; `engine_slots(config)` slots. Refuses (ValueError, before
+    anything is placed) an engine that `check_engine_memory` finds too large for its devices."""
     from coder.infer.engine import Engine
 
     rl = config.rl
-    slots = int(rl.engine_slots) or max(int(rl.tasks_per_step) * int(rl.group_size), int(rl.eval_samples))
+    mesh = engine_mesh(config) if mesh is None else mesh
+    check_engine_memory(config, dict(mesh.shape), device_bytes_limit(mesh.devices.flat))
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
-                  max_slots=slots, decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
-                  mesh=engine_mesh(config) if mesh is None else mesh, rules=engine_rules(config),
+                  max_slots=engine_slots(config), decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
+                  mesh=mesh, rules=engine_rules(config),
                   follower_timeout_s=float(rl.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows))
+
+
+# --- the engine's memory -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EngineMemory:
+    """What one device of an RL engine holds, by arithmetic on shapes (`engine_memory`):
+
+      weights   bytes of the serving weights on the busiest device: every variable of the model in
+                the serving dtype (floating ones), its largest shard under `engine_rules` over the
+                engine mesh (a dimension that does not divide is padded, as XLA does);
+      slot      bytes of one cache slot at `capacity` positions: the engine's store leaves
+                (coder.infer.programs.empty_store: the MLA cache `[C, kv_lora_rank]` +
+                `[C, qk_rope_head_dim]` per trunk layer and MTP module, NSA's compressed keys and
+                values when on, the held logits `[V]` float32, hidden states `[D]`, the
+                speculative residual `[V]`);
+      capacity  positions per slot: the engine's length bucket of rl.context_budget (the smallest
+                power of two >= it, at least 16), what a row at the budget makes the pool hold;
+      batch_shards  the devices a pool's slots split over (the batch axes of the engine rules).
+
+    An arithmetic lower bound: XLA's temporaries (activations, the logits of a prefill chunk, the
+    decode loop's buffers) and the allocator's fragmentation come on top; stage compile's plan
+    measures the real figure from the compiled programs."""
+
+    weights: int
+    slot: int
+    capacity: int
+    batch_shards: int
+
+    def pool_slots(self, rows: int) -> int:
+        """The slots the engine's pool holds for `rows` rows (its batch bucket, scheduler.BATCH_BUCKETS)."""
+        from coder.infer.scheduler import BATCH_BUCKETS, bucket
+
+        return bucket(BATCH_BUCKETS, max(int(rows), 1))
+
+    def per_device(self, rows: int) -> int:
+        """Bytes on the busiest device with `rows` rows: the weights + the pool's slots, split over
+        `batch_shards` when they divide the pool, else replicated (Engine._store_sharding)."""
+        pool = self.pool_slots(rows)
+        local = pool // self.batch_shards if pool % self.batch_shards == 0 else pool
+        return self.weights + local * self.slot
+
+    def max_rows(self, bytes_limit: int, upto: int) -> int:
+        """The largest row count in [1, upto] whose `per_device` fits `bytes_limit` (0: none)."""
+        return max((n for n in range(1, int(upto) + 1) if self.per_device(n) <= bytes_limit), default=0)
+
+
+def engine_memory(config, mesh_shape: dict) -> EngineMemory:
+    """`EngineMemory` of the RL engine of `config` on a mesh of `mesh_shape` ({axis: size}, e.g.
+    `engine_mesh_shape(config, n_devices)`), from the config alone: the model is built abstractly
+    (nnx.eval_shape), nothing is allocated. The serving dtype is `serving_dtype(config)`: the dtype
+    of the engine's KV cache and of the weights it reads from the store (with rl.engine_dtype = ""
+    an engine built from the abstract model, colocated or over several processes, keeps the
+    weights in model.param_dtype, so the weights there are a lower bound too)."""
+    import math
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from coder.infer import programs
+    from coder.infer.scheduler import bucket, default_len_buckets
+    from coder.model import sharding
+
+    rules, dtype = engine_rules(config), serving_dtype(config)
+    sizes = {axis: int(n) for axis, n in mesh_shape.items()}
+
+    def shards(entry) -> int:  # the devices one dimension splits over (a PartitionSpec entry)
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        return math.prod(sizes[a] for a in axes)
+
+    state = nnx.state(nnx.eval_shape(model_fn(config)))
+    specs = dict(nnx.to_flat_state(sharding.state_specs(state, rules)))
+    weights = 0
+    for path, var in nnx.to_flat_state(state):
+        x, spec = var.get_value(), specs[path].get_value()
+        spec = tuple(spec) + (None,) * (len(x.shape) - len(spec))
+        shard = [-(-n // shards(entry)) for n, entry in zip(x.shape, spec)]
+        itemsize = dtype.itemsize if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize
+        weights += math.prod(shard) * itemsize
+    budget = int(config.rl.context_budget)
+    capacity = bucket(default_len_buckets(budget), budget)
+    store = jax.eval_shape(lambda: programs.empty_store(config.model, 1, capacity, dtype, int(config.rl.speculative_k)))
+    slot = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in jax.tree.leaves(store))
+    return EngineMemory(weights=int(weights), slot=int(slot), capacity=capacity,
+                        batch_shards=shards(sharding.mesh_axes_of("batch", rules)))
+
+
+def device_bytes_limit(devices) -> int | None:
+    """The smallest `memory_stats()["bytes_limit"]` of the `devices` this process addresses (TPU,
+    GPU), None when none reports one (CPU)."""
+    own = [d for d in devices if d.process_index == jax.process_index()]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in own]
+    limits = [int(n) for n in limits if n]
+    return min(limits) if limits else None
+
+
+def check_engine_devices(config, devices) -> None:
+    """`check_engine_memory` of an engine over `devices` (`engine_mesh(config, devices)`) by the
+    limit they report (none on CPU: nothing to check)."""
+    limit = device_bytes_limit(devices)
+    if limit is not None:
+        check_engine_memory(config, engine_mesh_shape(config, len(devices)), limit)
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes for a message: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def check_engine_memory(config, mesh_shape: dict, bytes_limit: int | None) -> None:
+    """ValueError naming the keys when the RL engine of `config` on a mesh of `mesh_shape` cannot
+    hold, beside its weights, one slot at rl.context_budget tokens, or `engine_slots(config)`
+    rows, within `bytes_limit` bytes per device (`device_bytes_limit`; None: the devices report
+    no limit, nothing to check). By `engine_memory`, an arithmetic lower bound: a refused engine
+    cannot fit; an accepted one may still not (stage compile's plan measures the real figure)."""
+    if bytes_limit is None:
+        return
+    rl = config.rl
+    mem = engine_memory(config, mesh_shape)
+    where = (f"the RL engine on a mesh of {dict(mesh_shape)} in {serving_dtype(config).name} holds "
+             f"{format_bytes(mem.weights)} of weights per device and {format_bytes(mem.slot)} per cache slot "
+             f"({mem.capacity} positions)")
+    limit = (f"the devices' {format_bytes(bytes_limit)} (memory_stats bytes_limit; an arithmetic lower bound "
+             "without XLA's temporaries: stage compile's plan measures the real figure)")
+    one = mem.per_device(1)
+    if one > bytes_limit:
+        raise ValueError(f"rl.context_budget={rl.context_budget}: {where}, so even one row at the budget needs "
+                         f"{format_bytes(one)} per device, more than {limit}: lower rl.context_budget, spread the "
+                         f"weights over more devices (rl.engine_mesh={dict(rl.engine_mesh)}: the expert / tensor "
+                         f"sizes) or serve them narrower (rl.engine_dtype={rl.engine_dtype!r})")
+    rows = engine_slots(config)
+    need = mem.per_device(rows)
+    if need > bytes_limit:
+        fits = mem.max_rows(bytes_limit, rows)
+        raise ValueError(f"rl.engine_slots={rl.engine_slots} ({rows} rows; 0 = the larger of rl.tasks_per_step x "
+                         f"rl.group_size and rl.eval_samples): {where}, so {rows} rows need {format_bytes(need)} "
+                         f"per device, more than {limit}: set rl.engine_slots <= {fits}, the most rows that fit "
+                         "by this estimate")
 
 
 # --- actor -------------------------------------------------------------------------------------

@@ -103,10 +103,9 @@ class GroupResult:
 
 def capacity(config) -> int:
     """Groups one actor rolls out at once: its engine's slots over G (coder.rl.actor.make_engine)."""
-    rl = config.rl
-    g = int(rl.group_size)
-    slots = int(rl.engine_slots) or max(int(rl.tasks_per_step) * g, int(rl.eval_samples))
-    return max(1, slots // g)
+    from coder.rl import actor as actor_lib
+
+    return max(1, actor_lib.engine_slots(config) // int(config.rl.group_size))
 
 
 def env_workers(config) -> int:
@@ -489,11 +488,10 @@ def learner_weights(config, url: str):
     """The learner's publisher (weight_channel.ModelPublisher) of stage grpo: every variable, floating
     ones in the serving dtype `rl.engine_dtype or model.dtype`, each process writing its own
     devices' slices."""
-    from jax import numpy as jnp
-
+    from coder.rl import actor as actor_lib
     from coder.rl import weight_channel
 
-    return weight_channel.ModelPublisher(url, dtype=jnp.dtype(config.rl.engine_dtype or config.model.dtype),
+    return weight_channel.ModelPublisher(url, dtype=actor_lib.serving_dtype(config),
                                       anchor_every=int(config.rl.anchor_every))
 
 

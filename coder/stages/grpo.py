@@ -53,11 +53,13 @@ import jax
 from flax import nnx
 
 from coder.env import pool as env_pool
+from coder.infer import speculative
+from coder.model import sharding
 from coder.rl import actor as actor_lib
 from coder.rl import actor_group, actor_learner, colocated, step_channel
 from coder.rl import reward as reward_lib
-from coder.rl.actor import (Actor, episode_factory, eval_tasks, make_engine, rollout_metrics, score_groups,
-                            train_tasks, trained_tasks)
+from coder.rl.actor import (Actor, episode_factory, eval_tasks, format_bytes, make_engine, rollout_metrics,
+                            score_groups, train_tasks, trained_tasks)
 from coder.rl.learner import Learner, check_shared_prefix
 
 
@@ -99,8 +101,52 @@ def validate(config) -> None:
     if not config.grpo["async"] and int(rl.num_actors) > 1:
         raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
                          f"{rl.num_actors}), or grpo.async=True")
+    speculative.check_draft_depth("rl.speculative_k", rl.speculative_k, config.model.num_mtp_layers)
     check_shared_prefix(config)
     env_pool.check_config(config.env)  # where the env workers run
+    check_engine_layout(config, jax.process_count())
+
+
+def check_engine_layout(config, processes: int) -> None:
+    """Stops at start-up when the in-process actor's engine (rl.num_actors = 0) cannot be held by
+    the devices it is built on, naming the keys; `processes` is the learner's process count
+    (jax.process_count()). Ray actors' engines are checked where each actor builds its own, on its
+    own slice (coder.rl.actor.make_engine: this process cannot see those devices).
+
+    The engine's devices: colocated (rl.colocated), the job's (one engine over the learner's
+    devices, process 0 leading); otherwise this process's own. On a learner of several processes
+    the second means every process builds an engine of the whole model on its own devices from
+    the weight store (coder.rl.actor_learner.ActorWorker: the store's newest version read whole
+    into host memory, then placed): allowed while one host holds it (the two-process test job of
+    tests/test_multiprocess.py runs that way), refused, naming rl.num_actors and rl.colocated, when
+    the whole model in the serving dtype exceeds the host's memory or the engine's weights and one
+    row at rl.context_budget exceed its devices' memory. Then the engine against its devices'
+    memory (coder.rl.actor.check_engine_memory; CPU devices report no limit)."""
+    rl = config.rl
+    if int(rl.num_actors) > 0:
+        return
+    devices = jax.devices() if rl.colocated else jax.local_devices()
+    limit = actor_lib.device_bytes_limit(devices)
+    shape = actor_lib.engine_mesh_shape(config, len(devices)) if limit is not None else None
+    if processes > 1 and not rl.colocated:  # an engine of the whole model per process
+        whole = actor_lib.engine_memory(config, {axis: 1 for axis in sharding.AXES}).weights
+        host = actor_lib.host_memory_bytes()
+        one = actor_lib.engine_memory(config, shape).per_device(1) if shape is not None else 0
+        why = ""
+        if whole > host:
+            why = (f"the whole model is {format_bytes(whole)} in {actor_lib.serving_dtype(config).name}, more "
+                   f"than this host's {format_bytes(host)} of memory")
+        elif shape is not None and one > limit:
+            why = (f"its weights and one row at rl.context_budget={rl.context_budget} need {format_bytes(one)} "
+                   f"per device over this process's {len(devices)} devices, more than their {format_bytes(limit)}")
+        if why:
+            raise ValueError(f"rl.num_actors=0 and rl.colocated=False on a learner of {processes} processes: every "
+                             "process builds its own engine of the whole model on its own devices, from the "
+                             f"weight store's whole version in its host memory, and {why}: set rl.num_actors >= 1 "
+                             "(Ray actors, each an engine on its own slice) or rl.colocated=True with "
+                             f"grpo.async=False (one engine over the devices of all {processes} processes)")
+    if shape is not None:
+        actor_lib.check_engine_memory(config, shape, limit)
 
 
 def grpo_config(config):

@@ -80,6 +80,28 @@ def validate(config) -> None:
     realtime_lib.check_signals(r.signals)
     if float(config.rl.temperature) <= 0:
         raise ValueError("rl.temperature must be > 0 (the gate's agent eval samples with it)")
+    check_gate_layout(config, jax.process_count())
+
+
+def check_gate_layout(config, processes: int) -> None:
+    """Stops at start-up when the eval gate's engine (rl.eval_num_tasks > 0, `Loop._evaluate`)
+    cannot be held, naming the keys; `processes` is the learner's process count
+    (jax.process_count()). The gate's engine is `coder.rl.actor.make_engine` on this process's
+    devices, given the learner's whole state (`set_weights`): over several processes every host
+    would gather the whole learner onto its own devices, so that is refused; on one process the
+    engine is checked against its devices' memory (coder.rl.actor.check_engine_memory)."""
+    from coder.rl import actor as actor_lib
+
+    n = int(config.rl.eval_num_tasks)
+    if n <= 0:
+        return
+    if processes > 1:
+        raise ValueError(f"rl.eval_num_tasks={n} turns on the eval gate, whose engine is built on each process's own "
+                         f"devices and takes the learner's whole state: on a learner of {processes} processes every "
+                         "host would gather the whole model from all of them onto its devices. Set "
+                         "rl.eval_num_tasks=0 (0 turns the gate off: every trained cycle is published), or run "
+                         "stage realtime on one process")
+    actor_lib.check_engine_devices(config, jax.local_devices())
 
 
 class Loop:

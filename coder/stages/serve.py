@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 
+from coder.infer import speculative
 from coder.train import checkpoint as ckpt_lib
 
 
@@ -54,14 +55,7 @@ def check(config) -> None:
             raise ValueError(f"serve.{key}={s[key]} must be >= 0")
     if float(s.poll_seconds) <= 0:
         raise ValueError(f"serve.poll_seconds={s.poll_seconds} must be > 0")
-    k, mtp = int(s.speculative_k), int(config.model.num_mtp_layers)
-    if k < 0:
-        raise ValueError(f"serve.speculative_k={s.speculative_k} must be >= 0 (0 = no speculative decoding)")
-    if k > mtp:
-        why = ("the model has no MTP modules (model.num_mtp_layers=0): set serve.speculative_k=0, or serve a "
-               "model with MTP modules (model.num_mtp_layers >= 1, distilled by stage mtp)" if mtp == 0 else
-               f"the model has model.num_mtp_layers={mtp}: set serve.speculative_k <= {mtp}")
-        raise ValueError(f"serve.speculative_k={k}: each drafted token takes one MTP module, and {why}")
+    speculative.check_draft_depth("serve.speculative_k", s.speculative_k, config.model.num_mtp_layers)
 
 
 def check_drafts(config, loaded: dict, path: str) -> None:
