@@ -125,7 +125,7 @@ def check_tools(config) -> None:
         names = stages.stage_names(config)
     except ValueError as e:
         _fail(str(e))
-    missing = stages.missing_tools(config, names)
+    missing = {} if config.plan else stages.missing_tools(config, names)  # a plan runs no sandbox
     if not missing:
         return
     needing = [n for n in names if set(stages.STAGES[n].tools(config)) & set(missing)]
@@ -170,7 +170,12 @@ def main(argv):
     from coder.data.sft import SftDataError
 
     try:
-        stages.run(config)
+        if config.plan:  # compile every program of the chain for its TPU layout (coder/stages/plan.py)
+            from coder.stages import plan
+
+            plan.run(config)
+        else:
+            stages.run(config)
     except SftDataError as e:  # SFT data that can never make a batch: the key to change
         _fail(str(e))
 

@@ -27,6 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Face DeepSeek-V3 / Kimi-K2 directory (config.json + safetensors, local or gs://), whose
     # config.json sets the model's architecture and whose tokenizer the stage uses
     c.init_from = ""
+    # True: compile (never run) every program of every chosen stage for compile.topology's TPU
+    # slice in the layout the runtime builds, and write {workdir}/plan/plan.{json,md} with each
+    # stage's chips, step time, tokens/s and hours (coder/stages/plan.py)
+    c.plan = False
 
     c.model = model_config()
 
@@ -143,6 +147,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.longctx.lr = 1e-3  # peak learning rate of this stage
     c.longctx.batch_size = 0  # rows per step (0 = same tokens per step as data.batch_size x seq_len)
     c.longctx.repo_weight = 0.0  # data.repo_weight of this stage (0 = data.repo_weight)
+    c.longctx.grad_accum = 0  # micro-batches per step of this stage (0 = train.grad_accum)
+    c.longctx.remat = ""  # model.remat of this stage ("" = model.remat): longer rows keep less
 
     # Supervised fine-tuning on conversations (coder/stages/lm.py).
     c.sft = ml_collections.ConfigDict()
@@ -153,6 +159,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.lr = 1e-3  # peak learning rate of this stage
     c.sft.seq_len = 0  # packed row length (0 = data.seq_len)
     c.sft.batch_size = 0  # rows per step (0 = data.batch_size)
+    c.sft.grad_accum = 0  # micro-batches per step (0 = train.grad_accum)
+    c.sft.remat = ""  # model.remat of this stage ("" = model.remat)
 
     # Evaluation stage (coder/stages/lm.py): held-out loss / perplexity, agent pass@k.
     c.eval = ml_collections.ConfigDict()
@@ -303,6 +311,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.eval_at_start = True  # also before the first step: the baseline the stage's pass@1 gain is read against
     c.grpo.warmup_steps = 0  # linear warmup of the grpo stage (0 = train.warmup_steps)
     c.grpo.min_lr_ratio = 0.0  # its cosine decays to grpo.lr * this (0 = train.min_lr_ratio; 1 = constant lr)
+    c.grpo.grad_accum = 0  # the learner's micro-batches per step (0 = train.grad_accum)
+    c.grpo.remat = ""  # model.remat of the learner ("" = model.remat)
     c.grpo.ckpt_every = 5  # steps between grpo checkpoints (-> train.ckpt_every): an RL step is minutes of rollouts
     # MTP refresh: the MTP modules keep distilling the current policy on its sampled tokens (trunk
     # held fixed; 0 = off: the drafts go stale as the policy moves). Small because the global-norm
@@ -324,6 +334,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mtp.ce_weight = 0.0  # mix in cross-entropy on the data (0 = pure distillation)
     c.mtp.fresh = True  # re-initialise the MTP modules instead of continuing init_from's
     c.mtp.eval_batches = 8  # held-out batches for KL / agreement / acceptance at the end
+    c.mtp.grad_accum = 0  # micro-batches per step (0 = train.grad_accum)
 
     # Ahead-of-time compilation for a TPU topology (coder/stages/compile.py, stage "compile").
     c.compile = ml_collections.ConfigDict()
@@ -342,6 +353,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.grpo = True  # also the GRPO learner's step (coder.rl.learner: GRPO loss and batch, grad_accum as train)
     c.compile.grpo_batch = 0  # rows of its batch (0 = data.batch_size)
     c.compile.grpo_seq_len = 0  # tokens per row (0 = rl.context_budget if set, else data.seq_len)
+    # What the plan (config.plan, coder/stages/plan.py) assumes of a rollout, stated in plan.json:
+    # tokens a rollout's rows hold over its chain (prompt, tool outputs, policy; 0 =
+    # rl.context_budget), and the probability that an MTP draft is accepted, per depth
+    c.compile.rollout_tokens = 0
+    c.compile.draft_acceptance = 0.7
 
     # Serving (coder/serve, stage "serve"): the OpenAI-compatible server over the engine.
     c.serve = ml_collections.ConfigDict()

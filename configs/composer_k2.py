@@ -1,16 +1,31 @@
-"""Composer-2-style asynchronous GRPO of Kimi K2.5 (1.04T total, 32B activated) on a TPU pod.
+"""Composer 2's recipe on Kimi K2.5 (1.04T total, 32B activated), the whole chain, on a TPU pod.
 
-The recipe of ../shared/seeds/002 (Cursor's Composer 2): start from Kimi K2.5, RL on real coding
-tasks, asynchronous, in-flight weight updates, self-summarization chaining generations past the
-context window, a nonlinear length penalty, broken tool calls scored below failures. The
-architecture is configs/kimi_k2_1t.py's (K2.5's text model is K2's, with a 256k context).
+The recipe of ../shared/seeds/002 (Cursor's Composer 2), stage by stage (`stages`):
+  pretrain  continued pretraining at 32k tokens a row on a code-heavy mixture (data.sources);
+  longctx   the long-context extension to 256k (YaRN 64 over K2's original 4096: K2.5's window);
+  mtp       MTP layers trained from scratch by self-distillation (trunk frozen): the drafts of
+            speculative decoding in the actors and in serve (rl.speculative_k, serve.speculative_k);
+  sft       a short SFT on agent transcripts at 128k;
+  grpo      asynchronous single-epoch GRPO on real repositories' tasks with self-summarization
+            chains, in-flight weight updates through the store, router replay.
+The architecture is configs/kimi_k2_1t.py's (K2.5's text model is K2's, with a 256k window) plus
+`model.num_mtp_layers = rl.speculative_k` fresh MTP modules.
 
-Layout (disaggregated; docs/rl.md section 7, docs/scale): the learner is the multi-host JAX job
-of the launcher (e.g. v5p-512, launch/tpu_pod.sh or the learner JobSet of launch/ray_cluster.sh);
-`rl.num_actors` actors, each a JAX job of `rl.actor_processes` hosts placed by Ray (one process
-per host: a v5p-128 slice is 16 hosts x 4 chips = 6 TB of HBM for 2.05 TB of bf16 weights plus
-the KV caches), weights through the store on GCS, each host reading only its own slices; env
-workers as Ray actors on CPU nodes that declare the `env_node` resource.
+Plan it first (compiles every program of every stage for its TPU layout on this CPU, runs nothing):
+
+    python main.py --config=configs/composer_k2.py --config.plan=True --config.workdir=/tmp/plan_k2
+
+docs/scale/composer_k2/plan.md has the plan of this file (chips, step seconds, tokens/s, hours per
+stage; the actor slices that keep the learner fed, the weight sync against the learner's step,
+the slots that fit), and every value below marked "plan:" comes from it.
+
+Layout (docs/scale/README.md, configs/pod_layout.py): the learner's stages run on 2 x v5p-512
+(512 chips: the float32 parameters and Adam moments split over both slices, experts 32-way x
+FSDP 8-way in a slice); `rl.num_actors` actors, each a JAX job of `rl.actor_processes` hosts on a
+v5p-256 slice (128 chips, 32 hosts) with the engine laid out as DeepSeek-V3 serves (experts over
+all 128 chips, attention data-parallel, rows and their MLA caches over the chips), placed by Ray;
+weights through the store on GCS, each host reading only its own slices; env workers as Ray
+actors on CPU nodes that declare the `env_node` resource.
 
     huggingface-cli download moonshotai/Kimi-K2.5 --local-dir /data/Kimi-K2.5   # or gs://...
     launch/ray_cluster.sh gke -- --config=configs/composer_k2.py \
@@ -20,44 +35,105 @@ workers as Ray actors on CPU nodes that declare the `env_node` resource.
 The importer reads K2.5's checkpoint as shipped: the `kimi_k25` multimodal wrapper (the text
 model under `text_config`; the vision tower skipped, logged) and its routed experts in INT4
 compressed-tensors (`pack-quantized`, group-wise scales), dequantized on import
-(coder/model/hf_import.py). The values below are a starting point, not tuned here: nothing at
-this size has run on this project's machines (what has: docs/scale).
+(coder/model/hf_import.py). Step counts and learning rates are the seed's shape with guessed
+sizes (marked "guess"): nothing at this size has run on this project's machines.
 """
+from configs import pod_layout
 from configs.kimi_k2_1t import get_config as kimi_k2_config
+
+LEARNER_TOPOLOGY, LEARNER_SLICES = "v5p-512", 2
+ACTOR_TOPOLOGY, ACTOR_CHIPS, ACTOR_HOSTS = "v5p-256", 128, 32
 
 
 def get_config():
-    c = kimi_k2_config()
-    c.stage = "grpo"
+    return recipe(kimi_k2_config(), draft_depth=2)
+
+
+def recipe(c, *, draft_depth: int):
+    """The chain (module docstring) over `c`, a full-size MoE model's config (Kimi K2 here,
+    DeepSeek-V3 in configs/composer_dsv3.py), decoding with `draft_depth` MTP drafts."""
+    c.stage = ""
+    c.stages = ("pretrain", "longctx", "mtp", "sft", "grpo")
     # c.init_from = "gs://BUCKET/Kimi-K2.5"  # the released weights + tokenizer (docstring)
     m = c.model
-    m.max_position_embeddings = 262144  # K2.5: 256k tokens (YaRN 64 x 4096)
+    m.max_position_embeddings = 262144  # K2.5: 256k tokens (YaRN 64 x 4096; the longctx stage derives the same)
     m.rope_scaling.factor = 64.0
+    m.num_mtp_layers = draft_depth  # = rl.speculative_k: one MTP module per drafted token (fresh: K2.5 ships none)
+    pod_layout.apply(c, slices=LEARNER_SLICES, params_over_data=True, reduce_grads_once=True)
+    c.compile.topology = LEARNER_TOPOLOGY  # the plan's learner pod (x mesh.num_slices)
+    c.mesh.num_slices = LEARNER_SLICES
+    # MTP modules are trained by the mtp stage alone (from scratch, seed 002): no MTP loss before it
+    c.train.mtp_loss_weight = 0.0
+
+    # pretrain: continued pretraining at 32k. 128 rows x 32k = 4.2M tokens a step in 4
+    # micro-batches of 16 rows per slice (docs/scale/kimi_k2_1t_v5p-512x2); 12k steps = 50B
+    # tokens (guess); lr 2e-5 continues a released model without undoing it (guess)
+    c.data.seq_len = 32768
+    c.data.batch_size = 128
+    c.train.grad_accum = 4
+    c.train.steps = 12000
+    c.train.lr = 2e-5
+    c.train.warmup_steps = 200
+    c.train.ckpt_every = 250
+
+    # longctx: 256k rows, 16 a step (the same 4.2M tokens), one row per slice per micro-batch,
+    # remat full (docs/scale/kimi_k2_1t_v5p-512x2_long256k); 1500 steps = 6.3B tokens (guess)
+    lc = c.longctx
+    lc.seq_len = 262144
+    lc.batch_size = 16
+    lc.grad_accum = 8
+    lc.remat = "full"
+    lc.steps = 1500
+    lc.lr = 1e-5
+
+    # mtp: the modules distil the frozen trunk at 32k (pretrain's rows); 2000 steps (guess)
+    c.mtp.steps = 2000
+    c.mtp.lr = 3e-4
+    c.mtp.fresh = True
+
+    # sft: 128k rows of agent transcripts, 32 a step in 8 micro-batches (2 rows per slice each:
+    # docs/scale/kimi_k2_1t_v5p-512x2_long128k); 500 steps = 2.1B tokens (a short SFT; guess)
+    c.sft.data = "gs://BUCKET/sft/*.jsonl"  # agent transcripts (coder.data.sft conversations JSONL)
+    c.sft.seq_len = 131072
+    c.sft.batch_size = 32
+    c.sft.grad_accum = 8
+    c.sft.steps = 500
+    c.sft.lr = 5e-6
 
     rl = c.rl
     rl.tasks = "gs://BUCKET/tasks/train-*.jsonl"  # real repositories' tasks (coder.env.tasks JSONL)
     rl.eval_tasks = "gs://BUCKET/tasks/heldout-*.jsonl"
     rl.group_size = 8  # G rollouts per task
-    rl.tasks_per_step = 64  # B: 512 rollouts per learner step
+    # B: 16 tasks = 128 rollouts a step. The learner makes one row per generation, padded to the
+    # longest generation's bucket (coder.rl.learner.Learner.batch), so a step trains 128 rows of
+    # 256k whatever the rollouts' real lengths (plan: the GRPO step below); more rollouts a step
+    # cost the learner in proportion
+    rl.tasks_per_step = 16
     rl.context_budget = 262144  # one generation's context: the model's window
     rl.summary_reserve = 8192  # room for the summary request and the model's summary
     rl.max_summaries = 4  # hard tasks summarize several times (seed 002)
     rl.max_turns = 96  # assistant turns over the whole summary chain
     rl.max_turn_tokens = 16384
-    rl.max_rollout_tokens = 262144  # policy tokens over the chain
+    # policy tokens over the chain at most; a rollout's rows hold compile.rollout_tokens in all
+    # (guess: 64k tokens of prompt, files read and tool outputs around 32k sampled)
+    rl.max_rollout_tokens = 32768
+    c.compile.rollout_tokens = 65536
     rl.tool_timeout_s = 300.0
     # every env tool but semantic_search: its default encoder is the policy itself, which env
     # workers cannot hold at 1T (coder.infer.embedding refuses it); install an encoder, set
     # env.semantic_encoder to its 'package.module:factory' and add the tool to offer it
     rl.tools = ("shell", "read_file", "write_file", "edit_file", "grep", "search", "lint", "diagnostics",
                 "run_tests", "repo_history", "memory_write", "memory_read", "think", "ask_user", "submit")
-    rl.engine_dtype = "bfloat16"
-    rl.engine_slots = 256  # rows one actor decodes together (32 groups)
+    pod_layout.actor_engine(c, actor_chips=ACTOR_CHIPS)
+    rl.speculative_k = draft_depth  # MTP drafts a decode step (seed 002: 2-3x faster inference)
+    rl.engine_slots = 256  # rows one actor decodes together: 2 per chip (plan: engine_slots_fit)
     rl.decode_steps = 32
     rl.eval_num_tasks = 64
     rl.eval_samples = 4
-    rl.num_actors = 4  # actor slices
-    rl.actor_processes = 16  # hosts per actor: a v5p-128 slice
+    rl.num_actors = 4  # actor slices (plan: actor_slices_per_learner)
+    rl.actor_processes = ACTOR_HOSTS  # hosts per actor: a v5p-256 slice
+    c.compile.engine_topology = ACTOR_TOPOLOGY
+    c.compile.engine_prefill_len = 256  # tokens a row per prefill chunk (1024 x 128 rows needed 117 GiB)
     rl.actor_timeout_s = 300.0
     rl.env_workers = 256  # sandboxes per actor, one per decoding row
     rl.weight_store = ""  # {workdir}/grpo/weights: on GCS with a gs:// workdir
@@ -93,7 +169,14 @@ def get_config():
     g.router_replay = True  # the learner routes as the bf16 engine did
     g.eval_every = 50
     g.ckpt_every = 10
+    # the learner's step: 128 rows of 256k (one per rollout) in 64 micro-batches of one row per
+    # slice, remat full, as the longctx stage
+    g.grad_accum = 64
+    g.remat = "full"
+    c.compile.grpo_batch = 128
+    c.compile.grpo_seq_len = 262144
 
+    c.serve.speculative_k = draft_depth  # serve decodes with the same drafts
     c.env.workers_backend = "ray"  # sandboxes on CPU nodes, not the accelerator hosts
     c.env.ray_resource = "env_node"
     c.env.ray_num_cpus_per_worker = 2.0

@@ -187,7 +187,7 @@ def test_config_file_cannot_add_a_key(tmp_path):
     with pytest.raises(Exception, match=r"lrr.*(locked|Did you mean)") as e:
         _parse_file(str(path))
     assert 'Did you mean "lr"' in str(e.value)
-    for name in ("base", "quickstart", "deepseek_v3_671b", "kimi_k2_1t", "composer_k2"):
+    for name in ("base", "quickstart", "deepseek_v3_671b", "kimi_k2_1t", "composer_k2", "composer_dsv3"):
         c = __import__(f"configs.{name}", fromlist=["get_config"]).get_config()
         assert c.is_locked and c.model.is_locked and c.rl.length_penalty.weights.is_locked, name
         with pytest.raises(AttributeError, match="nsa_windw"):
@@ -242,3 +242,29 @@ def test_composer_k2_recipe_passes_the_grpo_stages_checks():
     grpo.validate(c)
     assert c.rl.context_budget == c.model.max_position_embeddings == 262144
     assert c.rl.actor_processes > 1 and c.env.workers_backend == "ray" and c.grpo["async"]
+
+
+def test_composer_recipes_chain_the_seeds_stages_each_with_its_own_shape_and_layout():
+    """configs/composer_k2.py and composer_dsv3.py: the seed's chain (CPT at 32k, 256k, MTP, SFT,
+    GRPO) with MTP modules for the drafts the actors and serve decode with, and every stage's
+    checks passing on the config that stage runs with against the learner pod's chips (plan mode:
+    the batch over the 512 chips of 2 x v5p-512)."""
+    from coder import stages
+    from configs import composer_dsv3, composer_k2
+
+    for module, experts in ((composer_k2, 384), (composer_dsv3, 256)):
+        c = module.get_config()
+        assert c.model.n_routed_experts == experts
+        assert tuple(c.stages) == ("pretrain", "longctx", "mtp", "sft", "grpo") and not c.stage
+        k = c.rl.speculative_k
+        assert k >= 1 and c.model.num_mtp_layers == k == c.serve.speculative_k
+        c.plan = True
+        assert stages.validate(c) == list(c.stages)
+        shape = {n: (s.data.seq_len, s.data.batch_size, s.train.grad_accum, s.model.remat, s.train.lr)
+                 for n in c.stages for s in [stages.stage_config(n, c)]}
+        assert shape["pretrain"][:2] == (32768, 128) and shape["longctx"][:2] == (262144, 16)
+        assert shape["longctx"][3] == "full" and shape["sft"][0] == 131072
+        assert len({v[4] for v in shape.values()}) == len(shape)  # a learning rate per stage
+        g = stages.stage_config("grpo", c)
+        assert (g.train.grad_accum, g.model.remat) == (64, "full")
+        assert g.compile.engine_topology == "v5p-256" and g.rl.actor_processes == 32

@@ -62,15 +62,21 @@ def _steps_lr(section: str) -> tuple:
 STAGES = {
     "pretrain": Stage("coder.stages.lm:pretrain", check="coder.stages.lm:check_data"),
     "longctx": Stage("coder.stages.lm:longctx",
-                     _steps_lr("longctx") + (("longctx.repo_weight", "data.repo_weight"),),
+                     _steps_lr("longctx") + (("longctx.repo_weight", "data.repo_weight"),
+                                             ("longctx.grad_accum", "train.grad_accum"),
+                                             ("longctx.remat", "model.remat")),
                      derive="coder.stages.lm:longctx_config", check="coder.stages.lm:check_data"),
-    "mtp": Stage("coder.stages.mtp:run", _steps_lr("mtp"), derive="coder.stages.mtp:mtp_config"),
+    "mtp": Stage("coder.stages.mtp:run", _steps_lr("mtp") + (("mtp.grad_accum", "train.grad_accum"),),
+                 derive="coder.stages.mtp:mtp_config"),
     "sft": Stage("coder.stages.lm:sft",
-                 _steps_lr("sft") + (("sft.seq_len", "data.seq_len"), ("sft.batch_size", "data.batch_size")),
+                 _steps_lr("sft") + (("sft.seq_len", "data.seq_len"), ("sft.batch_size", "data.batch_size"),
+                                     ("sft.grad_accum", "train.grad_accum"), ("sft.remat", "model.remat")),
                  check="coder.stages.lm:check_sft", tools=lambda c: () if c.sft.data else tuple(SANDBOX_TOOLS)),
     "grpo": Stage("coder.stages.grpo:run", _steps_lr("grpo") + (("grpo.ckpt_every", "train.ckpt_every"),
                                                                 ("grpo.warmup_steps", "train.warmup_steps"),
-                                                                ("grpo.min_lr_ratio", "train.min_lr_ratio")),
+                                                                ("grpo.min_lr_ratio", "train.min_lr_ratio"),
+                                                                ("grpo.grad_accum", "train.grad_accum"),
+                                                                ("grpo.remat", "model.remat")),
                   derive="coder.stages.grpo:grpo_config", check="coder.stages.grpo:validate",
                   tools=lambda c: tuple(SANDBOX_TOOLS)),
     "eval": Stage("coder.stages.lm:evaluate", check="coder.stages.lm:check_eval",
@@ -199,8 +205,13 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
     if names[0] in NEEDS_CHECKPOINT and not config.init_from:
         raise ValueError(f"stage {names[0]} starts from a trained model: set init_from=CHECKPOINT_DIR "
                          "or run it after a training stage in config.stages")
+    if config.plan:  # compiled for the target slice's chips, run nowhere: no tools, no checkpoint read
+        from coder.train.aot import hardware
+
+        n_devices = hardware.parse_topology(config.compile.topology, int(config.mesh.num_slices)).num_chips
+        check_tools = False
     n_devices = jax.device_count() if n_devices is None else n_devices
-    chained = inherit_model_config(config, config.init_from)
+    chained = copy.deepcopy(config) if config.plan else inherit_model_config(config, config.init_from)
     for name in names:
         c = stage_config(name, chained)
         if STAGES[name].check:
@@ -327,7 +338,10 @@ def run_one(name: str, config, stage_dir: str, init_from: str = "") -> str:
 
 
 def run(config) -> str:
-    """Run the configured stage(s) in order; returns the last checkpoint directory."""
+    """Run the configured stage(s) in order; returns the last checkpoint directory (a plan,
+    config.plan, is coder.stages.plan.run's: main.py calls it instead)."""
+    if config.plan:
+        raise ValueError("config.plan=True compiles the chain, it does not run it: call coder.stages.plan.run")
     names = validate(config)
     init_from = config.init_from
     rows = []

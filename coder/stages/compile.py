@@ -178,8 +178,10 @@ class AbstractState(NamedTuple):
     r_sh: Any
 
 
-def abstract_state(config, mesh) -> AbstractState:
-    """The model of `config.model` split and sharded by `config.mesh.rules` over `mesh`, abstract."""
+def abstract_state(config, mesh, trainable=None) -> AbstractState:
+    """The model of `config.model` split and sharded by `config.mesh.rules` over `mesh`, abstract;
+    `params` are the `trainable` parameters (default every nnx.Param; the mtp stage's
+    coder.train.distill.MTP_PARAMS), `rest` everything else, as the trainer splits them."""
     from flax import nnx
 
     from coder.model import Transformer, sharding
@@ -188,7 +190,7 @@ def abstract_state(config, mesh) -> AbstractState:
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(abstract, nnx.Param if trainable is None else trainable, ...)
     # train.params_over_data splits the parameters further, as coder.train.state.init_state
     p_sh = split_shardings(_with_shardings(params, sharding.state_shardings(params, mesh, rules)),
                            StepOptions.from_config(config).gather_params)
@@ -196,20 +198,22 @@ def abstract_state(config, mesh) -> AbstractState:
     return AbstractState(graphdef, _with_shardings(params, p_sh), _with_shardings(rest, r_sh), p_sh, r_sh)
 
 
-def _rows(mesh, rules, shape: tuple, dtype, axis: int = 0):
-    """An abstract batch array whose `axis` (its rows) splits over the "batch" mesh axes, as the
-    trainer's device_batch places it (coder.train.trainer.BATCH_AXIS names the axis-1 keys)."""
+def _rows(mesh, rules, shape: tuple, dtype, name: str = ""):
+    """An abstract batch leaf `name` placed as the trainer's device_batch places it: its rows
+    over the "batch" mesh axes (coder.train.trainer.batch_spec: axis 1 of the expert ids, and
+    their tokens over the "seq" axes too)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from coder.model import sharding
+    from coder.train.trainer import batch_spec
 
-    spec = [None] * len(shape)
-    spec[axis] = sharding.mesh_axes_of("batch", rules) or None
+    spec = batch_spec(name, shape, sharding.mesh_axes_of("batch", rules), sharding.mesh_axes_of("seq", rules),
+                      lambda a: math.prod(mesh.shape[n] for n in a))
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
 
 
-def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
+def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict, trainable=None):
     """The trainer's step (coder.train.trainer.make_train_step) with `loss_fn`, the optimizer of
     config.train (moments sharded like their parameters, or offloaded to host memory with
     train.offload_optimizer: coder.train.trainer.offloaded_optimizer), lowered over `mesh` on
@@ -220,6 +224,7 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     """
     import jax
     import jax.numpy as jnp
+    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
     from coder.model import sharding
@@ -233,6 +238,7 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     tx = make_optimizer(config.train)
     options = StepOptions.from_config(config)
     step_fn = make_train_step(state.graphdef, loss_fn, tx, key=jax.random.key(int(config.seed)), options=options,
+                              trainable=nnx.Param if trainable is None else trainable,
                               schedule=lr_schedule(config.train), post_update=router_balancing(config.model))
     o_sh = opt_state_shardings(tx, params, mesh, options.optimizer_over)
     opt = _with_shardings(jax.eval_shape(tx.init, params), o_sh)
@@ -252,11 +258,13 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict):
     return lowered, sizes
 
 
-def lower_train_step(config, mesh):
-    """Lower the trainer's pretraining step over `mesh` with abstract state; returns (lowered, sizes).
+def lower_train_step(config, mesh, *, loss_fn=None, trainable=None):
+    """Lower the trainer's step over `mesh` with abstract state; returns (lowered, sizes).
 
-    batch: tokens, positions, segment_ids int32, loss_mask float32 `[data.batch_size,
-    data.seq_len]`; sizes as `_lower_step`.
+    The pretraining loss by default (coder.train.losses.lm_loss_fn: pretrain, longctx and sft,
+    whose loss_mask marks the assistant's tokens); the mtp stage passes its distillation loss and
+    `trainable` (`lower_mtp_step`). batch: tokens, positions, segment_ids int32, loss_mask
+    float32 `[data.batch_size, data.seq_len]`; sizes as `_lower_step`.
     """
     import jax.numpy as jnp
 
@@ -267,7 +275,30 @@ def lower_train_step(config, mesh):
     batch = {k: _rows(mesh, rules, (b, t), dt) for k, dt in (
         ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
         ("loss_mask", jnp.float32))}
-    return _lower_step(config, mesh, abstract_state(config, mesh), lm_loss_fn(config.train), batch)
+    state = abstract_state(config, mesh, trainable)
+    return _lower_step(config, mesh, state, loss_fn or lm_loss_fn(config.train), batch, trainable)
+
+
+def lower_mtp_step(config, mesh):
+    """Lower the mtp stage's step (coder.stages.mtp: the trunk frozen, only the MTP modules
+    trained, on coder.train.distill's loss) over `mesh`; returns (lowered, sizes) as
+    `lower_train_step`: the optimizer state covers the MTP modules alone."""
+    from coder.train.distill import MTP_PARAMS, distill_loss_fn
+
+    return lower_train_step(config, mesh, loss_fn=distill_loss_fn(float(config.mtp.ce_weight)),
+                            trainable=MTP_PARAMS)
+
+
+def mtp_model_flops(model_cfg, batch: int, seq: int) -> float:
+    """Model FLOPs of one mtp-stage step: the frozen trunk's forward (2 N + A per token, no
+    MTP modules) plus the MTP modules trained (6 N + 3 A of the trunk-and-modules count minus
+    the trunk's), batch x seq tokens (coder.train.metrics.model_flops_per_token)."""
+    from coder.train import metrics
+
+    trunk_fwd = metrics.model_flops_per_token(model_cfg, seq, training=False, mtp_modules=0)
+    full = metrics.model_flops_per_token(model_cfg, seq)
+    trunk = metrics.model_flops_per_token(model_cfg, seq, mtp_modules=0)
+    return batch * seq * (trunk_fwd + full - trunk)
 
 
 # ============================================================================= the GRPO learner step
@@ -333,7 +364,7 @@ def lower_grpo_step(config, mesh):
         batch["prefix_segment"] = _rows(mesh, rules, (b, t), jnp.int32)
     layers, k = routing_shape(state, mesh, rules, b, t)
     if layers:
-        batch["expert_ids"] = _rows(mesh, rules, (layers, b, t, k), jnp.int32, axis=1)
+        batch["expert_ids"] = _rows(mesh, rules, (layers, b, t, k), jnp.int32, "expert_ids")
     from coder.rl import grpo
 
     lowered, sizes = _lower_step(config, mesh, state, grpo.loss_fn_from_config(config), batch)
@@ -498,7 +529,7 @@ def colocated_memory(config, engine: dict, grpo: dict) -> dict | None:
                 fits=bool(max(phases.values()) <= hbm))
 
 
-def compile_engine(config, mesh, topo) -> dict:
+def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) -> dict:
     """Compile and analyse the engine's programs; a failure is recorded per program.
 
     Model FLOPs of a program: `engine_model_flops`. The record names the engine's slice and mesh,
@@ -536,6 +567,8 @@ def compile_engine(config, mesh, topo) -> dict:
     tokens = dict(prefill=setup["rows"] * setup["prefill_len"], decode=setup["rows"] * (k + 1))
     model_flops = engine_model_flops(config.model, setup)
     for name, low in lowered.items():
+        if name not in programs:
+            continue
         t1 = time.perf_counter()
         try:
             compiled = low.compile()

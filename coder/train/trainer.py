@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -68,6 +69,22 @@ from coder.train.optim import lr_schedule, make_optimizer
 
 # Arrays whose batch axis is not the first one (router replay ids are [layers, B, T, top_k]).
 BATCH_AXIS = {"expert_ids": 1, "mtp_expert_ids": 1}
+# The token axis of the batch leaves large enough to split over the "seq" mesh axes too: the
+# engine's expert ids `[moe_layers, B, T, top_k]` are ~1000x a row's token ids (60 layers x 8
+# experts of Kimi K2: 128 rows of 256k tokens are 128 GiB of int32 split over rows alone).
+SEQ_AXIS = {"expert_ids": 2, "mtp_expert_ids": 2}
+
+
+def batch_spec(name: str, shape: tuple, batch_axes, seq_axes, axis_size) -> tuple:
+    """The PartitionSpec entries of batch leaf `name` of `shape`: its rows (BATCH_AXIS) over
+    `batch_axes`, and for SEQ_AXIS leaves its tokens over `seq_axes` when they divide them
+    (`axis_size(axes) -> devices`); None elsewhere."""
+    spec = [None] * len(shape)
+    spec[BATCH_AXIS.get(name, 0)] = batch_axes or None
+    ax = SEQ_AXIS.get(name)
+    if ax is not None and seq_axes and shape[ax] % axis_size(seq_axes) == 0:
+        spec[ax] = seq_axes
+    return tuple(spec)
 
 
 class Preempted(SystemExit):
@@ -549,13 +566,12 @@ class Trainer:
         """Host-local numpy batch -> global jax arrays sharded over the batch mesh axes: each
         process's own rows, or the whole batch where every process feeds it (`batch_row_shares`)."""
         axes = sharding.mesh_axes_of("batch", self.rules)
+        seq = sharding.mesh_axes_of("seq", self.rules)
         out = {}
         for name, x in batch.items():
             if not isinstance(x, (np.ndarray, jax.Array)):
                 continue
-            ax = BATCH_AXIS.get(name, 0)
-            spec = [None] * x.ndim
-            spec[ax] = axes if axes else None
+            spec = batch_spec(name, x.shape, axes, seq, lambda a: math.prod(self.mesh.shape[n] for n in a))
             sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
             if isinstance(x, jax.Array):
                 out[name] = jax.device_put(x, sh)

@@ -32,54 +32,17 @@ Layout for the full-size MoE models (why, in numbers, in docs/scale/README.md):
 """
 import importlib
 
+# The mesh, rules and step settings of the pod layout (shared with the recipes,
+# configs/composer_k2.py and configs/composer_dsv3.py)
+from configs import pod_layout
+
 SEQ_LEN = 32768
 
-# (model, topology) -> overrides. Mesh sizes multiply to the slice's chips x num_slices.
-MOE_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("seq", "sequence"),
-    # sequence parallelism: the residual stream (norms, residual adds, router, the MoE's
-    # tokens, the layer inputs remat keeps) splits its tokens over every chip of a slice; MLA
-    # gathers its low-rank q / kv latents over `expert` for the head-parallel attention and
-    # reduce-scatters its output back (coder.model.attention._gather_latent)
-    ("res_seq", ("sequence", "expert")),
-    ("embed", ("fsdp", "sequence")),
-    ("heads", "expert"),
-    ("kv_lora", None),
-    ("q_lora", None),
-    ("head_dim", None),
-    ("mlp", "expert"),
-    ("exp", "expert"),
-    ("exp_mlp", None),
-    ("vocab", "expert"),
-    ("layers", None),
-)
-
-# remat "save_attention": only each block's input and the attention kernel's output and
-# log-sum-exp are kept for the backward pass (what a 32k step of these models needs; the
-# remat=none compiles of the first session needed several times the HBM); the backward pass
-# reruns the block's projections and FFN but not the attention kernel.
-REMAT = "save_attention"
-
-# Dropless MoE (model.moe_capacity_factor = 0, as the released models): megablox grouped
-# matmuls over the routed pairs, dispatched with ragged_all_to_all. The receive buffer of a
-# device holds A2A_BUFFER_FACTOR x its balanced share of pairs (model.moe_a2a_buffer_factor):
-# the worst case (every pair of the expert group on one device, 32x the share here) makes every
-# elementwise op over the buffer 16x costlier in HBM traffic; pairs past 2x are dropped and
-# counted (stats["dropped"]), which balanced routing (aux-loss-free bias) keeps at zero.
-MOE_CAPACITY_FACTOR = 0.0
-A2A_BUFFER_FACTOR = 2.0
+REMAT = pod_layout.REMAT
 
 # The RL engine's programs compiled beside the step (coder.stages.compile.lower_engine): rows
 # decoded together, cache slots (a 32k context), tokens per prefill chunk.
 ENGINE = dict(engine_batch=8, engine_max_len=SEQ_LEN, engine_prefill_len=1024)
-
-# Heads x query tokens are split over the chips of a slice (expert x sequence), which bounds
-# the dense attention's per-chip scores to 1/chips of the T x T x heads total; further slices
-# (DCN) are data-parallel, one row each per micro-batch.
-def _mesh(slices: int, expert: int = 32) -> dict:
-    return dict(data=slices, fsdp=1, expert=expert, tensor=1, sequence=8, num_slices=slices)
-
 
 # topology -> slices, batch (rows of SEQ_LEN tokens per step), micro-batches, optimizer
 # placement. 128 rows of 32k = 4.2M tokens per step (DeepSeek-V3 trained with 15M-token steps);
@@ -179,25 +142,14 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.model.dtype = "bfloat16"
         return c
     s = SETTINGS[setting]
-    c.mesh.update(_mesh(s["slices"], s.get("expert", 32)))
-    rules = dict(MOE_RULES)
-    rules["embed"] = s.get("embed", rules["embed"])
-    c.mesh.rules = tuple(rules.items())
+    pod_layout.apply(c, slices=s["slices"], expert=s.get("expert", 32), embed=s.get("embed"),
+                     params_over_data=s.get("params_over_data", False),
+                     reduce_grads_once=s.get("reduce_grads_once", False),
+                     offload_optimizer=s.get("offload_optimizer", False))
     c.data.seq_len = SEQ_LEN
     c.data.batch_size = s["batch_size"]
     c.train.grad_accum = s["grad_accum"]
-    c.train.grad_accum_dtype = "bfloat16"
-    c.train.mu_dtype = "bfloat16"  # as DeepSeek-V3 trained (its report, section 3.3)
     c.train.optimizer_over_data = s.get("optimizer_over_data", False)
-    c.train.params_over_data = s.get("params_over_data", False)
-    c.train.reduce_grads_once = s.get("reduce_grads_once", False)
-    c.train.cast_params_once = True
-    c.model.remat = REMAT
-    c.model.moe_capacity_factor = MOE_CAPACITY_FACTOR
-    c.model.moe_a2a_buffer_factor = A2A_BUFFER_FACTOR
-    c.model.moe_shared_data_parallel = True  # the shared expert on each chip's own tokens
-    c.model.scan_layers = True  # one compiled MoE layer (an unrolled 61-layer step: ~45 min here)
-    c.train.offload_optimizer = s.get("offload_optimizer", False)
     c.compile.update(ENGINE)
     c.compile.engine = s.get("engine", True)
     c.compile.grpo = s.get("grpo", True)
@@ -230,17 +182,13 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     if colocated:
         chips = hardware_chips(c.compile.topology)
         c.compile.update(COLOCATED_ENGINE, engine=True, grpo=True, engine_batch=chips)
-        c.rl.update(dict(engine_dtype="bfloat16", engine_attention="data_parallel", colocated=True,
-                         offload_optimizer=True))
+        pod_layout.actor_engine(c, actor_chips=chips)
+        c.rl.update(dict(colocated=True, offload_optimizer=True))
         c.grpo.update({"kl_coef": 0.0, "async": False})
-        c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
     elif actor:
         c.compile.engine_topology = actor
         c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)
-        c.rl.engine_dtype = "bfloat16"
-        c.rl.engine_attention = "data_parallel"
-        chips = hardware_chips(actor)
-        c.rl.engine_mesh.update(dict(expert=min(chips, c.model.n_routed_experts), tensor=1, sequence=1))
+        pod_layout.actor_engine(c, actor_chips=hardware_chips(actor))
     return c
 
 

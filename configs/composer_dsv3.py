@@ -1,0 +1,18 @@
+"""Composer 2's recipe (configs/composer_k2.py, the whole chain) on DeepSeek-V3 671B.
+
+The same stages, layouts and rollout settings as the Kimi K2.5 recipe, on DeepSeek-V3's
+architecture (configs/deepseek_v3_671b.py: 256 experts, 128 heads, 3 dense layers): its one
+MTP module drafts one token a decode step (rl.speculative_k = 1; the mtp stage trains it afresh
+by self-distillation, as the seed's recipe does). Its window is extended from 160k (YaRN 40)
+to 256k (YaRN 64 over 4096) by the longctx stage.
+
+    python main.py --config=configs/composer_dsv3.py --config.plan=True --config.workdir=/tmp/plan_dsv3
+
+docs/scale/composer_dsv3/plan.md has its plan.
+"""
+from configs.composer_k2 import recipe
+from configs.deepseek_v3_671b import get_config as deepseek_v3_config
+
+
+def get_config():
+    return recipe(deepseek_v3_config(), draft_depth=1)
