@@ -396,6 +396,7 @@ def _run(config) -> dict:
     topo = hardware.parse_topology(config.compile.topology, int(config.mesh.num_slices))
     devices = hardware.topology_devices(topo)
     chained = copy.deepcopy(config)
+    commit = _commit()  # the code this plan compiles (read first: a long plan outlives commits)
     t0 = time.perf_counter()
     rows, grpo, engine_cache = [], None, {}
     for name in names:
@@ -420,7 +421,7 @@ def _run(config) -> dict:
         config=_config_name(), topology=hardware.describe(topo), stages=rows, grpo=grpo,
         total_hours=total_h, total_chip_hours=sum(r["chip_hours"] or 0.0 for r in rows),
         fits=all(r["fits"] for r in rows), plan_seconds=round(time.perf_counter() - t0, 1),
-        commit=_commit(),
+        commit=commit,
         assumptions=dict(
             decode="each decode step costed at a full cache of rl.context_budget tokens per row",
             rollout_tokens="compile.rollout_tokens (0 = rl.context_budget) per rollout, of which "

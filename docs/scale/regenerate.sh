@@ -32,3 +32,13 @@ for pair in "${PAIRS[@]}"; do
   python main.py "--config=docs/scale/configs.py:$pair" "--config.workdir=/tmp/coder_scale"
 done
 python docs/scale/summarize.py docs/scale
+# The recipes' plans (coder/stages/plan.py: every program of every stage of the chain, compiled):
+# both when no pairs are named, else those in PLANS (e.g. PLANS=composer_k2 bash ... quickstart,v5e-4)
+DEFAULT_PLANS="composer_k2 composer_dsv3"
+[[ $# -gt 0 ]] && DEFAULT_PLANS=""
+for recipe in ${PLANS-$DEFAULT_PLANS}; do
+  echo "=== plan $recipe"
+  python main.py "--config=configs/$recipe.py" --config.plan=True "--config.workdir=/tmp/coder_plan_$recipe"
+  mkdir -p "docs/scale/$recipe"
+  cp "/tmp/coder_plan_$recipe/plan/plan.json" "/tmp/coder_plan_$recipe/plan/plan.md" "docs/scale/$recipe/"
+done
