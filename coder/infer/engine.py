@@ -65,7 +65,8 @@ handful of programs and none per request (`compilations` counts traces).
 
 On a mesh: weights shard by the training rules (`coder.model.sharding`: tensor / expert /
 fsdp axes), the pool's slots split over the batch axes when they divide the slot count.
-`dtype` casts floating weights (e.g. bfloat16 serving weights while the learner keeps float32).
+`dtype` casts floating weights (e.g. bfloat16 serving weights while the learner keeps float32);
+an engine built from an abstract model serves the weights it is given later in it too.
 
 Counters: `prefill_tokens`, `decode_steps`, `decode_calls`, `emitted`, `offloads` / `swap_ins`
 (rows moved to host memory and back) and `offloaded_bytes`, with speculative decoding
@@ -180,7 +181,9 @@ class Engine:
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         self._state_shardings = self._weight_shardings(state)
-        self._state = self._place(state) if not _is_abstract(state) else state
+        # an abstract model (nnx.eval_shape) holds its parameter dtype: its weights come later,
+        # in the serving dtype, which the engine's signature takes now
+        self._state = self._place(state) if not _is_abstract(state) else jax.tree.map(self._serving, state)
         self._state_struct = _signature(self._state)
         self._lock = threading.Condition()
         self._pending_weights = None
@@ -441,11 +444,7 @@ class Engine:
                 return tree
             return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
 
-        def serving(x):  # an abstract model keeps its parameter dtype: serve in `dtype`
-            cast = self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-            return jax.ShapeDtypeStruct(x.shape, self.dtype if cast else x.dtype)
-
-        state = put(jax.tree.map(serving, self._state), state_shardings)
+        state = put(jax.tree.map(self._serving, self._state), state_shardings)
         store = jax.eval_shape(lambda: programs.empty_store(self.cfg, batch, capacity, self.cache_dtype, self.spec_k))
         rows_sh = None
         if store_sharding is not None:
@@ -464,6 +463,11 @@ class Engine:
         return {"prefill": prefill, "decode": decode, "state": state, "store": store}
 
     # ------------------------------------------------------------------ placement
+    def _serving(self, x) -> jax.ShapeDtypeStruct:
+        """The shape and dtype the engine serves leaf `x` in: floating leaves in `dtype` (when set)."""
+        cast = self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(x.shape, self.dtype if cast else x.dtype)
+
     def _weight_shardings(self, state):
         if self.mesh is None:
             dev = SingleDeviceSharding(jax.local_devices()[0])

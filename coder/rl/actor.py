@@ -249,8 +249,9 @@ def engine_slots(config) -> int:
 
 
 def serving_dtype(config):
-    """The dtype of the weights the store publishes and of the engine's KV cache:
-    `rl.engine_dtype`, "" = model.dtype."""
+    """The one dtype of the RL weight path: the floating weights the learner publishes to the
+    store, those the engine holds (`make_engine`) and its KV cache: `rl.engine_dtype`, "" =
+    model.dtype."""
     import jax.numpy as jnp
 
     return jnp.dtype(config.rl.engine_dtype or config.model.dtype)
@@ -258,7 +259,8 @@ def serving_dtype(config):
 
 def make_engine(model, config, *, mesh=None):
     """The RL engine on `mesh` (default: `engine_mesh(config)`), with its own copy of the
-    model's weights in `rl.engine_dtype`; `engine_slots(config)` slots. Refuses (ValueError, before
+    model's weights in `serving_dtype(config)` (an abstract model: the weights it is given later,
+    from the store or the learner, in that dtype); `engine_slots(config)` slots. Refuses (ValueError, before
     anything is placed) an engine that `check_engine_memory` finds too large for its devices."""
     from coder.infer.engine import Engine
 
@@ -266,7 +268,7 @@ def make_engine(model, config, *, mesh=None):
     mesh = engine_mesh(config) if mesh is None else mesh
     check_engine_memory(config, dict(mesh.shape), device_bytes_limit(mesh.devices.flat))
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
-                  max_slots=engine_slots(config), decode_steps=int(rl.decode_steps), dtype=rl.engine_dtype or None,
+                  max_slots=engine_slots(config), decode_steps=int(rl.decode_steps), dtype=serving_dtype(config),
                   mesh=mesh, rules=engine_rules(config),
                   follower_timeout_s=float(rl.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows))
 
@@ -319,9 +321,7 @@ def engine_memory(config, mesh_shape: dict) -> EngineMemory:
     """`EngineMemory` of the RL engine of `config` on a mesh of `mesh_shape` ({axis: size}, e.g.
     `engine_mesh_shape(config, n_devices)`), from the config alone: the model is built abstractly
     (nnx.eval_shape), nothing is allocated. The serving dtype is `serving_dtype(config)`: the dtype
-    of the engine's KV cache and of the weights it reads from the store (with rl.engine_dtype = ""
-    an engine built from the abstract model, colocated or over several processes, keeps the
-    weights in model.param_dtype, so the weights there are a lower bound too)."""
+    of the engine's weights (whichever way they reach it) and of its KV cache."""
     import math
 
     import jax.numpy as jnp

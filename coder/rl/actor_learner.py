@@ -135,14 +135,17 @@ class ActorWorker:
         its weights are never used: they come from the store.
       url: the weight store; the actor starts from its newest complete version (waiting up to
         `timeout_s` for the first one).
-      colocated: colocated mode (rl.colocated): the engine is built without weights, `url` is
-        unused, and the learner gives every version by `push` (no store, no poller): each
-        process's staged learner arrays resharded on device into the engine's shardings and
-        dtype (coder.rl.weight_channel.OnDevice).
+      colocated: colocated mode (rl.colocated): `url` is unused, and the learner gives every
+        version by `push` (no store, no poller): each process's staged learner arrays resharded
+        on device into the engine's shardings and dtype (coder.rl.weight_channel.OnDevice).
       mesh: the engine's devices (default: this process's, `coder.rl.actor.engine_mesh`). A mesh
         over several processes (coder/rl/actor_group.py, or a colocated learner's job) makes this
-        the engine's leader: it is built from the abstract model and every process loads its own
-        devices' part of each version (`Engine.load_weights`); the other processes follow.
+        the engine's leader: every process loads its own devices' part of each version
+        (`Engine.load_weights`); the other processes follow.
+
+    The engine is built from the abstract model, in the serving dtype (coder.rl.actor.serving_dtype,
+    the dtype the learner publishes); every version, the first included, reaches it one way: by
+    `push` (colocated) or through its EngineFollower (`first`, then the poller's `poll`).
     """
 
     def __init__(self, config, tokenizer, make_episode, model_fn, url: str, index: int = 0,
@@ -151,7 +154,7 @@ class ActorWorker:
 
         from coder.data import tokenizer as tokenizer_lib
         from coder.rl import actor as actor_lib
-        from coder.rl import weight_channel, weight_sync
+        from coder.rl import weight_channel
 
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
@@ -160,30 +163,12 @@ class ActorWorker:
         self._nudge = threading.Event()
         self._closed = False
 
-        def wait_for(first_version):  # the learner publishes the actors' first version
-            deadline = time.monotonic() + timeout_s
-            while (got := first_version()) is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"actor {index}: no complete version in the weight store {url} "
-                                       f"after {timeout_s:.0f} s")
-                time.sleep(0.1)
-            return got
-
-        graphdef, self._abstract = nnx.split(nnx.eval_shape(model_fn or actor_lib.model_fn(config)))
-        if colocated:  # the learner's arrays, resharded on device at each push
-            self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._abstract), config, mesh=mesh)
-            self.follower = None
-        elif mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
-            # no process holds the whole model: each reads its own devices' slices
-            version = wait_for(lambda: weight_sync.latest_version(url))
-            self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._abstract), config, mesh=mesh)
-            self.engine.load_weights(weight_channel.StoreLoad(url, version), version)
-            self.follower = weight_channel.EngineFollower(self.engine, url, self._abstract, start_version=version)
-        else:
-            reader = weight_sync.WeightReader(url)
-            version, flat = wait_for(reader.poll)
-            self.engine = actor_lib.make_engine(nnx.merge(graphdef, self._state(flat)), config, mesh=mesh)
-            self.follower = weight_channel.EngineFollower(self.engine, url, self._abstract, reader=reader)
+        abstract = nnx.eval_shape(model_fn or actor_lib.model_fn(config))
+        self.engine = actor_lib.make_engine(abstract, config, mesh=mesh)
+        self.follower = None  # colocated: the learner's arrays, resharded on device at each push
+        if not colocated:
+            self.follower = weight_channel.EngineFollower(self.engine, url, nnx.state(abstract))
+            version = self.follower.first(timeout_s)  # the learner publishes the actors' first version
         self.version = int(version)
         self.pool = None
         self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
@@ -196,11 +181,6 @@ class ActorWorker:
             self._poller.start()
         logging.info("[actor %d] pid %d: engine on %d device(s) of %d process(es), weights version %d", index,
                      os.getpid(), self.engine.mesh.devices.size, self.engine.processes, version)
-
-    def _state(self, flat):
-        from coder.train import checkpoint as ckpt_lib
-
-        return ckpt_lib.flat_to_state(self._abstract, flat)
 
     def _episodes(self, make_episode):
         """`task -> episode` for the rollout threads: pooled env workers for an EpisodeFactory."""

@@ -141,30 +141,47 @@ class EngineFollower:
     its decode calls (in flight: rows keep their caches).
 
     One process: `WeightReader.poll()` (the deltas since the held version) -> `set_weights`,
-    each leaf in `template`'s dtype (the engine casts to its serving dtype). An engine over several
-    processes: `load_weights(StoreLoad(url, version))`, so each process reads its own devices'
-    slices.
+    floating leaves in the engine's serving dtype (`engine.dtype`; an engine without one keeps
+    `template`'s dtypes), the others in `template`'s. An engine over several processes:
+    `load_weights(StoreLoad(url, version))`, so each process reads its own devices' slices (the
+    engine casts them to its dtype on device).
 
         follower = EngineFollower(engine, url, nnx.state(model))
+        follower.first(timeout_s)       # an engine built without weights: the first version
         follower.poll()                 # -> the version applied, or None when nothing is new
         follower.start(poll_seconds)    # or poll in a thread until close()
     """
 
-    def __init__(self, engine, url: str, template, *, verify: bool = True, reader: weight_sync.WeightReader | None = None,
-                 start_version: int | None = None):
-        """`reader`: one that already holds the version the engine was built with (its next poll
-        reads only the deltas since); `start_version`: the version a multi-process engine was
-        given (load_weights) before the follower took over."""
+    def __init__(self, engine, url: str, template, *, verify: bool = True):
         import threading
 
+        from jax import numpy as jnp
+
+        from coder.train import checkpoint as ckpt_lib
+
         self.engine, self.url, self.template = engine, url, template
-        self.reader = reader or weight_sync.WeightReader(url, verify=verify)
-        self.version: int | None = self.reader.version if start_version is None else int(start_version)
-        self._start_version = self.version  # bytes_read counts the versions after it
+        self.reader = weight_sync.WeightReader(url, verify=verify)
+        serving = engine.dtype
+        self._dtypes = {k: serving if serving is not None and jnp.issubdtype(v.dtype, jnp.floating) else v.dtype
+                        for k, v in ckpt_lib.state_to_flat(template).items()}  # leaf -> the engine's dtype
+        self.version: int | None = None
+        self._start_version = None  # bytes_read counts the versions after it
         self.last_read: dict = {}  # the reader's record of that version (bytes, seconds, ...)
         self._polled_bytes = 0  # bytes the polls read (one process)
         self._stop = threading.Event()
         self._thread = None
+
+    def first(self, timeout_s: float) -> int:
+        """Gives an engine built without weights (from the abstract model) the store's newest
+        version, by `poll` as every later one: waits up to `timeout_s` for a complete version
+        (TimeoutError naming the store). Returns it; `bytes_read` counts the versions after it."""
+        deadline = time.monotonic() + float(timeout_s)
+        while (version := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no complete version in the weight store {self.url} after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        self._start_version, self._polled_bytes = version, 0
+        return version
 
     def poll(self) -> int | None:
         """Gives the engine the store's newest version when it is new; returns it (else None).
@@ -183,13 +200,12 @@ class EngineFollower:
         if got is None:
             return None
         version, flat = got
-        dtypes = {k: v.dtype for k, v in ckpt_lib.state_to_flat(self.template).items()}
-        missing = sorted(set(dtypes) - set(flat))
+        missing = sorted(set(self._dtypes) - set(flat))
         if missing:
             raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
                              f"variables, e.g. {missing[:3]}: it holds another model")
-        state = ckpt_lib.flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dtypes[k], copy=False)
-                                                       for k in dtypes})
+        state = ckpt_lib.flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dt, copy=False)
+                                                       for k, dt in self._dtypes.items()})
         self.engine.set_weights(state, version)
         self.version, self.last_read = version, dict(self.reader.last_read)
         self._polled_bytes += int(self.last_read.get("bytes", 0))
