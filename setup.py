@@ -71,5 +71,11 @@ setup(
         "hf": ["safetensors>=0.4", "huggingface_hub>=0.24", "tokenizers>=0.20", "tiktoken>=0.7"],
         # Stage serve: the OpenAI-compatible HTTP server over the engine.
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        # The official SWE-bench harness, only for tests/env/test_grading.py's comparison of
+        # coder's statuses and resolution with its parsers and grading on the same logs (skipped
+        # without it). Not in `test`: its install pulls 35 packages (modal, docker, datasets,
+        # pandas, pre-commit, virtualenv, ...; 5.0.2, 2026-12), and importing its parsers imports
+        # docker, modal and datasets, so coder implements the rule itself (coder/env/grading.py).
+        "swe": ["swebench>=5.0.2,<6"],
     },
 )

@@ -26,7 +26,7 @@ import os
 import random
 import tempfile
 
-from coder.env import mutate, pypi, releases
+from coder.env import grading, mutate, pypi, releases
 from coder.env.sandbox import SandboxError
 from coder.env.tasks import Task, content_id
 
@@ -140,7 +140,7 @@ def mutant_tasks(spec: str, repos: str, n: int, seed: int = 0, mutations: int = 
             except (RuntimeError, SandboxError) as e:
                 rejected[where] = f"the suite did not run: {str(e)[:200]}"
                 continue
-            f2p = sorted(t for t in passing if statuses.get(t) != "passed")
+            f2p = sorted(t for t in passing if statuses.get(t) not in grading.PASSING)
             if not f2p:
                 rejected[where] = "equivalent: every test still passes"
                 continue

@@ -247,6 +247,17 @@ def applies(repo: str, commit: str, patch: str, cache: str = CACHE) -> bool:
             os.unlink(index)
 
 
+def is_dir(repo: str, commit: str, path: str, cache: str = CACHE) -> bool:
+    """Whether `commit` of a local or archived repository has a directory at `path`."""
+    src, local = source(repo, cache)
+    if not local:
+        raise RepoError(f"{repo}: only a local repository can list a commit's tree without a checkout")
+    try:
+        return git("cat-file", "-t", f"{commit}:{path}", cwd=src).strip() == "tree"
+    except RepoError:
+        return False
+
+
 _CHECKOUTS: dict = {}
 
 

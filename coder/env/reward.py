@@ -13,24 +13,30 @@
    the workspace appended to the end of sys.path (`_PYTEST`): the repository's packages import
    as they do for `python -m pytest` run in /workspace (the agent's `run_tests`), so scoring and
    the agent's own test runs agree, yet nothing in the workspace can shadow pytest, the standard
-   library or an installed module (step 2 also deletes such files); no plugin autoloading, no cache, and writes a JUnit XML report into a directory created for
-   this run, at a random path, mounted only for it;
+   library or an installed module (step 2 also deletes such files); no plugin autoloading, no
+   cache, and writes a JUnit XML report into a directory created for this run, at a random
+   path, mounted only for it;
 4. the reward is parsed from that report, counting only test cases of the hidden test files.
    No report (the process exited early, e.g. `os._exit(0)`), an exit status that disagrees with
-   the report, pytest's "interrupted"/"no tests" statuses, or a timeout give 0. Skipped tests
-   count as not passed, so skipping (e.g. raising SkipTest from the module) earns nothing.
+   the report, pytest's "interrupted"/"no tests" statuses, or a timeout give 0. On a task
+   without ids skipped tests count as not passed, so skipping (e.g. raising SkipTest from the
+   module) earns nothing.
 
 Repository tasks (v2, `Task.repo`): step 1 puts back every tracked test / test-configuration
 file of the task's commit and writes `test_patch`'s result over the files it touches (computed
 from the pristine checkout, `coder.env.repo.patched_files`: the agent never sees the patch);
 the repository's tracked files are not "added by the agent" in step 2. With `fail_to_pass` /
-`pass_to_pass` ids (pytest node ids, relative to the workspace root), pytest runs on their files
-with `--rootdir=/workspace` and exactly those ids count: reward modes below. The exit-status
+`pass_to_pass` ids (pytest node ids, relative to the workspace root, named as the task's test
+format names them: coder.env.runners, e.g. SWE-bench's ids cut at a space), pytest runs on their
+files with `--rootdir=/workspace` and exactly those ids count, under SWE-bench's resolution rule
+(coder.env.grading: an xfail passes, a skipped PASS_TO_PASS test is maintained, a skipped or
+absent FAIL_TO_PASS test did not pass): reward modes below. The exit-status
 cross-check then covers the whole report, since tests outside the ids may fail before and after
 the fix. A v2 task with no ids and a test command that is not pytest scores by its exit status
 (0 = pass: reward 1 of 1); that command runs as the task wrote it, so it is only as hard to
 subvert as the files step 1 restores. With ids and a command of another runner (`go test`,
-TAP from `node --test --test-reporter=tap`, ...: `Task.test_format`, coder.env.runners), its
+TAP from `node --test --test-reporter=tap`, ...: `Task.test_format`'s log formats,
+coder.env.runners), its
 whole output is written to a file in a directory mounted for that run only and parsed into
 per-test statuses, and the ids count as for pytest. Step 1 also restores the tracked files the
 test command names (a runner script such as `bash run_tests.sh`).
@@ -39,12 +45,14 @@ Reward modes (`REWARD_MODES`, a function of the counted outcomes): `fraction` = 
 of FAIL_TO_PASS ids that pass, 0 if any PASS_TO_PASS id broke (those pass before any change,
 so counting them would pay for doing nothing); a v1 task's hidden tests all count as
 FAIL_TO_PASS, so this is passed / total there. `all` = 1 iff every counted test passes: on a
-task with ids that is SWE-bench's resolution rule (every FAIL_TO_PASS and every PASS_TO_PASS
-test passes), which `resolved` names; the two names are one rule.
+task with ids that is SWE-bench's resolution rule (every FAIL_TO_PASS id passes and every
+PASS_TO_PASS id is maintained), which `resolved` names; the two names are one rule.
 
 Limit: the tests import the agent's code into the pytest process, so code written to subvert
 that process from inside (forge this report format, monkey-patch `unittest.TestCase` asserts)
-is not excluded by this layer; the random report path (only in that process's argv) and the
+is not excluded by this layer, nor is code under test that calls `pytest.xfail` or skips a
+PASS_TO_PASS test it broke (SWE-bench's rule counts both as fine); the random report path
+(only in that process's argv) and the
 exit-status cross-check make such a cheat deliberate rather than accidental. Tests that drive
 the code through a subprocess, or a review of the final diff, are the next layer.
 """
@@ -65,8 +73,8 @@ import stat
 import sys
 import xml.etree.ElementTree as ET
 
+from coder.env import grading, runners
 from coder.env import repo as repo_lib
-from coder.env import runners
 from coder.env.installed import library_dirs_under
 from coder.env.sandbox import WORKDIR, Sandbox, SandboxError, task_checkout
 
@@ -347,43 +355,49 @@ def parse_junit(xml_bytes: bytes, test_files: list[str]) -> tuple[int, int, int,
     return passed, bad, total, not_passed
 
 
-def _case_key(test_id: str) -> tuple[str, str]:
-    """(junit classname, name) pytest's JUnit report gives the test of node id `test_id`."""
-    path, bracket, params = test_id.partition("[")
-    names = path.split("::")
-    names[0] = _module_of(names[0])
-    names[-1] += bracket + params
-    return ".".join(names[:-1]), names[-1]
-
-
-def junit_statuses(xml_bytes: bytes, test_files) -> dict:
-    """{pytest node id: "passed" | "failed" | "skipped"} of the cases of a JUnit report that
-    belong to `test_files` (workspace paths; a case's module is the longest that matches)."""
-    mods = sorted(((_module_of(p), p) for p in test_files), key=lambda m: -len(m[0]))
+def junit_results(xml_bytes: bytes) -> dict:
+    """{(classname, name): (status, message)} of every case in a JUnit report: "passed",
+    "failed" (a failure or an error), "skipped", or "xfailed" (pytest's `skipped
+    type="pytest.xfail"`); the message is the outcome element's. A case listed twice keeps its
+    worst outcome."""
+    rank = {"passed": 0, "xfailed": 1, "skipped": 2, "failed": 3}
     out = {}
-    for (cls, name), status in junit_cases(xml_bytes).items():
-        hit = next(((m, p) for m, p in mods if cls == m or cls.startswith(m + ".")), None)
-        if hit is not None:
-            rest = cls[len(hit[0]):].lstrip(".")
-            out["::".join([hit[1], *(rest.split(".") if rest else []), name])] = status
+    for case in ET.fromstring(xml_bytes).iter("testcase"):
+        status, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                status, message = "failed", child.get("message", "")
+                break
+            if child.tag == "skipped":
+                xfail = child.get("type") == "pytest.xfail"
+                status, message = "xfailed" if xfail else "skipped", child.get("message", "")
+        key = (case.get("classname", ""), case.get("name", ""))
+        if key not in out or rank[status] >= rank[out[key][0]]:
+            out[key] = (status, message)
     return out
 
 
 def junit_cases(xml_bytes: bytes) -> dict:
-    """{(classname, name): "passed" | "failed" | "skipped"} of every case in a JUnit report
-    (a case listed twice keeps its worst outcome)."""
-    rank = {"passed": 0, "skipped": 1, "failed": 2}
-    out = {}
-    for case in ET.fromstring(xml_bytes).iter("testcase"):
-        tags = {child.tag for child in case}
-        if tags & {"failure", "error"}:
-            status = "failed"
-        else:
-            status = "skipped" if "skipped" in tags else "passed"
-        key = (case.get("classname", ""), case.get("name", ""))
-        if rank[status] >= rank[out.get(key, "passed")]:
-            out[key] = status
+    """{(classname, name): status} of every case in a JUnit report (`junit_results`)."""
+    return {k: status for k, (status, _) in junit_results(xml_bytes).items()}
+
+
+def junit_nodes(results: dict, test_files) -> list[tuple[str, str, str]]:
+    """[(pytest node id, status, message)] of the cases of `junit_results` that belong to
+    `test_files` (workspace paths; a case's module is the longest that matches)."""
+    mods = sorted(((_module_of(p), p) for p in test_files), key=lambda m: -len(m[0]))
+    out = []
+    for (cls, name), (status, message) in results.items():
+        hit = next(((m, p) for m, p in mods if cls == m or cls.startswith(m + ".")), None)
+        if hit is not None:
+            rest = cls[len(hit[0]):].lstrip(".")
+            out.append(("::".join([hit[1], *(rest.split(".") if rest else []), name]), status, message))
     return out
+
+
+def junit_statuses(xml_bytes: bytes, test_files) -> dict:
+    """{pytest node id: status} of the cases of a JUnit report that belong to `test_files`."""
+    return {node: status for node, status, _ in junit_nodes(junit_results(xml_bytes), test_files)}
 
 
 def _score_exit_status(sb: Sandbox, task, timeout_s: float) -> Score:
@@ -414,7 +428,7 @@ def _report_dir(sb: Sandbox) -> tuple[str, str]:
 
 
 def _score_runner(sb: Sandbox, task, fmt: str, mode: str, timeout_s: float) -> Score:
-    """A task with test ids whose command is another runner (coder.env.runners: go, tap): its
+    """A task with test ids whose command is another runner (a log format of coder.env.runners): its
     output goes to a file in a directory mounted for this run only, is parsed into per-test
     statuses, and the ids count as with pytest. An exit status of 0 beside a failed test, or
     output with no test result at all, scores 0."""
@@ -447,13 +461,17 @@ def _score_runner(sb: Sandbox, task, fmt: str, mode: str, timeout_s: float) -> S
     if res.exit_code == 0 and any(v == "failed" for v in statuses.values()):
         return Score(0.0, 0, 0, "exit status 0 disagrees with the failed tests in the output",
                      output=output)
-    not_passed = [i for i in task.fail_to_pass + task.pass_to_pass if statuses.get(i) != "passed"]
-    f2p = sum(1 for i in task.fail_to_pass if i not in not_passed)
-    p2p = sum(1 for i in task.pass_to_pass if i not in not_passed)
-    total = len(task.fail_to_pass) + len(task.pass_to_pass)
-    reward = REWARD_MODES[mode](f2p, len(task.fail_to_pass), p2p, len(task.pass_to_pass))
-    err = None if not not_passed else f"{len(not_passed)} of {total} tests did not pass"
-    return Score(reward, f2p + p2p, total, err, output=output, not_passed=tuple(not_passed))
+    return _graded(grading.resolve(statuses, task.fail_to_pass, task.pass_to_pass), mode, output)
+
+
+def _graded(res: grading.Resolution, mode: str, output: str) -> Score:
+    """The Score of a run whose ids `res` resolved (coder.env.grading: SWE-bench's rule)."""
+    total = res.f2p_total + res.p2p_total
+    reward = REWARD_MODES[mode](res.f2p_passed, res.f2p_total, res.p2p_passed, res.p2p_total)
+    err = None if not res.failures else (
+        f"{len(res.failures)} of {total} tests did not pass ({res.describe()})")
+    return Score(reward, res.f2p_passed + res.p2p_passed, total, err, output=output,
+                 not_passed=res.not_passed)
 
 
 # pytest's entry point with the workspace last on sys.path (module docstring, step 3)
@@ -478,11 +496,13 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         raise ValueError(f"reward mode {mode!r}: use one of {sorted(REWARD_MODES)}")
     ids = tuple(getattr(task, "fail_to_pass", ())) + tuple(getattr(task, "pass_to_pass", ()))
     v2 = bool(getattr(task, "repo", ""))
-    fmt = runners.format_of(task)
-    if fmt in ("go", "tap") and ids:
+    fmt = runners.format_of(task) or "pytest"
+    if fmt not in runners.FORMATS:
+        return Score(0.0, 0, 0, infra_error=f"test_format {fmt!r}: use one of {list(runners.FORMATS)}")
+    if not runners.FORMATS[fmt].junit and ids:
         return _score_runner(sb, task, fmt, mode, timeout_s)
     try:
-        if fmt not in ("", "pytest"):
+        if not runners.FORMATS[fmt].junit:
             raise ValueError(f"test_format {fmt!r} scores test ids; this task has none")
         args = pytest_args(task.test_command)
     except ValueError as e:
@@ -491,9 +511,8 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
         return Score(0.0, 0, 0, infra_error=str(e))
     not_node_ids = [i for i in ids if "::" not in i]
     if not_node_ids:
-        return Score(
-            0.0, 0, 0, infra_error=f"test ids that are not pytest node ids: {not_node_ids[:3]}"
-        )
+        return Score(0.0, 0, 0, infra_error=f"test ids that are not pytest node ids: {not_node_ids[:3]} "
+                     "(another runner's ids need its test_format: coder.env.runners)")
     if v2:
         args = [f"--rootdir={WORKDIR}", *args, *sorted({i.split("::", 1)[0] for i in ids})]
     report_host = None
@@ -524,11 +543,12 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
             data = f.read()
         try:
             if ids:
-                cases = junit_cases(data)
-                bad = sum(v == "failed" for v in cases.values())  # the whole run's, for the check
-                ok = {i for i in ids if cases.get(_case_key(i)) == "passed"}
-                passed, total = len(ok), len(ids)
-                not_passed = [i for i in ids if i not in ok]
+                results = junit_results(data)
+                bad = sum(s == "failed" for s, _ in results.values())  # the whole run's, for the check
+                files = sorted({i.split("::", 1)[0] for i in ids})
+                statuses = runners.keyed(fmt, junit_nodes(results, files))
+                resolution = grading.resolve(statuses, task.fail_to_pass, task.pass_to_pass)
+                passed, total = resolution.f2p_passed + resolution.p2p_passed, len(ids)
             else:
                 counted = set(task.tests)
                 if v2 and task.test_patch:
@@ -565,12 +585,8 @@ def score(sb: Sandbox, task, mode: str = "fraction", timeout_s: float = 300.0) -
     if total == 0:
         return Score(0.0, 0, 0, "no tests of the task ran", output=output)
     if ids:
-        f2p_passed = sum(1 for i in task.fail_to_pass if i not in not_passed)
-        p2p_passed = sum(1 for i in task.pass_to_pass if i not in not_passed)
-        counts = (f2p_passed, len(task.fail_to_pass), p2p_passed, len(task.pass_to_pass))
-    else:
-        counts = (passed, total, 0, 0)
-    reward = REWARD_MODES[mode](*counts)
+        return _graded(resolution, mode, output)
+    reward = REWARD_MODES[mode](passed, total, 0, 0)
     err = None if passed == total else f"{total - passed} of {total} tests did not pass"
     return Score(reward, passed, total, err, output=output, not_passed=tuple(not_passed))
 

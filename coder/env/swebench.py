@@ -30,9 +30,14 @@ Variants whose fields were checked against their dataset cards (Hugging Face, 20
 - R2E-Gym: `repo_name`, `commit_hash`, `parsed_commit_content`, `execution_result_content`,
   `expected_output_json` (no FAIL_TO_PASS list, tests inside its images): coder.env.r2egym
   derives the split from the rows' own logs; `--environments` keys it by `repo_name`.
-Test ids must be pytest node ids for scoring (`coder.env.reward`): ids in
-another runner's form (django's `test_x (module.Class)`, sympy's bare names) import, but score
-as an infrastructure error.
+Test ids are read the way SWE-bench's harness reads them (`Task.test_format`, coder.env.runners;
+the rule, coder.env.grading): a row's `log_parser` (SWE-bench 5's rows, SWE-rebench's
+`install_config`) names its parser, else its repository's parser in SWE-bench's harness does
+(`HARNESS_FORMATS`), else SWE-bench's pytest parser's: pytest ids cut at their first space, the
+images' /testbed for the workspace's path. Django's and sympy's ids (`test_x (module.Class)`,
+bare names) are not pytest node ids and score as an infrastructure error.
+A pytest command on a `src/` layout (the base commit has a top-level `src/`) gets
+`-o pythonpath=src`, as the releases importer's do, unless it sets pythonpath itself.
 
 `verify` (`make_tasks --verify`) keeps the tasks whose gold patch scores 1 and whose unchanged
 workspace scores 0 in this machine's sandbox.
@@ -60,7 +65,7 @@ import fsspec
 from coder.env import environments, r2egym
 from coder.env import repo as repo_lib
 from coder.env.pool import EpisodePool
-from coder.env.reward import score_solution
+from coder.env.reward import pytest_args, score_solution
 from coder.env.sandbox import Limits
 from coder.env.tasks import DEFAULT_TEST_COMMAND, Task, read_jsonl
 
@@ -191,6 +196,72 @@ def environment_of(row: dict, specs: dict) -> dict:
     return specs.get(repo, {})
 
 
+# The log parser SWE-bench's harness reads each of its repositories' test output with (swebench
+# 5.0.2, harness/log_parsers/python.py: MAP_REPO_TO_PARSER_PY), as coder's test format: the ids
+# its released FAIL_TO_PASS / PASS_TO_PASS lists hold are that parser's (coder.env.runners).
+HARNESS_FORMATS = {
+    "astropy/astropy": "swebench-pytest-v2",
+    "marshmallow-code/marshmallow": "swebench-pytest",
+    "matplotlib/matplotlib": "swebench-matplotlib",
+    "mwaskom/seaborn": "swebench-seaborn",
+    "pallets/flask": "swebench-pytest",
+    "psf/requests": "swebench-pytest-options",
+    "pvlib/pvlib-python": "swebench-pytest",
+    "pydata/xarray": "swebench-pytest",
+    "pydicom/pydicom": "swebench-pytest-options",
+    "pylint-dev/astroid": "swebench-pytest",
+    "pylint-dev/pylint": "swebench-pytest-options",
+    "pytest-dev/pytest": "swebench-pytest",
+    "pyvista/pyvista": "swebench-pytest",
+    "scikit-learn/scikit-learn": "swebench-pytest-v2",
+    "sqlfluff/sqlfluff": "swebench-pytest",
+    "sphinx-doc/sphinx": "swebench-pytest-v2",
+}
+# A log parser named by the row itself (SWE-bench 5's rows and SWE-rebench's install_config carry
+# `log_parser`): the package's registry names of its Python parsers.
+PARSER_FORMATS = {
+    **{f"parse_log_{n}": "swebench-pytest" for n in (
+        "pytest", "astroid", "flask", "marshmallow", "pvlib", "pyvista", "sqlfluff", "xarray")},
+    **{f"parse_log_{n}": "swebench-pytest-options" for n in ("pytest_options", "pydicom", "requests", "pylint")},
+    **{f"parse_log_{n}": "swebench-pytest-v2" for n in ("pytest_v2", "astropy", "scikit", "sphinx")},
+    "parse_log_matplotlib": "swebench-matplotlib",
+    "parse_log_seaborn": "swebench-seaborn",
+}
+
+
+def upstream_repo(repo: str) -> str:
+    """"owner/name" of a row's repository (SWE-smith's "swesmith/owner__name.sha8" included)."""
+    owner, _, name = repo.partition("/")
+    if owner == "swesmith" and "__" in name:
+        return name.rsplit(".", 1)[0].replace("__", "/", 1)
+    return repo
+
+
+def test_format_of(row: dict, install: dict) -> str:
+    """The instance's test format: the log parser the row names, else its repository's in
+    SWE-bench's harness, else SWE-bench's pytest parser's (the one SWE-Gym, SWE-rebench and
+    SWE-smith use for the repositories they add). ValueError for a parser coder does not read."""
+    name = row.get("log_parser") or install.get("log_parser")
+    if name:
+        if name not in PARSER_FORMATS:
+            raise ValueError(f"instance {row.get('instance_id')!r}: log parser {name!r} is not one "
+                             f"coder reads ({sorted(PARSER_FORMATS)})")
+        return PARSER_FORMATS[name]
+    return HARNESS_FORMATS.get(upstream_repo(row["repo"]), "swebench-pytest")
+
+
+def _with_src_layout(test_command: str, mirror: str, commit: str) -> str:
+    """A pytest command for a `src/` layout gets `-o pythonpath=src` (the package is importable
+    from the workspace root only through it), unless it sets pythonpath itself."""
+    try:
+        pytest_args(test_command)
+    except ValueError:
+        return test_command
+    if "pythonpath" in test_command or not repo_lib.is_dir(mirror, commit, "src"):
+        return test_command
+    return test_command + " -o pythonpath=src"
+
+
 def instance_to_task(
     row: dict, repos: str, test_command: str = DEFAULT_TEST_COMMAND, setup: str = "",
     environment_specs: dict | None = None,
@@ -236,6 +307,8 @@ def instance_to_task(
         cmd = cmd[0]
     if isinstance(cmd, str) and re.match(r"^(python\S* -m )?pytest\b", cmd.strip()):
         test_command = cmd.strip()
+    test_format = test_format_of(row, install)
+    test_command = _with_src_layout(test_command, mirror, commit)
     stats = repo_lib.patch_stats(gold)  # the reference fix (SWE-smith: the reversed patch)
     meta = {
         "source": "swebench",
@@ -270,6 +343,7 @@ def instance_to_task(
         test_patch=row.get("test_patch") or "",
         metadata=meta,
         environment=environment_of(row, environment_specs or {}),
+        test_format=test_format,
     )
     return task, gold
 

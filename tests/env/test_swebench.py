@@ -10,7 +10,8 @@ import tarfile
 
 import pytest
 
-from coder.env import check, make_tasks, repo as repo_lib, swebench
+from coder.env import check, make_tasks, swebench
+from coder.env import repo as repo_lib
 from coder.env.episode import Episode
 from coder.env.protocol import render_tool_call as rc
 from coder.env.reward import score, score_solution
@@ -292,6 +293,80 @@ def test_swe_rebench_install_config_and_list_fields(fixture, tmp_path):
     assert task.test_command == cmd and task.metadata["variant"] == "swe-rebench"
     assert task.metadata["install_config"]["python"] == "3.11" and task.metadata["docker_image"]
     assert score_solution(task, sols[task.id], mode="resolved").reward == 1.0
+
+
+CLI_BUGGY = "def locate(expr):\n    return None\n"
+CLI_FIXED = "def locate(expr):\n    return expr.split('(')[0]\n"
+TEST_DATA = (
+    "import os\n\nimport pytest\n\n"
+    "DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data.txt')\n\n\n"
+    "@pytest.mark.parametrize('path', [DATA])\ndef test_data_path(path):\n    assert os.path.exists(path)\n"
+)
+TEST_LOCATE = (
+    "import pytest\n\nfrom app.cli import locate\n\n\n"
+    "@pytest.mark.parametrize('expr', ['create_app2(\"foo\", \"bar\")', 'create_app'])\n"
+    "def test_locate(expr):\n    assert locate(expr) == expr.split('(')[0]\n"
+)
+
+
+def test_swebench_ids_cut_at_a_space_and_naming_testbed_resolve(tmp_path):
+    """SWE-bench's released ids as its log parsers cut them (at the first space; an absolute path
+    parameter under the images' /testbed, or reduced to its file name for pydicom's parser): the
+    gold patch resolves and the unchanged workspace does not."""
+    repo = tmp_path / "repos" / "acme__app"
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q")
+    base = _commit(repo, {"conftest.py": "", "app/__init__.py": "", "app/cli.py": CLI_BUGGY,
+                          "tests/data.txt": "x\n", "tests/test_data.py": TEST_DATA}, "app")
+    fix = _commit(repo, {"app/cli.py": CLI_FIXED, "tests/test_locate.py": TEST_LOCATE}, "fix")
+    f2p = ['tests/test_locate.py::test_locate[create_app2("foo",', "tests/test_locate.py::test_locate[create_app]"]
+    row = {"repo": "acme/app", "instance_id": "acme__app-1", "base_commit": base,
+           "patch": _git(repo, "diff", base, fix, "--", "app"), "problem_statement": "locate finds nothing",
+           "test_patch": _git(repo, "diff", base, fix, "--", "tests"), "FAIL_TO_PASS": json.dumps(f2p),
+           "PASS_TO_PASS": json.dumps(["tests/test_data.py::test_data_path[/testbed/tests/data.txt]"])}
+    pydicom_style = dict(row, instance_id="acme__app-2", log_parser="parse_log_pydicom",
+                         PASS_TO_PASS=json.dumps(["tests/test_data.py::test_data_path[/data.txt]"]))
+    pairs = swebench.import_instances([row, pydicom_style], str(tmp_path / "repos"))
+    assert [t.test_format for t, _ in pairs] == ["swebench-pytest", "swebench-pytest-options"]
+    for task, gold in pairs:
+        s = score_solution(task, gold, mode="resolved")
+        assert (s.reward, s.passed, s.total) == (1.0, 3, 3), (task.id, s.error, s.output)
+        s = score_solution(task, "", mode="resolved")
+        assert (s.reward, s.not_passed) == (0.0, tuple(f2p)), s
+        assert "failed: " in s.error
+    # keyed as node ids (coder's own format) the cut id still resolves, by the rule's prefix
+    # match, but the id naming /testbed names no test of the workspace
+    exact = dataclasses.replace(pairs[0][0], test_format="pytest")
+    s = score_solution(exact, pairs[0][1], mode="resolved")
+    assert (s.reward, s.not_passed) == (0.0, tuple(json.loads(row["PASS_TO_PASS"]))), s
+    assert s.error.startswith("1 of 3 tests did not pass (absent from the report: tests/test_data.py::"), s.error
+    with pytest.raises(ValueError, match="log parser 'parse_log_rust' is not one coder reads"):
+        swebench.import_instances([dict(row, log_parser="parse_log_rust")], str(tmp_path / "repos"))
+
+
+def test_src_layout_imports_from_src(fixture, tmp_path):
+    """A base commit with a top-level src/ gets `-o pythonpath=src` (the package imports from there
+    only; no conftest puts it on sys.path); a root layout keeps its command."""
+    repo = tmp_path / "repos" / "acme__srcapp"
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q")
+    base = _commit(repo, {"src/app/__init__.py": "", "src/app/cli.py": CLI_BUGGY, "tests/test_data.py": TEST_DATA,
+                          "tests/data.txt": "x\n"}, "app")
+    fix = _commit(repo, {"src/app/cli.py": CLI_FIXED, "tests/test_locate.py": TEST_LOCATE}, "fix")
+    row = {"repo": "acme/srcapp", "instance_id": "acme__srcapp-1", "base_commit": base, "problem_statement": "x",
+           "patch": _git(repo, "diff", base, fix, "--", "src"),
+           "test_patch": _git(repo, "diff", base, fix, "--", "tests"),
+           "FAIL_TO_PASS": ["tests/test_locate.py::test_locate[create_app]"], "PASS_TO_PASS": []}
+    (task, gold), = swebench.import_instances([row], str(tmp_path / "repos"))
+    assert task.test_command == "python -m pytest -q -o pythonpath=src"
+    assert score_solution(task, gold, mode="resolved").reward == 1.0
+    bare = dataclasses.replace(task, test_command="python -m pytest -q")
+    s = score_solution(bare, gold, mode="resolved")
+    assert s.reward == 0.0 and "No module named 'app'" in s.output, s
+    (own, _), = swebench.import_instances([row], str(tmp_path / "repos"), "pytest -o pythonpath=lib")
+    assert own.test_command == "pytest -o pythonpath=lib"
+    (root, _), = swebench.import_instances([fixture["instance"]], str(fixture["repos"]))
+    assert root.test_command == "python -m pytest -q"
 
 
 def test_environments_by_repository_and_version(fixture, tmp_path):
