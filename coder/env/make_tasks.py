@@ -34,8 +34,7 @@ import sys
 import fsspec
 
 from coder.env import mutate, package_mutants, pypi, releases, swebench
-from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions
-from coder.env.tasks import write_tasks
+from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions, write_tasks
 
 
 def main(argv=None) -> int:
@@ -57,9 +56,9 @@ def main(argv=None) -> int:
     p.add_argument("--input", default="", help="swebench: instances, JSONL or .parquet")
     p.add_argument("--repos", default="",
                    help="swebench: directory of mirrors owner__name; releases: where to write them")
-    p.add_argument(
-        "--test-command", default=DEFAULT_TEST_COMMAND, help="swebench: every task's pytest command"
-    )
+    p.add_argument("--test-command", default=DEFAULT_TEST_COMMAND,
+                   help="swebench: the pytest command of every pytest task (Django and sympy tasks "
+                   "run their harness's)")
     p.add_argument("--setup", default="", help="swebench: setup command of every task")
     p.add_argument("--setup-network", action="store_true",
                    help="swebench --verify: setup commands run with the host's network (env.setup_network)")
@@ -118,7 +117,10 @@ def main(argv=None) -> int:
             environment={} if args.host_python else None,
             test_requirements=tuple(r for r in args.test_requirements.split(",") if r),
         )
-        log = lambda s: print(s, file=sys.stderr, flush=True)
+
+        def log(s):
+            print(s, file=sys.stderr, flush=True)
+
         pairs, tried, wanted = [], 0, 0
         for spec in [s.strip() for s in args.packages.split(",") if s.strip()]:
             name, _ = releases.parse_spec(spec)

@@ -35,8 +35,8 @@ cross-check then covers the whole report, since tests outside the ids may fail b
 the fix. A v2 task with no ids and a test command that is not pytest scores by its exit status
 (0 = pass: reward 1 of 1); that command runs as the task wrote it, so it is only as hard to
 subvert as the files step 1 restores. With ids and a command of another runner (`go test`,
-TAP from `node --test --test-reporter=tap`, ...: `Task.test_format`'s log formats,
-coder.env.runners), its
+TAP from `node --test --test-reporter=tap`, Django's `runtests.py`, sympy's `bin/test`, ...:
+`Task.test_format`'s log formats, coder.env.runners), its
 whole output is written to a file in a directory mounted for that run only and parsed into
 per-test statuses, and the ids count as for pytest. Step 1 also restores the tracked files the
 test command names (a runner script such as `bash run_tests.sh`).

@@ -43,6 +43,16 @@ Log formats:
   directives; subtests are indented under `# Subtest: name` and their ids join the names of
   their parents with " > " (`group > inner case`); YAML diagnostic blocks (`---` ... `...`)
   are skipped.
+- "django": Django's `tests/runtests.py --verbosity 2`, unittest's verbose lines
+  `test_x (module.Class) ... ok` / `... FAIL` / `... ERROR` / `... skipped 'why'`, read as SWE-bench's
+  parse_log_django reads them: the id is the text before " ... " on the line that holds the
+  outcome (a test with a docstring prints its first line there, and that line is the id the
+  dataset lists), a bare `ok` line passes the last test started, `FAIL: name` / `ERROR: name`
+  headers fail the word after them, and its three known interleavings of output and `ok` pass.
+- "sympy": sympy's `bin/test -C --verbose`: under each file, `test_name ok` / `F` / `E` lines (ids
+  are bare test names; a name in several files keeps its last line), and each failure's header
+  `____ path/test_file.py:test_name ____` fails `path/test_file.py:test_name`; SWE-bench's
+  parse_log_sympy. Expected failures (`f`) and skips (`s`) are not read.
 Any other command scores by its exit status, and only on a task without test ids.
 """
 
@@ -297,6 +307,63 @@ def keyed(fmt: str, cases) -> dict:
         k = key(node_id, status, message)
         if k is not None:
             out[k] = status
+    return out
+
+
+# ---- Log formats: Django's and sympy's runners, as SWE-bench's harness reads them ----
+
+_DJANGO_PASS = (" ... ok", " ... OK", " ...  OK")
+# the three ways SWE-bench saw Django's output land between a test's " ... " and its "ok"
+_DJANGO_INTERLEAVED = [re.compile(p, re.M) for p in (
+    r"^(.*?)\s\.\.\.\sTesting\ against\ Django\ installed\ in\ ((?s:.*?))\ silenced\)\.\nok$",
+    r"^(.*?)\s\.\.\.\sInternal\ Server\ Error:\ \/(.*)\/\nok$",
+    r"^(.*?)\s\.\.\.\sSystem check identified no issues \(0 silenced\)\nok$",
+)]
+
+
+@log_format("django")
+def parse_django(text: str) -> dict:
+    out, started = {}, None
+    for line in text.split("\n"):
+        line = line.strip()
+        if "--version is equivalent to version" in line:  # a docstring that spans lines
+            out["--version is equivalent to version"] = "passed"
+        if " ... " in line:
+            started = line.split(" ... ")[0]
+        for suffix in _DJANGO_PASS:
+            if line.endswith(suffix):
+                if line.startswith("Applying sites.0002_alter_domain_unique...test_no_migrations"):
+                    line = line.split("...", 1)[-1].strip()  # a migration's output before the id
+                out[line.rsplit(suffix, 1)[0]] = "passed"
+                break
+        if " ... skipped" in line:
+            out[line.split(" ... skipped")[0]] = "skipped"
+        for suffix in (" ... FAIL", " ... ERROR"):
+            if line.endswith(suffix):
+                out[line.split(suffix)[0]] = "failed"
+        if line.startswith(("FAIL:", "ERROR:")) and len(line.split()) > 1:
+            out[line.split()[1].strip()] = "failed"
+        if line.startswith("ok") and started is not None:  # output between " ... " and "ok"
+            out[started] = "passed"
+    for pattern in _DJANGO_INTERLEAVED:
+        for m in pattern.finditer(text):
+            out[m.group(1)] = "passed"
+    return out
+
+
+_SYMPY_FAILURE = re.compile(r"(_*) (.*)\.py:(.*) (_*)")
+
+
+@log_format("sympy")
+def parse_sympy(text: str) -> dict:
+    out = {f"{path}.py:{name}": "failed" for _, path, name, _ in _SYMPY_FAILURE.findall(text)}
+    for line in text.split("\n"):
+        line = line.strip()
+        if not line.startswith("test_"):
+            continue
+        for suffix, status in ((" E", "failed"), (" F", "failed"), (" ok", "passed")):
+            if line.endswith(suffix):
+                out[line.split()[0]] = status
     return out
 
 

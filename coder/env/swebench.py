@@ -34,8 +34,11 @@ Test ids are read the way SWE-bench's harness reads them (`Task.test_format`, co
 the rule, coder.env.grading): a row's `log_parser` (SWE-bench 5's rows, SWE-rebench's
 `install_config`) names its parser, else its repository's parser in SWE-bench's harness does
 (`HARNESS_FORMATS`), else SWE-bench's pytest parser's: pytest ids cut at their first space, the
-images' /testbed for the workspace's path. Django's and sympy's ids (`test_x (module.Class)`,
-bare names) are not pytest node ids and score as an infrastructure error.
+images' /testbed for the workspace's path. Django's and sympy's instances run the harness's own
+command on the files their `test_patch` writes (`runner_command`: `./tests/runtests.py
+--verbosity 2 --settings=test_sqlite --parallel 1 <labels>`, `bin/test -C --verbose <files>`)
+and their ids (`test_x (module.Class)`, a docstring's first line, sympy's bare names) are read
+from its output; `--test-command` is the command of the pytest instances only.
 A pytest command on a `src/` layout (the base commit has a top-level `src/`) gets
 `-o pythonpath=src`, as the releases importer's do, unless it sets pythonpath itself.
 
@@ -59,6 +62,7 @@ import collections
 import json
 import os
 import re
+import shlex
 
 import fsspec
 
@@ -201,6 +205,7 @@ def environment_of(row: dict, specs: dict) -> dict:
 # its released FAIL_TO_PASS / PASS_TO_PASS lists hold are that parser's (coder.env.runners).
 HARNESS_FORMATS = {
     "astropy/astropy": "swebench-pytest-v2",
+    "django/django": "django",
     "marshmallow-code/marshmallow": "swebench-pytest",
     "matplotlib/matplotlib": "swebench-matplotlib",
     "mwaskom/seaborn": "swebench-seaborn",
@@ -216,6 +221,7 @@ HARNESS_FORMATS = {
     "scikit-learn/scikit-learn": "swebench-pytest-v2",
     "sqlfluff/sqlfluff": "swebench-pytest",
     "sphinx-doc/sphinx": "swebench-pytest-v2",
+    "sympy/sympy": "sympy",
 }
 # A log parser named by the row itself (SWE-bench 5's rows and SWE-rebench's install_config carry
 # `log_parser`): the package's registry names of its Python parsers.
@@ -226,7 +232,34 @@ PARSER_FORMATS = {
     **{f"parse_log_{n}": "swebench-pytest-v2" for n in ("pytest_v2", "astropy", "scikit", "sphinx")},
     "parse_log_matplotlib": "swebench-matplotlib",
     "parse_log_seaborn": "swebench-seaborn",
+    "parse_log_django": "django",
+    "parse_log_sympy": "sympy",
 }
+# The harness's test commands of the formats that are not pytest (its constants/python.py:
+# TEST_DJANGO, TEST_DJANGO_NO_PARALLEL for Django 1.9, TEST_SYMPY), run on `test_directives`.
+RUNNER_COMMANDS = {
+    "django": "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1",
+    "django@1.9": "./tests/runtests.py --verbosity 2",
+    "sympy": "PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' bin/test -C --verbose",
+}
+_NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml", ".yaml", ".toml")
+
+
+def test_directives(test_patch: str, django: bool = False) -> list[str]:
+    """What the harness passes its test command: the files `test_patch` writes, data files left
+    out; for Django, as test labels (`tests/a/tests.py` -> `a.tests`). SWE-bench's
+    `get_test_directives`."""
+    out = [p for p in re.findall(r"diff --git a/.* b/(.*)", test_patch) if not p.endswith(_NON_TEST_EXTS)]
+    if django:
+        out = [p.removesuffix(".py").removeprefix("tests/").replace("/", ".") for p in out]
+    return out
+
+
+def runner_command(row: dict, test_format: str) -> str:
+    """The harness's command for a Django or sympy instance, on its test directives."""
+    base = RUNNER_COMMANDS.get(f"{test_format}@{row.get('version')}", RUNNER_COMMANDS[test_format])
+    directives = test_directives(row.get("test_patch") or "", django=test_format == "django")
+    return " ".join([base, *(shlex.quote(d) for d in directives)])
 
 
 def upstream_repo(repo: str) -> str:
@@ -308,7 +341,10 @@ def instance_to_task(
     if isinstance(cmd, str) and re.match(r"^(python\S* -m )?pytest\b", cmd.strip()):
         test_command = cmd.strip()
     test_format = test_format_of(row, install)
-    test_command = _with_src_layout(test_command, mirror, commit)
+    if test_format in RUNNER_COMMANDS:
+        test_command = runner_command(row, test_format)
+    else:
+        test_command = _with_src_layout(test_command, mirror, commit)
     stats = repo_lib.patch_stats(gold)  # the reference fix (SWE-smith: the reversed patch)
     meta = {
         "source": "swebench",

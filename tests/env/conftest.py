@@ -31,3 +31,14 @@ def write_wheel():
     """`write_wheel(directory, name, version, {path: bytes})`: a pure-Python wheel
     `name-version-py3-none-any.whl` holding those files, for environments built offline."""
     return _write_wheel
+
+
+_SWEBENCH_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "XFAIL": "xfailed",
+                    "SKIPPED": "skipped"}
+
+
+@pytest.fixture(scope="session")
+def as_coder_statuses():
+    """`as_coder_statuses({id: status})`: a status map of the `swebench` package's log parsers in
+    coder's words (coder.env.runners: an ERROR is "failed", an XFAIL "xfailed")."""
+    return lambda statuses: {k: _SWEBENCH_STATUS[v] for k, v in statuses.items()}

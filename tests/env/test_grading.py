@@ -117,7 +117,6 @@ class TestC:
 PARSERS = {"parse_log_pytest": "swebench-pytest", "parse_log_pytest_options": "swebench-pytest-options",
            "parse_log_pytest_v2": "swebench-pytest-v2", "parse_log_matplotlib": "swebench-matplotlib",
            "parse_log_seaborn": "swebench-seaborn"}
-STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "XFAIL": "xfailed", "SKIPPED": "skipped"}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +132,7 @@ def pytest_run():
     return runners.in_image(r.stdout), junit_results(xml)
 
 
-def test_statuses_and_resolution_agree_with_the_swebench_package(pytest_run):
+def test_statuses_and_resolution_agree_with_the_swebench_package(pytest_run, as_coder_statuses):
     sg = pytest.importorskip("swebench.harness.grading",
                              reason="the swebench package is not installed (pip install -e .[swe])")
     from swebench.harness.log_parsers import PARSER_REGISTRY
@@ -149,7 +148,7 @@ def test_statuses_and_resolution_agree_with_the_swebench_package(pytest_run):
             # seaborn's parser does not read it, so the id is absent there; failed in JUnit
             same_theirs = {k: v for k, v in theirs.items() if v != "ERROR"}
             same_ours = {k: v for k, v in ours.items() if k not in {runners.in_image(e) for e in errored}}
-        assert same_ours == {k: STATUS[v] for k, v in same_theirs.items()}, parser
+        assert same_ours == as_coder_statuses(same_theirs), parser
         ids = set(theirs) | set(ours) | {
             'tests/test_x.py::test_space[create_app2("foo",', "tests/test_x.py::test_space[create",
             "tests/test_x.py::test_space[x", "tests/test_x.py::test_space[a", "tests/test_x.py::test_gone",

@@ -1,7 +1,10 @@
-"""Test runners other than pytest (coder/env/runners.py): go test's JSON events and TAP parsed
-into per-test statuses, and tasks with test ids scored through them in the sandbox (a TAP and a
-`go test` stand-in written in bash, and node's own test runner where node is installed)."""
+"""Test runners other than pytest (coder/env/runners.py): go test's JSON events, TAP, Django's
+`runtests.py --verbosity 2` and sympy's `bin/test --verbose` output parsed into per-test
+statuses (Django's and sympy's logs in tests/env/data/, also against the `swebench` package's
+parsers where it is installed), and tasks with test ids scored through them in the sandbox (a
+TAP and a `go test` stand-in written in bash, and node's own test runner where node is installed)."""
 
+import os
 import shutil
 import subprocess
 
@@ -66,6 +69,48 @@ def test_tap_and_go_outputs_parse_into_statuses():
         Task.from_json({"id": "t", "prompt": "", "repo": "/r", "commit": "c", "test_format": "junit"})
 
 
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def _log(name: str) -> str:
+    with open(os.path.join(DATA, name)) as f:
+        return f.read()
+
+
+def test_django_runtests_output_parses_as_swebench_reads_it():
+    ops, cmds = "migrations.test_operations", "migrations.test_commands"
+    assert runners.parse("django", _log("django_runtests.log")) == {
+        f"test_add_field ({ops}.OperationTests)": "passed",
+        "Tests the AddField operation on TextField/BinaryField.": "passed",  # a docstring names it
+        f"test_alter_field ({ops}.OperationTests)": "failed",
+        f"test_rename_model ({ops}.OperationTests)": "failed",  # an ERROR
+        f"test_postgres_only ({ops}.OperationTests)": "skipped",
+        f"test_reference_field ({ops}.FieldOperationTests)": "passed",  # output, then a bare `ok`
+        f"test_squash ({cmds}.SquashMigrationsTests.test_squash)": "passed",  # Django 4+'s form
+        f"test_check ({cmds}.MakeMigrationsTests)": "passed",  # one of the interleavings
+        "test_alter_field": "failed", "test_rename_model": "failed",  # the word after FAIL: / ERROR:
+    }  # test_makemigrations_output ends its line with " ... " and output: absent, as in SWE-bench
+
+
+def test_sympy_bin_test_output_parses_as_swebench_reads_it():
+    assert runners.parse("sympy", _log("sympy_bin_test.log")) == {
+        "test__aresame": "passed", "test_structure": "passed", "test_equality": "failed",
+        "test_matches_basic": "failed", "test_printmethod": "passed", "test_latex_basic": "passed",
+        "sympy/core/tests/test_basic.py:test_matches_basic": "failed",  # the failures' headers
+        "sympy/core/tests/test_basic.py:test_equality": "failed",
+    }  # a file's last test shares its line with `[OK]` / `[FAIL]`; `f` / `s` are not read
+    with pytest.raises(ValueError, match="log formats are"):
+        runners.parse("pytest", "")
+
+
+@pytest.mark.parametrize("fmt, log", [("django", "django_runtests.log"), ("sympy", "sympy_bin_test.log")])
+def test_django_and_sympy_statuses_agree_with_the_swebench_package(fmt, log, as_coder_statuses):
+    parsers = pytest.importorskip("swebench.harness.log_parsers",
+                                  reason="the swebench package is not installed (pip install -e .[swe])")
+    theirs = parsers.PARSER_REGISTRY[f"parse_log_{fmt}"](_log(log), None)
+    assert runners.parse(fmt, _log(log)) == as_coder_statuses(theirs)
+
+
 def _repo(root, files: dict):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1",
            "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@x", "GIT_COMMITTER_NAME": "a",
@@ -75,8 +120,11 @@ def _repo(root, files: dict):
         (root / path).write_text(text)
         if path.endswith((".sh", "/go")):
             (root / path).chmod(0o755)
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, env=env, check=True,
-                                    capture_output=True, text=True).stdout.strip()
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=root, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
     git("init", "-q")
     git("add", "-A")
     git("commit", "-qm", "start")
@@ -121,6 +169,23 @@ def test_runner_tasks_score_by_their_ids(tmp_path, fmt):
                     "test_format": "tap"})
     s = score_solution(lying, {})
     assert s.reward == 0.0 and "exit status 0 disagrees" in s.error, s
+
+
+@pytest.mark.parametrize("fmt, log", [("django", "django_runtests.log"), ("sympy", "sympy_bin_test.log")])
+def test_django_and_sympy_ids_are_scored_not_infrastructure_errors(tmp_path, fmt, log):
+    """A command that replays the runner's log (exit status 1, as the runner's on a failure): the
+    ids are read from its output; a PASS_TO_PASS id that failed there gives 0, a passing one 1."""
+    repo, sha = _repo(tmp_path, {"out.log": _log(log)})
+    ok, bad = {"django": ("test_add_field (migrations.test_operations.OperationTests)",
+                          "test_alter_field (migrations.test_operations.OperationTests)"),
+               "sympy": ("test_structure", "test_equality")}[fmt]
+    task = Task("r", "fix it", {}, {}, test_command="cat out.log; exit 1", repo=repo, commit=sha,
+                fail_to_pass=(ok,), pass_to_pass=(bad,), test_format=fmt)
+    s = score_solution(task, {}, mode="resolved")
+    assert (s.infra_error, s.reward, s.passed, s.not_passed) == (None, 0.0, 1, (bad,)), s
+    assert s.error == f"1 of 2 tests did not pass (failed: {bad})"
+    fine = Task(**{**task.__dict__, "pass_to_pass": ()})
+    assert score_solution(fine, {}, mode="resolved").reward == 1.0
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")

@@ -369,6 +369,25 @@ def test_src_layout_imports_from_src(fixture, tmp_path):
     assert root.test_command == "python -m pytest -q"
 
 
+def test_django_and_sympy_instances_run_their_harness_commands():
+    patch = "".join(f"diff --git a/{p} b/{p}\n--- a/{p}\n+++ b/{p}\n@@ -1 +1 @@\n-a\n+b\n" for p in (
+        "tests/migrations/test_operations.py", "tests/migrations/fixtures/data.json", "tests/admin_docs/tests.py"))
+    assert swebench.test_directives(patch, django=True) == ["migrations.test_operations", "admin_docs.tests"]
+    row = {"repo": "django/django", "version": "3.0", "test_patch": patch}
+    assert swebench.test_format_of(row, {}) == "django"
+    assert swebench.runner_command(row, "django") == (
+        "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 "
+        "migrations.test_operations admin_docs.tests")
+    assert swebench.runner_command(dict(row, version="1.9"), "django").startswith("./tests/runtests.py --verbosity 2 m")
+    sympy = {"repo": "sympy/sympy", "test_patch": patch.replace("tests/migrations", "sympy/core/tests")}
+    assert swebench.test_format_of(sympy, {}) == "sympy"
+    assert swebench.runner_command(sympy, "sympy") == (
+        "PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' bin/test -C --verbose "
+        "sympy/core/tests/test_operations.py tests/admin_docs/tests.py")
+    assert swebench.test_format_of({"repo": "swesmith/django__django.4c8ad9f1"}, {}) == "django"
+    assert swebench.test_format_of({"repo": "x/y"}, {"log_parser": "parse_log_sympy"}) == "sympy"
+
+
 def test_environments_by_repository_and_version(fixture, tmp_path):
     """`--environments` gives a task the spec of its `repo@version`, else of its `repo`; a bad
     spec is refused naming its key (building one is tests/env/test_environments.py's)."""
