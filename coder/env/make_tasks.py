@@ -13,7 +13,8 @@ mutant is checked in the sandbox, so this takes a few seconds per task). toy: on
 (coder.env.tasks.toy_tasks). swebench: repository tasks (task format v2) from SWE-bench,
 SWE-Gym, SWE-rebench or SWE-smith instances over local mirrors `DIR/owner__name`
 (coder.env.swebench; `--verify` drops the tasks whose gold patch does not score 1, or whose
-unchanged workspace does not score 0, in this machine's sandbox). `--solutions` also writes
+unchanged workspace does not score 0, in this machine's sandbox, each with its cause, and ends
+with a table per repository: rows, imported, verified, dropped by reason; coder.env.verify). `--solutions` also writes
 releases: "implement what the next release added" (coder.env.releases): sdists from the package
 index, committed as a git history in `DIR/pypi__NAME`, FAIL_TO_PASS / PASS_TO_PASS from the
 next release's tests run in the sandbox, a terse prompt from its changelog; the set's figures
@@ -28,12 +29,13 @@ the reference solutions (files, or the gold patches as {"id", "patch"}), the inp
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 
 import fsspec
 
-from coder.env import mutate, package_mutants, pypi, releases, swebench
+from coder.env import mutate, package_mutants, pypi, releases, swebench, verify
 from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions, write_tasks
 
 
@@ -104,9 +106,12 @@ def main(argv=None) -> int:
             print(f"skipped {where}: {why}", file=sys.stderr)
         args.n = len(rows)  # a skipped row makes the exit status 1
         if args.verify:
-            pairs, dropped = swebench.verify(pairs, workers=args.workers, setup_network=args.setup_network)
+            imported = [t for t, _ in pairs]
+            pairs, dropped = verify.verify(pairs, workers=args.workers, setup_network=args.setup_network)
             for tid, why in dropped.items():
                 print(f"dropped {tid}: {why}", file=sys.stderr)
+            rows_per = collections.Counter(swebench.row_repo(r) for r in rows)
+            print(verify.table(imported, dropped, rows_per), file=sys.stderr)
     elif args.source in ("releases", "mutants"):
         if not args.packages or not args.repos:
             p.error(f"--source {args.source} needs --packages and --repos")
@@ -140,9 +145,11 @@ def main(argv=None) -> int:
             pairs += made
             tried += len(made) + len(dropped)
         if args.verify:
-            pairs, dropped = swebench.verify(pairs, workers=args.workers)
+            imported = [t for t, _ in pairs]
+            pairs, dropped = verify.verify(pairs, workers=args.workers)
             for tid, why in dropped.items():
                 log(f"dropped {tid}: {why}")
+            log(verify.table(imported, dropped))
         if args.source == "releases":
             print(json.dumps(releases.statistics_of(pairs, tried)), file=sys.stderr)
         args.n = wanted or max(len(pairs), 1)  # releases: whatever the history made, not none

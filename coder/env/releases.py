@@ -17,7 +17,7 @@ For a package on the index and one of its releases B (the one before it is A):
    tests that fail on A and pass on B, PASS_TO_PASS = those that pass on both; tests that fail
    on B here are left out. A pair with no FAIL_TO_PASS test makes no task;
 6. `make_tasks --verify` then keeps the tasks whose gold patch scores 1 and whose unchanged
-   workspace scores 0 through the scoring path itself (coder.env.swebench.verify).
+   workspace scores 0 through the scoring path itself (coder.env.verify).
 
 Splits: a package's tasks are all train or all held out (`split_of`, a hash of its name), so a
 held-out repository's code is never trained on through another of its releases.

@@ -42,8 +42,9 @@ from its output; `--test-command` is the command of the pytest instances only.
 A pytest command on a `src/` layout (the base commit has a top-level `src/`) gets
 `-o pythonpath=src`, as the releases importer's do, unless it sets pythonpath itself.
 
-`verify` (`make_tasks --verify`) keeps the tasks whose gold patch scores 1 and whose unchanged
-workspace scores 0 in this machine's sandbox.
+`make_tasks --verify` keeps the tasks whose gold patch scores 1 and whose unchanged workspace
+scores 0 in this machine's sandbox, names each drop's cause and ends with a table per
+repository (coder.env.verify).
 
 The environment: without one the sandbox runs the host's Python read-only, so a repository's
 dependencies must already be installed there (`pip install -e .` inside is impossible offline).
@@ -68,9 +69,7 @@ import fsspec
 
 from coder.env import environments, r2egym
 from coder.env import repo as repo_lib
-from coder.env.pool import EpisodePool
-from coder.env.reward import pytest_args, score_solution
-from coder.env.sandbox import Limits
+from coder.env.reward import pytest_args
 from coder.env.tasks import DEFAULT_TEST_COMMAND, Task, read_jsonl
 
 
@@ -384,30 +383,9 @@ def instance_to_task(
     return task, gold
 
 
-def _verify_one(item) -> tuple[str, str | None]:
-    task, gold, timeout_s, setup_network = item
-    limits = Limits(timeout_s=timeout_s, cpu_s=int(timeout_s), setup_network=setup_network)
-    s = score_solution(task, gold, limits=limits, mode="all", timeout_s=timeout_s)
-    if s.infra_error or s.reward != 1.0:
-        return task.id, f"the gold patch scores {s.reward:g}: {s.infra_error or s.error}"
-    s = score_solution(task, {}, limits=limits, mode="fraction", timeout_s=timeout_s)
-    if s.infra_error or s.reward != 0.0:
-        return task.id, f"the unchanged workspace scores {s.reward:g}: {s.infra_error or s.error}"
-    return task.id, None
-
-
-def verify(
-    pairs: list[tuple[Task, str]], workers: int = 4, timeout_s: float = 300.0, setup_network: bool = False
-) -> tuple[list[tuple[Task, str]], dict[str, str]]:
-    """(the pairs whose gold patch scores 1 and whose unchanged workspace scores 0 in this
-    machine's sandbox, {dropped task id: why}): a task whose tests cannot pass here (a missing
-    dependency, a different interpreter) would only ever teach reward 0. `setup_network`: the
-    tasks' setup commands run with the host's network (env.setup_network in training)."""
-    if not pairs:
-        return [], {}
-    with EpisodePool(max(1, min(workers, len(pairs))), token_count=len) as pool:
-        why = dict(pool.map(_verify_one, [(t, g, timeout_s, setup_network) for t, g in pairs]))
-    return [(t, g) for t, g in pairs if why[t.id] is None], {k: v for k, v in why.items() if v}
+def row_repo(row: dict) -> str:
+    """The repository a row names (`repo`, R2E-Gym's `repo_name`), as its task's metadata does."""
+    return row.get("repo") or row.get("repo_name") or "?"
 
 
 def read_instances(path: str) -> list[dict]:

@@ -161,13 +161,32 @@ def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path, caps
     assert (row["id"], row["reward"], row["total"], row["error"]) == ("acme__calc-1", 1.0, 3, None)
     broken = dict(fixture["instance"], instance_id="acme__calc-2",  # a test that does not exist
                   FAIL_TO_PASS=json.dumps([*F2P, "tests/test_fix.py::test_gone"]))
+    missing = "tests/test_missing.py"  # a test module whose import fails: pytest reports nothing
+    crashing = dict(fixture["instance"], instance_id="acme__calc-3", FAIL_TO_PASS=[f"{missing}::test_x"],
+                    PASS_TO_PASS=[], test_patch=f"diff --git a/{missing} b/{missing}\nnew file mode 100644\n"
+                    f"--- /dev/null\n+++ b/{missing}\n@@ -0,0 +1,4 @@\n+import nope_missing\n+\n+\n+def test_x():\n")
+    crashing["test_patch"] += "+    pass\n"
+    crashing["test_patch"] = crashing["test_patch"].replace("+1,4 @@", "+1,5 @@")
+    noop = dict(fixture["instance"], instance_id="acme__calc-4", FAIL_TO_PASS=P2P, PASS_TO_PASS=[])
+    gone = dict(fixture["instance"], instance_id="acme__none-1", repo="acme/none")
     inp = tmp_path / "v.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in [fixture["instance"], broken]))
+    inp.write_text("".join(json.dumps(r) + "\n" for r in [fixture["instance"], broken, crashing, noop, gone]))
     assert make_tasks.main(["--source", "swebench", "--input", str(inp), "--repos",
                             str(fixture["repos"]), "--out", str(tmp_path / "v_t.jsonl"),
-                            "--verify", "--workers", "1"]) == 1  # one of two dropped
+                            "--verify", "--workers", "1"]) == 1  # one of five kept
     assert [t.id for t in read_tasks(tmp_path / "v_t.jsonl")] == ["acme__calc-1"]
-    assert "dropped acme__calc-2: the gold patch scores 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert ("dropped acme__calc-2: gold fails: the gold patch scores 0: 1 of 4 tests did not pass "
+            "(absent from the report: tests/test_fix.py::test_gone)\n") in err
+    assert "dropped acme__calc-3: no results: the gold patch scores 0: pytest exit status 2" in err
+    assert "    | E   ModuleNotFoundError: No module named 'nope_missing'\n" in err  # the run's own output
+    assert "dropped acme__calc-4: no-op passes: the unchanged workspace scores 1\n" in err
+    assert "skipped row 4 (acme__none-1): no local mirror of 'acme/none'" in err
+    assert err.split("\n")[-6:-2] == [  # then "wrote 1 swebench tasks to ..."
+        "repository  rows  imported  verified  gold fails  no results  no apply  no-op passes  env/sandbox",
+        "acme/calc      4         4         1           1           1         0             1            0",
+        "acme/none      1         0         0           0           0         0             0            0",
+        "total          5         4         1           1           1         0             1            0"]
     s = score_solution(task, "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n"
                        "@@ -1 +1 @@\n-x\n+y\n")
     assert s.reward == 0.0 and "does not apply" in s.error and not s.infra_error
