@@ -407,6 +407,147 @@ def test_django_and_sympy_instances_run_their_harness_commands():
     assert swebench.test_format_of({"repo": "x/y"}, {"log_parser": "parse_log_sympy"}) == "sympy"
 
 
+# Django's layout: the package at the root, its runner tests/runtests.py taking test labels
+# (`utils_tests.test_text`) and printing unittest's verbose lines, the tests under tests/.
+DJANGO_RUNTESTS = """#!/usr/bin/env python
+import argparse, os, sys, unittest
+
+parser = argparse.ArgumentParser()
+parser.add_argument("labels", nargs="*")
+parser.add_argument("--verbosity", type=int, default=1)
+parser.add_argument("--settings")
+parser.add_argument("--parallel", type=int)
+args = parser.parse_args()
+tests_dir = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(tests_dir), tests_dir]
+print("Testing against Django installed in '%s'" % os.path.dirname(tests_dir), flush=True)
+suite = unittest.defaultTestLoader.loadTestsFromNames(args.labels)
+result = unittest.TextTestRunner(verbosity=args.verbosity).run(suite)
+sys.exit(not result.wasSuccessful())
+"""
+DJANGO_TEST = """import unittest
+
+from django.utils.text import capfirst
+
+
+class CapfirstTests(unittest.TestCase):
+    def test_capfirst(self):
+        self.assertEqual(capfirst("hello"), "Hello")
+
+    def test_empty(self):
+        \"\"\"An empty string stays empty.\"\"\"
+        self.assertEqual(capfirst(""), "")
+"""
+# sympy's layout: bin/test runs the test functions of the files it is given and reports them as
+# sympy's runner does with --verbose (a file's last result shares its line with [OK] / [FAIL]).
+SYMPY_BIN_TEST = """#!/usr/bin/env python
+import importlib.util, os, sys, traceback
+
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, root)
+files = [a for a in sys.argv[1:] if not a.startswith("-")]
+print("=" * 29 + " test process starts " + "=" * 30)
+failures, passed = [], 0
+for path in files:
+    spec = importlib.util.spec_from_file_location("t", os.path.join(root, path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tests = [v for k, v in vars(mod).items() if k.startswith("test_") and callable(v)]
+    sys.stdout.write("%s[%d] " % (path, len(tests)))
+    bad = False
+    for f in tests:
+        sys.stdout.write("\\n" + f.__name__ + " ")
+        try:
+            f()
+            sys.stdout.write("ok")
+            passed += 1
+        except AssertionError:
+            sys.stdout.write("F")
+            failures.append((path, f.__name__, traceback.format_exc()))
+            bad = True
+        except Exception:
+            sys.stdout.write("E")
+            failures.append((path, f.__name__, traceback.format_exc()))
+            bad = True
+    sys.stdout.write(" " + ("[FAIL]" if bad else "[OK]").rjust(60) + "\\n\\n")
+for path, name, tb in failures:
+    print("_" * 80)
+    print((" %s:%s " % (path, name)).center(80, "_"))
+    print(tb)
+print("= tests finished: %d passed, %d failed, in 0.01 seconds =" % (passed, len(failures)))
+sys.exit(1 if failures else 0)
+"""
+SYMPY_TEST = """from sympy.core.basic import double
+
+
+def test_double():
+    assert double(2) == 4
+
+
+def test_double_zero():
+    assert double(0) == 0
+
+
+def test_last_in_file():
+    assert double(1) == 2
+"""
+STYLES = {
+    "django": {
+        "repo": "django/django", "version": "4.2",
+        "base": {"django/__init__.py": "", "django/utils/__init__.py": "",
+                 "django/utils/text.py": "def capfirst(x):\n    return x\n",
+                 "tests/runtests.py": DJANGO_RUNTESTS, "tests/utils_tests/__init__.py": ""},
+        "exe": "tests/runtests.py",
+        "fix": {"django/utils/text.py": "def capfirst(x):\n    return x[:1].upper() + x[1:]\n",
+                "tests/utils_tests/test_text.py": DJANGO_TEST},
+        "gold": "django", "tests": "tests",
+        "f2p": ["test_capfirst (utils_tests.test_text.CapfirstTests.test_capfirst)"],
+        "p2p": ["An empty string stays empty."],  # a docstring's first line is the id
+    },
+    "sympy": {
+        "repo": "sympy/sympy", "version": "1.12",
+        "base": {"sympy/__init__.py": "", "sympy/core/__init__.py": "",
+                 "sympy/core/basic.py": "def double(x):\n    return x + x if x else 1\n",
+                 "sympy/core/tests/__init__.py": "", "bin/test": SYMPY_BIN_TEST},
+        "exe": "bin/test",
+        "fix": {"sympy/core/basic.py": "def double(x):\n    return x + x\n",
+                "sympy/core/tests/test_basic.py": SYMPY_TEST},
+        "gold": "sympy/core/basic.py", "tests": "sympy/core/tests",
+        "f2p": ["test_double_zero"], "p2p": ["test_double"],
+    },
+}
+
+
+@pytest.mark.parametrize("style", ["django", "sympy"])
+def test_django_and_sympy_style_instances_resolve_end_to_end(tmp_path, style):
+    """A fixture repository in Django's / sympy's layout, imported as SWE-bench rows of those
+    repositories: the harness's command on the test_patch's directives, the ids read from its
+    output, the gold patch resolving and the unchanged workspace not, through the sandbox."""
+    st = STYLES[style]
+    repo = tmp_path / "repos" / st["repo"].replace("/", "__")
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q")
+    _commit(repo, st["base"], "base")
+    os.chmod(repo / st["exe"], 0o755)
+    base = _commit(repo, {}, "the runner is executable")
+    fix = _commit(repo, st["fix"], "fix")
+    row = {"repo": st["repo"], "instance_id": f"{style}-1", "base_commit": base, "version": st["version"],
+           "problem_statement": "fix it", "patch": _git(repo, "diff", base, fix, "--", st["gold"]),
+           "test_patch": _git(repo, "diff", base, fix, "--", st["tests"]),
+           "FAIL_TO_PASS": json.dumps(st["f2p"]), "PASS_TO_PASS": json.dumps(st["p2p"])}
+    (task, gold), = swebench.import_instances([row], str(tmp_path / "repos"))
+    assert task.test_format == style and task.test_command.endswith(
+        {"django": " utils_tests.test_text", "sympy": " bin/test -C --verbose sympy/core/tests/test_basic.py"}[style])
+    s = score_solution(task, gold, mode="resolved")
+    assert (s.infra_error, s.reward, s.passed, s.total) == (None, 1.0, 2, 2), (s.error, s.output)
+    s = score_solution(task, "", mode="resolved")
+    assert (s.infra_error, s.reward, s.not_passed) == (None, 0.0, tuple(st["f2p"])), (s.error, s.output)
+    assert s.error == f"1 of 2 tests did not pass (failed: {st['f2p'][0]})"
+    if style == "sympy":  # a file's last test shares its line with [OK]: SWE-bench's parser never reads it
+        last = dataclasses.replace(task, pass_to_pass=("test_last_in_file",))
+        assert score_solution(last, gold, mode="resolved").not_passed == ("test_last_in_file",)
+
+
 def test_environments_by_repository_and_version(fixture, tmp_path):
     """`--environments` gives a task the spec of its `repo@version`, else of its `repo`; a bad
     spec is refused naming its key (building one is tests/env/test_environments.py's)."""
