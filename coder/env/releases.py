@@ -175,7 +175,10 @@ def terse_prompt(name: str, old: str, new: str, entries: list[str], max_chars: i
     `max_chars`, then how many were left out (the first entry is cut at a word if it alone does
     not fit)."""
     lines = [f"Bring {name} from {old} up to {new}. The release notes say:"]
-    tail = lambda left: [f"(and {left} more changes in the release)"] if left else []
+
+    def tail(left):
+        return [f"(and {left} more changes in the release)"] if left else []
+
     kept = 0
     for entry in entries:
         trial = lines + [f"- {entry}"] + tail(len(entries) - kept - 1)
@@ -227,7 +230,10 @@ def commit_tree(mirror: str, tree: str, message: str, parent: str = "", env=None
     reachable by the ref `refs/coder/<sha>`; no branch moves."""
     with tempfile.TemporaryDirectory() as tmp:
         index = os.path.join(tmp, "index")
-        git = lambda *a, **k: repo_lib.git(f"--git-dir={mirror}", *a, index=index, env=env, **k)
+
+        def git(*a, **k):
+            return repo_lib.git(f"--git-dir={mirror}", *a, index=index, env=env, **k)
+
         if base:
             git("read-tree", base)
             for path, text in (files or {}).items():
@@ -484,7 +490,10 @@ def statistics_of(pairs: list[tuple[Task, str]], attempted: int) -> dict:
     per = {}
     for m in metas:
         per[m["package"]] = per.get(m["package"], 0) + 1
-    med = lambda xs: statistics.median(xs) if xs else 0
+
+    def med(xs):
+        return statistics.median(xs) if xs else 0
+
     return {
         "tasks": len(pairs),
         "pairs_tried": attempted,
