@@ -35,6 +35,15 @@ same trainer step with coder.rl.grpo.grpo_loss_fn as coder.rl.learner.Learner co
 expert ids), `compile.grpo_batch` x `compile.grpo_seq_len` tokens; its model FLOPs leave out
 the MTP modules, which the GRPO loss does not run.
 
+GPU targets (`compile.topology` = "h100", "h100-8", "h100-8x32": GPUs per node x nodes; h200,
+b200; coder.train.aot.hardware) compile through XLA:GPU on compile-only devices of jax's CUDA
+plugin (the `gpu-compile` extra; the stage names what to install when it is missing), with CUB's
+radix sort off (`hardware.compiler_options`). XLA:GPU states no cost analysis there, so
+`analyse_gpu` counts FLOPs and bytes off the optimized HLO (coder.train.aot.gpu_stats: the
+matmuls, coder's Triton flash kernels from their shapes), puts collectives inside a node at
+NVLink and across nodes at InfiniBand, fits the step against the memory JAX preallocates (75%
+of HBM), and adds the roofline at the rates measured on an H100 where there are some.
+
 report.md is rendered from the report by coder.stages.compile_report.
 """
 from __future__ import annotations
@@ -128,6 +137,9 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
     runs, unknown = multiplicities(module)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if cost is None:  # XLA:GPU compiled without a GPU states no cost: read it off the HLO
+        return analyse_gpu(compiled, module, topo, params=params, optimizer=optimizer, batch=batch,
+                           model_flops=model_flops)
     xla_flops = float(cost.get("flops", 0.0))
     xla_bytes = float(cost.get("bytes accessed", 0.0))
     flops, traffic = loop_corrected_cost(module, xla_flops, xla_bytes, gmm_scale)
@@ -143,6 +155,42 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
         collectives=colls,
         roofline=hardware.roofline(topo.chip, topo.num_chips, flops, traffic, colls, model_flops),
     )
+
+
+def analyse_gpu(compiled, module, topo, *, params: float, optimizer: float, batch: float,
+                model_flops: float) -> dict:
+    """`analyse` of a step XLA:GPU compiled for a GPU topology (coder.train.aot.hardware.GpuTopology),
+    whose `cost_analysis()` is None: FLOPs and bytes counted off the optimized HLO
+    (coder.train.aot.gpu_stats.step_cost: the matmuls, the flash kernels from their shapes, HBM
+    traffic per instruction, loop trips), collectives inside a node at NVLink and across nodes
+    at InfiniBand (gpu_stats.collective_stats), the fit against the memory JAX's allocator
+    preallocates (the chip's pool_bytes, 75% of HBM), not the whole HBM. Where the chip has
+    measured rates (hardware.MEASURED) `roofline_measured` is the roofline at them."""
+    from coder.train.aot import gpu_stats, hardware
+
+    runs, unknown = multiplicities(module)
+    chip = topo.chip
+    cost = gpu_stats.step_cost(module, runs, chip.l2_bytes)
+    colls = gpu_stats.collective_stats(module, runs, topo.num_chips, topo.gpus_per_node)
+    mem = memory_report(compiled.memory_analysis(), chip.pool_bytes, params=params, optimizer=optimizer,
+                        batch=batch)
+    mem.update(device_hbm_bytes=float(chip.hbm_bytes), pool_fraction=chip.pool_fraction)
+    out = dict(
+        memory=mem,
+        cost=dict(xla_flops=0.0, xla_bytes_accessed=0.0, flops=cost["flops"], gmm_scale=1.0,
+                  bytes_accessed=cost["bytes_accessed"], matmul_flops=cost["matmul_flops"],
+                  kernel_flops=cost["kernel_flops"], kernel_bytes=cost["kernel_bytes"],
+                  uncounted_kernels=cost["uncounted_kernels"], loops_with_unknown_trip_count=unknown,
+                  top_traffic=traffic_by_source(module, runs),
+                  hlo_instructions=sum(len(v) for v in module.computations.values()), source="hlo"),
+        collectives=colls,
+        roofline=hardware.roofline(chip, topo.num_chips, cost["flops"], cost["bytes_accessed"], colls, model_flops),
+    )
+    rates = gpu_stats.measured_rates(chip.name)
+    if rates:
+        out["roofline_measured"] = gpu_stats.roofline_at_rates(chip, topo.num_chips, cost, colls, model_flops,
+                                                               **rates)
+    return out
 
 
 def write_report(report: dict, out_dir: str) -> str:
@@ -403,11 +451,13 @@ def compile_grpo(config, mesh, topo, hlo_dir: str = "") -> dict:
     import time
     import traceback
 
+    from coder.train.aot import hardware
+
     t0 = time.perf_counter()
     setup = None
     try:
         lowered, sizes, setup = lower_grpo_step(config, mesh)
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=hardware.compiler_options(topo))  # None on TPU
     except Exception as e:  # noqa: BLE001 (a report, not a crash, is the point of this stage)
         logging.error("compiling the GRPO step failed:\n%s", traceback.format_exc())
         out = _failure(e)
@@ -544,6 +594,8 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
     import time
     import traceback
 
+    from coder.train.aot import hardware
+
     t0 = time.perf_counter()
     try:
         lowered, setup = lower_engine(config, mesh)
@@ -571,7 +623,7 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
             continue
         t1 = time.perf_counter()
         try:
-            compiled = low.compile()
+            compiled = low.compile(compiler_options=hardware.compiler_options(topo))  # None on TPU
         except Exception as e:  # noqa: BLE001
             logging.error("compiling the engine's %s failed:\n%s", name, traceback.format_exc())
             entry = _failure(e)
@@ -722,7 +774,7 @@ def _run(config, stage_dir: str, init_from: str) -> str:
         sharding.validate(config.model, config.mesh, len(devices))
         mesh = sharding.make_mesh(config.mesh, devices)  # topo.num_slices is mesh.num_slices
         lowered, part_sizes = lower_train_step(config, mesh)
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=hardware.compiler_options(topo))  # None on TPU
     except Exception as e:
         logging.error("compile for %s failed:\n%s", topo.name, traceback.format_exc())
         report.update(_failure(e), compile_seconds=time.perf_counter() - t0)

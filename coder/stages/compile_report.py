@@ -78,6 +78,9 @@ def to_markdown(r: dict) -> str:
         lines += ["", "## What would make it fit / run faster", ""]
         lines += [f"- {a}" for a in r["advice"]]
     chip = hw["chip"]
+    if "nvlink_bandwidth" in chip:  # a GPU target (coder.train.aot.hardware.GpuChip)
+        lines += gpu_markdown(r)
+        return "\n".join(lines)
     lines += ["", "## Hardware figures used", "",
               f"{chip['name']}: {chip['peak_bf16_flops']:.3g} bf16 FLOP/s, "
               f"{_gib(chip['hbm_bytes'])} GiB HBM at {chip['hbm_bandwidth']:.3g} B/s, ICI "
@@ -85,6 +88,39 @@ def to_markdown(r: dict) -> str:
               + (f" (assumed: {', '.join(chip['assumed'])})" if chip["assumed"] else "")
               + "; sources in coder/train/aot/hardware.py.", ""]
     return "\n".join(lines)
+
+
+def gpu_markdown(r: dict) -> list[str]:
+    """A GPU target's closing sections: the kernels, the roofline at measured rates, the figures."""
+    hw, chip = r["hardware"], r["hardware"]["chip"]
+    lines = []
+    c = r.get("cost") or {}
+    if c.get("source") == "hlo":
+        lines += ["", "## FLOPs by source (per GPU per step)", "", "XLA:GPU compiled without a GPU gives no cost "
+                  "analysis: FLOPs and bytes are counted off the optimized HLO (coder/train/aot/gpu_stats.py).", "",
+                  "| part | FLOPs |", "|---|---|", f"| XLA matmuls | {c['matmul_flops']:.4g} |"]
+        lines += [f"| kernel `{k}` | {f:.4g} |" for k, f in c["kernel_flops"].items()]
+        if c["uncounted_kernels"]:
+            calls = ", ".join(f"`{k}` x{n:.0f}" for k, n in c["uncounted_kernels"].items())
+            lines += ["", f"Kernels not counted (calls per step): {calls}"]
+    if r.get("roofline_measured"):
+        f = r["roofline_measured"]
+        kernels = ", ".join(f"`{k}` {v / 1e12:.1f} TFLOP/s" for k, v in f["kernel_flops_per_s"].items())
+        lines += ["", "## Roofline at measured rates", "",
+                  f"Matmuls at {f['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, HBM at {f['hbm_bytes_per_s'] / 1e12:.2f} "
+                  f"TB/s, kernels: {kernels} (coder/train/aot/hardware.py MEASURED).", "", "| | value |", "|---|---|"]
+        lines += [f"| {k} | {f[k]:.4g} |" for k in ("compute_s", "hbm_s", "ici_s", "dcn_s", "step_time_lower_s",
+                                                    "step_time_serial_s")]
+        lines += [f"| MFU (perfect overlap) | {100 * f['mfu_upper']:.1f}% |",
+                  f"| MFU (no overlap) | {100 * f['mfu_lower']:.1f}% |"]
+    lines += ["", "## Hardware figures used", "",
+              f"{hw['name']}: {hw['nodes']} node(s) x {hw['gpus_per_node']} {chip['device_kind']}; per GPU "
+              f"{chip['peak_bf16_flops']:.3g} bf16 FLOP/s ({chip['peak_fp8_flops']:.3g} fp8), "
+              f"{_gib(chip['hbm_bytes'])} GiB HBM at {chip['hbm_bandwidth']:.3g} B/s, of which JAX's allocator "
+              f"preallocates {100 * chip['pool_fraction']:.0f}% ({_gib(chip['pool_bytes'])} GiB: the fit check's "
+              f"limit), NVLink {chip['nvlink_bandwidth']:.3g} B/s (the roofline's ici), InfiniBand "
+              f"{chip['ib_bandwidth']:.3g} B/s (its dcn), one direction; sources in coder/train/aot/hardware.py.", ""]
+    return lines
 
 
 # a delta version's bytes over a full version's, at an RL learning rate (docs/rl.md's table of

@@ -1,4 +1,5 @@
-"""TPU chips and slice topologies: the published figures the compile report's roofline uses.
+"""TPU chips and slice topologies, GPUs and their nodes: the published figures the compile report's
+roofline uses.
 
 Every figure is per chip, from Google Cloud's TPU system-architecture pages (retrieved 2026):
   v4   https://cloud.google.com/tpu/docs/v4   "275 teraflops (bf16)", "32 GiB, 1200 GBps"
@@ -19,6 +20,32 @@ bytes for v5e/v6e, as printed; the difference only moves the fit margin by ~7%.
 
 A chip is one JAX device on every generation here: v4 and v5p run their two TensorCores as one
 "megacore" device, so peak FLOP/s and HBM are per device too.
+
+GPUs (`GPU_CHIPS`, `GpuTopology`): `compile.topology` = "h100" (one GPU), "h100-8" (one node of
+8 GPUs; "h100-N" for N <= 8), "h100-8x32" (32 nodes of 8 GPUs: GPUs per node x nodes); h200 and
+b200 alike. XLA:GPU compiles for them without a GPU: jax's CUDA plugin (the `gpu-compile` extra:
+jax-cuda12-plugin and jax-cuda12-pjrt matching jaxlib, no NVIDIA libraries) builds compile-only
+devices from a GpuTargetConfigProto (the CUDA device properties XLA compiles against: SMs,
+shared memory per block, L2, compute capability), vendored from XLA in gpu_specs/ (each file
+names its source). Figures per GPU, SXM parts, NVIDIA's pages (retrieved 2026; their tensor
+FLOP/s are "with sparsity": the dense figures here are half):
+  h100  https://www.nvidia.com/en-us/data-center/h100/  H100 SXM: "BF16 Tensor Core 1,979
+        teraFLOPS*", "FP8 Tensor Core 3,958 teraFLOPS*", "80GB", "3.35TB/s", "NVLink: 900GB/s"
+  h200  https://www.nvidia.com/en-us/data-center/h200/  H200 SXM: "BF16 Tensor Core 1,979
+        TFLOPS*", "FP8 Tensor Core 3,958 TFLOPS*", "141GB", "4.8TB/s", "NVLink: 900GB/s"
+  b200  https://www.nvidia.com/en-us/data-center/hgx/  HGX B200 (8 GPUs): "FP16/BF16 Tensor
+        Core 36 PFLOPS*", "FP8 Tensor Core 72 PFLOPS*", "64TB/s" HBM bandwidth, "NVLink 1.8TB/s"
+        per GPU -> per GPU 2.25 / 4.5 PFLOP/s dense, 8 TB/s
+HBM capacity is the device memory CUDA reports, the target config's `device_memory_size`
+(84942979072 B for an H100 "80GB"). JAX's allocator preallocates 75% of it and runs out there
+(https://docs.jax.dev/en/latest/gpu_memory_allocation.html: "JAX will preallocate 75% of the
+total GPU memory", XLA_PYTHON_CLIENT_MEM_FRACTION changes it): the fit check is against that
+pool (63.7 GB on an H100). NVLink is counted per direction (900 GB/s is both directions of 18
+links: a GPU sends 450 GB/s while it receives 450; a ring's wire bytes are what it sends), as
+the collectives' `ici` part; between nodes each GPU has its own 400 Gb/s InfiniBand NIC
+(ConnectX-7, one per GPU in DGX H100 / H200 / B200:
+https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html, .../dgxb200-user-
+guide/introduction-to-dgxb200.html): 50 GB/s per direction, the `dcn` part.
 """
 from __future__ import annotations
 
@@ -103,17 +130,21 @@ class Topology:
 
 
 def parse_topology(spec: str, num_slices: int = 1) -> Topology:
-    """"v5p-512" (Cloud accelerator type) or "v5p:4x8x8" / "v6e:16x16" (explicit shape).
+    """"v5p-512" (Cloud accelerator type) or "v5p:4x8x8" / "v6e:16x16" (explicit shape); a GPU
+    target ("h100", "h100-8", "h100-8x32": `parse_gpu_topology`) gives a GpuTopology.
 
     Raises ValueError naming the accepted forms when `spec` is not one of them.
     """
     spec = spec.strip()
+    if _GPU_SPEC.fullmatch(spec):
+        return parse_gpu_topology(spec, num_slices)
     if num_slices < 1:
         raise ValueError(f"mesh.num_slices={num_slices}: must be >= 1")
     m = re.fullmatch(r"(v4|v5e|v5p|v6e)[-:](.+)", spec)
     if not m:
         raise ValueError(f"compile.topology={spec!r}: expected e.g. 'v5e-4', 'v5p-512', "
-                         f"'v6e-256' or 'v5p:4x8x8' (chips: {sorted(CHIPS)})")
+                         f"'v6e-256' or 'v5p:4x8x8' (chips: {sorted(CHIPS)}), or a GPU target: "
+                         f"'h100', 'h100-8', 'h100-8x32' (GPUs: {sorted(GPU_CHIPS)})")
     chip = CHIPS[m.group(1)]
     rest = m.group(2)
     table = _SHAPES_3D if chip.torus_dims == 3 else _SHAPES_2D
@@ -141,9 +172,13 @@ def topology_devices(topo: Topology) -> list:
     """Compile-only TPU devices of `topo` from libtpu, on any host (no TPU needed).
 
     jax.devices() stays the CPU backend: these devices can only be used to lower and compile
-    (AOT), which is what `stage=compile` does. Needs the `tpu` extra (libtpu).
+    (AOT), which is what `stage=compile` does. Needs the `tpu` extra (libtpu). A GpuTopology's
+    devices come from the CUDA plugin (`gpu_devices`).
     """
     import os
+
+    if isinstance(topo, GpuTopology):
+        return gpu_devices(topo)
 
     from jax.experimental import topologies
 
@@ -168,6 +203,180 @@ def topology_devices(topo: Topology) -> list:
     return devices
 
 
+# ============================================================================= GPUs
+
+@dataclasses.dataclass(frozen=True)
+class GpuChip:
+    """One NVIDIA GPU as a compile target (figures and sources: the module docstring)."""
+
+    name: str  # as compile.topology names it: h100, h200, b200
+    device_kind: str  # jax Device.device_kind of its compile-only devices (the target config's name)
+    target_config: str  # its GpuTargetConfigProto, a file of gpu_specs/
+    hbm_bytes: int  # device memory as CUDA reports it (the target config's device_memory_size)
+    peak_bf16_flops: float  # dense bf16 tensor-core FLOP/s
+    peak_fp8_flops: float  # dense fp8 tensor-core FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    nvlink_bandwidth: float  # bytes/s a GPU sends over NVLink (one direction) inside its node
+    ib_bandwidth: float  # bytes/s a GPU sends over its InfiniBand NIC to other nodes (one direction)
+    l2_bytes: int  # L2 cache (the target config's l2_cache_size)
+    pool_fraction: float = 0.75  # of hbm_bytes, what JAX's allocator preallocates and can use
+    gpus_per_node: int = 8  # GPUs behind one NVLink switch (HGX / DGX boards)
+    assumed: tuple[str, ...] = ()
+
+    @property
+    def pool_bytes(self) -> float:
+        """The device memory a JAX process can allocate: the fit check's limit."""
+        return self.hbm_bytes * self.pool_fraction
+
+    @property
+    def ici_bandwidth(self) -> float:  # the roofline's in-slice part: NVLink inside a node
+        return self.nvlink_bandwidth
+
+    @property
+    def dcn_bandwidth(self) -> float:  # the roofline's between-slices part: InfiniBand between nodes
+        return self.ib_bandwidth
+
+
+GPU_CHIPS: dict[str, GpuChip] = {
+    "h100": GpuChip("h100", "NVIDIA H100 80GB HBM3", "h100_sxm.txtpb", 84942979072, 989.5e12, 1979e12,
+                    3.35e12, 450 * GB, 50 * GB, 52428800),
+    "h200": GpuChip("h200", "NVIDIA H200 141GB HBM3e", "h200.txtpb", 151397597184, 989.5e12, 1979e12,
+                    4.8e12, 450 * GB, 50 * GB, 52428800),
+    "b200": GpuChip("b200", "NVIDIA B200", "b200.txtpb", 191514411008, 2.25e15, 4.5e15, 8e12, 900 * GB, 50 * GB,
+                    132644864),
+}
+
+# Rates measured on one H100 SXM (docs/accelerator.md, run 2, 2026-11-28; jax 0.11.2): a bf16 8192^3
+# matmul (coder.train.metrics.measure_peak_flops) at 773.9 TFLOP/s, and coder's MLA flash kernels
+# forward + backward (bench/accelerator.py part attention: batch 1, T=4096, 16 heads, q/k 192 and
+# v 128 wide, bf16, one document) in 3.918 ms. HBM bandwidth was not measured: a roofline at these
+# rates takes the data sheet's (coder.train.aot.gpu_stats.measured_rates).
+MEASURED = {
+    "h100": dict(matmul_flops_per_s=773.88e12,
+                 flash=dict(batch=1, seq=4096, heads=16, dq=192, dv=128, seconds=3.9175e-3)),
+}
+
+_GPU_SPEC = re.compile(r"(h100|h200|b200)(?:-(\d+)(?:x(\d+))?)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTopology:
+    """`nodes` nodes of `gpus_per_node` GPUs each: NVLink inside a node, InfiniBand between."""
+
+    chip: GpuChip
+    gpus_per_node: int
+    nodes: int
+
+    num_slices = 1  # mesh.num_slices: the nodes are not TPU slices (their devices are in one mesh order)
+
+    @property
+    def num_chips(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def chips_per_slice(self) -> int:
+        return self.num_chips
+
+    @property
+    def chips_per_host_bounds(self) -> tuple[int, int, int]:
+        """GPUs per host (one host per node)."""
+        return (self.gpus_per_node, 1, 1)
+
+    @property
+    def name(self) -> str:
+        """As compile.topology spells it: "h100", "h100-8", "h100-8x32"."""
+        if self.nodes > 1:
+            return f"{self.chip.name}-{self.gpus_per_node}x{self.nodes}"
+        return self.chip.name if self.gpus_per_node == 1 else f"{self.chip.name}-{self.gpus_per_node}"
+
+    @property
+    def topology_arg(self) -> str:
+        """The CUDA plugin's `topology`: partitions x hosts x devices per host."""
+        return f"1x{self.nodes}x{self.gpus_per_node}"
+
+
+def parse_gpu_topology(spec: str, num_slices: int = 1) -> GpuTopology:
+    """"h100" (one GPU), "h100-N" (one node of N <= gpus_per_node GPUs), "h100-8x32" (32 nodes
+    of 8); h200 and b200 alike. mesh.num_slices must be 1: nodes are part of the spelling."""
+    m = _GPU_SPEC.fullmatch(spec.strip())
+    if not m:
+        raise ValueError(f"compile.topology={spec!r}: a GPU target is e.g. 'h100', 'h100-8' or 'h100-8x32' "
+                         f"(GPUs per node x nodes; GPUs: {sorted(GPU_CHIPS)})")
+    chip = GPU_CHIPS[m.group(1)]
+    per_node, nodes = int(m.group(2) or 1), int(m.group(3) or 1)
+    if not 1 <= per_node <= chip.gpus_per_node or nodes < 1:
+        raise ValueError(f"compile.topology={spec!r}: a {chip.name} node holds 1 to {chip.gpus_per_node} GPUs "
+                         f"(several nodes: '{chip.name}-{chip.gpus_per_node}xN')")
+    if num_slices != 1:
+        raise ValueError(f"compile.topology={spec!r} with mesh.num_slices={num_slices}: GPU nodes are given "
+                         f"in the topology ('{chip.name}-{chip.gpus_per_node}x{num_slices}'), mesh.num_slices stays 1")
+    return GpuTopology(chip, per_node, nodes)
+
+
+def gpu_compile_help() -> str:
+    """What to install to compile for GPU targets, with the installed jaxlib's version."""
+    from importlib.metadata import version
+
+    v = version("jaxlib")
+    return (f"compiling for a GPU target needs jax's CUDA plugin matching jaxlib {v} (no NVIDIA libraries, no GPU): "
+            f"pip install -e '.[gpu-compile]', or pip install --no-deps jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}")
+
+
+def gpu_compile_available() -> bool:
+    """Whether jax's CUDA plugin (the `gpu-compile` extra) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def target_config(chip: GpuChip) -> str:
+    """The chip's GpuTargetConfigProto in text form (gpu_specs/)."""
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "gpu_specs", chip.target_config)) as f:
+        return f.read()
+
+
+def gpu_devices(topo: GpuTopology) -> list:
+    """Compile-only CUDA devices of `topo` from jax's CUDA plugin, on any host (no GPU needed):
+    device ids node-major (node = id // gpus_per_node). Raises RuntimeError naming what to
+    install when the plugin is missing."""
+    from jax.experimental import topologies
+
+    if not gpu_compile_available():
+        raise RuntimeError(f"cannot build GPU topology {topo.name}: {gpu_compile_help()}")
+    try:
+        desc = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=target_config(topo.chip),
+                                            topology=topo.topology_arg)
+    except (NotImplementedError, RuntimeError) as e:  # a plugin that does not load
+        raise RuntimeError(f"cannot build GPU topology {topo.name}: {e}. {gpu_compile_help()}") from e
+    devices = sorted(desc.devices, key=lambda d: d.id)
+    if len(devices) != topo.num_chips:
+        raise RuntimeError(f"the CUDA plugin gave {len(devices)} devices for {topo.name}, expected {topo.num_chips}")
+    return devices
+
+
+def compiler_options(topo) -> dict | None:
+    """XLA options a compile for `topo` needs (None: none, every TPU topology).
+
+    A GPU target compiled without a GPU: CUB's radix sort off (XLA:GPU's own sort kernels
+    instead), since sizing CUB's scratch buffer loads the CUDA runtime, which a host without
+    NVIDIA libraries lacks ("Error loading CUDA libraries" compiling the ~1B MoE's routing
+    sorts, 98,304 pairs; the small sorts of a tiny model stay under CUB's threshold). A real
+    GPU's step sorts with CUB there: its sort time is not what the report counts."""
+    return {"xla_gpu_enable_cub_radix_sort": False} if isinstance(topo, GpuTopology) else None
+
+
+def describe_gpu(topo: GpuTopology) -> dict:
+    """`describe` of a GPU topology: its nodes and the chip's figures (NVLink as `ici_bandwidth`,
+    InfiniBand as `dcn_bandwidth`, the allocator's pool beside HBM)."""
+    chip = dataclasses.asdict(topo.chip)
+    chip.update(ici_bandwidth=topo.chip.ici_bandwidth, dcn_bandwidth=topo.chip.dcn_bandwidth,
+                pool_bytes=topo.chip.pool_bytes)
+    return dict(name=topo.name, platform="cuda", topology=topo.topology_arg, num_slices=1, nodes=topo.nodes,
+                gpus_per_node=topo.gpus_per_node, chips=topo.num_chips, chips_per_slice=topo.num_chips, chip=chip)
+
+
 @contextlib.contextmanager
 def without_persistent_cache():
     """Compiles for compile-only devices stay out of JAX's persistent compilation cache
@@ -189,6 +398,8 @@ def without_persistent_cache():
 
 def describe(topo) -> dict:
     """The topology and its chip's figures, as the report records them."""
+    if isinstance(topo, GpuTopology):
+        return describe_gpu(topo)
     chip = dataclasses.asdict(topo.chip)
     return dict(name=topo.name, libtpu_name=topo.libtpu_name, num_slices=topo.num_slices,
                 chips=topo.num_chips, chips_per_slice=topo.chips_per_slice, chip=chip)
