@@ -162,7 +162,7 @@ def _decode_bytes(entry: dict) -> tuple[bool, float] | None:
     return None
 
 
-def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_compiles: int = 6,
+def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_compiles: int = 4,
                           max_factor: int = 8) -> dict:
     """The largest engine slot count whose decode program fits the actor's chips, by compiling.
 
@@ -416,12 +416,22 @@ def _run(config) -> dict:
                      "fits" if row["fits"] else "DOES NOT FIT", _fmt(row["step_s"]), _fmt(row["hours"]), row["plan_s"])
         for key in stages.INHERITED_MODEL_KEYS:  # what the next stage takes from this one's checkpoint
             chained.model[key] = copy.deepcopy(c.model[key])
-    total_h = sum(r["hours"] or 0.0 for r in rows)
-    plan = dict(
+        # every finished stage is on disk: an interrupted plan keeps what it compiled
+        plan = _plan(config, topo, rows, grpo, commit, t0, complete=name == names[-1])
+        write(plan, os.path.join(config.workdir, "plan"))
+    print(to_markdown(plan), flush=True)
+    return plan
+
+
+def _plan(config, topo, rows: list, grpo, commit: str, t0: float, *, complete: bool) -> dict:
+    from coder.train.aot import hardware
+
+    return dict(
         config=_config_name(), topology=hardware.describe(topo), stages=rows, grpo=grpo,
-        total_hours=total_h, total_chip_hours=sum(r["chip_hours"] or 0.0 for r in rows),
-        fits=all(r["fits"] for r in rows), plan_seconds=round(time.perf_counter() - t0, 1),
-        commit=commit,
+        total_hours=sum(r["hours"] or 0.0 for r in rows),
+        total_chip_hours=sum(r["chip_hours"] or 0.0 for r in rows),
+        fits=all(r["fits"] for r in rows), complete=complete,
+        plan_seconds=round(time.perf_counter() - t0, 1), commit=commit,
         assumptions=dict(
             decode="each decode step costed at a full cache of rl.context_budget tokens per row",
             rollout_tokens="compile.rollout_tokens (0 = rl.context_budget) per rollout, of which "
@@ -432,10 +442,6 @@ def _run(config) -> dict:
                    "perfect-overlap bound",
         ),
     )
-    out = os.path.join(config.workdir, "plan")
-    write(plan, out)
-    print(to_markdown(plan), flush=True)
-    return plan
 
 
 def _fmt(x) -> str:
@@ -477,7 +483,9 @@ def to_markdown(plan: dict) -> str:
     lines = [f"# Plan: {plan['config']}", "",
              f"Learner: {hw['name']} ({hw['chips']} chips); commit {plan.get('commit') or '?'}; "
              f"planned in {plan['plan_seconds']:.0f} s; every program "
-             f"{'fits' if plan['fits'] else '**does not fit** (below)'}.", "",
+             f"{'fits' if plan['fits'] else '**does not fit** (below)'}."
+             + ("" if plan.get("complete", True) else " **Incomplete: the stages below were planned, not the rest.**"),
+             "",
              "| stage | chips | rows x seq | step s (serial / overlap) | tokens/s | steps | hours | chip-hours | fits |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in plan["stages"]:
