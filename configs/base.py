@@ -213,6 +213,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.offload_optimizer = False  # sync: the optimizer state waits in host memory while the actor rolls out
     c.rl.actor_processes = 1  # processes of one Ray actor (>1: one JAX job spanning them, e.g. the hosts of a slice)
     c.rl.actor_timeout_s = 120.0  # a member of a multi-process actor silent this long breaks its group (restarted)
+    # an actor that cannot get the weights it needs for this long stops the run with an error naming the
+    # store, the version and the leaf: its first version, the version a group waits for, or a store whose
+    # reads keep failing (a corrupt leaf, a missing version); never a hang, never a rollout on old weights
+    c.rl.weight_timeout_s = 600.0
     c.rl.ray_address = ""  # Ray cluster of the actors ("" = a local Ray instance; "HOST:6379" or "ray://HOST:10001")
     c.rl.weight_store = ""  # URL of the weight store the learner publishes to ("" = {stage_dir}/weights; gs://...)
     c.rl.anchor_every = 10  # the store writes every this many versions in full (the others as XOR deltas)

@@ -133,8 +133,12 @@ class ActorWorker:
         episodes) in the rollout's thread.
       model_fn: `() -> nnx.Module` giving the model's structure (default Transformer(config.model));
         its weights are never used: they come from the store.
-      url: the weight store; the actor starts from its newest complete version (waiting up to
-        `timeout_s` for the first one).
+      url: the weight store; the actor starts from its newest complete version.
+      timeout_s: how long the actor waits for the weights it needs (default rl.weight_timeout_s):
+        the store's first version, the version a group waits for (`run_group`), or a store whose
+        reads keep failing (a corrupt leaf, a missing version). Then `run_group` raises, naming
+        the store, the version and the leaf, for that group and every later one: the run stops,
+        never hangs, and never rolls out on the weights it held when the store failed.
       colocated: colocated mode (rl.colocated): `url` is unused, and the learner gives every
         version by `push` (no store, no poller): each process's staged learner arrays resharded
         on device into the engine's shardings and dtype (coder.rl.weight_channel.OnDevice).
@@ -145,11 +149,11 @@ class ActorWorker:
 
     The engine is built from the abstract model, in the serving dtype (coder.rl.actor.serving_dtype,
     the dtype the learner publishes); every version, the first included, reaches it one way: by
-    `push` (colocated) or through its EngineFollower (`first`, then the poller's `poll`).
+    `push` (colocated) or through its EngineFollower (`first`, then the poller's `try_poll`).
     """
 
     def __init__(self, config, tokenizer, make_episode, model_fn, url: str, index: int = 0,
-                 timeout_s: float = 600.0, mesh=None, colocated: bool = False, version: int = -1):
+                 timeout_s: float | None = None, mesh=None, colocated: bool = False, version: int = -1):
         from flax import nnx
 
         from coder.data import tokenizer as tokenizer_lib
@@ -158,7 +162,9 @@ class ActorWorker:
 
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
-        self.index, self.config = int(index), config
+        self.index, self.config, self.url = int(index), config, url
+        self.timeout_s = float(config.rl.weight_timeout_s if timeout_s is None else timeout_s)
+        self._failed = ""  # the poller's StoreUnreadable, with the actor's words: every run_group raises it
         self._cond = threading.Condition()
         self._nudge = threading.Event()
         self._closed = False
@@ -167,8 +173,9 @@ class ActorWorker:
         self.engine = actor_lib.make_engine(abstract, config, mesh=mesh)
         self.follower = None  # colocated: the learner's arrays, resharded on device at each push
         if not colocated:
-            self.follower = weight_channel.EngineFollower(self.engine, url, nnx.state(abstract))
-            version = self.follower.first(timeout_s)  # the learner publishes the actors' first version
+            self.follower = weight_channel.EngineFollower(self.engine, url, nnx.state(abstract),
+                                                          timeout_s=self.timeout_s)
+            version = self.follower.first()  # the learner publishes the actors' first version
         self.version = int(version)
         self.pool = None
         self.actor = actor_lib.Actor(self.engine, tokenizer, config, self._episodes(make_episode))
@@ -195,20 +202,36 @@ class ActorWorker:
 
     # --- weights ---------------------------------------------------------------------------
     def _poll_loop(self):
+        from coder.rl.weight_channel import StoreUnreadable
+
         while not self._closed:
             self._nudge.wait(POLL_S)
             self._nudge.clear()
             if self._closed:
                 return
             try:
-                self.sync()
-            except Exception:  # noqa: BLE001 - a store hiccup: the next poll tries again
-                logging.exception("[actor %d] weight store poll failed", self.index)
+                self._apply(self.follower.try_poll)  # a failed poll is counted, up to timeout_s
+            except StoreUnreadable as e:
+                self._fail(f"[actor {self.index}] {e} (rl.weight_timeout_s={self.timeout_s:g}): the actor stops "
+                           f"rather than roll out with version {self.version}")
+                return
+
+    def _fail(self, message: str) -> None:
+        """The store failed the actor: every run_group from now on raises StoreUnreadable(the first message)."""
+        with self._cond:
+            if not self._failed:
+                self._failed = message
+                logging.error("%s", message)
+            self._cond.notify_all()
 
     def sync(self) -> bool:
-        """Applies the store's newest version when it is new; True when it did."""
+        """Applies the store's newest version when it is new; True when it did. Raises what
+        reading the store raised."""
+        return self._apply(self.follower.poll)
+
+    def _apply(self, poll) -> bool:
         t0 = time.perf_counter()
-        version = self.follower.poll()  # to the engine from its next decode call
+        version = poll()  # to the engine from its next decode call
         if version is None:
             return False
         with self._cond:
@@ -241,11 +264,23 @@ class ActorWorker:
 
     # --- rollouts --------------------------------------------------------------------------
     def run_group(self, work: Work) -> GroupResult:
-        """G rollouts of `work.task`, started once the actor holds version >= work.min_version."""
+        """G rollouts of `work.task`, started once the actor holds version >= work.min_version;
+        raises once the store is unreadable or that version has not come within `timeout_s`
+        (class docstring)."""
+        from coder.rl.weight_channel import StoreUnreadable
+
+        deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while self.version < work.min_version and not self._closed:
+            while self.version < work.min_version and not self._closed and not self._failed:
+                if time.monotonic() > deadline:
+                    if self.follower is None or not self.follower.failures:
+                        raise TimeoutError(self._not_there(work.min_version))
+                    self._fail(self._not_there(work.min_version))  # the store is failing: the actor stops
+                    break
                 self._nudge.set()
                 self._cond.wait(POLL_S)
+            if self._failed:
+                raise StoreUnreadable(self._failed)
             version = self.version
             if self._active == 0:
                 self._idle_s += time.perf_counter() - self._idle_since
@@ -260,6 +295,22 @@ class ActorWorker:
                     self._idle_since = time.perf_counter()
         return GroupResult(work.index, work.attempt, group, self.index, version,
                            time.perf_counter() - t0, self.stats())
+
+    def _not_there(self, needed: int) -> str:
+        """Why a group that needs version >= `needed` did not start (run_group's TimeoutError)."""
+        from coder.rl import weight_sync
+
+        if self.follower is None:
+            return (f"[actor {self.index}] waited {self.timeout_s:g} s (rl.weight_timeout_s) for weights version >= "
+                    f"{needed}: it holds version {self.version}, and the learner pushed none newer (rl.colocated)")
+        try:
+            newest = weight_sync.latest_version(self.url)
+        except Exception as e:  # noqa: BLE001 - the message says so
+            newest = f"unknown ({type(e).__name__}: {e})"
+        failing = f"; its polls fail: {self.follower.last_error}" if self.follower.failures else ""
+        return (f"[actor {self.index}] waited {self.timeout_s:g} s (rl.weight_timeout_s={self.timeout_s:g}) for "
+                f"weights version >= {needed} from the weight store {self.url}: it holds version {self.version}, "
+                f"the store's newest complete version is {newest}{failing}")
 
     def stats(self) -> dict:
         """Cumulative counters: engine work, idle seconds (no group rolling out: waiting for

@@ -21,6 +21,10 @@ import numpy as np
 from coder.rl import weight_sync
 
 
+class StoreUnreadable(RuntimeError):
+    """An engine's follower could not read the weight store for its timeout (EngineFollower)."""
+
+
 class ModelPublisher:
     """The learner's side of the weight channel (grpo's learner, realtime): each version of a
     model's variables, floating ones cast on device to the serving `dtype` (None keeps them), to
@@ -88,7 +92,10 @@ class StoreLoad:
         reader = _SHARDED_READERS.get(key)
         if reader is None:
             reader = _SHARDED_READERS[key] = weight_sync.WeightReader(self.url, shardings=shardings)
-        out = reader.load(self.version)[1]
+        try:
+            out = reader.load(self.version)[1]
+        except weight_sync.WeightStoreError as e:  # in the engine's thread: the engine stops, naming it
+            raise StoreUnreadable(f"the weight store {self.url}: {e}") from e
         _SHARDED_READS.setdefault(self.url, []).append((int(reader.last_read["version"]),
                                                          int(reader.last_read["bytes"])))
         return out
@@ -146,13 +153,22 @@ class EngineFollower:
     `load_weights(StoreLoad(url, version))`, so each process reads its own devices' slices (the
     engine casts them to its dtype on device).
 
-        follower = EngineFollower(engine, url, nnx.state(model))
-        follower.first(timeout_s)       # an engine built without weights: the first version
+        follower = EngineFollower(engine, url, nnx.state(model), timeout_s=600)
+        follower.first()                # an engine built without weights: the first version
         follower.poll()                 # -> the version applied, or None when nothing is new
-        follower.start(poll_seconds)    # or poll in a thread until close()
+        follower.try_poll()             # the same, a failing store tolerated for timeout_s
+        follower.start(poll_seconds)    # or try_poll in a thread until close()
+        follower.health()               # the version held, and while the store fails, why
+
+    An unreadable store (a corrupt leaf, a version whose chain is broken, a store that cannot be
+    listed) is never a silent wait: `try_poll` counts the failed polls in a row and, once they
+    have failed for `timeout_s`, raises `StoreUnreadable` naming the store, the version the engine
+    holds and the last error (which names the version read and, for a corrupt or missing leaf,
+    the leaf). The RL actors stop on it (coder/rl/actor_learner.py); a server's thread keeps
+    serving the version it holds, logs it, and `health()` (its GET /health) reports it.
     """
 
-    def __init__(self, engine, url: str, template, *, verify: bool = True):
+    def __init__(self, engine, url: str, template, *, verify: bool = True, timeout_s: float = 600.0):
         import threading
 
         from jax import numpy as jnp
@@ -168,20 +184,60 @@ class EngineFollower:
         self._start_version = None  # bytes_read counts the versions after it
         self.last_read: dict = {}  # the reader's record of that version (bytes, seconds, ...)
         self._polled_bytes = 0  # bytes the polls read (one process)
+        self.timeout_s = float(timeout_s)
+        self.failures = 0  # polls failed in a row
+        self.last_error = ""  # the last failed poll's error
+        self._failing_since = 0.0  # time.monotonic() of the first of them
         self._stop = threading.Event()
         self._thread = None
 
-    def first(self, timeout_s: float) -> int:
+    def first(self) -> int:
         """Gives an engine built without weights (from the abstract model) the store's newest
-        version, by `poll` as every later one: waits up to `timeout_s` for a complete version
-        (TimeoutError naming the store). Returns it; `bytes_read` counts the versions after it."""
-        deadline = time.monotonic() + float(timeout_s)
-        while (version := self.poll()) is None:
+        version, by `try_poll` as every later one: waits up to `timeout_s` for a complete version
+        (TimeoutError naming the store; StoreUnreadable when the store fails). Returns it;
+        `bytes_read` counts the versions after it."""
+        deadline = time.monotonic() + self.timeout_s
+        while (version := self.try_poll()) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no complete version in the weight store {self.url} after {timeout_s:.0f} s")
+                raise TimeoutError(f"no complete version in the weight store {self.url} after {self.timeout_s:.0f} s")
             time.sleep(0.1)
         self._start_version, self._polled_bytes = version, 0
         return version
+
+    def try_poll(self) -> int | None:
+        """`poll()`, a failure logged and counted (None) instead of raised, until the polls have
+        failed for `timeout_s` in a row: then StoreUnreadable (class docstring). A poll that
+        succeeds clears the count."""
+        try:
+            version = self.poll()
+        except Exception as e:  # noqa: BLE001 - the store's, the engine's: counted, named, bounded
+            now = time.monotonic()
+            if not self.failures:
+                self._failing_since = now
+            self.failures += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            failing = now - self._failing_since
+            if failing >= self.timeout_s:
+                raise StoreUnreadable(f"the weight store {self.url} has been unreadable for {failing:.0f} s "
+                                      f"({self.failures} polls in a row failed; the engine holds version "
+                                      f"{self.version}); the last: {self.last_error}") from e
+            if self.failures & (self.failures - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... of a spell
+                logging.warning("polling the weight store %s failed (%d in a row, for %.0f s of at most %.0f): %s",
+                                self.url, self.failures, failing, self.timeout_s, self.last_error)
+            return None
+        if self.failures:
+            logging.info("the weight store %s is readable again after %d failed polls", self.url, self.failures)
+        self.failures, self.last_error = 0, ""
+        return version
+
+    def health(self) -> dict:
+        """{"version": held, "store": url}, and while the store's polls fail, "failures" (in a
+        row), "failing_s" and "error" (the last poll's: it names the version read and the leaf)."""
+        out = {"version": self.version, "store": self.url}
+        if self.failures:
+            out.update(failures=self.failures, failing_s=round(time.monotonic() - self._failing_since, 1),
+                       error=self.last_error)
+        return out
 
     def poll(self) -> int | None:
         """Gives the engine the store's newest version when it is new; returns it (else None).
@@ -223,15 +279,19 @@ class EngineFollower:
         return self._polled_bytes
 
     def _loop(self, poll_seconds: float):
+        reported = False  # this spell of failures was logged as an error
         while not self._stop.is_set():
             try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - a store hiccup: keep the held version, retry
-                logging.exception("polling the weight store %s failed", self.url)
+                self.try_poll()
+                reported = reported and self.failures > 0
+            except StoreUnreadable as e:  # a server: it keeps serving what it holds, and says so
+                if not reported:
+                    logging.error("%s: still serving version %s (health: degraded)", e, self.version)
+                reported = True
             self._stop.wait(poll_seconds)
 
     def start(self, poll_seconds: float = 10.0) -> None:
-        """Poll every `poll_seconds` in a daemon thread until `close()`."""
+        """`try_poll` every `poll_seconds` in a daemon thread until `close()` (a server's)."""
         import threading
 
         self._thread = threading.Thread(target=self._loop, args=(float(poll_seconds),), name="weight-follower",

@@ -14,7 +14,9 @@ Endpoints (JSON in and out; errors are OpenAI's `{"error": {"message", "type", "
   `dissatisfied_followup` and `edit_kept` itself from the next request of a conversation (its
   user message; `metadata.workspace`, the client's file hashes; the context it sends):
   coder.serve.derived_signals.
-- `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (with the engine's policy version).
+- `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (with the engine's policy version; a
+  server following a weight store adds its `weights`, EngineFollower.health, and says
+  `"status": "degraded"` while the store's reads fail: it serves the version it holds).
 
 **The prompt** is rendered exactly as SFT and RL render theirs: with `tools`, the system turn is
 `coder.env.protocol.render_system_prompt(tools, preamble)` (the request's first system message is
@@ -363,7 +365,11 @@ class Server:
 
         @app.get("/health")
         async def health():
-            return {"status": "ok", "model": self.model_name, "policy_version": int(self.engine.policy_version)}
+            out = {"status": "ok", "model": self.model_name, "policy_version": int(self.engine.policy_version)}
+            if self.follower is not None:  # the weight store it follows: "degraded" while its reads fail
+                out["weights"] = self.follower.health()
+                out["status"] = "degraded" if out["weights"].get("failures") else "ok"
+            return out
 
         @app.get("/v1/models")
         async def models():

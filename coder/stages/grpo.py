@@ -92,8 +92,9 @@ def validate(config) -> None:
     if rl.colocated and int(rl.num_actors) != 0:
         raise ValueError(f"rl.colocated=True runs the actor in the learner's process: set rl.num_actors=0 "
                          f"(it is {rl.num_actors})")
-    if float(rl.actor_timeout_s) <= 0:
-        raise ValueError(f"rl.actor_timeout_s={rl.actor_timeout_s} must be > 0")
+    if float(rl.actor_timeout_s) <= 0 or float(rl.weight_timeout_s) <= 0:
+        raise ValueError(f"rl.actor_timeout_s={rl.actor_timeout_s} and rl.weight_timeout_s={rl.weight_timeout_s} "
+                         "must be > 0")
     g = config.grpo
     if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:
         raise ValueError(f"grpo.max_staleness={g.max_staleness} and grpo.tis_cap={g.tis_cap} must be >= 0 "

@@ -234,7 +234,8 @@ def test_stage_serve_on_two_processes_answers_the_openai_client(tmp_path):
             except OSError:
                 pass
             time.sleep(0.5)
-        assert health == {"status": "ok", "model": "tiny-2p", "policy_version": 3}, health
+        assert health == {"status": "ok", "model": "tiny-2p", "policy_version": 3,
+                          "weights": {"version": 3, "store": str(tmp_path / "store")}}, health
         client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=300)
         msgs = [{"role": "user", "content": "Hi Ada, pick a number from 1 to 4."}]
         plain = client.chat.completions.create(model="tiny-2p", messages=msgs, temperature=0, max_tokens=12)

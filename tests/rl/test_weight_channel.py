@@ -1,6 +1,7 @@
 """The weight channel (coder/rl/weight_channel.py) between the learner, the store and an engine:
 one serving dtype at both ends (`coder.rl.actor.serving_dtype`), the first version through the
 same follower as every later one."""
+import threading
 import time
 
 import jax
@@ -59,4 +60,107 @@ def test_an_engine_built_from_the_abstract_model_serves_in_the_serving_dtype(wei
         assert wp.decode(engine) == [0, 0]
         assert served_dtypes(engine) == {jnp.dtype(served)}
     finally:
+        engine.close()
+
+
+def _run_group_error(worker, min_version: int, wait_s: float = 60.0) -> BaseException | None:
+    """What `worker.run_group` raises for a group that needs weights >= `min_version` (the test
+    fails when it still waits after `wait_s`)."""
+    from tests import rl_toy
+
+    out = {}
+
+    def run():
+        try:
+            worker.run_group(actor_learner.Work(0, rl_toy.make_tasks(1, 0)[0][0], min_version=min_version))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    assert not thread.is_alive(), f"run_group still waits for version >= {min_version} after {wait_s:.0f} s"
+    return out.get("error")
+
+
+@pytest.mark.parametrize("damage", ["corrupt leaf", "missing parent"])
+def test_an_actor_that_cannot_read_the_store_stops_the_run_naming_the_store_version_and_leaf(weight_path, damage):
+    """A corrupt leaf, or a version whose parent never reached the store: once the actor's polls
+    have failed for its timeout (rl.weight_timeout_s) the group waiting for that version, and
+    every later group, raises an error naming the store, the version and the leaf (the poller
+    used to log and retry forever, and run_group to wait without a deadline)."""
+    wp = weight_path
+    wp.publish(0)
+    worker = actor_learner.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh, timeout_s=2.0)
+    try:
+        if damage == "corrupt leaf":
+            version = 1
+            wp.publish(version, hold=True)
+            leaf = wp.corrupt(version)
+        else:  # version 2 is a delta on version 1, which the store never got
+            version, leaf = 2, "for leaf "
+            wp.publish(1, seed=0, hold=True)
+            wp.publish(2, seed=0, hold=True)
+        wp.deliver(version)
+        worker.notify(version)
+        err = _run_group_error(worker, version)
+        assert isinstance(err, weight_channel.StoreUnreadable), err
+        message = str(err)
+        assert wp.url in message and f"version {version}" in message and leaf in message, message
+        assert "rl.weight_timeout_s" in message, message
+        # and every later group, whatever version it needs: never a rollout on the old weights
+        assert str(_run_group_error(worker, 0)) == message
+    finally:
+        worker.close()
+
+
+def test_an_actor_waiting_for_a_version_the_store_never_gets_stops_the_run(weight_path):
+    """A group that needs a version the store does not hold (lost, never written) raises after
+    rl.weight_timeout_s, naming the store, the version it needs and the one it holds (it used to
+    wait forever)."""
+    wp = weight_path
+    wp.config.rl.weight_timeout_s = 1.0
+    wp.publish(0)
+    worker = actor_learner.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh)
+    try:
+        err = _run_group_error(worker, 1)
+        assert isinstance(err, TimeoutError), err
+        message = str(err)
+        assert wp.url in message and "version >= 1" in message and "holds version 0" in message, message
+        assert "rl.weight_timeout_s=1" in message, message
+    finally:
+        worker.close()
+
+
+def test_a_follower_reports_a_store_it_cannot_read_and_recovers(weight_path):
+    """A server's follower (its thread): while the store's polls fail it keeps the version it
+    holds and says so in `health()` (GET /health: status "degraded"), naming the store, the
+    version and the leaf; a readable newer version clears it (every version an anchor: the deltas
+    after a corrupt version chain through it)."""
+    wp = weight_path
+    wp.config.rl.anchor_every = 1
+    wp.publish(0)
+    engine = actor_lib.make_engine(nnx.eval_shape(actor_lib.model_fn(wp.config)), wp.config, mesh=wp.mesh)
+    template = nnx.state(nnx.eval_shape(actor_lib.model_fn(wp.config)))
+    follower = weight_channel.EngineFollower(engine, wp.url, template, timeout_s=30.0)
+    try:
+        assert follower.first() == 0 and follower.health() == {"version": 0, "store": wp.url}
+        wp.publish(1, hold=True)
+        leaf = wp.corrupt(1)
+        wp.deliver(1)
+        follower.start(0.05)
+        until = time.monotonic() + 60
+        while follower.health().get("failures", 0) < 2:
+            assert time.monotonic() < until, follower.health()
+            time.sleep(0.05)
+        health = follower.health()
+        assert health["version"] == 0 and health["failing_s"] >= 0, health
+        assert "version 1" in health["error"] and leaf in health["error"], health
+        wp.publish(2)
+        while follower.health() != {"version": 2, "store": wp.url}:
+            assert time.monotonic() < until, follower.health()
+            time.sleep(0.05)
+        assert wp.decode(engine) == [2, 2]
+    finally:
+        follower.close()
         engine.close()

@@ -477,6 +477,48 @@ def test_weight_versions_apply_in_flight(served, tmp_path):
         server.follower = None
 
 
+def test_a_server_whose_weight_store_fails_says_so_in_its_health(served, tmp_path):
+    """While the store's reads fail (a corrupt leaf here) the follower keeps the version it holds,
+    and GET /health says "degraded", naming the store, the version read and the leaf, until a
+    readable version comes (it used to answer "ok" and log the failure only)."""
+    from coder.rl import weight_sync
+    from coder.train import checkpoint as ckpt_lib
+
+    server, model = served["server"], served["model"]
+    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+    store = str(tmp_path / "store")
+
+    def health():
+        with urllib.request.urlopen(served["url"] + "/health") as f:
+            return json.load(f)
+
+    weight_sync.publish(store, 5, flat)
+    follower = server.follow(store, nnx.state(model), poll_seconds=3600)  # polls once at start
+    try:
+        deadline = time.time() + 60
+        while follower.version != 5:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert health()["status"] == "ok" and health()["weights"] == {"version": 5, "store": store}
+        weight_sync.publish(store, 6, flat, anchor_every=1)  # anchors: version 7's leaves do not chain to 6
+        part = json.loads((tmp_path / "store" / "v0000000006" / "part-00000-of-00001.json").read_text())
+        leaf = min(part["leaves"])
+        data = tmp_path / "store" / "v0000000006" / part["data"]
+        payload = bytearray(data.read_bytes())
+        payload[part["leaves"][leaf]["offset"]] ^= 0x40
+        data.write_bytes(bytes(payload))
+        assert follower.try_poll() is None
+        h = health()
+        assert h["status"] == "degraded" and h["weights"]["version"] == 5 and h["weights"]["failures"] == 1, h
+        assert f"leaf {leaf} of version 6" in h["weights"]["error"] and h["weights"]["store"] == store, h
+        weight_sync.publish(store, 7, flat, anchor_every=1)
+        assert follower.try_poll() == 7
+        assert health()["status"] == "ok" and health()["weights"] == {"version": 7, "store": store}
+    finally:
+        follower.close()
+        server.follower = None
+
+
 def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_path):
     """`--config.stage=serve` runs alone beside a config's chain; the stage's server comes from
     the config: the model (fresh here: no init_from, no checkpoint in workdir), the tokenizer
@@ -516,7 +558,8 @@ def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_pa
             time.sleep(0.05)
         uv, url = start_uvicorn(server.app)
         with urllib.request.urlopen(url + "/health") as f:
-            assert json.load(f) == {"status": "ok", "model": "tiny-stage", "policy_version": 3}
+            assert json.load(f) == {"status": "ok", "model": "tiny-stage", "policy_version": 3,
+                                    "weights": {"version": 3, "store": store}}
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         assert [m.id for m in client.models.list()] == ["tiny-stage"]
     finally:
