@@ -83,6 +83,31 @@ def eval_tasks(config) -> list:
     return tasks[len(tasks) - int(config.rl.eval_num_tasks):]
 
 
+def check_heldout(config, trained: list, held: list) -> None:
+    """ValueError when the agent eval's held-out tasks (`eval_tasks`) overlap the tasks GRPO
+    trains on (`trained_tasks`): with two sources (rl.tasks != rl.eval_tasks), a task id or a
+    repository in both (coder.env.memory.repository_key: `metadata["repo"]`, else the task's
+    `repo`; tasks without one compare by id only), named. One source needs no check: its last
+    rl.eval_num_tasks tasks are held out and the others trained on, disjoint by construction."""
+    from coder.env.memory import repository_key
+
+    rl = config.rl
+    if rl.tasks == rl.eval_tasks:
+        return
+
+    def repositories(tasks) -> set:
+        return {k.removeprefix("repo:") for k in map(repository_key, tasks) if k.startswith("repo:")}
+
+    ids = sorted({t.id for t in trained} & {t.id for t in held})
+    repos = sorted(repositories(trained) & repositories(held))
+    if ids or repos:
+        raise ValueError(
+            f"rl.tasks={rl.tasks!r} and rl.eval_tasks={rl.eval_tasks!r} overlap: held-out tasks GRPO trains on "
+            f"{ids[:5]} ({len(ids)}), repositories with tasks in both {repos[:5]} ({len(repos)}): the agent eval "
+            "would measure work GRPO trains on. Take them out of one file, or give both keys one source (its "
+            f"last rl.eval_num_tasks={rl.eval_num_tasks} tasks are held out, the others trained on)")
+
+
 def heldout_tasks(config) -> list:
     """The tasks whose code training data must not hold (`data.exclude_tasks`): "eval" = every
     task of `rl.eval_tasks` (its held-out slice, `eval_tasks`, when it is `rl.tasks`' source too),

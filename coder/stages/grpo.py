@@ -460,10 +460,19 @@ def run(config, stage_dir: str, init_from: str) -> str:
     from coder.train.checkpoint import stage_tokenizer
 
     tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
-    held_out = eval_tasks(config)
+    tasks, trained, held_out = stage_tasks(config)
     # the run's agent memory: training tasks write the train split, held-out ones the eval split
     make_episode = episode_factory(config, memory_dir=os.path.join(stage_dir, "memory"),
                                    eval_ids=[t.id for t in held_out], policy_checkpoint=init_from)
-    return train(config, stage_dir, init_from, tokenizer=tok, tasks=train_tasks(config),
-                 make_episode=make_episode, held_out=held_out,
-                 trained=trained_tasks(config) if config.rl.eval_trained else None)
+    return train(config, stage_dir, init_from, tokenizer=tok, tasks=tasks, make_episode=make_episode,
+                 held_out=held_out, trained=trained if config.rl.eval_trained else None)
+
+
+def stage_tasks(config) -> tuple[list, list, list]:
+    """The stage's tasks, read once at its start: (GRPO's task stream `train_tasks`, the distinct
+    tasks it trains on `trained_tasks`, the held-out ones `eval_tasks`), refused (ValueError
+    naming them, coder.rl.actor.check_heldout) when the held-out ones share task ids or
+    repositories with the trained ones."""
+    trained, held_out = trained_tasks(config), eval_tasks(config)
+    actor_lib.check_heldout(config, trained, held_out)
+    return train_tasks(config), trained, held_out

@@ -1,6 +1,7 @@
 """Stage grpo's start-up checks (coder.stages.grpo.validate) of what the runtime cannot hold: the
 in-process actor on a learner of several processes when one host cannot hold the whole model,
-a draft depth beyond the MTP modules, an engine whose cache does not fit beside its weights.
+a draft depth beyond the MTP modules, an engine whose cache does not fit beside its weights; and
+of its tasks where it reads them (coder.stages.grpo.stage_tasks): held-out tasks GRPO trains on.
 
 The tests run one CPU process: a learner of several processes is `jax.process_count` replaced,
 a host's memory and a device's limit (CPU devices report none) the actor module's readers
@@ -102,3 +103,37 @@ def test_a_draft_depth_without_mtp_modules_names_both_keys(quickstart_grpo):
     with pytest.raises(ValueError, match=r"^rl\.speculative_k=1: .*no MTP modules \(model\.num_mtp_layers=0\): "
                                          r"set rl\.speculative_k=0"):
         grpo_stage.validate(c)
+
+
+def _repo_task(tid: str, repo: str):
+    from coder.env.tasks import Task
+
+    return Task(tid, "fix it", {}, {}, source="swebench", metadata={"repo": repo})
+
+
+def test_held_out_tasks_that_share_ids_or_repositories_with_the_training_tasks_are_refused(quickstart_grpo, tmp_path):
+    """Two task files for rl.tasks and rl.eval_tasks: a held-out task GRPO also trains on, or a
+    repository with tasks in both, stops the stage where it reads its tasks, at its start, naming
+    them (only one source was split: two files passed silently)."""
+    from coder.env.tasks import write_tasks
+
+    c = quickstart_grpo
+    train, held = str(tmp_path / "train.jsonl"), str(tmp_path / "held.jsonl")
+    write_tasks(train, [_repo_task("a-1", "octo/a"), _repo_task("b-1", "octo/b"), _repo_task("c-1", "octo/c")])
+    write_tasks(held, [_repo_task("c-1", "octo/c"), _repo_task("b-2", "octo/b"), _repo_task("e-1", "octo/e")])
+    c.rl.tasks, c.rl.eval_tasks, c.rl.eval_num_tasks, c.rl.train_num_tasks = train, held, 3, 0
+    with pytest.raises(ValueError) as e:
+        grpo_stage.stage_tasks(c)
+    assert str(e.value) == (
+        f"rl.tasks={train!r} and rl.eval_tasks={held!r} overlap: held-out tasks GRPO trains on ['c-1'] (1), "
+        "repositories with tasks in both ['octo/b', 'octo/c'] (2): the agent eval would measure work GRPO trains "
+        "on. Take them out of one file, or give both keys one source (its last rl.eval_num_tasks=3 tasks are held "
+        "out, the others trained on)")
+    write_tasks(held, [_repo_task("e-1", "octo/e"), _repo_task("f-1", "octo/f")])
+    c.rl.eval_num_tasks = 2
+    tasks, trained, held_out = grpo_stage.stage_tasks(c)  # disjoint in ids and repositories
+    assert sorted(t.id for t in trained) == ["a-1", "b-1", "c-1"] and len(held_out) == 2
+    c.rl.eval_tasks = train  # one source: its last task held out, the others trained on
+    c.rl.eval_num_tasks = 1
+    tasks, trained, held_out = grpo_stage.stage_tasks(c)
+    assert len(trained) == 2 and len(held_out) == 1 and {t.id for t in trained + held_out} == {"a-1", "b-1", "c-1"}
