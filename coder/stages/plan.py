@@ -287,9 +287,12 @@ def grpo_plan(config, learner: dict, engine: dict, slots_fit: dict, learner_topo
     oldest = math.ceil(latency / step_s) if overlapped else 0
     # weights: each learner host writes the serving bytes its chips own; each actor host reads
     # its chips' slices (compile_engine's record), both at the host's network bandwidth
-    serving_bytes = count_params(config.model)["total"] * (2 if (rl.engine_dtype or config.model.dtype) == "bfloat16" else 4)
-    lhosts = max(1, learner_topo.num_chips // math.prod(learner_topo.chips_per_host_bounds))
-    host_bw = learner_topo.chip.dcn_bandwidth * min(math.prod(learner_topo.chips_per_host_bounds), learner_topo.num_chips)
+    from coder.rl.actor import serving_dtype
+
+    serving_bytes = count_params(config.model)["total"] * serving_dtype(config).itemsize
+    per_host = min(math.prod(learner_topo.chips_per_host_bounds), learner_topo.num_chips)
+    lhosts = max(1, learner_topo.num_chips // per_host)
+    host_bw = learner_topo.chip.dcn_bandwidth * per_host
     write_anchor = serving_bytes / lhosts / host_bw
     colocated = engine.get("weights_from") == "on_device"
     read_anchor = 0.0 if colocated else float(engine.get("store_read_seconds_per_host", 0.0))
@@ -399,16 +402,24 @@ def _run(config) -> dict:
     commit = _commit()  # the code this plan compiles (read first: a long plan outlives commits)
     t0 = time.perf_counter()
     rows, grpo, engine_cache = [], None, {}
+    out_dir = os.path.join(config.workdir, "plan")
     for name in names:
         c = stages.stage_config(name, chained)
         logging.info("plan: stage %s (grad_accum %d, remat %s) on %s", name, int(c.train.grad_accum),
                      c.model.remat, topo.name)
         stages.check_batch(c, len(devices), name)
         sharding.validate(c.model, c.mesh, len(devices))
-        mesh = sharding.make_mesh(c.mesh, devices)
-        t1 = time.perf_counter()
-        row, part = plan_stage(name, c, mesh, topo, engine_cache)
-        row["plan_s"] = round(time.perf_counter() - t1, 1)
+        key = stage_key(name, c, topo.name, commit)
+        done = read_stage(out_dir, name, key)
+        if done is not None:  # planned by an earlier run of this config at this commit
+            row, part = done["row"], done["grpo"]
+            logging.info("plan: stage %s as planned before (%s)", name, stage_path(out_dir, name))
+        else:
+            mesh = sharding.make_mesh(c.mesh, devices)
+            t1 = time.perf_counter()
+            row, part = plan_stage(name, c, mesh, topo, engine_cache)
+            row["plan_s"] = round(time.perf_counter() - t1, 1)
+            write_stage(out_dir, name, key, row, part)
         rows.append(row)
         if part is not None:
             grpo = part
@@ -418,7 +429,7 @@ def _run(config) -> dict:
             chained.model[key] = copy.deepcopy(c.model[key])
         # every finished stage is on disk: an interrupted plan keeps what it compiled
         plan = _plan(config, topo, rows, grpo, commit, t0, complete=name == names[-1])
-        write(plan, os.path.join(config.workdir, "plan"))
+        write(plan, out_dir)
     print(to_markdown(plan), flush=True)
     return plan
 
@@ -442,6 +453,59 @@ def _plan(config, topo, rows: list, grpo, commit: str, t0: float, *, complete: b
                    "perfect-overlap bound",
         ),
     )
+
+
+# The config sections a stage's programs and figures read (its own section's keys reach train /
+# data through the stage's overrides): a change elsewhere does not plan the stage again.
+KEY_SECTIONS = ("model", "mesh", "data", "train", "compile")
+STAGE_SECTIONS = {"mtp": ("mtp",), "grpo": ("rl", "grpo", "env"), "eval": ("rl",)}
+
+
+def stage_key(name: str, config, topology: str, commit: str) -> str:
+    """What stage `name`'s plan depends on: its config's KEY_SECTIONS (+ STAGE_SECTIONS), the
+    target and the code's commit (changes to coder/ or configs/ not committed give no key: such
+    a plan is never reused)."""
+    import hashlib
+
+    if not commit or _dirty():
+        return ""
+    parts = {k: config[k].to_dict() for k in KEY_SECTIONS + STAGE_SECTIONS.get(name, ())}
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(f"{name}|{text}|{topology}|{commit}".encode()).hexdigest()
+
+
+def stage_path(out_dir: str, name: str) -> str:
+    return os.path.join(out_dir, "stages", f"{name}.json")
+
+
+def read_stage(out_dir: str, name: str, key: str) -> dict | None:
+    """A stage planned before under the same `key` ({"row", "grpo"}), else None."""
+    from etils import epath
+
+    path = epath.Path(stage_path(out_dir, name))
+    if not key or not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return saved if saved.get("key") == key else None
+
+
+def write_stage(out_dir: str, name: str, key: str, row: dict, grpo: dict | None) -> None:
+    from etils import epath
+
+    path = epath.Path(stage_path(out_dir, name))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(key=key, row=row, grpo=grpo), indent=1, default=str))
+
+
+def _dirty() -> bool:
+    import subprocess
+
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "coder", "configs"],
+                                   capture_output=True, text=True, cwd=root, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return True
 
 
 def _fmt(x) -> str:
@@ -486,7 +550,8 @@ def to_markdown(plan: dict) -> str:
              f"{'fits' if plan['fits'] else '**does not fit** (below)'}."
              + ("" if plan.get("complete", True) else " **Incomplete: the stages below were planned, not the rest.**"),
              "",
-             "| stage | chips | rows x seq | step s (serial / overlap) | tokens/s | steps | hours | chip-hours | fits |",
+             "| stage | chips | rows x seq | step s (serial / overlap) | tokens/s | steps | hours | chip-hours "
+             "| fits |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in plan["stages"]:
         p0 = r["programs"][0]
@@ -496,7 +561,8 @@ def to_markdown(plan: dict) -> str:
                      f"{'yes' if r['fits'] else '**no**'} |")
     lines += ["", f"Total: {_fmt(plan['total_hours'])} hours, {_fmt(plan['total_chip_hours'])} chip-hours.", "",
               "## Programs", "",
-              "| stage | program | status | GiB per chip (of HBM) | step s serial / overlap | bound | MFU | compile s |",
+              "| stage | program | status | GiB per chip (of HBM) | step s serial / overlap | bound | MFU "
+              "| compile s |",
               "|---|---|---|---|---|---|---|---|"]
     for r in plan["stages"]:
         for p in r["programs"]:
@@ -520,7 +586,8 @@ def to_markdown(plan: dict) -> str:
         s = g.get("sync_s_per_version")
         if s:
             lines.append(f"| weight sync s per version (anchor / delta / mean) | {_fmt(s['anchor'])} / "
-                         f"{_fmt(s['delta'])} / {_fmt(s['mean'])} (learner write {_fmt(s['learner_write_anchor_per_host'])}, "
+                         f"{_fmt(s['delta'])} / {_fmt(s['mean'])} (learner write "
+                         f"{_fmt(s['learner_write_anchor_per_host'])}, "
                          f"actor read {_fmt(s['actor_read_anchor_per_host'])} s per host at "
                          f"{s['host_network_bytes_per_s'] / 1e9:.3g} GB/s) |")
         fit = g.get("engine_slots_search") or {}

@@ -196,3 +196,35 @@ def test_grpo_balance_counts_the_slices_that_keep_an_async_learner_fed():
     assert g["oldest_token_staleness"] == 4 and not g["staleness_ok"]  # 36 s rows, 10 s steps: 4 > 3
     assert g["sync_s_per_version"]["actor_read_anchor_per_host"] == 2.0
     assert g["sync_s_per_version"]["delta"] == pytest.approx(g["sync_s_per_version"]["anchor"] * P.DELTA_FRACTION)
+
+
+def test_a_rerun_reuses_the_stages_planned_at_the_same_config_and_commit(tmp_path, monkeypatch):
+    """An interrupted or repeated plan does not compile again what it already compiled: each
+    stage's result is kept under a key of its config, target and commit; a stage whose config
+    changed is planned again, the others are not."""
+    planned = []
+
+    def fake_stage(name, config, mesh, topo, cache):
+        planned.append(name)
+        row = {"stage": name, "chips": 4, "step_s": 1.0, "step_s_overlap": 0.5, "tokens_per_step": 10,
+               "tokens_per_s": 10.0, "steps": 1, "hours": 1 / 3600, "chip_hours": 4 / 3600, "fits": True,
+               "programs": [{"name": "train_step", "status": "fits", "gib_per_chip": 1.0, "hbm_gib": 15.0,
+                             "step_s_serial": 1.0, "step_s_overlap": 0.5, "compile_s": 0.0}]}
+        return row, None
+
+    monkeypatch.setattr(P, "plan_stage", fake_stage)
+    monkeypatch.setattr(P, "_commit", lambda: "abc123")
+    monkeypatch.setattr(P, "_dirty", lambda: False)
+    config = _quickstart()
+    config.stages = ("pretrain", "longctx", "mtp")
+    config.workdir = str(tmp_path)
+    P.run(config)
+    assert planned == ["pretrain", "longctx", "mtp"]
+    P.run(config)
+    assert planned == ["pretrain", "longctx", "mtp"]  # all three reused
+    config.longctx.lr = 0.5 * config.longctx.lr
+    plan = P.run(config)
+    assert planned[3:] == ["longctx"] and plan["complete"]
+    monkeypatch.setattr(P, "_dirty", lambda: True)  # uncommitted code: nothing reused
+    P.run(config)
+    assert planned[4:] == ["pretrain", "longctx", "mtp"]
