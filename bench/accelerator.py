@@ -107,6 +107,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+# ~1B-parameter DeepSeek-V3-shaped MoE (model keys of configs/base.py; configs/moe_1b.py says what it is)
+from configs.moe_1b import MODEL_1B  # noqa: E402  (the repository root is on sys.path from here)
+
 # Published dense (no sparsity) bf16 tensor-core peaks per GPU, by jax Device.device_kind, from
 # NVIDIA's data sheets (their "BF16 Tensor Core" figures are with 2:4 sparsity: halved here).
 # H100 SXM5 1979 -> 989.5 TFLOP/s, H100 PCIe 1513 -> 756.5, H100 NVL 1671 -> 835.5,
@@ -122,15 +125,6 @@ GPU_PEAK_BF16 = {
     "NVIDIA A100 80GB PCIe": 312e12,
     "NVIDIA A100-PCIE-40GB": 312e12,
 }
-
-# ~1B-parameter DeepSeek-V3-shaped MoE (model keys of configs/base.py): V3's MLA head widths
-# (nope 128, RoPE 64, value 128), query LoRA, one dense layer first, 8 expert groups with 4
-# allowed per token, routed scaling 2.5, one MTP module; narrower and shallower, fewer experts.
-MODEL_1B = dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=384,
-                num_hidden_layers=12, first_k_dense_replace=1, num_attention_heads=16, q_lora_rank=384,
-                kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=1, n_group=8, topk_group=4,
-                routed_scaling_factor=2.5, num_mtp_layers=1, max_position_embeddings=4096)
 
 # bf16 operands (the kernels round P and dS to bf16 before their matmuls, the XLA paths do not
 # all do so): agreement is judged on ~2 significant digits of the largest entry, as the kernel

@@ -46,9 +46,10 @@ def to_markdown(r: dict) -> str:
         c = r["cost"]
         lines += ["", "## Cost per chip per step", "", "| | value |", "|---|---|",
                   f"| FLOPs (loop-corrected) | {c['flops']:.4g} |",
-                  f"| bytes accessed (loop-corrected) | {c['bytes_accessed']:.4g} |",
-                  f"| FLOPs (XLA cost_analysis, loop bodies once) | {c['xla_flops']:.4g} |",
-                  f"| bytes accessed (XLA cost_analysis) | {c['xla_bytes_accessed']:.4g} |"]
+                  f"| bytes accessed (loop-corrected) | {c['bytes_accessed']:.4g} |"]
+        if c.get("source") != "hlo":  # XLA:GPU compiled without a GPU has no cost analysis
+            lines += [f"| FLOPs (XLA cost_analysis, loop bodies once) | {c['xla_flops']:.4g} |",
+                      f"| bytes accessed (XLA cost_analysis) | {c['xla_bytes_accessed']:.4g} |"]
         lines += ["", "## Collectives per step (per chip)", "",
                   "| kind | in HLO | executed | result GiB | wire GiB |", "|---|---|---|---|---|"]
         for k, v in r["collectives"].items():

@@ -1,6 +1,7 @@
 """The settings behind every report in docs/scale/: model x topology -> mesh, remat, batch.
 
     python main.py --config=docs/scale/configs.py:deepseek_v3_671b,v5p-512 --config.stage=compile
+    python main.py --config=docs/scale/configs.py:moe_1b,h100 --config.stage=compile   # a GPU (GPU_SETTINGS)
 
 `get_config("MODEL,TOPOLOGY")` takes configs/MODEL.py unchanged (the architecture) and sets what
 a 32k-token training step on that slice needs; docs/scale/regenerate.sh runs every pair and
@@ -70,6 +71,12 @@ SETTINGS = {
     "v6e-256x4": dict(slices=4, batch_size=128, grad_accum=16, offload_optimizer=True,
                       embed=("data", "fsdp", "sequence"), engine=False, grpo=False),
 }
+# GPU targets ("MODEL,h100"): the step of the model's own config (configs/MODEL.py: its batch, its
+# mesh; configs/moe_1b.py is bench/accelerator.py's ~1B MoE on one GPU, 8 x 2048 tokens) compiled
+# by XLA:GPU for that topology (coder/train/aot/hardware.py: "h100", "h100-8", "h100-8x32"), the
+# training step alone. The TPU pod layout is not applied.
+GPU_SETTINGS = ("h100", "h200", "b200")
+
 # the GRPO learner's step compiled beside the training step (and the engine's programs; the
 # DeepSeek-V3 v5p-512 report has both, the others compile the training step only, for time):
 # rows of SEQ_LEN-token rollouts
@@ -124,6 +131,12 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     variant = rest[0] if rest else ""
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
+    if setting in GPU_SETTINGS:
+        if rest:
+            raise ValueError(f"{arg!r}: a GPU setting takes no variant")
+        c.stages = ()
+        c.compile.update(topology=setting, report_dir=f"docs/scale/{model}_{setting}", engine=False, grpo=False)
+        return c
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
     colocated = variant == "colocated"
     long_k, flags = 0, set()

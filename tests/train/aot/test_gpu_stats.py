@@ -54,7 +54,7 @@ def test_collectives_inside_a_node_are_nvlink_and_across_nodes_infiniband():
     assert stats["dcn"]["wire_bytes"] == pytest.approx(2 * size * 1 / 2)  # a pair across the nodes
 
 
-# a 3-trip loop whose body runs a GEMM fusion (bf16 [64,128] x [128,32]) and a Triton kernel
+# a 3-trip loop whose body runs a GEMM fusion (bf16 [64,128] x [128,32]) and two Triton kernels
 STEP = """
 %gemm (p0: bf16[64,128], p1: bf16[128,32]) -> bf16[64,32] {
   %p0 = bf16[64,128]{1,0} parameter(0)
@@ -62,36 +62,37 @@ STEP = """
   ROOT %dot.1 = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
-%body (p: (s32[], bf16[64,128], bf16[128,32], bf16[1,256,2,64])) -> (s32[], bf16[64,128], bf16[128,32], bf16[1,256,2,64]) {
-  %p = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[1,256,2,64]{3,2,1,0}) parameter(0)
+%body (p: CARRY) -> CARRY {
+  %p = CARRY parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %a = bf16[64,128]{1,0} get-tuple-element(%p), index=1
   %b = bf16[128,32]{1,0} get-tuple-element(%p), index=2
-  %q = bf16[1,256,2,64]{3,2,1,0} get-tuple-element(%p), index=3
+  %q = Q get-tuple-element(%p), index=3
   %y = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
-  %o = bf16[1,256,2,64]{3,2,1,0} custom-call(%q, %q, %q), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "flash_fwd_at_positions", num_warps = 8 : i32}
-  %z = bf16[1,256,2,64]{3,2,1,0} custom-call(%o), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "other_kernel"}
+  %o = Q custom-call(%q, %q, %q), custom_call_target="TRITON", backend_config={name = "flash_fwd_at_positions"}
+  %z = Q custom-call(%o), custom_call_target="TRITON", backend_config={name = "other_kernel"}
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
-  ROOT %out = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[1,256,2,64]{3,2,1,0}) tuple(%next, %a, %b, %z)
+  ROOT %out = CARRY tuple(%next, %a, %b, %z)
 }
 
-%cond (p: (s32[], bf16[64,128], bf16[128,32], bf16[1,256,2,64])) -> pred[] {
-  %p = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[1,256,2,64]{3,2,1,0}) parameter(0)
+%cond (p: CARRY) -> pred[] {
+  %p = CARRY parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %n = s32[] constant(3)
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }
 
-ENTRY %main (a: bf16[64,128], b: bf16[128,32], q: bf16[1,256,2,64]) -> (s32[], bf16[64,128], bf16[128,32], bf16[1,256,2,64]) {
+ENTRY %main (a: bf16[64,128], b: bf16[128,32], q: Q) -> CARRY {
   %a = bf16[64,128]{1,0} parameter(0)
   %b = bf16[128,32]{1,0} parameter(1)
-  %q = bf16[1,256,2,64]{3,2,1,0} parameter(2)
+  %q = Q parameter(2)
   %zero = s32[] constant(0)
-  %init = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[1,256,2,64]{3,2,1,0}) tuple(%zero, %a, %b, %q)
-  ROOT %loop = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[1,256,2,64]{3,2,1,0}) while(%init), condition=%cond, body=%body
+  %init = CARRY tuple(%zero, %a, %b, %q)
+  ROOT %loop = CARRY while(%init), condition=%cond, body=%body
 }
-"""
+""".replace("CARRY", "(s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, Q)").replace(
+    "Q", "bf16[1,256,2,64]{3,2,1,0}").replace("TRITON", "__gpu$xla.gpu.triton")
 
 
 def test_step_cost_counts_gemms_and_flash_kernels_per_trip_and_lists_the_rest():
@@ -114,7 +115,8 @@ def test_step_cost_counts_gemms_and_flash_kernels_per_trip_and_lists_the_rest():
     assert cost["bytes_accessed"] == pytest.approx(3 * (gemm + flash + other + rereads) + 3 * 4, rel=0.01)
     # on a GPU whose L2 holds a (row, head)'s keys and values (256 x 128 bf16) they are L2 hits
     cached = gpu_stats.step_cost(module, runs, l2_bytes=256 * 128 * 2)
-    assert cached["kernel_bytes"] == 0 and cached["bytes_accessed"] == pytest.approx(cost["bytes_accessed"] - 3 * rereads)
+    assert cached["kernel_bytes"] == 0
+    assert cached["bytes_accessed"] == pytest.approx(cost["bytes_accessed"] - 3 * rereads)
 
 
 def _visited_brute(kind, positions, s, bq, bk):
