@@ -7,7 +7,7 @@ notes. The store is append-only: each note is one small JSON file, so concurrent
 different env workers (or Ray nodes) write without a lock and nothing a rollout writes can
 erase another's note.
 
-**Scope** (`Memory.scope(task)` -> a `Scope`): one run, one split, one repository.
+**Scope** (`Memory.scope(task)` -> a `Scope`): one run, one split (or session), one repository.
 - Run: the store's root is a directory of the stage's run (`{stage_dir}/memory`), so a run never
   reads another run's notes.
 - Split: `eval` for the held-out tasks the store was told of (`eval_ids`), `train` for every other
@@ -20,17 +20,28 @@ erase another's note.
   repository (the toy sources, v1 JSONL tasks) uses its task source (`source:<task.source>`):
   those tasks are small variations on one family of problems, the closest thing they have to a
   shared codebase. Notes never cross repositories.
-Within one scope notes are shared by every rollout, concurrent ones included: the rollouts of a
-GRPO group may read what an earlier sibling wrote. That is the point of memory (the next task on
-a codebase starts from what the last one learned) and it is why the split boundary matters.
+- Session: a task whose metadata names a session (`in_session(tasks, name)`, key `SESSION`)
+  keeps its notes in that session's own store under its split, empty when the session starts,
+  read by no rollout outside it (training's included) and reading nothing from outside it.
+  Every agent eval runs in a session of its own (coder/rl/eval.py), so the eval before GRPO's
+  first step, the one after its last and each of realtime's gate cycles start from the same,
+  empty memory, and what one eval wrote is never read by the next.
+
+**What a rollout reads** (`Scope.notes`): the notes that rollouts of *other* tasks of its scope
+wrote before it started (its episode's reset opened the scope), and its own. Memory is for the
+next task on a codebase (the seeds: a note stored now pays off in a later, other trajectory),
+so a rollout never reads a note of its own task, neither a sibling's in its GRPO group nor an
+earlier group's of the same task, and nothing written after it started: the G rollouts of a
+group, opened together, read the same notes, and their rewards compare like with like. A note's
+file name carries its time and its task's digest, so a read opens only the notes it may see.
 
 **Caps**: at most `max_notes` notes per scope (a write beyond it is refused with an `error:`
 the agent reads; a read returns the first `max_notes` in time order even if concurrent writers
 overshot) and `max_chars` characters per note (env.memory_max_notes, env.memory_max_chars).
 
 **Where**: any fsspec URL or local path (a run's directory may be `gs://...`); a scope's notes
-are `{root}/{split}/{slug}-{hash}/{time_ns}-{random}.json`, holding `{"text", "task_id",
-"time"}`. Env workers on other machines (env.workers_backend="ray") write there too, so a
+are `{root}/{split}/[session-{name}/]{slug}-{hash}/{time_ns}-{task digest}-{random}.json`,
+holding `{"text", "task_id", "time"}`. Env workers on other machines (env.workers_backend="ray") write there too, so a
 cluster run's workdir must be a URL or file system every node reaches (as its checkpoints
 already must). Serving does not use this store: a served conversation's tools run in the client.
 """
@@ -45,6 +56,21 @@ import re
 import time
 
 SPLITS = ("train", "eval")
+SESSION = "memory_session"  # the task metadata key naming the session a task's rollouts run in
+
+
+def in_session(tasks, name: str) -> list:
+    """Copies of `tasks` whose rollouts keep their notes in session `name` (module docstring,
+    "Scope"): a fresh name gives an empty memory that nothing outside the session reads."""
+    return [dataclasses.replace(t, metadata={**(t.metadata or {}), SESSION: str(name)}) for t in tasks]
+
+
+def _slug(text: str, n: int = 40) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)[-n:]
+
+
+def _digest(text: str, n: int = 16) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
 def repository_key(task) -> str:
@@ -78,22 +104,27 @@ class Memory:
         return "eval" if task.id in self.eval_ids else "train"
 
     def scope(self, task) -> "Scope":
-        """The notes `task`'s rollouts read and write."""
+        """The notes a rollout of `task` starting now reads and writes (module docstring)."""
         key = repository_key(task)
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[-40:]  # readable; the digest is the key
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        path = "/".join([self.root.rstrip("/"), self.split(task), f"{slug}-{digest}"])
-        return Scope(path, task.id, int(self.max_notes), int(self.max_chars))
+        session = str((getattr(task, "metadata", None) or {}).get(SESSION) or "")
+        parts = [self.root.rstrip("/"), self.split(task)]
+        if session:
+            parts.append(f"session-{_slug(session, 80)}-{_digest(session, 8)}")
+        parts.append(f"{_slug(key)}-{_digest(key)}")  # readable; the digest is the key
+        return Scope("/".join(parts), task.id, int(self.max_notes), int(self.max_chars))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Scope:
-    """One (run, split, repository)'s notes."""
+    """One (run, split or session, repository)'s notes as one rollout sees them: opened at its
+    start (`opened_ns`), by `task_id`'s rollout (module docstring, "What a rollout reads")."""
 
     path: str
     task_id: str
     max_notes: int
     max_chars: int
+    opened_ns: int = dataclasses.field(default_factory=time.time_ns)
+    written: list = dataclasses.field(default_factory=list)  # the file names of the notes this rollout wrote
 
     def _fs(self):
         import fsspec
@@ -105,12 +136,20 @@ class Scope:
             return []
         return sorted(p for p in fs.ls(path, detail=False) if p.endswith(".json"))
 
+    def _visible(self, name: str) -> bool:
+        """Its own note, or another task's written before this rollout started."""
+        base = name.rsplit("/", 1)[-1]
+        if base in self.written:
+            return True
+        written_ns, task, _ = base.split("-", 2)
+        return int(written_ns) < self.opened_ns and task != _digest(self.task_id)
+
     def notes(self, query: str = "") -> list[str]:
-        """The notes' texts in time order (the first `max_notes`), those containing `query`
-        (case-insensitive) when given."""
+        """The texts of the notes this rollout sees, in time order (the first `max_notes`), those
+        containing `query` (case-insensitive) when given."""
         fs, path = self._fs()
         out = []
-        for name in self._names(fs, path)[: self.max_notes]:
+        for name in [n for n in self._names(fs, path) if self._visible(n)][: self.max_notes]:
             with fs.open(name, "r") as f:
                 text = json.load(f)["text"]
             if query.lower() in text.lower():
@@ -129,8 +168,9 @@ class Scope:
             return f"error: memory is full ({n} notes, at most {self.max_notes}); nothing written"
         fs.makedirs(path, exist_ok=True)
         now = time.time_ns()
-        name = f"{path}/{now:020d}-{os.urandom(6).hex()}.json"
+        name = f"{path}/{now:020d}-{_digest(self.task_id)}-{os.urandom(6).hex()}.json"
         with fs.open(name + ".tmp", "w") as f:  # readers list *.json only: never a half note
             json.dump({"text": text, "task_id": self.task_id, "time": now / 1e9}, f)
         fs.mv(name + ".tmp", name)
+        self.written.append(name.rsplit("/", 1)[-1])
         return f"noted ({n + 1} of at most {self.max_notes} notes for this repository)"

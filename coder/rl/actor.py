@@ -124,6 +124,11 @@ def heldout_tasks(config) -> list:
     return _all_tasks(config.rl.eval_tasks, int(config.seed), "rl.eval_tasks")
 
 
+def offers(rl_cfg, *tools: str) -> bool:
+    """Whether `rl.tools` offers any of `tools` to the agent (() = every env tool)."""
+    return not rl_cfg.tools or any(t in rl_cfg.tools for t in tools)
+
+
 class EpisodeFactory:
     """`task -> Episode` (started, in a local sandbox): `Episode.from_config(config.env, ...)`
     with the tools of `rl.tools`, the preamble `rl.system_prompt` and the tool timeout
@@ -134,7 +139,9 @@ class EpisodeFactory:
     Memory (the memory_write / memory_read tools, coder/env/memory.py): with `memory_dir` (the
     stage's `{stage_dir}/memory`) the episodes share that run's notes, scoped per repository and
     split; `eval_ids` are the held-out tasks' ids (their notes are the `eval` split, never read
-    by a training rollout). Without it the memory tools answer that memory is off.
+    by a training rollout); a rollout reads the notes other tasks wrote before it started, and
+    its own (so a GRPO group's rollouts read the same notes); an agent eval runs in a memory
+    session of its own (coder/rl/eval.py). Without it the memory tools answer that memory is off.
 
     semantic_search (coder/env/semantic_search.py) embeds with `env.semantic_encoder`; the
     "policy" encoder reads `env.semantic_checkpoint`, else `policy_checkpoint` (the stage's
@@ -147,8 +154,7 @@ class EpisodeFactory:
         rl, env = config.rl, config.env
         pool_lib.check_config(env)
         memory = Memory.from_config(env, memory_dir, eval_ids) if memory_dir else None
-        offered = not rl.tools or "semantic_search" in rl.tools
-        semantic = embedding.semantic_spec(env, policy_checkpoint) if offered else None
+        semantic = embedding.semantic_spec(env, policy_checkpoint) if offers(rl, "semantic_search") else None
         # The agent counts the ids it trains on itself; the count is only used by the episode's
         # text interface, which RL does not call.
         self.kwargs = Episode.config_kwargs(

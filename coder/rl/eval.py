@@ -13,6 +13,12 @@ best-of-K (`best_of_k`): the mean over tasks of the best test reward (fraction o
 passed) among K attempts. Both are also reported per task category (coder.env.suite: feature,
 bug, noisy-context, ...), the CursorBench-like suite's breakdown.
 
+Memory (the memory_read / memory_write tools, when rl.tools offers them): every eval runs in a
+memory session of its own (coder.env.memory.in_session, named in the report's `memory_session`):
+it starts from an empty memory, its rollouts' notes carry from one task to the next within it,
+and no later eval and no training rollout reads them, so the evals before and after training
+(and realtime's gate cycles) compare agents that start from the same memory.
+
 Reports: `{stage_dir}/agent_eval/step_{step:08d}.json` (local or an fsspec URL) with the summary,
 the per-category summaries, and every task's counts, finish reasons, broken calls and the text of its first rollout
 (`transcript_text`). A checkpoint whose pass@1 is below the previous report's by more than
@@ -30,6 +36,7 @@ import fsspec
 import jax
 import numpy as np
 
+from coder.env import memory as memory_lib
 from coder.env.suite import category_of
 
 
@@ -45,6 +52,17 @@ def _gather(records: list) -> list:
     padded[:data.size] = data
     everyone = multihost_utils.process_allgather(padded)
     return [r for row, n in zip(everyone, sizes) for r in json.loads(bytes(row[:int(n)]).decode())]
+
+
+def memory_session(name: str, step: int, alone: bool) -> str:
+    """A fresh memory session for one eval (module docstring): `{name}-step_{step}-{nonce}`, the
+    nonce process 0's when the job's processes evaluate together (one session for all)."""
+    nonce = np.frombuffer(os.urandom(4), np.uint32)
+    if jax.process_count() > 1 and not alone:
+        from jax.experimental import multihost_utils
+
+        nonce = multihost_utils.broadcast_one_to_all(nonce)
+    return f"{name}-step_{int(step):08d}-{int(np.asarray(nonce)[0]):08x}"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -182,8 +200,12 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     t0 = time.perf_counter()
     processes, pid = (1, 0) if alone else (jax.process_count(), jax.process_index())
     mine = [i for i in range(len(tasks)) if i % processes == pid]  # each process evaluates its share
+    # the eval's own memory, empty at its start (module docstring); a task that names a session
+    # is prepared again (its key changes), so only when the agent has the memory tools
+    session = memory_session(name, step, alone) if stage_lib.offers(rl, "memory_read", "memory_write") else ""
+    rolled = memory_lib.in_session(tasks, session) if session else tasks
     try:
-        groups = actor.collect([tasks[i] for i in mine], rng, group_size=int(rl.eval_samples),
+        groups = actor.collect([rolled[i] for i in mine], rng, group_size=int(rl.eval_samples),
                                keys=[jax.random.fold_in(rng, i) for i in mine])
     finally:
         if own_actor:
@@ -215,7 +237,7 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     if jax.process_index() != 0:  # every process has the same summary; process 0 writes it
         return {**summary, "num_tasks": len(tasks), "infra_failures": infra, "regressed": regressed, "report": path}
     report = {"step": step, "summary": summary, "categories": categories, "num_tasks": len(tasks),
-              "samples": int(rl.eval_samples),
+              "samples": int(rl.eval_samples), "memory_session": session or None,
               "infra_failures": infra, "regressed": regressed,
               "previous_step": None if prev is None else prev["step"], "tasks": per_task,
               "time_s": time.perf_counter() - t0}

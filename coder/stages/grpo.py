@@ -461,7 +461,8 @@ def run(config, stage_dir: str, init_from: str) -> str:
 
     tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
     tasks, trained, held_out = stage_tasks(config)
-    # the run's agent memory: training tasks write the train split, held-out ones the eval split
+    # the run's agent memory: training tasks write the train split, held-out ones the eval split;
+    # each agent eval runs in a memory session of its own (coder/rl/eval.py)
     make_episode = episode_factory(config, memory_dir=os.path.join(stage_dir, "memory"),
                                    eval_ids=[t.id for t in held_out], policy_checkpoint=init_from)
     return train(config, stage_dir, init_from, tokenizer=tok, tasks=tasks, make_episode=make_episode,

@@ -170,7 +170,8 @@ class Loop:
         if self._engine is None:
             self._engine = actor_lib.make_engine(model, self.config)
             self.held_out = actor_lib.eval_tasks(self.config) if self.held_out is None else self.held_out
-            self.make_episode = self.make_episode or actor_lib.episode_factory(  # eval-split memory
+            # the eval split's memory; each cycle's eval runs in a memory session of its own (coder/rl/eval.py)
+            self.make_episode = self.make_episode or actor_lib.episode_factory(
                 self.config, memory_dir=os.path.join(self.stage_dir, "memory"),
                 eval_ids=[t.id for t in self.held_out], policy_checkpoint=self.init_from)
         self._engine.set_weights(nnx.state(model))

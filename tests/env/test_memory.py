@@ -29,12 +29,13 @@ def test_notes_persist_within_a_repository_and_split_only(tmp_path):
     assert mem.scope(held1).notes() == []
     mem.scope(held1).write("the bug is in widgets/core.py")
     assert mem.scope(held2).notes() == ["the bug is in widgets/core.py"]
-    assert mem.scope(a).notes() == ["tests run with `pytest -q tests/`"]  # nothing from eval
+    assert mem.scope(repo_task("e")).notes() == ["tests run with `pytest -q tests/`"]  # nothing from eval
     assert Memory(str(tmp_path / "other-run")).scope(b).notes() == []  # another run's root
     # query: a case-insensitive substring; notes come back in write order
     mem.scope(b).write("widgets/core.py imports lazily")
     assert mem.scope(a).notes("CORE") == ["widgets/core.py imports lazily"]
-    assert len(mem.scope(a).notes()) == 2 and mem.scope(a).notes()[0].startswith("tests run")
+    d = repo_task("d")
+    assert len(mem.scope(d).notes()) == 2 and mem.scope(d).notes()[0].startswith("tests run")
 
 
 def test_keys_caps_and_config(tmp_path):
@@ -49,7 +50,7 @@ def test_keys_caps_and_config(tmp_path):
     assert s.write("  ").startswith("error: the note is empty")
     assert s.write("one").startswith("noted") and mem.scope(toy2).write("two").startswith("noted")
     assert s.write("three").startswith("error: memory is full (2 notes")
-    assert s.notes() == ["one", "two"]
+    assert mem.scope(Task("t3", "p", {}, {}, source="toy")).notes() == ["one", "two"]
     from configs.base import get_config
 
     c = get_config()
@@ -101,11 +102,52 @@ def test_memory_crosses_the_env_workers_of_one_run(tmp_path):
     c.rl.tools = ("memory_write", "memory_read", "submit")
     call = lambda name, **a: protocol.ToolCall(name, a, "")
     with episode_factory(c, memory_dir=str(tmp_path / "memory"), eval_ids=["held"]).pool(2) as pool:
-        a, b = PooledEpisode(pool, repo_task("a"), key="a"), PooledEpisode(pool, repo_task("b"), key="b")
-        assert pool._owner["a"] != pool._owner["b"]  # two processes
+        a = PooledEpisode(pool, repo_task("a"), key="a")
         assert a.call(call("memory_write", note="setup.cfg pins pytest 7")).startswith("noted")
+        b = PooledEpisode(pool, repo_task("b"), key="b")  # started after the note
+        assert pool._owner["a"] != pool._owner["b"]  # two processes
         assert b.call(call("memory_read")) == "[note 1] setup.cfg pins pytest 7"
         held = PooledEpisode(pool, repo_task("held"), key="held")
         assert held.call(call("memory_read")) == "no notes for this repository yet"
         for ep in (a, b, held):
             ep.close()
+
+
+def test_a_rollout_reads_the_notes_other_tasks_wrote_before_it_started_and_its_own(tmp_path):
+    """What a rollout reads: the notes of other tasks written before its scope was opened (its
+    episode's reset), and its own. The rollouts of one GRPO group (one task, opened together)
+    read the same notes and never each other's, so their rewards compare like with like; a later
+    group of the same task does not read that task's earlier notes either (it used to read every
+    note of the scope, a sibling's written a second ago included)."""
+    mem = Memory(str(tmp_path / "memory"))
+    first, second = mem.scope(repo_task("a")), mem.scope(repo_task("a"))  # two rollouts of a group
+    early = mem.scope(repo_task("b"))  # another task's rollout, already running
+    assert first.write("tests live in tests/unit").startswith("noted (1 of")
+    assert first.notes() == ["tests live in tests/unit"]  # its own
+    assert second.notes() == [] and early.notes() == []  # a sibling's, and a note from after its start
+    assert mem.scope(repo_task("a")).notes() == []  # the task's next group: not its own task's notes
+    later = mem.scope(repo_task("b"))
+    assert later.notes() == ["tests live in tests/unit"]  # another task, started after the note
+    assert second.write("run with -x").startswith("noted (2 of")  # the cap counts every note
+    assert later.notes() == ["tests live in tests/unit"] and mem.scope(repo_task("c")).notes() == [
+        "tests live in tests/unit", "run with -x"]
+
+
+def test_a_memory_session_starts_empty_and_keeps_its_notes_to_itself(tmp_path):
+    """`in_session(tasks, s)`: the tasks' rollouts keep their notes in session `s`, empty at its
+    start, read by no other session and by no rollout outside it (training's), and they read
+    nothing from outside it: every agent eval runs in a session of its own (coder/rl/eval.py)."""
+    from coder.env.memory import in_session
+
+    mem = Memory(str(tmp_path / "memory"), eval_ids={"held1", "held2"})
+    mem.scope(repo_task("a")).write("train note")
+    mem.scope(repo_task("held1")).write("eval-split note")
+    first = in_session([repo_task("held1"), repo_task("held2"), repo_task("a")], "agent_eval-step_0-x1")
+    assert [t.id for t in first] == ["held1", "held2", "a"] and first[0].metadata["repo"] == "octo/widgets"
+    assert all(mem.scope(t).notes() == [] for t in first)  # nothing from training or the eval split
+    mem.scope(first[0]).write("session note")
+    assert mem.scope(first[1]).notes() == ["session note"]  # within the session, as anywhere
+    second = in_session([repo_task("held2"), repo_task("a")], "agent_eval-step_10-x2")
+    assert all(mem.scope(t).notes() == [] for t in second)  # the next eval starts empty again
+    assert mem.scope(repo_task("b")).notes() == ["train note"]  # training never sees a session's
+    assert mem.scope(repo_task("held2")).notes() == ["eval-split note"]

@@ -418,6 +418,69 @@ def test_config_sections_exist():
     grpo_stage.validate(c)
 
 
+class MemoryEpisode:
+    """An in-process episode with the memory tools over `memory`'s scope of its task, opened when
+    the episode is made (as coder.env.episode.Episode's reset opens it); `reads` collects what
+    each memory_read answered."""
+
+    def __init__(self, memory, task, reads):
+        self.tools = [t for t in env_tools.SPECS if t.name in ("memory_read", "memory_write", "submit")]
+        self.scope, self.reads, self.done = memory.scope(task), reads, False
+
+    def call(self, call):
+        if call.name == "memory_read":
+            self.reads.append(self.scope.notes())
+            return "\n".join(self.reads[-1]) or "no notes"
+        if call.name == "memory_write":
+            return self.scope.write(call.arguments["note"])
+        self.done = True
+        return "submitted"
+
+    def score(self):
+        return 1.0, {}
+
+    def close(self):
+        pass
+
+
+def test_every_agent_eval_starts_from_the_same_empty_memory(tok, tmp_path):
+    """Each agent eval keeps its rollouts' notes in a memory session of its own (coder.env.memory.
+    in_session): the eval before GRPO's first step and the one after its last (realtime: every
+    gate cycle's) start from an empty memory and read the same notes, so their pass@1 compares
+    like with like; training never reads them. The held-out tasks' notes used to persist from
+    one eval to the next. (Sequential rollouts: task 0's group reads nothing and writes, task 1's
+    reads task 0's notes.)"""
+    from coder.env.memory import Memory
+    from coder.env.tasks import Task
+    from coder.rl import eval as eval_lib
+
+    c = base.get_config()
+    c.rl.update(dict(context_budget=4096, summary_reserve=64, eval_samples=2, eval_k=(1,), concurrent=False,
+                     tools=("memory_read", "memory_write", "submit")))
+    def repo(tid):
+        return Task(tid, f"fix {tid}", {}, {}, source="swebench", metadata={"repo": "octo/widgets"})
+
+    tasks = [repo("held0"), repo("held1")]
+    memory = Memory(str(tmp_path / "memory"), eval_ids={t.id for t in tasks})
+    script = [call_ids(tok, "memory_read", {}), call_ids(tok, "memory_write", {"note": "the fix is in core.py"}),
+              call_ids(tok, "submit", {})]
+    engine = ScriptedEngine(lambda ctx, row: script[min(2, sum(1 for t in ctx if t == tok.special_id("tool")))])
+    seen = []
+    for step in (0, 10):
+        reads = []
+        eval_lib.run_agent_eval(c, None, tok, str(tmp_path / "stage"), step=step, tasks=tasks, engine=engine,
+                                make_episode=lambda task, reads=reads: MemoryEpisode(memory, task, reads))
+        seen.append(reads)
+    notes = ["the fix is in core.py"] * 2
+    assert seen[0] == [[], [], notes, notes] and seen[1] == seen[0], seen
+    assert memory.scope(repo("train0")).notes() == [] and memory.scope(repo("held0")).notes() == []
+    sessions = []
+    for step in (0, 10):
+        with open(tmp_path / "stage" / "agent_eval" / f"step_{step:08d}.json") as f:
+            sessions.append(json.load(f)["memory_session"])
+    assert sessions[0].startswith("agent_eval-step_00000000-") and sessions[1].startswith("agent_eval-step_00000010-")
+
+
 def test_agent_eval_reports_pass_at_k_and_flags_regression(tok, tmp_path):
     from coder.env.tasks import Task
     from coder.rl import eval as eval_lib

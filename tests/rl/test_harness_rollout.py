@@ -5,6 +5,7 @@ eval over the same actor. The policy is tests/rl/test_agent.py's scripted engine
 here is the harness's mechanics (every call parses, runs in the sandbox, returns its output into
 the context the model reads, and the rollout trains), not what a tiny model would choose.
 """
+import dataclasses
 import os
 
 import jax
@@ -96,8 +97,10 @@ def test_every_tool_runs_in_the_rl_loop_and_the_group_trains(dates_repo_task, to
                      "the task says everything you need",  # ask_user: this prompt was complete
                      "1 passed", "noted"):
         assert expected in seen, expected
-    # the note persists for the next task of this repository
-    assert "python -m pytest -q tests" in make(repo_task).memory_scope.notes("")[0]
+    # the note persists for the next task of this repository (another task: a rollout never reads its own task's)
+    nxt = dataclasses.replace(repo_task, id="repo/dates/2")
+    assert "python -m pytest -q tests" in make(nxt).memory_scope.notes("")[0]
+    assert make(repo_task).memory_scope.notes("") == []
     # scored as GRPO scores a group: the fixer above the quitter; its unneeded question costs
     scores = actor_lib.score_groups([[fixer, quitter]], config.rl)
     assert fixer.advantage > 0 > quitter.advantage
