@@ -25,6 +25,7 @@ def _bench():
     return module
 
 
+@pytest.mark.slow  # two lowerings of the tiny model's step: 20-50 s on 2 cores
 def test_the_ragged_dot_form_lowers_to_ragged_dot_for_an_h100_and_is_undone():
     from coder.model import expert_dispatch, expert_ffn, sharding
     from coder.stages import compile as C
