@@ -489,7 +489,7 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
 
     from coder.infer.engine import Engine
     from coder.model import Transformer, sharding
-    from coder.rl.actor import engine_rules
+    from coder.rl.actor import engine_rules, serving_dtype
 
     rules = engine_rules(config)
     cc, rl = config.compile, config.rl
@@ -501,7 +501,7 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
         model_cfg.moe_shared_data_parallel = False
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(int(config.seed))))
     engine = Engine(abstract, model_cfg, max_len=slots, speculative_k=int(rl.speculative_k),
-                    dtype=rl.engine_dtype or None)
+                    dtype=serving_dtype(config))
     state_sh = sharding.state_shardings(nnx.state(abstract), mesh, rules)
     axes = sharding.mesh_axes_of("batch", rules)
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())

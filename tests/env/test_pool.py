@@ -1,5 +1,6 @@
 """Pool of sandboxed episodes, the CLIs, and SFT transcripts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -206,7 +207,8 @@ def test_harness_transcript_of_a_repository_task_uses_history_memory_and_semanti
                      ["memory_write", "submit"]]
     assert "speed up parse_iso" in msgs[3]["content"]  # the history of pkg/dates.py
     assert "pkg/dates.py:1-3 (score" in msgs[3]["content"].split("</tool_result>")[2]  # semantic_search
-    (note,) = memory.scope(dates_repo_task.task).notes("")
+    # the next task of the repository reads it (a task's own later rollouts do not: coder.env.memory.Scope)
+    (note,) = memory.scope(dataclasses.replace(dates_repo_task.task, id=dates_repo_task.task.id + "/next")).notes("")
     assert "python -m pytest -q tests" in note and "pkg/dates.py (parse_iso)" in note
 
 

@@ -303,8 +303,10 @@ def test_quickstart_engine_programs_compile_for_v5e_2x2(quickstart_report):
     assert (st["rows"], st["cache_slots"]) == (config.rl.group_size, config.rl.context_budget)
     assert st["prefill_len"] == min(2048, config.rl.context_budget)
     counts = count_params(config.model)
-    # weights are replicated over the 4 data-parallel chips (float32 parameters, all of them)
-    assert st["params_bytes_per_chip"] >= 4 * (counts["total"] + counts["mtp"])
+    # weights are replicated over the 4 data-parallel chips, all of them in the serving dtype
+    # (rl.engine_dtype "" = model.dtype, bf16 here: what coder.rl.actor.make_engine builds)
+    assert st["params_bytes_per_chip"] >= 2 * (counts["total"] + counts["mtp"])
+    assert st["params_bytes_per_chip"] < 4 * (counts["total"] + counts["mtp"])
     # the latent cache: rows x slots x (kv_lora_rank + rope dim) per layer (+ MTP layer)
     m = config.model
     per_row = config.rl.context_budget * (m.kv_lora_rank + m.qk_rope_head_dim) * jnp.dtype(m.dtype).itemsize * (
