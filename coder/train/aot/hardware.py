@@ -326,7 +326,10 @@ def gpu_compile_available() -> bool:
     """Whether jax's CUDA plugin (the `gpu-compile` extra) is installed."""
     import importlib.util
 
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:  # find_spec imports the parent: no jax_plugins namespace at all raises
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def target_config(chip: GpuChip) -> str:
