@@ -146,10 +146,7 @@ def compile_engine_at(config, mesh, topo, slots: int, programs=("prefill", "deco
     program left out is not compiled)."""
     from coder.stages import compile as compile_stage
 
-    c = _engine_config(config, slots)
-    if tuple(programs) == ("prefill", "decode"):
-        return compile_stage.compile_engine(c, mesh, topo)
-    return compile_stage.compile_engine(c, mesh, topo, programs=tuple(programs))
+    return compile_stage.compile_engine(_engine_config(config, slots), mesh, topo, programs=tuple(programs))
 
 
 def _decode_bytes(entry: dict) -> tuple[bool, float] | None:
@@ -176,8 +173,9 @@ def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_co
     Returns {"slots", "fits_at", "does_not_fit_at", "compiles": [(slots, fits, GiB)], ...}.
     """
     from coder.model import sharding
+    from coder.rl.actor import engine_rules
 
-    axes = sharding.mesh_axes_of("batch", _engine_rules(config))
+    axes = sharding.mesh_axes_of("batch", engine_rules(config))
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     g = math.prod(int(mesh.shape[a]) for a in axes) or 1
     tried: dict[int, tuple[bool, float]] = {}
@@ -233,12 +231,6 @@ def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_co
                 bounded_by_compiles=not closed and not capped,
                 bytes_per_row=per_row,
                 compiles=[dict(slots=k, fits=f, gib_per_chip=_gib(b)) for k, (f, b) in sorted(tried.items())])
-
-
-def _engine_rules(config):
-    from coder.rl.actor import engine_rules
-
-    return engine_rules(config)
 
 
 def expected_tokens_per_step(k: int, acceptance: float) -> float:
