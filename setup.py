@@ -81,6 +81,10 @@ setup(
         "hf": ["safetensors>=0.4", "huggingface_hub>=0.24", "tokenizers>=0.20", "tiktoken>=0.7"],
         # Stage serve: the OpenAI-compatible HTTP server over the engine.
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        # Stores at s3:// URLs (the weight store's versions and deltas, task files, corpora): fsspec's
+        # S3 filesystem. gs:// needs gcsfs, which install_requires holds; s3fs pins the fsspec it
+        # was released with and pulls aiobotocore / botocore, so it is an extra.
+        "s3": ["s3fs>=2024.6"],
         # The official SWE-bench harness, only for tests/env/test_grading.py's comparison of
         # coder's statuses and resolution with its parsers and grading on the same logs (skipped
         # without it). Not in `test`: its install pulls 35 packages (modal, docker, datasets,

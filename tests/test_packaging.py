@@ -183,3 +183,24 @@ def test_pip_install_outside_the_checkout(tmp_path):
     assert got["sums"].keys() == want.keys()
     for k in want:
         assert got["sums"][k] == pytest.approx(want[k], rel=1e-6, abs=1e-6), k
+
+
+def _requirements() -> dict[str, list[str]]:
+    """setup.py's install_requires ("") and extras_require, read from its source."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+    return {"": kw["install_requires"], **kw["extras_require"]}
+
+
+def test_every_remote_store_has_its_filesystem_installed_by_some_extra():
+    """The stores the docs name (gs://, s3://: the seed's weight deltas in an S3 bucket) open
+    through fsspec, whose implementation for each is a package of its own (gcsfs, s3fs)."""
+    from fsspec.registry import known_implementations
+
+    names = {re.split(r"[<>=!\[ ;]", r, maxsplit=1)[0].lower() for reqs in _requirements().values() for r in reqs}
+    for protocol in ("gs", "s3"):
+        package = known_implementations[protocol]["class"].split(".")[0]
+        assert package in names, f"{protocol}:// needs {package}, which neither install_requires nor an extra installs"

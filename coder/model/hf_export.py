@@ -12,11 +12,12 @@ layers `num_hidden_layers + k`.
 from __future__ import annotations
 
 import json
-import os
 
+import fsspec
 import jax
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save
 
 from coder.model.hf_import import INDEX, REV_ATTN, REV_MTP, hf_config
 
@@ -80,10 +81,14 @@ def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30, tokeniz
     `num_hidden_layers + k` (DeepSeek-V3's names; transformers ignores them). `tokenizer`: the
     checkpoint's tokenizer (coder.data.tokenizer); a pretrained kind writes files transformers'
     AutoTokenizer loads (`export_hf`: tokenizer.json with the added chat tokens, a chat template),
-    coder's own sentencepiece kind its tokenizer.model; bos / eos ids go into config.json."""
-    from safetensors.numpy import save_file
+    coder's own sentencepiece kind its tokenizer.model; bos / eos ids go into config.json. `path`:
+    a local directory or an fsspec URL (gs://...); each shard is serialised in memory, then written."""
+    fs, root = fsspec.core.url_to_fs(path)
+    fs.makedirs(root, exist_ok=True)
 
-    os.makedirs(path, exist_ok=True)
+    def join(name):
+        return f"{root.rstrip('/')}/{name}"
+
     config = hf_config(model_cfg)
     if tokenizer is not None:
         config.update(bos_token_id=int(tokenizer.bos_id), eos_token_id=int(tokenizer.eos_id))
@@ -91,9 +96,9 @@ def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30, tokeniz
             tokenizer.export_hf(path)
         else:
             for name, data in tokenizer.files().items():
-                with open(os.path.join(path, name), "wb") as f:
+                with fs.open(join(name), "wb") as f:
                     f.write(data)
-    with open(os.path.join(path, "config.json"), "w") as f:
+    with fs.open(join("config.json"), "w") as f:
         json.dump(config, f, indent=2)
     state = nnx.to_flat_state(nnx.state(model))
     weight_map, shard, size, n = {}, {}, 0, 0
@@ -102,7 +107,8 @@ def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30, tokeniz
         nonlocal shard, size, n
         if shard:
             fname = f"model-{n:05d}.safetensors"
-            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+            with fs.open(join(fname), "wb") as f:
+                f.write(save(shard, metadata={"format": "pt"}))
             weight_map.update({k: fname for k in shard})
             shard, size, n = {}, 0, n + 1
 
@@ -112,5 +118,5 @@ def save_hf(model_cfg, model, path: str, max_shard_bytes: int = 2 << 30, tokeniz
         if size >= max_shard_bytes:
             flush()
     flush()
-    with open(os.path.join(path, INDEX), "w") as f:
+    with fs.open(join(INDEX), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

@@ -18,7 +18,8 @@ Lossless: a reader reconstructs the published bytes exactly and checks each leaf
 The channel between a learner and its engines over this store (a model in, an engine out) is
 coder/rl/weight_channel.py: ModelPublisher, StoreLoad, EngineFollower.
 
-Layout at `url` (a local path, `memory://...` or `gs://...`, through fsspec; gcsfs for gs://):
+Layout at `url` (a local path, `memory://...`, `gs://...` or `s3://...`, through fsspec; gcsfs for
+gs://, the s3 extra's s3fs for s3://):
 
     {url}/v0000000007/part-00000-of-00002.json   writer 0's part of version 7's manifest
     {url}/v0000000007/part-00000-of-00002.bin    the payloads of its leaves, one after another

@@ -53,6 +53,8 @@ import math
 import re
 from typing import Any, NamedTuple
 
+import fsspec
+
 from coder.stages.compile_report import _count, _gib, to_markdown
 from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report's building blocks)
     collective_stats,
@@ -194,16 +196,15 @@ def analyse_gpu(compiled, module, topo, *, params: float, optimizer: float, batc
 
 
 def write_report(report: dict, out_dir: str) -> str:
-    """report.json + report.md in `out_dir`; returns the JSON path."""
-    import os
-
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "report.json")
-    with open(path, "w") as f:
+    """report.json + report.md in `out_dir` (a local path or fsspec URL, gs://...); returns the
+    JSON path."""
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root.rstrip('/')}/report.json", "w") as f:
         json.dump(report, f, indent=1, sort_keys=False, default=str)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
+    with fs.open(f"{root.rstrip('/')}/report.md", "w") as f:
         f.write(to_markdown(report))
-    return path
+    return f"{out_dir.rstrip('/')}/report.json"
 
 
 # ============================================================================= the training step

@@ -604,3 +604,27 @@ def test_engine_section_says_how_each_version_reaches_the_engine():
     assert "0.06-0.08 s." in timed
     # a report written before the key existed reads as the store path
     assert "from the weight store" in "\n".join(engine_markdown(dict(base, store_read_bytes_per_host=2 ** 31)))
+
+
+def test_report_is_written_to_an_fsspec_url(tmp_path, monkeypatch):
+    """compile.report_dir = gs://... (here memory://, as gs://): the report lands in the store, not
+    in a local directory named `gs:` (os.makedirs of the URL)."""
+    import uuid
+
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    chip = dict(name="v5e", peak_bf16_flops=1.97e14, hbm_bytes=16 << 30, hbm_bandwidth=8.2e11,
+                ici_bandwidth=4.5e10, dcn_bandwidth=6.25e9, assumed=[])
+    report = dict(hardware=dict(name="v5e-4", chips=4, chip=chip), setup=dict(params_total=1000),
+                  status="compile_error", error="stand-in", command="python main.py")
+    url = f"memory://compile-report-{uuid.uuid4().hex}/report"
+    fs = fsspec.filesystem("memory")
+    try:
+        assert C.write_report(report, url) == f"{url}/report.json"
+        assert json.loads(fs.cat_file(f"{url}/report.json"))["status"] == "compile_error"
+        assert "Status: **compile_error** — stand-in" in fs.cat_file(f"{url}/report.md").decode()
+        assert not os.listdir(tmp_path)  # nothing local
+    finally:
+        if fs.exists(url):
+            fs.rm(url.rsplit("/", 1)[0], recursive=True)
