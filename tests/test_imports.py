@@ -3,7 +3,7 @@
 Every `import` / `from ... import` in coder/ counts, the ones inside functions included (a lazy
 import is still a dependency). The layers, bottom to top:
 
-    model, pallas, data, env  <  train  <  infer  <  rl  <  serve  <  stages
+    model, pallas, data  <  env  <  train  <  infer  <  rl  <  serve  <  stages
 
 A library module never imports coder.stages (the entry points); coder.train imports none of
 coder.rl, coder.env, coder.infer; and the graph of modules has no cycle.
@@ -74,15 +74,15 @@ def test_train_imports_no_rl_env_or_infer():
 
 
 def test_layers_point_one_way():
-    order = ["coder.model", "coder.pallas", "coder.data", "coder.env", "coder.train", "coder.infer",
-             "coder.rl", "coder.serve", "coder.stages"]
-    level = {p: i for i, p in enumerate(order)}
-    # model, pallas, data and env are one level: independent libraries at the bottom
-    for p in ("coder.pallas", "coder.data", "coder.env"):
-        level[p] = 0
+    # model, pallas and data: independent libraries at the bottom (the model's attention may call
+    # the NSA kernels); env (the sandbox, tools, scoring, tasks) above them, so data (tokenizers,
+    # corpora) never reaches up into it
+    layers = [("coder.model", "coder.pallas", "coder.data"), ("coder.env",), ("coder.train",),
+              ("coder.infer",), ("coder.rl",), ("coder.serve",), ("coder.stages",)]
+    level = {p: i for i, layer in enumerate(layers) for p in layer}
 
     def level_of(m):
-        return next((level[p] for p in order if _in(m, p)), None)
+        return next((i for p, i in level.items() if _in(m, p)), None)
 
     bad = []
     for m, deps in _graph().items():
@@ -90,7 +90,6 @@ def test_layers_point_one_way():
             lm, ld = level_of(m), level_of(d)
             if lm is not None and ld is not None and ld > lm:
                 bad.append((m, d))
-    # the model's attention may call the NSA kernels (pallas sits beside model)
     assert not bad, f"imports pointing up the layers: {bad}"
 
 

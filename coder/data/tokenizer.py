@@ -237,29 +237,20 @@ def _corpus_sample(config, max_chars: int) -> list[str]:
 # sample: repeated so its words (file names, the replies' phrases) weigh enough to get pieces.
 _AGENT_TEXT_REPEATS = 20
 
-
-def _agent_sample(config) -> tuple[list[str], list[str]]:
-    """(texts, symbols) of the agent's format (data.tokenizer_agent_text): the system prompt and
-    scripted replies of the SFT toy transcripts (rl.tools, sft.toy_tasks, sft.toy_edit_tool), and
-    the fixed text of the offered tools' calls as one piece each (protocol.call_fragments): the
-    call syntax of a tiny model's replies is then a few tokens it cannot break midway."""
-    from coder.env import transcripts
-    from coder.env.episode import select_tools
-    from coder.env.protocol import call_fragments
-
-    tools = tuple(config.rl.tools)
-    texts = transcripts.toy_agent_texts(int(config.sft.toy_tasks), int(config.seed), tools=tools,
-                                        system_preamble=config.rl.system_prompt or None,
-                                        edit_tool=config.sft.toy_edit_tool)
-    return texts * _AGENT_TEXT_REPEATS, call_fragments(select_tools(tools))
+# config -> (texts, symbols) of the agent's format, for data.tokenizer_agent_text: the env's
+# (coder.env.transcripts.tokenizer_agent_text), passed in by the stages, as data sits below env
+AgentText = Callable[..., tuple[list[str], list[str]]]
 
 
 def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "coder", "tokenizers")
 
 
-def load_or_train(config, cache_dir: str | None = None, max_chars: int = 3_000_000) -> ChatTemplate:
+def load_or_train(config, cache_dir: str | None = None, max_chars: int = 3_000_000,
+                  agent_text: AgentText | None = None) -> ChatTemplate:
     """The tokenizer of `config.data`: the given file (`load`), or one trained once and cached.
+    With data.tokenizer_agent_text, `agent_text(config)` gives the agent's texts (repeated into
+    the sample) and symbols (one piece each); ValueError without it.
 
     The cache key is a hash of the training sample, the vocabulary size and the trainer version,
     so a changed corpus or vocabulary trains a new model. Two processes racing both train and
@@ -271,8 +262,11 @@ def load_or_train(config, cache_dir: str | None = None, max_chars: int = 3_000_0
         return load_config(config, config.data.tokenizer)
     texts, symbols = _corpus_sample(config, max_chars), []
     if config.data.tokenizer_agent_text:
-        agent_texts, symbols = _agent_sample(config)
-        texts += agent_texts
+        if agent_text is None:
+            raise ValueError("data.tokenizer_agent_text: training a tokenizer on the agent's format needs "
+                             "its text (agent_text=coder.env.transcripts.tokenizer_agent_text)")
+        agent_texts, symbols = agent_text(config)
+        texts += agent_texts * _AGENT_TEXT_REPEATS
     key = hashlib.sha256()
     key.update(f"v{_TRAINER_VERSION}:{config.data.tokenizer_vocab_size}:".encode())
     for text in texts:
@@ -353,18 +347,18 @@ def from_record(record: dict, where: str = "") -> ChatTemplate:
     return KINDS[kind](files, source=record.get("source") or where)
 
 
-def load_or_train_shared(config, cache_dir: str | None = None) -> ChatTemplate:
+def load_or_train_shared(config, cache_dir: str | None = None, agent_text: AgentText | None = None) -> ChatTemplate:
     """`load_or_train` on process 0 only; the other processes receive its files (broadcast), so
     every host uses the same tokenizer whatever its own Python or cache holds."""
     import jax
 
     if jax.process_count() == 1:
-        return load_or_train(config, cache_dir)
+        return load_or_train(config, cache_dir, agent_text=agent_text)
     from jax.experimental import multihost_utils
 
     data = b""
     if jax.process_index() == 0:
-        data = json.dumps(to_record(load_or_train(config, cache_dir))).encode()
+        data = json.dumps(to_record(load_or_train(config, cache_dir, agent_text=agent_text))).encode()
     n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
     buf = np.frombuffer(data, np.uint8) if jax.process_index() == 0 else np.zeros(n, np.uint8)
     data = np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8).tobytes()

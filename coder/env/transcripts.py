@@ -52,7 +52,7 @@ import sys
 
 from coder.env.episode import Episode, select_tools
 from coder.env.pool import EpisodePool
-from coder.env.protocol import render_tool_call
+from coder.env.protocol import call_fragments, render_tool_call
 from coder.env.tasks import read_solutions, read_tasks, write_jsonl
 
 _OPEN = (
@@ -402,6 +402,18 @@ def toy_agent_texts(n: int, seed: int, tools=(), system_preamble=None, edit_tool
                          edit_tool=edit_tool)
         texts.append("\n".join([task.prompt, *replies]))
     return texts
+
+
+def tokenizer_agent_text(config) -> tuple[list[str], list[str]]:
+    """(texts, symbols) of the agent's format for a tokenizer trained with data.tokenizer_agent_text
+    (coder.data.tokenizer.load_or_train's `agent_text`): the system prompt and scripted replies of
+    the SFT toy transcripts (rl.tools, sft.toy_tasks, sft.toy_edit_tool), and the fixed text of the
+    offered tools' calls as one piece each (protocol.call_fragments): the call syntax of a tiny
+    model's replies is then a few tokens it cannot break midway."""
+    tools = tuple(config.rl.tools)
+    texts = toy_agent_texts(int(config.sft.toy_tasks), int(config.seed), tools=tools,
+                            system_preamble=config.rl.system_prompt or None, edit_tool=config.sft.toy_edit_tool)
+    return texts, call_fragments(select_tools(tools))
 
 
 def main(argv=None) -> int:

@@ -457,9 +457,11 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `grpo`: tasks from `rl.tasks`, sandboxed episodes, eval on `rl.eval_tasks`."""
+    from coder.env import transcripts
     from coder.train.checkpoint import stage_tokenizer
 
-    tok = stage_tokenizer(config, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
+    # the checkpoint's (resumed or init_from)
+    tok = stage_tokenizer(config, init_from, stage_dir, agent_text=transcripts.tokenizer_agent_text)
     tasks, trained, held_out = stage_tasks(config)
     # the run's agent memory: training tasks write the train split, held-out ones the eval split;
     # each agent eval runs in a memory session of its own (coder/rl/eval.py)

@@ -44,10 +44,11 @@ def _train(config, stage_dir: str, init_from: str, make_iterator, long_len: int 
     """The training stages' body. `make_iterator(config, tokenizer, split)` gives the stage's
     batches of "train" (endless) or "heldout" (one pass). long_len > 0: the long-context eval at
     that length is logged with the held-out loss, on the same rows before and after."""
+    from coder.env import transcripts
     from coder.train import long_eval
     from coder.train.checkpoint import stage_tokenizer
 
-    tok = stage_tokenizer(config, init_from, stage_dir)
+    tok = stage_tokenizer(config, init_from, stage_dir, agent_text=transcripts.tokenizer_agent_text)
     heldout = _heldout_batches(config, lambda: make_iterator(config, tok, "heldout"))
     long_rows = long_eval_rows(config, tok, long_len) if long_len else None
     it = make_iterator(config, tok, "train")
@@ -284,12 +285,13 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     repository) and the agent eval's numeric results.
     """
     from coder.data.pretrain import make_pretrain_iterator
+    from coder.env import transcripts
     from coder.train.checkpoint import stage_tokenizer
     from coder.train.metrics import MetricsWriter
 
     if not init_from:
         raise ValueError("stage eval needs a checkpoint: set init_from or run it after a training stage")
-    tok = stage_tokenizer(config, init_from)
+    tok = stage_tokenizer(config, init_from, agent_text=transcripts.tokenizer_agent_text)
     mesh = sharding.make_mesh(config.mesh)
     rules = tuple(tuple(r) for r in config.mesh.rules)
     graphdef, state = nnx.split(load_model(config, init_from, mesh))

@@ -63,12 +63,14 @@ def heldout_metrics(trainer, iterator, batches: int) -> dict:
 def run(config, stage_dir: str, init_from: str) -> str:
     """Self-distil the MTP modules of the `init_from` model; returns the checkpoint directory."""
     from coder.data.pretrain import make_pretrain_iterator
+    from coder.env import transcripts
     from coder.train.checkpoint import stage_tokenizer
 
     if not init_from:
         raise ValueError("stage mtp distils a trained model: set init_from or run it after pretrain in stages")
     c = config
-    tok = stage_tokenizer(c, init_from, stage_dir)  # the checkpoint's (resumed or init_from)
+    # the checkpoint's (resumed or init_from)
+    tok = stage_tokenizer(c, init_from, stage_dir, agent_text=transcripts.tokenizer_agent_text)
     it = make_pretrain_iterator(c, tok, "train", *sharding.data_shard(c), exclude=exclude_lib.training_exclude(c))
     trainer = Trainer(c, stage_dir, distill_loss_fn(float(c.mtp.ce_weight)), trainable=MTP_PARAMS,
                       init_from=init_from, data_iterator=it, tokenizer=tok)

@@ -307,6 +307,7 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, model_fn=None, h
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `realtime`: from `init_from` (else workdir's newest checkpoint, as stage serve)."""
+    from coder.env import transcripts
     from coder.stages import inherit_model_config
     from coder.stages import serve as serve_stage
     from coder.train.checkpoint import stage_tokenizer
@@ -314,5 +315,6 @@ def run(config, stage_dir: str, init_from: str) -> str:
     path = serve_stage.served_checkpoint(config, init_from)
     if path != init_from:
         config = inherit_model_config(config, path)
-    tok = stage_tokenizer(config, path, os.path.join(stage_dir, "learner"))  # a resumed learner's, else path's
+    tok = stage_tokenizer(config, path, os.path.join(stage_dir, "learner"),  # a resumed learner's, else path's
+                          agent_text=transcripts.tokenizer_agent_text)
     return train(config, stage_dir, path, tokenizer=tok)

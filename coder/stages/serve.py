@@ -103,6 +103,7 @@ def build_engine(config, init_from: str = ""):
     devices, or on every process's when the job has several (process 0 leads)."""
     import jax
 
+    from coder.env import transcripts
     from coder.infer.engine import Engine
     from coder.rl.actor import engine_mesh, engine_rules
     from coder.stages import inherit_model_config
@@ -113,7 +114,7 @@ def build_engine(config, init_from: str = ""):
     if path != init_from:
         config = inherit_model_config(config, path)
         logging.info("[serve] serving %s (the newest checkpoint of workdir's stages)", path)
-    tok = ckpt_lib.stage_tokenizer(config, path)
+    tok = ckpt_lib.stage_tokenizer(config, path, agent_text=transcripts.tokenizer_agent_text)
     if path:
         model = build_model(config)
         check_drafts(config, load_into(model, path, require_all=True), path)

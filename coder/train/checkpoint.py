@@ -407,7 +407,7 @@ def _checkpoint_tokenizer(path: str):
 
 
 def stage_tokenizer(config, init_from: str = "", stage_dir: str = "", *,
-                    cache_dir: str | None = None):
+                    cache_dir: str | None = None, agent_text=None):
     """The tokenizer of a stage running in `stage_dir` from the checkpoint `init_from`.
 
     In order: the tokenizer of this stage's own latest checkpoint (`{stage_dir}/checkpoints`,
@@ -415,7 +415,8 @@ def stage_tokenizer(config, init_from: str = "", stage_dir: str = "", *,
     tokenizer beside it (or at `data.tokenizer`) with the chat template's tokens
     (`data.chat_tokens`; coder.model.hf_import.tokenizer_of), else (a run from scratch)
     `data.tokenizer`, else one trained by `load_or_train` on process 0 and broadcast to the
-    others (coder.data.tokenizer.load_or_train_shared; `cache_dir`: its cache). A checkpoint
+    others (coder.data.tokenizer.load_or_train_shared; `cache_dir`: its cache; `agent_text`: the
+    agent's format for data.tokenizer_agent_text, coder.env.transcripts.tokenizer_agent_text). A checkpoint
     written before checkpoints carried a tokenizer is skipped with a warning. When the tokenizer
     comes from a coder checkpoint and `data.tokenizer` is set to a different one, ValueError
     naming both. The model's vocabulary must hold the tokenizer's ids (ValueError naming the keys).
@@ -449,7 +450,7 @@ def stage_tokenizer(config, init_from: str = "", stage_dir: str = "", *,
     elif explicit:
         tok = tokenizer_lib.load_config(config, explicit)
     else:
-        tok = tokenizer_lib.load_or_train_shared(config, cache_dir)
+        tok = tokenizer_lib.load_or_train_shared(config, cache_dir, agent_text=agent_text)
     if tok.padded_vocab_size > config.model.vocab_size:
         raise ValueError(
             f"the tokenizer ({tok.source}) has {tok.padded_vocab_size} ids (padded) but "

@@ -175,13 +175,16 @@ def test_agent_text_makes_each_calls_fixed_text_one_token(tmp_path):
     """data.tokenizer_agent_text: the offered tools' call scaffolding (protocol.call_fragments)
     is one piece each, the text round-trips, and the option is part of the cache key."""
     from coder.env.protocol import render_tool_call
+    from coder.env.transcripts import tokenizer_agent_text
 
     cfg = _corpus_config(tmp_path)
     cfg.rl.tools, cfg.sft.toy_tasks, cfg.sft.toy_edit_tool = ("write_file", "submit"), 4, "write_file"
     cache = tmp_path / "cache"
-    plain = tk.load_or_train(cfg, str(cache))
+    plain = tk.load_or_train(cfg, str(cache), agent_text=tokenizer_agent_text)  # off: not called
     cfg.data.tokenizer_agent_text = True
-    agent = tk.load_or_train(cfg, str(cache))
+    with pytest.raises(ValueError, match="needs its text"):  # data sits below env: the stage passes it
+        tk.load_or_train(cfg, str(cache))
+    agent = tk.load_or_train(cfg, str(cache), agent_text=tokenizer_agent_text)
     assert len(os.listdir(cache)) == 2 and "agent's format" in agent.source
     call = render_tool_call("write_file", {"path": "answer.py", "content": "def f():\n    return 3\n"})
     ids = agent.encode(call)
