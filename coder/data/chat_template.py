@@ -11,16 +11,19 @@ from collections.abc import Sequence
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool")
+# The tool-call and tool-result tags of coder.env.protocol's format, one special token each
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"
 SPECIAL_TOKENS = (
     "<|system|>",
     "<|user|>",
     "<|assistant|>",
     "<|tool|>",
     "<|end|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_result>",
-    "</tool_result>",
+    CALL_OPEN,
+    CALL_CLOSE,
+    RESULT_OPEN,
+    RESULT_CLOSE,
     "<summary>",
     "</summary>",
 )
@@ -28,7 +31,6 @@ SPECIAL_TOKENS = (
 CHAT_TOKEN_NAMES = ("system", "user", "assistant", "tool", "end", "tool_call", "tool_call_end",
                     "tool_result", "tool_result_end", "summary", "summary_end")
 DEFAULT_CHAT_TOKENS = dict(zip(CHAT_TOKEN_NAMES, SPECIAL_TOKENS))
-RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"  # coder.env.protocol's result tags
 
 
 def _tool_outputs(content: str) -> list[str] | None:

@@ -19,8 +19,8 @@ import dataclasses
 import json
 import re
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"
+from coder.data.chat_template import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN
+
 _TAG = re.compile(re.escape(CALL_OPEN) + "|" + re.escape(CALL_CLOSE))
 
 

@@ -409,8 +409,8 @@ class Agent:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.sampling_params = sampling_params
         self.stop_ids = (tokenizer.end_id, tokenizer.eos_id)
-        self.call_open = tokenizer.special_id("<tool_call>")
-        self.call_close = tokenizer.special_id("</tool_call>")
+        self.call_open = tokenizer.special_id(protocol.CALL_OPEN)
+        self.call_close = tokenizer.special_id(protocol.CALL_CLOSE)
         self.summary_open = tokenizer.special_id("<summary>")
         self.summary_close = tokenizer.special_id("</summary>")
         self.result_open = tokenizer.special_id(protocol.RESULT_OPEN)
