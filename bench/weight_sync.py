@@ -49,7 +49,7 @@ from flax import nnx  # noqa: E402
 
 from coder.model import Transformer  # noqa: E402
 from coder.rl import grpo, weight_sync  # noqa: E402
-from coder.train import checkpoint as ckpt_lib  # noqa: E402
+from coder.train.flat import state_to_flat  # noqa: E402
 from coder.train.optim import make_optimizer  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def _config(path: str, overrides: list[str]):
 
 
 def _serving(params: nnx.State, dtype) -> dict:
-    return {k: np.asarray(v).astype(dtype) for k, v in ckpt_lib.state_to_flat(params).items()}
+    return {k: np.asarray(v).astype(dtype) for k, v in state_to_flat(params).items()}
 
 
 def run(args) -> None:

@@ -68,10 +68,10 @@ def committed(name: str, fit_key: str) -> dict | None:
 def save(directory: str, name: str, fit_key: str, state, **meta) -> dict:
     """Writes `state` (an nnx.State) and `meta` (+ the key and the XLA flags it was fitted under)
     as `{name}.npz` / `{name}.json`."""
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
     os.makedirs(directory, exist_ok=True)
-    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(state).items()}
+    flat = {k: np.asarray(v) for k, v in state_to_flat(state).items()}
     np.savez_compressed(os.path.join(directory, f"{name}.npz"), **flat)
     meta = dict(meta, xla_flags=os.environ.get("XLA_FLAGS", ""), key=fit_key)
     with open(os.path.join(directory, f"{name}.json"), "w") as f:
@@ -84,10 +84,10 @@ def load(directory: str, name: str, template):
     template lacks or has in another shape is an error (flat_to_state)."""
     import jax.numpy as jnp
 
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import flat_to_state
 
     flat = np.load(os.path.join(directory, f"{name}.npz"))
-    return ckpt_lib.flat_to_state(template, {k: jnp.asarray(v) for k, v in flat.items()})
+    return flat_to_state(template, {k: jnp.asarray(v) for k, v in flat.items()})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,12 +52,12 @@ class ModelPublisher:
         from flax import nnx
         from jax import numpy as jnp
 
-        from coder.train import checkpoint as ckpt_lib
+        from coder.train.flat import state_to_flat
 
         t0 = time.perf_counter()
         state = model if isinstance(model, nnx.State) else nnx.state(model)
         flat = {}
-        for name, x in ckpt_lib.state_to_flat(state).items():
+        for name, x in state_to_flat(state).items():
             if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
                 x = x.astype(self.dtype)
             flat[name] = x if isinstance(x, jax.Array) else np.asarray(x)
@@ -113,11 +113,11 @@ def stage_on_device(model, version: int) -> None:
     stages every version (the load runs on all of them)."""
     from flax import nnx
 
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
     state = model if isinstance(model, nnx.State) else nnx.state(model)
     _STAGED.clear()
-    _STAGED[int(version)] = ckpt_lib.state_to_flat(state)
+    _STAGED[int(version)] = state_to_flat(state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +173,13 @@ class EngineFollower:
 
         from jax import numpy as jnp
 
-        from coder.train import checkpoint as ckpt_lib
+        from coder.train.flat import state_to_flat
 
         self.engine, self.url, self.template = engine, url, template
         self.reader = weight_sync.WeightReader(url, verify=verify)
         serving = engine.dtype
         self._dtypes = {k: serving if serving is not None and jnp.issubdtype(v.dtype, jnp.floating) else v.dtype
-                        for k, v in ckpt_lib.state_to_flat(template).items()}  # leaf -> the engine's dtype
+                        for k, v in state_to_flat(template).items()}  # leaf -> the engine's dtype
         self.version: int | None = None
         self._start_version = None  # bytes_read counts the versions after it
         self.last_read: dict = {}  # the reader's record of that version (bytes, seconds, ...)
@@ -242,7 +242,7 @@ class EngineFollower:
     def poll(self) -> int | None:
         """Gives the engine the store's newest version when it is new; returns it (else None).
         Raises ValueError when the store holds another model."""
-        from coder.train import checkpoint as ckpt_lib
+        from coder.train.flat import flat_to_state
 
         if getattr(self.engine, "processes", 1) > 1:
             version = weight_sync.latest_version(self.url)
@@ -260,8 +260,8 @@ class EngineFollower:
         if missing:
             raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
                              f"variables, e.g. {missing[:3]}: it holds another model")
-        state = ckpt_lib.flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dt, copy=False)
-                                                       for k, dt in self._dtypes.items()})
+        state = flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dt, copy=False)
+                                              for k, dt in self._dtypes.items()})
         self.engine.set_weights(state, version)
         self.version, self.last_read = version, dict(self.reader.last_read)
         self._polled_bytes += int(self.last_read.get("bytes", 0))

@@ -43,46 +43,12 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import nnx
 
-SEP = "."
+# still read as ckpt_lib.* by coder/infer/engine.py, coder/rl/learner.py and coder/train/trainer.py
+# (edited elsewhere at the time of the move): they import coder.train.flat next
+from coder.train.flat import flat_name, flat_to_state, flat_to_tree, state_to_flat, tree_to_flat  # noqa: F401
+
 ITEMS = ("state", "meta", "config", "tokenizer", "data")
-
-
-def flat_name(path) -> str:
-    """`("layers", 0, "kernel")` / jax key paths -> "layers.0.kernel"."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                k = getattr(k, attr)
-                break
-        parts.append(str(k))
-    return SEP.join(parts)
-
-
-def state_to_flat(state: nnx.State) -> dict:
-    """nnx.State -> {flat name: array}."""
-    return {flat_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
-
-
-def flat_to_state(template: nnx.State, flat: dict) -> nnx.State:
-    """Inverse of `state_to_flat`: the values of `flat` in `template`'s structure and types."""
-    leaves = []
-    for path, var in nnx.to_flat_state(template):
-        leaves.append((path, var.replace(flat[flat_name(path)])))
-    return nnx.from_flat_state(leaves)
-
-
-def tree_to_flat(tree) -> dict:
-    """Any pytree (an optax state) -> {flat name of the key path: leaf}."""
-    return {flat_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def flat_to_tree(template, flat: dict):
-    """Inverse of `tree_to_flat` for a template with the same structure."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
-    return jax.tree_util.tree_unflatten(treedef, [flat[flat_name(p)] for p, _ in paths])
 
 
 # --- the per-process data item --------------------------------------------------------------

@@ -6,7 +6,7 @@
     state = init_state(model, tx, trainable, mesh) # TrainState at step 0
     state = restore_state(state, arrays, meta)     # a checkpoint's arrays and meta into it
 
-Variables are matched by flat name ("layers.0.attn.wq", coder.train.checkpoint.flat_name), so a
+Variables are matched by flat name ("layers.0.attn.wq", coder.train.flat.flat_name), so a
 checkpoint written by a model without some module (fresh MTP heads) still loads: `load_into`
 reports what it lacked. A name present on both sides with another shape is an error that names
 the key to change. `path` may be a Hugging Face checkpoint directory too (coder.model.hf_import).
@@ -25,6 +25,7 @@ from flax import nnx
 
 from coder.model import sharding
 from coder.train import checkpoint as ckpt_lib
+from coder.train.flat import flat_to_state, flat_to_tree, state_to_flat, tree_to_flat
 
 
 def rules_of(config) -> tuple:
@@ -75,7 +76,7 @@ def _transformer_init(model_config, mesh, rules):
 def abstract_flat(state) -> dict:
     """{flat name: ShapeDtypeStruct with the array's sharding} of an nnx.State or any pytree of
     arrays: the target a checkpoint is restored onto."""
-    flat = ckpt_lib.state_to_flat(state) if isinstance(state, nnx.State) else ckpt_lib.tree_to_flat(state)
+    flat = state_to_flat(state) if isinstance(state, nnx.State) else tree_to_flat(state)
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in flat.items()}
 
 
@@ -104,9 +105,9 @@ def load_into(model: nnx.Module, path: str, *, require_all: bool = False) -> dic
             f"{path} lacks {len(missing)} of the model's variables, e.g. {missing[:3]}: the model "
             "config must match the checkpoint's"
         )
-    flat = ckpt_lib.state_to_flat(state)
+    flat = state_to_flat(state)
     flat.update(found)
-    nnx.update(model, ckpt_lib.flat_to_state(state, flat))
+    nnx.update(model, flat_to_state(state, flat))
     logging.info("loaded %d variables from %s", len(found), path)
     if missing:
         logging.info("not in %s (kept their initialisation): %d variables, e.g. %s", path,
@@ -157,7 +158,7 @@ class TrainState:
 
     def flat_model(self) -> dict:
         """{flat name: array} of every model variable."""
-        return {**ckpt_lib.state_to_flat(self.params), **ckpt_lib.state_to_flat(self.rest)}
+        return {**state_to_flat(self.params), **state_to_flat(self.rest)}
 
     def meta(self) -> dict:
         """The JSON part of a checkpoint: step, RNG key data, counters."""
@@ -219,9 +220,9 @@ def restore_state(state: TrainState, arrays: dict, meta: dict) -> TrainState:
     flat = arrays["model"]
     return dataclasses.replace(
         state,
-        params=ckpt_lib.flat_to_state(state.params, flat),
-        rest=ckpt_lib.flat_to_state(state.rest, flat),
-        opt_state=ckpt_lib.flat_to_tree(state.opt_state, arrays["opt_state"]),
+        params=flat_to_state(state.params, flat),
+        rest=flat_to_state(state.rest, flat),
+        opt_state=flat_to_tree(state.opt_state, arrays["opt_state"]),
         step=int(meta["step"]),
         key=jax.random.wrap_key_data(jnp.asarray(meta["rng_key"], jnp.uint32)),
         nonfinite_total=int(meta.get("nonfinite_total", 0)),

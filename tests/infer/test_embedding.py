@@ -45,6 +45,7 @@ def policy_checkpoint(tmp_path_factory):
     from coder.data import tokenizer as tokenizer_lib
     from coder.model import Transformer
     from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
     from tests import rl_toy
 
     tok = rl_toy.tokenizer()
@@ -52,7 +53,7 @@ def policy_checkpoint(tmp_path_factory):
     model = Transformer(cfg.model, rngs=nnx.Rngs(0))
     path = str(tmp_path_factory.mktemp("policy") / "checkpoints")
     ck = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
-    ck.save(1, arrays={"model": ckpt_lib.state_to_flat(nnx.state(model)), "opt_state": {}}, meta={"step": 1},
+    ck.save(1, arrays={"model": state_to_flat(nnx.state(model)), "opt_state": {}}, meta={"step": 1},
             data_state=None, config=cfg.to_dict(), tokenizer=tokenizer_lib.to_record(tok))
     return path
 

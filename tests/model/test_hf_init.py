@@ -31,6 +31,7 @@ from coder.model import hf_export  # noqa: E402
 from coder.model import sharding  # noqa: E402
 from coder.train import checkpoint as ckpt_lib  # noqa: E402
 from coder.train import state as state_lib  # noqa: E402
+from coder.train.flat import state_to_flat  # noqa: E402
 from tests import xla_flags  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -241,8 +242,8 @@ def test_sharded_import_equals_unsharded(hf_dir):
     c1 = stages.inherit_model_config(_config(path, kind), path)
     one = state_lib.build_model(c1, sharding.make_mesh(c1.mesh, jax.devices()[:1]))
     state_lib.load_into(one, path)
-    a = ckpt_lib.state_to_flat(nnx.state(sharded))
-    b = ckpt_lib.state_to_flat(nnx.state(one))
+    a = state_to_flat(nnx.state(sharded))
+    b = state_to_flat(nnx.state(one))
     for name in a:
         if not name.startswith("mtp."):  # fresh: seeded init differs between meshes
             np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)

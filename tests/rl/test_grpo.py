@@ -339,9 +339,9 @@ def _learner_batch(rows=8, t=32):
 def _flat(model):
     from flax import nnx
 
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
-    return {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+    return {k: np.asarray(v) for k, v in state_to_flat(nnx.state(model)).items()}
 
 
 def _with_bias(model, value):

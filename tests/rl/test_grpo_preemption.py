@@ -91,7 +91,7 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str, process: int,
     from coder.model import Transformer
     from coder.rl import learner as learner_lib
     from coder.stages import grpo as grpo_stage
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import flat_to_state
     from tests import rl_toy as rl_test
 
     with open(os.path.join(inputs, "tokenizer.json")) as f:
@@ -101,7 +101,7 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str, process: int,
 
     def model_fn():
         m = Transformer(cfg.model, rngs=nnx.Rngs(1))
-        nnx.update(m, ckpt_lib.flat_to_state(nnx.state(m), flat))
+        nnx.update(m, flat_to_state(nnx.state(m), flat))
         return m
 
     os.makedirs(stage_dir, exist_ok=True)
@@ -221,12 +221,12 @@ def inputs(tmp_path_factory, toy_policy):
     """The tokenizer and the SFT-ed weights both runs start from (the session's fitted toy),
     written once for the subprocesses."""
     from coder.data import tokenizer as tokenizer_lib
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
     d = tmp_path_factory.mktemp("inputs")
     with open(d / "tokenizer.json", "w") as f:
         json.dump(tokenizer_lib.to_record(toy_policy.tokenizer), f)
-    np.savez(d / "weights.npz", **{k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(toy_policy.state).items()})
+    np.savez(d / "weights.npz", **{k: np.asarray(v) for k, v in state_to_flat(toy_policy.state).items()})
     return str(d)
 
 

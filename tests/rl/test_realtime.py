@@ -26,7 +26,7 @@ from coder.serve import trajectory_log
 from coder.serve.server import Server
 from coder.stages import realtime as realtime_stage
 from coder.stages import stage_config
-from coder.train import checkpoint as ckpt_lib
+from coder.train.flat import state_to_flat
 from configs import base
 from tests.serve.test_serve import MAX_LEN, PREAMBLE, SUBMIT, TOOLS, fitted, make_engine, prompts, start_uvicorn
 
@@ -201,7 +201,7 @@ def test_cycle_trains_gates_and_publishes_and_refuses_a_regression(tmp_path):
         assert rec["candidate_pass@1"] == 0.0 and rec["baseline_pass@1"] == 1.0
         assert weight_sync.latest_version(store) == 1 and follower.poll() is None and engine.policy_version == 1
         assert loop.learner.step == step  # back to version 1's state
-        flat = ckpt_lib.state_to_flat(nnx.state(loop.learner.trainer.model))
+        flat = state_to_flat(nnx.state(loop.learner.trainer.model))
         assert all(np.array_equal(np.asarray(flat[k]), published[k]) for k in published)
         loop.close()
         follower.close()

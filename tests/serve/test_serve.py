@@ -455,10 +455,10 @@ def test_weight_versions_apply_in_flight(served, tmp_path):
     """A version published to the weight store reaches the engine through the follower, and the
     tokens sampled after it record it."""
     from coder.rl import weight_sync
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
     server, model = served["server"], served["model"]
-    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+    flat = {k: np.asarray(v) for k, v in state_to_flat(nnx.state(model)).items()}
     store = str(tmp_path / "store")
     weight_sync.publish(store, 5, flat)
     follower = server.follow(store, nnx.state(model), poll_seconds=3600)  # polls once at start
@@ -482,10 +482,10 @@ def test_a_server_whose_weight_store_fails_says_so_in_its_health(served, tmp_pat
     and GET /health says "degraded", naming the store, the version read and the leaf, until a
     readable version comes (it used to answer "ok" and log the failure only)."""
     from coder.rl import weight_sync
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
     server, model = served["server"], served["model"]
-    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()}
+    flat = {k: np.asarray(v) for k, v in state_to_flat(nnx.state(model)).items()}
     store = str(tmp_path / "store")
 
     def health():
@@ -526,7 +526,7 @@ def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_pa
     from coder import stages
     from coder.rl import weight_sync
     from coder.stages import serve as serve_stage
-    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
     from configs import base, quickstart
 
     q = quickstart.get_config()
@@ -536,7 +536,7 @@ def test_stage_serve_builds_from_the_config_and_follows_the_store(served, tmp_pa
     c.model.update(served["cfg"].to_dict())
     served["tok"].save(str(tmp_path / "tok.model"))
     store = str(tmp_path / "store")
-    flat = {k: np.asarray(v) for k, v in ckpt_lib.state_to_flat(nnx.state(served["model"])).items()}
+    flat = {k: np.asarray(v) for k, v in state_to_flat(nnx.state(served["model"])).items()}
     weight_sync.publish(store, 3, flat)
     c.update(dict(workdir=str(tmp_path / "run"), stage="serve"))
     c.data.tokenizer = str(tmp_path / "tok.model")

@@ -113,8 +113,9 @@ def _tiny_config(tmp_path):
 
 @pytest.mark.slow
 def test_mtp_stage_freezes_the_trunk_and_learns(tmp_path):
-    from coder.train import checkpoint as ckpt_lib
     from coder import stages
+    from coder.train import checkpoint as ckpt_lib
+    from coder.train.flat import state_to_flat
 
     c = _tiny_config(tmp_path)
     pre = stages.run_one("pretrain", c, os.path.join(c.workdir, "pretrain"))
@@ -125,7 +126,7 @@ def test_mtp_stage_freezes_the_trunk_and_learns(tmp_path):
     model = Transformer(c.model, rngs=nnx.Rngs(0))
     abstract = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-        for k, v in ckpt_lib.state_to_flat(nnx.state(model)).items()
+        for k, v in state_to_flat(nnx.state(model)).items()
     }
 
     def variables(path):

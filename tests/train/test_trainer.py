@@ -290,7 +290,7 @@ def _sharded_after_two_steps(path, **train):
 def test_optimizer_over_data_splits_the_moments_over_replicas_and_matches(tmp_path):
     """train.optimizer_over_data (ZeRO-1 over `data`): moments split over data x fsdp, the step
     equal to the replicated optimizer's."""
-    from coder.train.checkpoint import tree_to_flat
+    from coder.train.flat import tree_to_flat
 
     out = {}
     for over in (False, True):
@@ -311,7 +311,7 @@ def test_offload_optimizer_keeps_the_moments_in_host_memory_and_steps_alike(tmp_
     memory (the step moves it to the devices for the update and back); the parameters equal the
     on-device optimizer's bit for bit; a checkpoint of the host-resident state resumes to the
     same next step."""
-    from coder.train.checkpoint import tree_to_flat
+    from coder.train.flat import tree_to_flat
 
     out = {}
     for offload in (False, True):
@@ -336,7 +336,7 @@ def test_params_over_data_splits_the_parameters_and_gathers_the_bf16_copy_once(t
     bf16 copy constrained back to the rules' shardings (gathered over data) before the
     micro-batch loop, and the steps equal ZeRO-1's (optimizer_over_data alone)."""
     from coder.model import sharding
-    from coder.train.checkpoint import tree_to_flat
+    from coder.train.flat import tree_to_flat
 
     out = {}
     for over in (False, True):
@@ -369,7 +369,7 @@ def test_params_over_data_splits_the_parameters_and_gathers_the_bf16_copy_once(t
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_bfloat16_first_moment(tmp_path, optimizer):
-    from coder.train.checkpoint import tree_to_flat
+    from coder.train.flat import tree_to_flat
 
     tr = make_trainer(tmp_path, make_config(optimizer=optimizer, mu_dtype="bfloat16"))
     m = tr.train_step(make_batch(0))
@@ -391,7 +391,7 @@ def test_optimizer_state_shards_like_params(tmp_path, optimizer):
     tr.train_step(make_batch(0))  # the step's out_shardings keep the layout
     specs = {k: v.sharding.spec for k, v in nnx.to_flat_state(tr.params)}
     assert specs[("w",)] == jax.sharding.PartitionSpec("fsdp", "tensor")
-    from coder.train.checkpoint import tree_to_flat
+    from coder.train.flat import tree_to_flat
 
     matched = 0
     for name, leaf in tree_to_flat(tr.opt_state).items():
