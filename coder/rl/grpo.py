@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coder.rl import agreement as agreement_lib
 from coder.train import distill
 from coder.train.losses import pick_targets
 
@@ -304,6 +305,8 @@ def routing_diagnostics(engine_ids, router_ids, segment_ids):
         between learner and engine; with f32 learner weights against bf16 serving weights,
         ties broken differently by rounding make it > 0; without replay each such token runs
         other experts in the learner than in the engine.
+      routing_mismatch_tokens: fraction of routed tokens whose set differs in some MoE layer
+        (both: coder.rl.agreement.routing_agreement).
       unrouted_tokens: tokens that predict a next token (not padding, not a row's last) but
         carry no engine routing; replay feeds them expert 0, so it must be 0 for the learner to
         reproduce the engine (every token's ids must reach the batch, prompt and tool output
@@ -311,14 +314,24 @@ def routing_diagnostics(engine_ids, router_ids, segment_ids):
     """
     engine_ids = engine_ids.astype(jnp.int32)
     routed = (engine_ids >= 0).all(-1)  # [L, B, T]
-    # same set: every engine expert is among the learner's k (top-k ids are distinct)
-    hit = (engine_ids[..., :, None] == router_ids[..., None, :].astype(jnp.int32)).any(-1).all(-1)
-    n = jnp.maximum(routed.sum(), 1)
     predicts = (segment_ids[:, 1:] > 0) & (segment_ids[:, 1:] == segment_ids[:, :-1])
     predicts = jnp.pad(predicts, ((0, 0), (0, 1)))  # position t predicts token t + 1
     unrouted = predicts & ~routed.all(0) if engine_ids.shape[0] else jnp.zeros_like(predicts)
-    return {"routing_mismatch": (routed & ~hit).sum() / n,
+    return {**agreement_lib.routing_agreement(engine_ids, router_ids),
             "unrouted_tokens": unrouted.sum().astype(jnp.float32)}
+
+
+def learner_forward(model, batch, router_replay: bool = False):
+    """The learner's forward of a GRPO batch -> (logits `[B, T, V]` float32, aux): the policy
+    head only (no MTP), the engine's `expert_ids` replayed as `routing=` with `router_replay`
+    (-1 clamped to expert 0: such a token predicts nothing), `prefix_segment` when the batch
+    has it (shared-prefix rows). `grpo_loss_fn` and the agreement bench (bench/agreement.py)
+    both run it, so the bench measures the log-probs the loss trains on."""
+    engine_ids = batch.get("expert_ids")
+    routing = jnp.maximum(engine_ids, 0) if router_replay and engine_ids is not None else None
+    # shared-prefix rows only: a model that takes no prefix_segment still serves unshared batches
+    shared = {"prefix_segment": batch["prefix_segment"]} if "prefix_segment" in batch else {}
+    return model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing, mtp=False, **shared)
 
 
 def loss_normalizer(config) -> float:
@@ -361,8 +374,12 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
     the update, so it is the first on-policy forward of the batch; no extra forward):
     `behaviour_logp_abs_diff` (mean) and `behaviour_logp_abs_diff_max` of |logp -
     behaviour_logp| over the loss tokens (`ratio_mean` hides it: ratios above and below 1
-    average out), and with `expert_ids` in the batch `routing_diagnostics`' routing_mismatch
-    and unrouted_tokens (the learner's own top-k is aux["router_ids"] of the same forward).
+    average out) and `behaviour_kl_k3`, the k3 estimate of KL(engine || learner)
+    (coder.rl.agreement, the definitions bench/agreement.py reports), and with `expert_ids` in
+    the batch `routing_diagnostics`' routing_mismatch, routing_mismatch_tokens and
+    unrouted_tokens (the learner's own top-k is aux["router_ids"] of the same forward).
+    `metric_weight` (the micro-batch's loss tokens) makes the trainer's average of the token
+    means over micro-batches the step's token means (coder.train.trainer.reduce_metrics).
 
     MTP refresh (`mtp_weight` > 0): the MTP modules keep learning the current policy's
     distribution on the batch's sampled tokens (loss_mask), with stage mtp's objective
@@ -375,11 +392,7 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
     def loss_fn(model, batch, rng):
         del rng  # the GRPO loss is deterministic given the batch
         engine_ids = batch.get("expert_ids")
-        routing = jnp.maximum(engine_ids, 0) if router_replay and engine_ids is not None else None
-        # shared-prefix rows only: a model that takes no prefix_segment still serves unshared batches
-        shared = {"prefix_segment": batch["prefix_segment"]} if "prefix_segment" in batch else {}
-        logits, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"], routing=routing,
-                            mtp=False, **shared)  # GRPO trains the policy head only
+        logits, aux = learner_forward(model, batch, router_replay)
         logp, ent, valid = target_logp(logits, batch["tokens"], batch["segment_ids"], temperature)
         mask = batch["loss_mask"] * valid
         stale = {}
@@ -391,9 +404,10 @@ def grpo_loss_fn(*, clip_low, clip_high, kl_coef, normalizer, temperature, route
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, normalizer=norm, entropy=ent,
             loss=loss, tis_cap=tis_cap,
         )
-        gap = jnp.where(mask > 0, jnp.abs(jax.lax.stop_gradient(logp) - batch["behaviour_logp"]), 0.0)
-        diag = {"behaviour_logp_abs_diff": gap.sum() / jnp.maximum(mask.sum(), 1.0),
-                "behaviour_logp_abs_diff_max": gap.max()}
+        agree = agreement_lib.agreement(batch["behaviour_logp"], jax.lax.stop_gradient(logp), mask)
+        diag = {"behaviour_logp_abs_diff": agree["abs_diff_mean"], "behaviour_logp_abs_diff_max": agree["abs_diff_max"],
+                "behaviour_kl_k3": agree["kl_k3"],
+                "metric_weight": mask.sum()}  # the token means above are exact over the step's micro-batches
         if engine_ids is not None and "router_ids" in aux:
             diag.update(routing_diagnostics(engine_ids, aux["router_ids"], batch["segment_ids"]))
         if mtp_weight:

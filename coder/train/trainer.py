@@ -20,7 +20,12 @@ iterator that turns finished rollout groups into batches):
                     The step minimises sum_i weight_i * loss_i / sum_i weight_i over
                     micro-batches, so with weight = target count and loss = mean over targets,
                     accumulation equals the big batch exactly. Default 1 per micro-batch.
-    Every other metric is averaged over micro-batches with the same weights; what is not a
+      `metric_weight` the weight of the micro-batch's averaged metrics, when they are means over
+                    other units than the loss's (GRPO: means over its loss tokens, while
+                    its loss is a sum over a constant); default `weight`.
+    Every other metric is reduced over micro-batches (`reduce_metrics`): one named `*_max` by
+    max, `*_tokens` (a count) by sum, the rest averaged with those weights, so a metric does not
+    depend on how the step's rows are packed into micro-batches; what is not a
     scalar (the MoE's `router_load` `[moe_layers, n_routed_experts]`) must be consumed by the
     step's post-update hook (coder.train.balancing.router_balancing: the aux-loss-free bias
     update after the optimizer step, and the expert load imbalance it logs).
@@ -114,6 +119,24 @@ def _weighted_mean(ws, xs):
     """ws `[A]`, xs `[A, ...]` -> sum_i ws_i xs_i / sum ws (0 when every weight is 0)."""
     total = jnp.sum(ws)
     return jnp.tensordot(ws, xs.astype(jnp.float32), axes=1) / jnp.where(total > 0, total, 1.0)
+
+
+def reduce_metrics(metrics: dict, ws) -> dict:
+    """The step's metrics from the micro-batches' (`[A, ...]` each, weights `ws` `[A]`): `*_max`
+    the max, `*_tokens` the sum, the rest the mean weighted by `metric_weight` when the loss_fn
+    gives it (popped), else by `ws` (module docstring)."""
+    metrics = dict(metrics)
+    mw = metrics.pop("metric_weight", None)
+    mw = ws if mw is None else jnp.asarray(mw, jnp.float32)
+
+    def reduce(name, x):
+        if name.endswith("_max"):
+            return jnp.max(x, axis=0)
+        if name.endswith("_tokens"):
+            return jnp.sum(x.astype(jnp.float32), axis=0)
+        return _weighted_mean(mw, x)
+
+    return {k: reduce(k, v) for k, v in metrics.items()}
 
 
 def _weighted_loss(loss_fn, graphdef, params, rest, batch, rng):
@@ -334,7 +357,7 @@ def make_train_step(graphdef, loss_fn: Callable, tx, *, key, options: StepOption
         grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / jnp.where(total_w > 0, total_w, 1.0)
                                            ).astype(p.dtype), grad_sum, params)
         loss = _weighted_mean(ws, losses)
-        metrics = {k: _weighted_mean(ws, v) for k, v in metrics.items()}
+        metrics = reduce_metrics(metrics, ws)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
