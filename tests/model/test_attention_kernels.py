@@ -78,6 +78,30 @@ def test_zigzag_order_gives_every_query_shard_the_same_causal_work():
     assert max(contiguous) / np.mean(contiguous) > 1.7  # what zigzag removes: (2n-1)/n
 
 
+@pytest.mark.parametrize("q_seq_shards, offset", [(1, 0), (4, 0), (1, 3)])
+def test_corner_causal_mask_gives_splash_the_mask_information_of_its_causal_mask(q_seq_shards, offset):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
+
+    seq, heads = 1024, 2
+    fast, stock = ak._corner_causal_mask_type()((seq, seq), offset=offset), sm.CausalMask((seq, seq), offset=offset)
+    if q_seq_shards > 1:
+        fast.q_sequence = stock.q_sequence = ak.zigzag_positions(seq, q_seq_shards)
+    for q0, k0, n in [(0, 0, 128), (256, 0, 128), (0, 512, 256), (130, 100, 77), (0, 0, seq)]:
+        idx = (slice(q0, q0 + n), slice(k0, k0 + n))
+        block = fast[idx]
+        np.testing.assert_array_equal(np.asarray(block), stock[idx])
+        assert (block.any(), block.all()) == (stock[idx].any(), stock[idx].all())
+    for is_dkv in (False, True):
+        got = mi._process_mask(sm.MultiHeadMask([fast] * heads), (128, 256), is_dkv, q_seq_shards=q_seq_shards)[0]
+        want = mi._process_mask(sm.MultiHeadMask([stock] * heads), (128, 256), is_dkv, q_seq_shards=q_seq_shards)[0]
+        for name in got._fields:
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_gpu_flash_attention_equals_reference_forward_and_backward():
     _check(lambda *a, scale: ak.gpu_flash_attention(*a, scale=scale, interpret=True), *_inputs(), tol=2e-4)
 
