@@ -291,7 +291,7 @@ def panels(records: list[dict], evals: list[dict] = ()) -> list[tuple[str, dict]
 
 def plot_stage(stage: str, stage_panels: list[tuple[str, dict]], ncols: int = 3) -> bytes:
     """A PNG (bytes) of a stage's panels as small multiples, `ncols` per row, x = step."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: matplotlib (figures only)
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 

@@ -51,8 +51,9 @@ Design:
 """
 import grain
 import numpy as np
+from absl import flags
 
-from coder.data import corpus, sources
+from coder.data import corpus, repo_docs, sources
 from coder.data.sources import BAD_KINDS
 
 # Columns of the per-source counters ("heldout": documents dropped as overlapping held-out code).
@@ -322,8 +323,6 @@ def corpus_spec(config, split: str) -> dict:
 def repo_spec(config, split: str) -> dict:
     """The repository documents of `split` (config.data.repos, coder.data.repo_docs) as a source
     spec of weight config.data.repo_weight; the split is by repository (split_repositories)."""
-    from coder.data import repo_docs
-
     urls = repo_docs.split_repositories(repo_docs.repository_dirs(config.data.repos), split,
                                         float(config.data.heldout_fraction))
     if not urls:
@@ -413,8 +412,6 @@ def build_iterator(
     ds = PackIterDataset(ds, seq_len, batch_size // process_count, len(specs), split_docs, guard,
                          max_position)
     if config.data.num_workers > 0:
-        from absl import flags
-
         # grain's worker processes read its absl flags; outside an absl app (tests, notebooks)
         # nobody parsed them, so take their defaults.
         if not flags.FLAGS.is_parsed():

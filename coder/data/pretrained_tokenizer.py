@@ -190,7 +190,7 @@ class PretrainedTokenizer(ChatTemplate, abc.ABC):
         tokenizer_config.json (bos / eos, and a chat template rendering coder's), the base's own
         files and CHAT_FILE. Returns the file names written."""
         from etils import epath
-        from tokenizers import AddedToken, Tokenizer as HFTok
+        from tokenizers import AddedToken, Tokenizer as HFTok  # optional: the hf extra
 
         tok = HFTok.from_str(self._base_tokenizer_json())
         chat = self.meta["chat"]
@@ -240,7 +240,7 @@ class HFTokenizer(PretrainedTokenizer):
     BASE_FILES = ("tokenizer.json",)
 
     def _load_base(self):
-        from tokenizers import Tokenizer as HFTok
+        from tokenizers import Tokenizer as HFTok  # optional: the hf extra
 
         text = self._files["tokenizer.json"].decode("utf-8")
         self._tok = HFTok.from_str(text)
@@ -265,7 +265,7 @@ class HFTokenizer(PretrainedTokenizer):
     @staticmethod
     def base_tokens(files: dict[str, bytes]) -> tuple[dict[str, int], int]:
         """({added / special token string: id}, id count) of a tokenizer.json."""
-        from tokenizers import Tokenizer as HFTok
+        from tokenizers import Tokenizer as HFTok  # optional: the hf extra
 
         tok = HFTok.from_str(files["tokenizer.json"].decode("utf-8"))
         added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
@@ -326,7 +326,7 @@ class TiktokenTokenizer(PretrainedTokenizer):
     BASE_FILES = ("tiktoken.model",)
 
     def _load_base(self):
-        import tiktoken
+        import tiktoken  # optional: the hf extra
 
         self._ranks = _read_tiktoken_ranks(self._files["tiktoken.model"])
         specials = {k: int(v) for k, v in self.meta.get("special_tokens", {}).items()}
@@ -353,6 +353,7 @@ class TiktokenTokenizer(PretrainedTokenizer):
     def _base_tokenizer_json(self):
         """tiktoken's ranks as a byte-level BPE (vocab + merges, ignore_merges like tiktoken),
         its pattern as the pre-tokenizer's split and its special tokens as added tokens."""
+        # optional: the hf extra
         from tokenizers import AddedToken, Regex, Tokenizer as HFTok, decoders, models, pre_tokenizers
 
         b2u = _bytes_to_unicode()

@@ -29,6 +29,8 @@ import threading
 import fsspec
 import numpy as np
 
+from coder.data import repo_docs
+
 FORMATS = ("jsonl", "parquet", "arrayrecord", "text")
 SPEC_KEYS = ("path", "weight", "format", "text_field", "name")
 # Kinds of bad record, in the column order of the counters (column 0 counts records seen).
@@ -169,7 +171,7 @@ class ParquetSource(_FileSource):
 
     def __init__(self, paths: list[str], field: str):
         super().__init__(paths)
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: pyarrow (parquet sources only)
 
         self.field = field
         self._groups = []  # (file index, row group, first global row)
@@ -190,7 +192,7 @@ class ParquetSource(_FileSource):
         return int(self._starts[-1])
 
     def __getitem__(self, index: int):
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: pyarrow (parquet sources only)
 
         g = int(np.searchsorted(self._starts, index, side="right") - 1)
         with self._lock:
@@ -244,8 +246,6 @@ def open_source(spec: dict):
     repo_spec: format "repo", paths = repository directories, one record each)."""
     fmt = spec["format"]
     if fmt == "repo":
-        from coder.data import repo_docs
-
         return repo_docs.RepoSource(list(spec["path"]), int(spec.get("part_chars", 0)))
     paths = expand_paths(spec["path"])
     if fmt == "jsonl":

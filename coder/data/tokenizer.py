@@ -55,6 +55,7 @@ from coder.data import corpus, sources
 from coder.data.chat_template import SPECIAL_TOKENS, ChatTemplate
 from coder.data.pretrained_tokenizer import (HFTokenizer, TiktokenTokenizer, load_pretrained,
                                              tokenizer_files_in)
+import fsspec
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
@@ -98,8 +99,6 @@ class Tokenizer(ChatTemplate):
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
         """Loads a .model file from a local path or any fsspec URL."""
-        import fsspec
-
         with fsspec.open(path, "rb") as f:
             return cls(f.read(), source=path)
 
@@ -350,7 +349,7 @@ def from_record(record: dict, where: str = "") -> ChatTemplate:
 def load_or_train_shared(config, cache_dir: str | None = None, agent_text: AgentText | None = None) -> ChatTemplate:
     """`load_or_train` on process 0 only; the other processes receive its files (broadcast), so
     every host uses the same tokenizer whatever its own Python or cache holds."""
-    import jax
+    import jax  # heavy: jax (this module loads without it)
 
     if jax.process_count() == 1:
         return load_or_train(config, cache_dir, agent_text=agent_text)

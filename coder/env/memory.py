@@ -55,6 +55,8 @@ import os
 import re
 import time
 
+import fsspec
+
 SPLITS = ("train", "eval")
 SESSION = "memory_session"  # the task metadata key naming the session a task's rollouts run in
 
@@ -127,8 +129,6 @@ class Scope:
     written: list = dataclasses.field(default_factory=list)  # the file names of the notes this rollout wrote
 
     def _fs(self):
-        import fsspec
-
         return fsspec.core.url_to_fs(self.path)
 
     def _names(self, fs, path) -> list[str]:

@@ -143,7 +143,7 @@ def unpack(sdist: str, dest: str) -> str:
 def runtime_requirements(tree: str) -> list[str]:
     """The requirements a source tree declares for running (PEP 621 `[project] dependencies`
     of its pyproject.toml), markers kept; [] when it declares none there."""
-    import tomllib
+    import tomllib  # Python >= 3.11 (python_requires is 3.10)
 
     path = os.path.join(tree, "pyproject.toml")
     if not os.path.exists(path):

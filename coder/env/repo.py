@@ -41,6 +41,8 @@ import tempfile
 import zipfile
 from collections.abc import Mapping
 
+import fsspec
+
 CACHE = os.path.join(tempfile.gettempdir(), "coder-repos")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -155,8 +157,6 @@ def _unpack(repo: str, cache: str) -> str:
     local = _local_path(repo)
     try:
         if local is None:
-            import fsspec
-
             fs, path = fsspec.core.url_to_fs(repo)
             version = json.dumps(fs.info(path), sort_keys=True, default=str)
         else:

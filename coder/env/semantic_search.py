@@ -241,7 +241,7 @@ def search(spec: SemanticSpec, task, files: dict[str, str], query: str, k: int =
            encoder=None) -> list[tuple[float, Chunk]]:
     """Top-k chunks of `files` ({path: text}, the workspace now) for `query`, best first, with
     their cosine similarity. `encoder` overrides the spec's (tests, benchmarks)."""
-    import faiss
+    import faiss  # heavy: faiss (the semantic_search tool only)
 
     enc = encoder if encoder is not None else encoder_of(spec)
     name = _encoder_name(spec, enc)

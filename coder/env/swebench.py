@@ -394,7 +394,7 @@ def read_instances(path: str) -> list[dict]:
     (an R2E-Gym row carries its commit's whole files)."""
     if not os.fspath(path).endswith(".parquet"):
         return read_jsonl(path)
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy: pyarrow (parquet files only)
 
     rows = []
     with fsspec.open(os.fspath(path), "rb") as f:

@@ -52,8 +52,8 @@ import sys
 
 from coder.env.episode import Episode, select_tools
 from coder.env.pool import EpisodePool
-from coder.env.protocol import call_fragments, render_tool_call
-from coder.env.tasks import read_solutions, read_tasks, write_jsonl
+from coder.env.protocol import call_fragments, render_system_prompt, render_tool_call
+from coder.env.tasks import read_solutions, read_tasks, toy_tasks, write_jsonl
 
 _OPEN = (
     "Let me run the tests first to see what fails.",
@@ -376,8 +376,6 @@ def toy_transcripts(n: int, seed: int, workers: int = 2, tools=(), system_preamb
     runs (rl.tools, rl.system_prompt); () / None keep all tools and the default preamble.
     edit_tool: see `script`.
     """
-    from coder.env.tasks import toy_tasks
-
     check_edit_tool(edit_tool, tools)  # here, not in each worker
     kw = {"tools": tuple(tools), "system_preamble": system_preamble, "edit_tool": edit_tool}
     items = [(task, solution, seed, kw) for task, solution in toy_tasks(n, seed)]
@@ -392,9 +390,6 @@ def toy_agent_texts(n: int, seed: int, tools=(), system_preamble=None, edit_tool
     """The text of `toy_transcripts(n, seed, ...)` that does not need a sandbox to produce: the
     system prompt, each task's prompt and the scripted agent's replies (no tool outputs), for
     training a tokenizer on the agent's format (coder.data.tokenizer: data.tokenizer_agent_text)."""
-    from coder.env.protocol import render_system_prompt
-    from coder.env.tasks import toy_tasks
-
     check_edit_tool(edit_tool, tools)
     texts = [render_system_prompt(select_tools(tuple(tools)), system_preamble)]
     for task, solution in toy_tasks(n, seed):

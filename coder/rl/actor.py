@@ -19,6 +19,7 @@ Used by stage `grpo` (coder/stages/grpo.py) and the agent eval (coder/rl/eval.py
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import threading
@@ -26,10 +27,16 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from coder.env import pool as pool_lib
+from coder.env import tasks as tasks_lib
 from coder.env.episode import Episode
-from coder.infer import embedding
+from coder.env.memory import Memory, repository_key
+from coder.infer import embedding, programs
+from coder.model import Transformer, sharding
 from coder.rl import agent as agent_lib
 from coder.rl import grpo
 from coder.rl import reward as reward_lib
@@ -39,8 +46,6 @@ from coder.rl import reward as reward_lib
 def _all_tasks(source: str, seed: int, key: str) -> list:
     """The tasks of `source` (config key `key`): "toy", or a Task JSONL path or glob, local or an
     fsspec URL (`gs://bucket/tasks/*.jsonl`), its files read in sorted order; seeded shuffle."""
-    from coder.env import tasks as tasks_lib
-
     if source == "toy":
         return [t for t, _ in tasks_lib.toy_tasks(45, seed)]
     paths = tasks_lib.glob_files(source)
@@ -89,8 +94,6 @@ def check_heldout(config, trained: list, held: list) -> None:
     repository in both (coder.env.memory.repository_key: `metadata["repo"]`, else the task's
     `repo`; tasks without one compare by id only), named. One source needs no check: its last
     rl.eval_num_tasks tasks are held out and the others trained on, disjoint by construction."""
-    from coder.env.memory import repository_key
-
     rl = config.rl
     if rl.tasks == rl.eval_tasks:
         return
@@ -148,9 +151,6 @@ class EpisodeFactory:
     starting policy, frozen for the run). Built only when `rl.tools` offers the tool."""
 
     def __init__(self, config, memory_dir: str | None = None, eval_ids=(), policy_checkpoint: str = ""):
-        from coder.env import pool as pool_lib
-        from coder.env.memory import Memory
-
         rl, env = config.rl, config.env
         pool_lib.check_config(env)
         memory = Memory.from_config(env, memory_dir, eval_ids) if memory_dir else None
@@ -212,10 +212,6 @@ def sampling_params(rl_cfg):
 
 def model_fn(config):
     """`() -> the config's Transformer` (its structure; the actors' weights come from the store)."""
-    from flax import nnx
-
-    from coder.model import Transformer
-
     return lambda: Transformer(config.model, rngs=nnx.Rngs(0))
 
 
@@ -241,8 +237,6 @@ def engine_mesh(config, devices=None):
     actor slice smaller than the learner's). On a multi-process job each process's actor decodes
     on its own devices; an engine over every process's devices (stage serve on several
     processes) passes `jax.devices()`."""
-    from coder.model import sharding
-
     devices = jax.local_devices() if devices is None else list(devices)
     slices = len({getattr(d, "slice_index", 0) for d in devices})  # a colocated multislice learner's
     return sharding.make_mesh(_engine_mesh_config(config, slices), devices)
@@ -250,8 +244,6 @@ def engine_mesh(config, devices=None):
 
 def engine_mesh_shape(config, n_devices: int) -> dict[str, int]:
     """{axis: size} of `engine_mesh` over `n_devices` devices, without any device."""
-    from coder.model import sharding
-
     return dict(zip(sharding.AXES, sharding.mesh_shape(_engine_mesh_config(config), int(n_devices))))
 
 
@@ -263,8 +255,6 @@ def engine_rules(config) -> tuple:
     (`rl.engine_attention="training"`), or rows split over the expert axes with attention data
     parallel (`"data_parallel"`, coder.model.sharding.data_parallel_attention). Used by the RL
     actors, stage serve, realtime and the compile stage's engine report."""
-    from coder.model import sharding
-
     rules = tuple(tuple(r) for r in config.mesh.rules)
     mode = config.rl.engine_attention
     if mode not in ENGINE_ATTENTION:
@@ -283,8 +273,6 @@ def serving_dtype(config):
     """The one dtype of the RL weight path: the floating weights the learner publishes to the
     store, those the engine holds (`make_engine`) and its KV cache: `rl.engine_dtype`, "" =
     model.dtype."""
-    import jax.numpy as jnp
-
     return jnp.dtype(config.rl.engine_dtype or config.model.dtype)
 
 
@@ -353,14 +341,7 @@ def engine_memory(config, mesh_shape: dict) -> EngineMemory:
     `engine_mesh_shape(config, n_devices)`), from the config alone: the model is built abstractly
     (nnx.eval_shape), nothing is allocated. The serving dtype is `serving_dtype(config)`: the dtype
     of the engine's weights (whichever way they reach it) and of its KV cache."""
-    import math
-
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from coder.infer import programs
     from coder.infer.scheduler import bucket, default_len_buckets
-    from coder.model import sharding
 
     rules, dtype = engine_rules(config), serving_dtype(config)
     sizes = {axis: int(n) for axis, n in mesh_shape.items()}

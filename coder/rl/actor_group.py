@@ -27,8 +27,10 @@ store.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import threading
 
@@ -45,9 +47,6 @@ class GroupMember:
     """One process of a multi-process actor (module docstring); hosted by a Ray actor."""
 
     def __init__(self, rank: int, size: int):
-        import faulthandler
-        import signal
-
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: its stacks, to its Ray log
         self.rank, self.size = int(rank), int(size)
         self.worker = None  # member 0: the ActorWorker
@@ -58,7 +57,7 @@ class GroupMember:
 
     def coordinator(self) -> str:
         """host:port of the group's jax.distributed coordinator (called on member 0)."""
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
@@ -69,8 +68,8 @@ class GroupMember:
         `args`: [ObjectRef] of (tokenizer record, make_episode, model_fn), fetched only once
         jax.distributed is up (unpickling a jax.Array, e.g. weights a model_fn carries, starts
         the XLA backend, after which this process could not join)."""
-        import jax
-        import ray
+        import jax  # jax only once the Ray actor runs (join: before jax.distributed)
+        import ray  # heavy: ray (the Ray deployments only)
         from flax import nnx
 
         from coder.rl import actor as actor_lib
@@ -136,7 +135,7 @@ class RayActorGroups:
     `RayActors`: submit / wait / result / probe / notify / pids / close."""
 
     def __init__(self, config, n: int, processes: int, tokenizer, make_episode, model_fn, url: str, slots: int):
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         from coder.data import tokenizer as tokenizer_lib
 
@@ -160,9 +159,9 @@ class RayActorGroups:
 
     def _start(self, i: int):
         """Starts actor `i`'s group -> the ObjectRef of member 0's join (the group is up)."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        import ray  # heavy: ray (the Ray deployments only)
+        from ray.util.placement_group import placement_group  # heavy: ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # heavy: ray
 
         from coder.rl.actor_learner import _placement
 
@@ -187,8 +186,8 @@ class RayActorGroups:
         return up
 
     def _stop(self, i: int) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
+        import ray  # heavy: ray (the Ray deployments only)
+        from ray.util.placement_group import remove_placement_group  # heavy: ray
 
         for m in self.members[i]:
             try:
@@ -214,13 +213,13 @@ class RayActorGroups:
         return self._track(i, self.members[i][0].run_group.remote(work))
 
     def wait(self, tokens: list, timeout: float) -> list:
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         ready, _ = ray.wait(tokens, num_returns=1, timeout=timeout)
         return ready
 
     def result(self, token):
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         from coder.rl.actor_learner import ActorLost
 
@@ -252,13 +251,13 @@ class RayActorGroups:
 
     def pids(self, timeout: float = 600.0) -> list[list[int]]:
         """Each group's member pids (once every group is up)."""
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         ray.get(self._up, timeout=timeout)
         return [ray.get([m.pid.remote() for m in members], timeout=timeout) for members in self.members]
 
     def close(self) -> None:
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         for i, members in enumerate(self.members):
             if members:

@@ -59,6 +59,9 @@ import time
 import jax
 import numpy as np
 
+from coder.rl import actor as actor_lib
+from coder.rl import dispatch, weight_channel, weight_sync
+
 MAX_RESTARTS = 8  # Ray restarts of one actor process
 MAX_ATTEMPTS = 3  # a task whose group was lost with its actor this many times is skipped
 POLL_S = 0.5  # an actor polls the store this often when nothing nudges it
@@ -103,8 +106,6 @@ class GroupResult:
 
 def capacity(config) -> int:
     """Groups one actor rolls out at once: its engine's slots over G (coder.rl.actor.make_engine)."""
-    from coder.rl import actor as actor_lib
-
     return max(1, actor_lib.engine_slots(config) // int(config.rl.group_size))
 
 
@@ -157,8 +158,6 @@ class ActorWorker:
         from flax import nnx
 
         from coder.data import tokenizer as tokenizer_lib
-        from coder.rl import actor as actor_lib
-        from coder.rl import weight_channel
 
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
@@ -246,8 +245,6 @@ class ActorWorker:
         (`weight_channel.stage_on_device`), resharded on device into the engine's shardings and
         dtype from its next decode call on; `Engine.settle()` waits until they are. Returns the
         seconds taken here."""
-        from coder.rl import weight_channel
-
         t0 = time.perf_counter()
         self.engine.load_weights(weight_channel.OnDevice(int(version)), version)
         with self._cond:
@@ -298,8 +295,6 @@ class ActorWorker:
 
     def _not_there(self, needed: int) -> str:
         """Why a group that needs version >= `needed` did not start (run_group's TimeoutError)."""
-        from coder.rl import weight_sync
-
         if self.follower is None:
             return (f"[actor {self.index}] waited {self.timeout_s:g} s (rl.weight_timeout_s) for weights version >= "
                     f"{needed}: it holds version {self.version}, and the learner pushed none newer (rl.colocated)")
@@ -389,7 +384,7 @@ def local_ray_cpus(config, n: int, processes: int) -> int:
 def start_ray(config, n: int, processes: int) -> bool:
     """Connects to the Ray cluster at rl.ray_address, or starts a local instance (even when
     RAY_ADDRESS names another cluster) with `local_ray_cpus`. False when Ray was already up."""
-    import ray
+    import ray  # heavy: ray (the Ray deployments only)
 
     if ray.is_initialized():
         return False
@@ -406,7 +401,7 @@ class RayActors:
     at `rl.ray_address` or on a local Ray instance started here ("" = local)."""
 
     def __init__(self, config, n: int, tokenizer, make_episode, model_fn, url: str, slots: int):
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         from coder.data import tokenizer as tokenizer_lib
 
@@ -428,13 +423,13 @@ class RayActors:
         return self.handles[i].run_group.remote(work)
 
     def wait(self, tokens: list, timeout: float) -> list:
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         ready, _ = ray.wait(tokens, num_returns=1, timeout=timeout)
         return ready
 
     def result(self, token) -> GroupResult:
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         try:
             return ray.get(token)
@@ -452,12 +447,12 @@ class RayActors:
             h.notify.remote(version)
 
     def pids(self, timeout: float = 600.0) -> list[int]:
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         return ray.get([h.pid.remote() for h in self.handles], timeout=timeout)
 
     def close(self) -> None:
-        import ray
+        import ray  # heavy: ray (the Ray deployments only)
 
         for h in self.handles:
             try:
@@ -473,7 +468,7 @@ def _placement(local: bool) -> dict:
     (one actor per TPU / GPU host)."""
     if local:
         return {"num_cpus": 1}
-    import ray
+    import ray  # heavy: ray (the Ray deployments only)
 
     try:
         nodes = ray.nodes()
@@ -519,9 +514,6 @@ def learner_weights(config, url: str):
     """The learner's publisher (weight_channel.ModelPublisher) of stage grpo: every variable, floating
     ones in the serving dtype `rl.engine_dtype or model.dtype`, each process writing its own
     devices' slices."""
-    from coder.rl import actor as actor_lib
-    from coder.rl import weight_channel
-
     return weight_channel.ModelPublisher(url, dtype=actor_lib.serving_dtype(config),
                                       anchor_every=int(config.rl.anchor_every))
 
@@ -558,8 +550,6 @@ class Driver:
     """
 
     def __init__(self, config, actors, order: list, epoch: Epoch, *, needed: int, local: int, version: int):
-        from coder.rl import dispatch
-
         self.actors, self.epoch, self.local = actors, epoch, int(local)
         self.asynchronous = bool(config.grpo["async"])
         self.hist_bins = int(config.grpo.max_staleness)

@@ -38,6 +38,7 @@ import numpy as np
 
 from coder.env import memory as memory_lib
 from coder.env.suite import category_of
+from coder.rl import actor as stage_lib
 
 
 def _gather(records: list) -> list:
@@ -181,8 +182,6 @@ def run_agent_eval(config, model, tokenizer, stage_dir: str, *, step: int = 0, t
     Returns:
       {"pass@k" for k in rl.eval_k, "num_tasks", "infra_failures", "regressed", "report"}.
     """
-    from coder.rl import actor as stage_lib
-
     rl = config.rl
     ks = tuple(sorted({1, *(int(k) for k in rl.eval_k)}))  # pass@1 always: the regression check
     if max(ks) > int(rl.eval_samples):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import numpy as np
@@ -39,7 +40,7 @@ class ModelPublisher:
     """
 
     def __init__(self, url: str, *, dtype=None, anchor_every: int = 10):
-        import jax
+        import jax  # heavy: jax (this module loads without it)
 
         self.url, self.dtype = url, dtype
         self.writer = weight_sync.WeightPublisher(url, shard=(jax.process_index(), jax.process_count()),
@@ -48,7 +49,7 @@ class ModelPublisher:
     def publish(self, model, version: int) -> dict:
         """Writes `model`'s variables (an nnx module or state) as `version`; returns
         WeightPublisher.publish's record, its "seconds" including the copies to host."""
-        import jax
+        import jax  # heavy: jax (this module loads without it)
         from flax import nnx
         from jax import numpy as jnp
 
@@ -69,7 +70,7 @@ class ModelPublisher:
 
     def gc(self, keep_from: int) -> dict | None:
         """`gc(url, keep_from)` from process 0 (None on the others)."""
-        import jax
+        import jax  # heavy: jax (this module loads without it)
 
         return weight_sync.gc(self.url, keep_from) if jax.process_index() == 0 else None
 
@@ -132,7 +133,7 @@ class OnDevice:
     version: int
 
     def __call__(self, shardings: dict) -> dict:
-        import jax
+        import jax  # heavy: jax (this module loads without it)
 
         flat = _STAGED.get(self.version)
         if flat is None:
@@ -169,8 +170,6 @@ class EngineFollower:
     """
 
     def __init__(self, engine, url: str, template, *, verify: bool = True, timeout_s: float = 600.0):
-        import threading
-
         from jax import numpy as jnp
 
         from coder.train.flat import state_to_flat
@@ -292,8 +291,6 @@ class EngineFollower:
 
     def start(self, poll_seconds: float = 10.0) -> None:
         """`try_poll` every `poll_seconds` in a daemon thread until `close()` (a server's)."""
-        import threading
-
         self._thread = threading.Thread(target=self._loop, args=(float(poll_seconds),), name="weight-follower",
                                         daemon=True)
         self._thread.start()

@@ -219,7 +219,7 @@ def local_slices(flat: dict, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
     most `chunk_bytes`, as {slice_name: Slice}; a numpy array, or a process's own jax.Array in a
     job of several processes (a host value every process holds), whole from process 0. The
     shards are copied to host one by one: no process gathers a leaf."""
-    import jax
+    import jax  # heavy: jax (this module loads without it)
 
     out = {}
     for name, x in flat.items():
@@ -670,7 +670,7 @@ class WeightReader:
                 out[leaf] = (parts[0][1] if len(parts) == 1 and parts[0][0] == whole
                              else _assemble(leaf, parts, whole, dtype))
             else:
-                import jax
+                import jax  # heavy: jax (this module loads without it)
 
                 out[leaf] = jax.make_array_from_callback(
                     shape, self.shardings[leaf],

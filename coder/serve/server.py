@@ -75,6 +75,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coder.env import protocol
 from coder.infer.engine import SamplingParams
+from coder.rl import realtime
 from coder.serve.derived_signals import DerivedSignals
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -328,8 +329,6 @@ class Server:
     def __init__(self, engine, tokenizer, *, model_name: str = "coder", log=None, max_tokens: int = 512,
                  system_prompt: str = "", signals=None, seed: int = 0, workers: int = 64,
                  clock=time.time):
-        from coder.rl import realtime
-
         self.engine, self.tok, self.model_name, self.log, self.clock = engine, tokenizer, model_name, log, clock
         self.max_tokens, self.preamble = int(max_tokens), system_prompt or None
         self.signals = sorted(realtime.SIGNALS if signals is None else signals)

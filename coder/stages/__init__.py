@@ -35,7 +35,10 @@ from typing import Callable
 import jax
 from etils import epath
 
+from coder import report
+from coder.model import hf_import, sharding
 from coder.model.hf_import import ARCH_KEYS
+from coder.model.routing import balancing_warning
 
 # The sandbox (coder/env/sandbox.py) runs commands with these; scripts/setup.sh installs them.
 SANDBOX_TOOLS = {"bwrap": "bubblewrap", "setpriv": "util-linux", "prlimit": "util-linux"}
@@ -169,8 +172,6 @@ def check_batch(config, n_devices: int, name: str):
     does not divide over the batch mesh axes of `n_devices` devices. Not a style rule: XLA pads
     the rows of an uneven split and reshards them in every micro-batch (stage compile measured an
     all-gather of the token ids across the slices inside the loop)."""
-    from coder.model import sharding
-
     sizes = sharding.validate(config.model, config.mesh, n_devices)
     batch_shards = math.prod(sizes[a] for a in sharding.mesh_axes_of("batch", config.mesh.rules))
     accum = int(config.train.grad_accum)
@@ -220,8 +221,6 @@ def validate(config, n_devices: int | None = None, *, check_tools: bool = True) 
         if name != "compile" and name not in SERVICES:
             check_batch(c, n_devices, name)
         if name == names[0] and name != "compile" and not config.init_from:
-            from coder.model.routing import balancing_warning
-
             msg = balancing_warning(c.model, int(c.train.steps))
             if msg:  # routers trained from scratch by a balancing bias too slow for the run
                 logging.warning("stage %s: %s", name, msg)
@@ -248,7 +247,6 @@ def inherit_model_config(config, init_from: str):
     (hf_import.tokenizer_of), so the embedding grows by the tokens added. Every key that differs
     from the stage's own config is logged.
     """
-    from coder.model import hf_import
     from coder.train.checkpoint import read_config
 
     config = copy.deepcopy(config)
@@ -370,7 +368,6 @@ def write_report(workdir: str, rows: list[dict]) -> str | None:
     """
     if jax.process_index() != 0:
         return None
-    from coder import report
 
     try:
         path = report.write_report(workdir, rows=rows)

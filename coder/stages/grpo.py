@@ -53,14 +53,17 @@ import jax
 from flax import nnx
 
 from coder.env import pool as env_pool
+from coder.env import transcripts
 from coder.infer import speculative
 from coder.model import sharding
 from coder.rl import actor as actor_lib
-from coder.rl import actor_group, actor_learner, colocated, step_channel
+from coder.rl import actor_group, actor_learner, colocated, step_channel, weight_channel
+from coder.rl import eval as eval_lib
 from coder.rl import reward as reward_lib
 from coder.rl.actor import (Actor, episode_factory, eval_tasks, format_bytes, make_engine, rollout_metrics,
                             score_groups, train_tasks, trained_tasks)
 from coder.rl.learner import Learner, check_shared_prefix
+from coder.train.checkpoint import stage_tokenizer
 
 
 def validate(config) -> None:
@@ -355,10 +358,6 @@ class GrpoRun:
         processes: process 0 evaluates every task on an engine over the job's devices (the
         colocated one; with Ray actors one that loads the version from the store, each process its
         own slices, and frees its memory after), the others follow it and return {}."""
-        from coder.rl import eval as eval_lib
-
-        from coder.rl import weight_channel
-
         trainer = self.trainer
         tasks = self.held_out if tasks is None else tasks
         turns, version = self._eval_turns_of()
@@ -457,9 +456,6 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, tasks, make_epis
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `grpo`: tasks from `rl.tasks`, sandboxed episodes, eval on `rl.eval_tasks`."""
-    from coder.env import transcripts
-    from coder.train.checkpoint import stage_tokenizer
-
     # the checkpoint's (resumed or init_from)
     tok = stage_tokenizer(config, init_from, stage_dir, agent_text=transcripts.tokenizer_agent_text)
     tasks, trained, held_out = stage_tasks(config)

@@ -31,12 +31,17 @@ import jax
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from coder.model import sharding
+from coder.model import hf_import, sharding
 from coder.stages import exclude as exclude_lib
-from coder.train.losses import lm_loss, lm_loss_fn
-from coder.train.state import load_model
+from coder.train import checkpoint as ckpt_lib
+from coder.train import long_eval
 from coder.train.balancing import router_balancing
+from coder.train.checkpoint import stage_tokenizer
+from coder.train.losses import lm_loss, lm_loss_fn
+from coder.train.metrics import MetricsWriter
+from coder.train.state import load_model
 from coder.train.trainer import Trainer
 
 
@@ -45,8 +50,6 @@ def _train(config, stage_dir: str, init_from: str, make_iterator, long_len: int 
     batches of "train" (endless) or "heldout" (one pass). long_len > 0: the long-context eval at
     that length is logged with the held-out loss, on the same rows before and after."""
     from coder.env import transcripts
-    from coder.train import long_eval
-    from coder.train.checkpoint import stage_tokenizer
 
     tok = stage_tokenizer(config, init_from, stage_dir, agent_text=transcripts.tokenizer_agent_text)
     heldout = _heldout_batches(config, lambda: make_iterator(config, tok, "heldout"))
@@ -93,7 +96,6 @@ def _heldout_batches(config, make_heldout) -> list[dict]:
     finally:
         it.close()
     if jax.process_count() > 1:  # every process scores as many batches (the forward is collective)
-        from jax.experimental import multihost_utils
 
         batches = batches[:int(np.min(multihost_utils.process_allgather(np.int32(len(batches)))))]
     if not batches:
@@ -112,7 +114,6 @@ def long_eval_rows(config, tokenizer, length: int) -> dict | None:
     if not config.data.repos or max(int(config.eval.long_rows), int(config.eval.retrieval_examples)) <= 0:
         return None
     from coder.data import repo_docs
-    from coder.train import long_eval
 
     urls = repo_docs.split_repositories(repo_docs.repository_dirs(config.data.repos), "heldout",
                                         float(config.data.heldout_fraction))
@@ -205,8 +206,6 @@ def _sft_data(config, stage_dir: str) -> str:
         tmp.rename(path)  # a preempted run never leaves half a file behind
         logging.info("sft: %d transcripts of the env's toy tasks -> %s", len(convs), path)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("sft_transcripts")
     return os.fspath(path)
 
@@ -270,9 +269,6 @@ def check_eval(config) -> None:
 
 def _checkpoint_step(init_from: str) -> int:
     """The step of the checkpoint `init_from`; 0 for a Hugging Face checkpoint directory."""
-    from coder.model import hf_import
-    from coder.train import checkpoint as ckpt_lib
-
     return 0 if hf_import.is_hf_checkpoint(init_from) else ckpt_lib.checkpoint_step(init_from)
 
 
@@ -286,8 +282,6 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     """
     from coder.data.pretrain import make_pretrain_iterator
     from coder.env import transcripts
-    from coder.train.checkpoint import stage_tokenizer
-    from coder.train.metrics import MetricsWriter
 
     if not init_from:
         raise ValueError("stage eval needs a checkpoint: set init_from or run it after a training stage")
@@ -326,8 +320,6 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     long_len = int(config.eval.long_len) or int(config.model.max_position_embeddings)
     long_rows = long_eval_rows(config, tok, long_len)
     if long_rows is not None:
-        from coder.train import long_eval
-
         def score_rows(batch):
             with sharding.activate(mesh, rules):
                 s, w = score(state, {k: jax.make_array_from_process_local_data(row_sharding, v)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from coder.model import sharding
 from coder.stages import exclude as exclude_lib
+from coder.train.checkpoint import stage_tokenizer
 from coder.train.distill import MTP_PARAMS, distill_loss_fn
 from coder.train.state import build_model
 from coder.train.trainer import Trainer
@@ -64,7 +65,6 @@ def run(config, stage_dir: str, init_from: str) -> str:
     """Self-distil the MTP modules of the `init_from` model; returns the checkpoint directory."""
     from coder.data.pretrain import make_pretrain_iterator
     from coder.env import transcripts
-    from coder.train.checkpoint import stage_tokenizer
 
     if not init_from:
         raise ValueError("stage mtp distils a trained model: set init_from or run it after pretrain in stages")

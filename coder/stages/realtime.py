@@ -48,6 +48,9 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from coder.stages import inherit_model_config
+from coder.stages import serve as serve_stage
+
 STATE = "state.json"
 
 
@@ -64,7 +67,6 @@ def realtime_config(config):
 def validate(config) -> None:
     """Stops at start-up on realtime keys that cannot work, naming them."""
     from coder.rl import realtime as realtime_lib
-    from coder.stages import serve as serve_stage
 
     serve_stage.check(config)
     r = config.realtime
@@ -111,7 +113,6 @@ class Loop:
                  make_episode=None, clock=time.time):
         from coder.rl import realtime as realtime_lib
         from coder.rl import weight_channel, weight_sync
-        from coder.stages import serve as serve_stage
         from coder.train.metrics import MetricsWriter
 
         validate(config)
@@ -308,8 +309,6 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, model_fn=None, h
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `realtime`: from `init_from` (else workdir's newest checkpoint, as stage serve)."""
     from coder.env import transcripts
-    from coder.stages import inherit_model_config
-    from coder.stages import serve as serve_stage
     from coder.train.checkpoint import stage_tokenizer
 
     path = serve_stage.served_checkpoint(config, init_from)

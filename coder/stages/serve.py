@@ -31,7 +31,11 @@ import logging
 import os
 import signal
 
+import jax
+from flax import nnx
+
 from coder.infer import speculative
+from coder.stages import inherit_model_config
 from coder.train import checkpoint as ckpt_lib
 
 
@@ -101,12 +105,9 @@ def served_checkpoint(config, init_from: str) -> str:
 def build_engine(config, init_from: str = ""):
     """(engine, model, tokenizer, checkpoint path) of the config: the engine on this process's
     devices, or on every process's when the job has several (process 0 leads)."""
-    import jax
-
     from coder.env import transcripts
     from coder.infer.engine import Engine
     from coder.rl.actor import engine_mesh, engine_rules
-    from coder.stages import inherit_model_config
     from coder.train.state import build_model, load_into
 
     check(config)
@@ -146,8 +147,6 @@ def build(config, init_from: str = ""):
 
 def serve_engine(config, engine, model, tok, path: str):
     """The Server over a built engine (leader only)."""
-    from flax import nnx
-
     from coder.serve.server import Server
     from coder.serve.trajectory_log import TrajectoryLog
 
@@ -167,7 +166,7 @@ def serve_engine(config, engine, model, tok, path: str):
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Serves until SIGINT / SIGTERM; returns the checkpoint it served (for a following stage)."""
-    import uvicorn
+    import uvicorn  # optional: the serve extra
 
     del stage_dir  # the server writes only its trajectory log (serve.log_store)
     engine, model, tok, path = build_engine(config, init_from)

@@ -213,7 +213,7 @@ def _summary_writer_class():
             import tensorboardX  # noqa: F401  (the import is the point)
         finally:
             del sys.modules["torch"]
-    from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter  # heavy: tensorboardX (a writer only)
 
     return SummaryWriter
 

@@ -21,9 +21,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
-from coder.model import sharding
+from coder.model import Transformer, hf_import, sharding
 from coder.train import checkpoint as ckpt_lib
 from coder.train.flat import flat_to_state, flat_to_tree, state_to_flat, tree_to_flat
 
@@ -59,8 +60,6 @@ def _transformer_init(model_config, mesh, rules):
     is an argument, not a constant, so other seeds reuse the program too."""
     key = (model_config.to_json(sort_keys=True), mesh, rules)
     if key not in _INITS:
-        from coder.model import Transformer
-
         frozen = copy.deepcopy(model_config)  # the caller may change its config afterwards
 
         def make(seed):
@@ -94,8 +93,6 @@ def load_into(model: nnx.Module, path: str, *, require_all: bool = False) -> dic
     `require_all`; embedding / output-head rows past the checkpoint's (added tokens) start at the
     mean of its rows. The report adds "fresh_mtp" and "vocab" (checkpoint rows, model rows).
     """
-    from coder.model import hf_import
-
     if hf_import.is_hf_checkpoint(path):
         return hf_import.import_into(model, path)
     state = nnx.state(model)
@@ -239,8 +236,6 @@ def opt_state_shardings(tx, params, mesh, over: tuple[str, ...] = ()):
     jit's own propagation does not do this: zeros_like(p) does not depend on p's values, so
     `jit(tx.init)` returns the moments unsharded (a 671B model's whole Adam state on each chip).
     """
-    import optax
-
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.eval_shape(tx.init, params)
     param_sh = split_shardings(params, over)

@@ -51,7 +51,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
+import os
 import re
+from importlib.metadata import version
 
 GB = 10**9
 GiB = 2**30
@@ -175,8 +178,6 @@ def topology_devices(topo: Topology) -> list:
     (AOT), which is what `stage=compile` does. Needs the `tpu` extra (libtpu). A GpuTopology's
     devices come from the CUDA plugin (`gpu_devices`).
     """
-    import os
-
     if isinstance(topo, GpuTopology):
         return gpu_devices(topo)
 
@@ -315,8 +316,6 @@ def parse_gpu_topology(spec: str, num_slices: int = 1) -> GpuTopology:
 
 def gpu_compile_help() -> str:
     """What to install to compile for GPU targets, with the installed jaxlib's version."""
-    from importlib.metadata import version
-
     v = version("jaxlib")
     return (f"compiling for a GPU target needs jax's CUDA plugin matching jaxlib {v} (no NVIDIA libraries, no GPU): "
             f"pip install -e '.[gpu-compile]', or pip install --no-deps jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}")
@@ -324,8 +323,6 @@ def gpu_compile_help() -> str:
 
 def gpu_compile_available() -> bool:
     """Whether jax's CUDA plugin (the `gpu-compile` extra) is installed."""
-    import importlib.util
-
     try:  # find_spec imports the parent: no jax_plugins namespace at all raises
         return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     except ModuleNotFoundError:
@@ -334,8 +331,6 @@ def gpu_compile_available() -> bool:
 
 def target_config(chip: GpuChip) -> str:
     """The chip's GpuTargetConfigProto in text form (gpu_specs/)."""
-    import os
-
     with open(os.path.join(os.path.dirname(__file__), "gpu_specs", chip.target_config)) as f:
         return f.read()
 
@@ -385,7 +380,7 @@ def without_persistent_cache():
     """Compiles for compile-only devices stay out of JAX's persistent compilation cache
     (JAX_COMPILATION_CACHE_DIR): an executable without a client cannot be loaded back from it,
     so every later read would warn and compile again."""
-    import jax
+    import jax  # heavy: jax (this module loads without it)
     from jax.experimental.compilation_cache import compilation_cache
 
     # JAX decides once per process whether the cache is in use: reset that decision both ways
