@@ -689,16 +689,16 @@ class Engine:
                                                              "steps", "row_steps", "accepted")}
 
     def _call_weights(self, loader) -> None:
-        from coder.train import checkpoint as ckpt_lib
+        from coder.train import flat as flat_lib
 
-        shardings = ckpt_lib.state_to_flat(self._state_shardings)
+        shardings = flat_lib.state_to_flat(self._state_shardings)
         flat = loader(shardings)
         missing = set(shardings) - set(flat)
         if missing:
             raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
-        held = ckpt_lib.state_to_flat(self._state)  # the store's dtype (e.g. bf16) -> the engine's, on device
+        held = flat_lib.state_to_flat(self._state)  # the store's dtype (e.g. bf16) -> the engine's, on device
         flat = {k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held}
-        new = self._place(ckpt_lib.flat_to_state(self._state, flat))
+        new = self._place(flat_lib.flat_to_state(self._state, flat))
         if _is_abstract(self._state):  # built from an abstract model: the first weights set the signature
             self._state_struct = _signature(new)
         elif _signature(new) != self._state_struct:

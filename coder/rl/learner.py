@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 
 from coder.rl import grpo, trajectory
 from coder.train import checkpoint as ckpt_lib
+from coder.train import flat as flat_lib
 from coder.train.state import build_model, copy_model, load_into
 from coder.train.trainer import Trainer
 
@@ -63,7 +64,7 @@ def _checksum(x) -> jax.Array:
 
 def fingerprint(model: nnx.Module) -> dict[str, int]:
     """{flat variable name: uint32 checksum} of every variable of `model` (params, router bias)."""
-    flat = ckpt_lib.state_to_flat(nnx.state(model))
+    flat = flat_lib.state_to_flat(nnx.state(model))
     sums = jax.jit(lambda f: {k: _checksum(v) for k, v in f.items()})(flat)
     return {k: int(np.asarray(v.addressable_data(0))) for k, v in sums.items()}
 

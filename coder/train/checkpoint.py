@@ -44,10 +44,6 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-# still read as ckpt_lib.* by coder/infer/engine.py, coder/rl/learner.py and coder/train/trainer.py
-# (edited elsewhere at the time of the move): they import coder.train.flat next
-from coder.train.flat import flat_name, flat_to_state, flat_to_tree, state_to_flat, tree_to_flat  # noqa: F401
-
 ITEMS = ("state", "meta", "config", "tokenizer", "data")
 
 

@@ -68,6 +68,7 @@ from flax import nnx
 
 from coder.model import sharding
 from coder.train import checkpoint as ckpt_lib
+from coder.train import flat as flat_lib
 from coder.train import metrics as metrics_lib
 from coder.train import state as state_lib
 from coder.train.optim import lr_schedule, make_optimizer
@@ -534,7 +535,7 @@ class Trainer:
             self._tokenizer_record = to_record(self.tokenizer)
         self.ckpt.save(
             st.step,
-            arrays={"model": st.flat_model(), "opt_state": ckpt_lib.tree_to_flat(st.opt_state)},
+            arrays={"model": st.flat_model(), "opt_state": flat_lib.tree_to_flat(st.opt_state)},
             meta={**st.meta(), "stage": self.stage},
             data_state=data_state,
             config=json.loads(self.config.to_json_best_effort()),
