@@ -57,6 +57,11 @@ DELTA_FRACTION = 0.037
 TRAIN_STAGES = ("pretrain", "longctx", "sft")
 
 
+def _compile_now(program: str, compile_fn):
+    """`run` of plan_stage without a store: compile `program` now."""
+    return compile_fn()
+
+
 def _gib(x: float) -> float:
     return round(x / 2**30, 2)
 
@@ -160,7 +165,7 @@ def _decode_bytes(entry: dict) -> tuple[bool, float] | None:
 
 
 def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_compiles: int = 4,
-                          max_factor: int = 8) -> dict:
+                          max_factor: int = 8, run=_compile_now) -> dict:
     """The largest engine slot count whose decode program fits the actor's chips, by compiling.
 
     Rows split over the engine's batch mesh axes only when they divide them (compile.lower_engine),
@@ -183,7 +188,8 @@ def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_co
 
     def probe(n: int):
         if n not in tried:
-            res = _decode_bytes(compile_engine_at(config, mesh, topo, n, programs=("decode",)))
+            res = _decode_bytes(run(f"engine_decode_at_{n}_slots",
+                                    lambda: compile_engine_at(config, mesh, topo, n, programs=("decode",))))
             tried[n] = res if res is not None else (False, float("nan"))
             logging.info("plan: engine decode at %d slots: %s (%.1f GiB)", n,
                          "fits" if tried[n][0] else "does not fit", tried[n][1] / 2**30)
@@ -323,19 +329,22 @@ def _stage_row(name: str, config, chips: int, programs: list[dict], step_s: floa
                 fits=all(p["status"] == "fits" for p in programs), programs=programs)
 
 
-def plan_stage(name: str, config, mesh, topo, engine_cache: dict) -> tuple[dict, dict | None]:
-    """Compile stage `name`'s programs on `config` (the stage's own); returns (row, grpo part)."""
+def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_now) -> tuple[dict, dict | None]:
+    """Compile stage `name`'s programs on `config` (the stage's own); returns (row, grpo part).
+    `run(program, compile_fn)` compiles one program (ProgramStore.run: kept on disk as it ends)."""
     from coder.stages import compile as compile_stage
 
     chips = topo.num_chips
     b, t, accum = int(config.data.batch_size), int(config.data.seq_len), int(config.train.grad_accum)
     if name in TRAIN_STAGES or name == "mtp":
         if name == "mtp":
-            entry = _compile_step("mtp_step", compile_stage.lower_mtp_step, config, mesh, topo,
-                                  compile_stage.mtp_model_flops(config.model, b, t), b // accum, t)
+            entry = run("mtp_step", lambda: _compile_step(
+                "mtp_step", compile_stage.lower_mtp_step, config, mesh, topo,
+                compile_stage.mtp_model_flops(config.model, b, t), b // accum, t))
         else:
-            entry = _compile_step("train_step", compile_stage.lower_train_step, config, mesh, topo,
-                                  compile_stage.model_flops_per_step(config.model, b, t), b // accum, t)
+            entry = run("train_step", lambda: _compile_step(
+                "train_step", compile_stage.lower_train_step, config, mesh, topo,
+                compile_stage.model_flops_per_step(config.model, b, t), b // accum, t))
         prog = _program("mtp_step" if name == "mtp" else "train_step", entry)
         prog.update(rows=b, seq_len=t, grad_accum=accum, remat=config.model.remat)
         return _stage_row(name, config, chips, [prog], prog["step_s_serial"], prog["step_s_overlap"], b * t), None
@@ -346,7 +355,7 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict) -> tuple[dict,
                config.rl.engine_dtype, config.rl.engine_attention)
         engine = engine_cache.get(key)
         if engine is None:
-            engine = compile_engine_at(config, emesh, etopo, slots)
+            engine = run(f"engine_at_{slots}_slots", lambda: compile_engine_at(config, emesh, etopo, slots))
             engine_cache[key] = engine
         eprogs = []
         for p in ("prefill", "decode"):
@@ -360,10 +369,10 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict) -> tuple[dict,
         if name == "eval":
             return _stage_row(name, config, etopo.num_chips, eprogs, None, None, 0), None
         rows, seq = compile_stage.grpo_shape(config)
-        entry = compile_stage.compile_grpo(config, mesh, topo)
+        entry = run("grpo_step", lambda: compile_stage.compile_grpo(config, mesh, topo))
         gprog = _program("grpo_step", entry)
         gprog.update(rows=rows, seq_len=seq, grad_accum=accum, remat=config.model.remat)
-        fit = largest_fitting_slots(config, emesh, etopo, engine, slots) if engine.get("decode") else {}
+        fit = largest_fitting_slots(config, emesh, etopo, engine, slots, run=run) if engine.get("decode") else {}
         gprog_plan = dict(gprog, rows=rows, seq_len=seq)
         part = grpo_plan(config, gprog_plan, engine, fit, topo)
         actors = 0 if (config.rl.colocated or int(config.rl.num_actors) == 0) else int(config.rl.num_actors)
@@ -409,7 +418,7 @@ def _run(config) -> dict:
         else:
             mesh = sharding.make_mesh(c.mesh, devices)
             t1 = time.perf_counter()
-            row, part = plan_stage(name, c, mesh, topo, engine_cache)
+            row, part = plan_stage(name, c, mesh, topo, engine_cache, ProgramStore(out_dir, name, key).run)
             row["plan_s"] = round(time.perf_counter() - t1, 1)
             write_stage(out_dir, name, key, row, part)
         rows.append(row)
@@ -487,6 +496,32 @@ def write_stage(out_dir: str, name: str, key: str, row: dict, grpo: dict | None)
     path = epath.Path(stage_path(out_dir, name))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(key=key, row=row, grpo=grpo), indent=1, default=str))
+
+
+class ProgramStore:
+    """A stage's compiled programs on disk as each finishes (`W/plan/stages/NAME.programs.json`,
+    under the stage's key): a plan interrupted inside a long stage (GRPO's learner step, engine
+    and slot search are ~1-2 h of compiles on a small CPU) recompiles only the programs it had
+    not finished. An empty key (uncommitted code) reuses nothing."""
+
+    def __init__(self, out_dir: str, name: str, key: str):
+        from etils import epath
+
+        self.path = epath.Path(out_dir) / "stages" / f"{name}.programs.json"
+        self.key = key
+        saved = json.loads(self.path.read_text()) if key and self.path.exists() else {}
+        self.entries = saved.get("programs", {}) if saved.get("key") == key else {}
+
+    def run(self, program: str, compile_fn):
+        """`compile_fn()`'s record for `program`, from disk when this key compiled it before."""
+        if program in self.entries:
+            logging.info("plan: %s as compiled before (%s)", program, self.path)
+            return self.entries[program]
+        entry = compile_fn()
+        self.entries[program] = json.loads(json.dumps(entry, default=str))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(dict(key=self.key, programs=self.entries), indent=1, default=str))
+        return self.entries[program]
 
 
 def _dirty() -> bool:

@@ -204,7 +204,7 @@ def test_a_rerun_reuses_the_stages_planned_at_the_same_config_and_commit(tmp_pat
     changed is planned again, the others are not."""
     planned = []
 
-    def fake_stage(name, config, mesh, topo, cache):
+    def fake_stage(name, config, mesh, topo, cache, run=None):
         planned.append(name)
         row = {"stage": name, "chips": 4, "step_s": 1.0, "step_s_overlap": 0.5, "tokens_per_step": 10,
                "tokens_per_s": 10.0, "steps": 1, "hours": 1 / 3600, "chip_hours": 4 / 3600, "fits": True,
@@ -228,3 +228,29 @@ def test_a_rerun_reuses_the_stages_planned_at_the_same_config_and_commit(tmp_pat
     monkeypatch.setattr(P, "_dirty", lambda: True)  # uncommitted code: nothing reused
     P.run(config)
     assert planned[4:] == ["pretrain", "longctx", "mtp"]
+
+
+def test_a_stage_interrupted_between_programs_recompiles_only_the_rest(tmp_path):
+    """GRPO's stage is several long compiles (learner step, engine, slot probes): each program's
+    record is on disk when it ends, so a rerun under the same key starts where the last stopped."""
+    compiled = []
+
+    def program(name, fail=False):
+        def compile_fn():
+            compiled.append(name)
+            if fail:
+                raise KeyboardInterrupt  # the plan stopped mid-compile
+            return {"status": "fits", "memory": {"total_bytes": 1.0, "fits": True}}
+        return compile_fn
+
+    store = P.ProgramStore(str(tmp_path), "grpo", "key1")
+    assert store.run("grpo_step", program("grpo_step"))["status"] == "fits"
+    with pytest.raises(KeyboardInterrupt):
+        store.run("engine_at_8_slots", program("engine_at_8_slots", fail=True))
+    again = P.ProgramStore(str(tmp_path), "grpo", "key1")
+    again.run("grpo_step", program("grpo_step"))
+    again.run("engine_at_8_slots", program("engine_at_8_slots"))
+    assert compiled == ["grpo_step", "engine_at_8_slots", "engine_at_8_slots"]
+    P.ProgramStore(str(tmp_path), "grpo", "key2").run("grpo_step", program("grpo_step"))  # config changed
+    P.ProgramStore(str(tmp_path), "grpo", "").run("grpo_step", program("grpo_step"))  # uncommitted code
+    assert compiled[3:] == ["grpo_step", "grpo_step"]
