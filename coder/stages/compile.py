@@ -643,14 +643,13 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
 
 
 def _save_hlo(compiled, directory: str, name: str) -> str:
-    """The compiled HLO as text beside the run (tens of MB at full size: not in the report)."""
-    import os
-
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{name}.hlo.txt")
-    with open(path, "w") as f:
+    """The compiled HLO as text beside the run (tens of MB at full size: not in the report);
+    `directory` a local path or fsspec URL, as write_report's."""
+    fs, root = fsspec.core.url_to_fs(directory)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root.rstrip('/')}/{name}.hlo.txt", "w") as f:
         f.write(compiled.as_text())
-    return path
+    return f"{directory.rstrip('/')}/{name}.hlo.txt"
 
 
 def active_params(model_cfg) -> int:

@@ -7,6 +7,7 @@ quickstart model's real training step, RL engine programs and GRPO learner step 
 import collections
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -628,3 +629,22 @@ def test_report_is_written_to_an_fsspec_url(tmp_path, monkeypatch):
     finally:
         if fs.exists(url):
             fs.rm(url.rsplit("/", 1)[0], recursive=True)
+
+
+def test_compiled_hlo_is_written_to_an_fsspec_url(tmp_path, monkeypatch):
+    """The HLO beside the report goes where the report goes (a gs:// stage dir: the store)."""
+    import uuid
+
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://compile-hlo-{uuid.uuid4().hex}/compile"
+    fs = fsspec.filesystem("memory")
+    compiled = types.SimpleNamespace(as_text=lambda: "HloModule stand_in")
+    try:
+        assert C._save_hlo(compiled, url, "train_step") == f"{url}/train_step.hlo.txt"
+        assert fs.cat_file(f"{url}/train_step.hlo.txt").decode() == "HloModule stand_in"
+        assert not os.listdir(tmp_path)
+    finally:
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
