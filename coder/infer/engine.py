@@ -116,6 +116,12 @@ class Group:
     def length(self, row: int) -> int:
         return len(self.rows[row].tokens)
 
+    def prefill_counts(self, row: int) -> tuple[int, int]:
+        """(tokens prefill computed in the row's slot, prompt tokens it took from a cached prefix
+        instead); a group's shared prompt counts in its first row only."""
+        r = self.rows[row]
+        return r.prefilled, r.reused
+
     def expert_ids(self, row: int) -> np.ndarray:
         return np.concatenate(self.rows[row].expert_chunks, axis=0)
 
@@ -625,7 +631,7 @@ class Engine:
             else:
                 self._state = new
             with self._lock:
-                self.sched.flush_prefixes()  # computed with the old weights
+                self.sched.new_weights()  # cached prefixes and held rows' caches: old weights
             self.policy_version = self.policy_version + 1 if version is None else int(version)
 
     def _fit_pool(self, capacity_needed: int) -> None:
@@ -742,7 +748,7 @@ class Engine:
                 for r in reused:
                     slot, n = r.reuse
                     chunks = self.sched.prefixes[slot][1]  # pinned by admit_ready until now
-                    r.length, r.expert_chunks, r.reuse = n, [np.concatenate(chunks)[:n]], None
+                    r.length, r.expert_chunks, r.reuse, r.reused = n, [np.concatenate(chunks)[:n]], None, n
                     self.prefix_hits += 1
                     self.prefix_tokens += n
         self._prefill(seeds)
@@ -797,6 +803,8 @@ class Engine:
                 chunks, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, self._slots)
                 experts = self._device("prefill", *args)
                 self.prefill_tokens += sum(len(c) for c in chunks)
+                for r, c in zip(part, chunks):
+                    r.prefilled += len(c)
                 with self._lock:
                     self.sched.absorb_prefill(part, chunks, experts, self.policy_version)
 

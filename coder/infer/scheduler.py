@@ -25,7 +25,11 @@ A new group whose prompt starts with tokens a cached prefix holds starts from a 
 slot: only the rest of its prompt is prefilled (a conversation's next turn, the same files in
 another prompt). Cached slots are free for the taking: an admission that finds no free slot
 evicts them, least recently used first. New weights make every cached prefix stale: the engine
-flushes them (`flush_prefixes`).
+flushes them (`new_weights`), and a row whose cache holds entries of older weights (it was
+admitted before the change and decoded on: in-flight updates) is never cached when it is
+released: each row keeps the weights epoch it was admitted under (`Row.kv_epoch`), and only rows
+of the current epoch become prefixes. Each row counts the prompt tokens it took from a cached
+prefix (`Row.reused`) and the tokens prefill computed in its slot (`Row.prefilled`).
 
 Continuous batching: every decode call runs all decoding rows of all groups together; rows join
 (after their prefill) at the next call and leave when they stop.
@@ -127,6 +131,9 @@ class Row:
     result: Generation | None = None  # what the last request produced, until its caller takes it
     host: object = None  # offloaded: its slot's state in host memory (programs.Store of numpy leaves)
     last_used: int = 0  # the scheduler's tick when it last decoded or was admitted (offload: oldest first)
+    kv_epoch: int = 0  # the scheduler's weights epoch at admission: its cache's oldest entries' weights
+    reused: int = 0  # prompt tokens copied from a cached prefix at admission (not prefilled)
+    prefilled: int = 0  # tokens prefill computed in this row's slot (a group's shared prompt: its first row)
 
     @property
     def closed(self) -> bool:
@@ -182,6 +189,7 @@ class Scheduler:
         self.to_release: list = []  # slots of closed groups (freed by the engine thread)
         self.offloaded: list[Row] = []  # rows whose state is in host memory, in offload order
         self.tick = 0  # counts admissions and decode calls: rows' last_used
+        self.weights_epoch = 0  # weights installed so far (`new_weights`): rows' kv_epoch
 
     # ------------------------------------------------------------------ admission and release
     def admit_ready(self) -> list[list]:
@@ -208,7 +216,7 @@ class Scheduler:
             self.admissions.pop(0)
             self.tick += 1
             for r, s in zip(rows, slots):
-                r.slot, r.last_used = s, self.tick
+                r.slot, r.last_used, r.kv_epoch = s, self.tick, self.weights_epoch
                 self.rows[s] = r
             if match:
                 rows[0].reuse = match
@@ -290,12 +298,18 @@ class Scheduler:
         for slot in list(self.prefixes):
             self._evict(slot)
 
+    def new_weights(self) -> None:
+        """Weights changed: every cached prefix is stale, and so is every row admitted before (its
+        cache, once released, is never cached: `release_closed`)."""
+        self.weights_epoch += 1
+        self.flush_prefixes()
+
     def release_closed(self) -> None:
         for s in self.to_release:
             if self.rows.get(s) is not None and self.rows[s].request is None:
                 r = self.rows.pop(s)
                 r.slot = -1
-                if self.prefix_cache_slots and r.length:
+                if self.prefix_cache_slots and r.length and r.kv_epoch == self.weights_epoch:
                     self.prefixes[s] = (r.tokens[:r.length], r.expert_chunks)
                     while len(self.prefixes) > self.prefix_cache_slots:
                         self._evict(next(iter(self.prefixes)))

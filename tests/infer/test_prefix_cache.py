@@ -90,3 +90,51 @@ def test_prefix_cache_slots_must_leave_a_slot_to_decode(model_and_cfg):
     cfg, model = model_and_cfg
     with pytest.raises(ValueError, match="prefix_cache_slots=4"):
         engine_of(model, cfg, 4)
+
+
+def test_a_row_held_across_new_weights_is_never_cached(model_and_cfg):
+    """In-flight updates: a row admitted under the old weights and released after new ones came
+    holds keys and values of the old weights; its slot must not become a cached prefix, so the
+    next group prefills in full and samples what a fresh engine of the new weights samples."""
+    cfg, model = model_and_cfg
+    engine = engine_of(model, cfg, 2)
+    prompt = [3, 17, 42, 5, 99, 7, 11]
+    g = engine.start_group(prompt, 1)
+    first = engine.generate(g, GREEDY, jax.random.key(0))[0]
+    other = Transformer(cfg, rngs=nnx.Rngs(1))
+    engine.set_weights(other)
+    engine.settle()  # the new weights are in (the row still holds its old cache)
+    g.close()
+    engine.settle()
+    assert len(engine.sched.prefixes) == 0
+    fresh = engine_of(other, cfg, 0)
+    again = prompt + first.tokens + [20, 21]
+    got = [engine.generate(h, GREEDY, jax.random.key(1))[0].tokens for h in [engine.start_group(again, 1)]]
+    want = [fresh.generate(h, GREEDY, jax.random.key(1))[0].tokens for h in [fresh.start_group(again, 1)]]
+    assert got == want and engine.stats()["prefix_hits"] == 0
+    engine.close()
+    fresh.close()
+
+
+def test_each_row_counts_what_it_prefilled_and_what_it_reused(model_and_cfg):
+    """Group.prefill_counts: the rows' counts add up to the engine's counters (a group's shared
+    prompt counts in its first row, a cached prefix's tokens in the row that took them)."""
+    cfg, model = model_and_cfg
+    engine = engine_of(model, cfg, 2)
+    prompt = [3, 17, 42, 5, 99, 7, 11]
+    g = engine.start_group(prompt, 2)
+    out = engine.generate(g, GREEDY, jax.random.key(0))
+    counts = [g.prefill_counts(i) for i in range(2)]
+    assert counts == [(len(prompt), 0), (0, 0)]
+    g.release(0)  # row 0 is done: its slot becomes a cached prefix
+    engine.settle()
+    h = engine.start_group(prompt + out[0].tokens + [20, 21], 1)
+    engine.generate(h, GREEDY, jax.random.key(1))
+    prefilled, reused = h.prefill_counts(0)
+    s = engine.stats()
+    assert reused == s["prefix_tokens"] == len(prompt) + len(out[0].tokens)  # row 0's whole cache
+    assert prefilled == 2  # the new tokens only
+    assert prefilled + counts[0][0] + g.prefill_counts(1)[0] == s["prefill_tokens"]
+    g.close()
+    h.close()
+    engine.close()
