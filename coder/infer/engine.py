@@ -749,8 +749,10 @@ class Engine:
                     slot, n = r.reuse
                     chunks = self.sched.prefixes[slot][1]  # pinned by admit_ready until now
                     r.length, r.expert_chunks, r.reuse, r.reused = n, [np.concatenate(chunks)[:n]], None, n
-                    self.prefix_hits += 1
-                    self.prefix_tokens += n
+        for r in seeds:  # copied prefixes, and those a row took in their own slot (admit_ready)
+            if r.reused:
+                self.prefix_hits += 1
+                self.prefix_tokens += r.reused
         self._prefill(seeds)
         src, dst = [], []
         for rows, _ in admitted:

@@ -196,7 +196,10 @@ class Scheduler:
         """Groups (lists of rows) that get slots now, in FIFO order (a group that does not fit
         waits, and so do the ones behind it). A group's first row may start from a cached prefix
         (`Row.reuse`); cached slots are evicted for room, least recently used first, but none a
-        group admitted here reuses (the engine copies them after this call)."""
+        group admitted here reuses (the engine copies them after this call). A group that fits
+        only with its match's slot takes that slot as it is (its first row starts with the
+        prefix's n tokens cached, `Row.reused`; nothing to copy): a self-summary chain's next
+        window in the slot its previous window left."""
         out, pinned = [], set()
         while self.admissions:
             rows, call = self.admissions[0]
@@ -207,17 +210,28 @@ class Scheduler:
                 if victim is None:
                     break
                 self._evict(victim)
+            own = None  # (cached slot, n) the first row takes as it is: nothing to copy
             if match and match[0] not in pinned and len(self.pool.free) < len(rows):
-                self._evict(match[0])  # only by giving up its match does the group fit
-                match = None
-            slots = self.pool.alloc(len(rows))
-            if slots is None:
-                break
+                if len(self.pool.free) + 1 >= len(rows):  # the match's own slot makes it fit
+                    own, match = match, None
+                else:
+                    self._evict(match[0])  # only by giving up its match does the group fit
+                    match = None
+            if own:
+                cached = self.prefixes.pop(own[0])[1]
+                slots = [own[0]] + self.pool.alloc(len(rows) - 1)
+            else:
+                slots = self.pool.alloc(len(rows))
+                if slots is None:
+                    break
             self.admissions.pop(0)
             self.tick += 1
             for r, s in zip(rows, slots):
                 r.slot, r.last_used, r.kv_epoch = s, self.tick, self.weights_epoch
                 self.rows[s] = r
+            if own:  # the slot holds the prefix's cache: the row's first n tokens are in it
+                n = own[1]
+                rows[0].length, rows[0].expert_chunks, rows[0].reused = n, [np.concatenate(cached)[:n]], n
             if match:
                 rows[0].reuse = match
                 pinned.add(match[0])

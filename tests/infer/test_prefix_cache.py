@@ -138,3 +138,27 @@ def test_each_row_counts_what_it_prefilled_and_what_it_reused(model_and_cfg):
     g.close()
     h.close()
     engine.close()
+
+
+def test_a_full_pool_hands_the_cached_slot_itself_to_the_next_window(model_and_cfg):
+    """Every slot held but the cached one (an RL engine: a slot per rollout): the group whose
+    prompt matches the cached prefix takes that slot as it is instead of evicting it, and replies
+    as without the cache."""
+    cfg, model = model_and_cfg
+
+    def run(engine):
+        other = engine.start_group([9, 8, 7, 6], 3)  # holds 3 of the 4 slots throughout
+        out = conversation(engine, TURNS[:3])
+        other.close()
+        return out
+
+    plain = Engine(model, cfg, max_len=MAX_LEN, max_slots=4, batch_buckets=BATCH, len_buckets=LENS, decode_steps=4)
+    cached = engine_of(model, cfg, 1)
+    want, got = run(plain), run(cached)
+    assert [a.tokens for a in want] == [b.tokens for b in got]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
+    s = cached.stats()
+    assert s["prefix_hits"] == 2 and s["prefix_tokens"] == plain.stats()["prefill_tokens"] - s["prefill_tokens"] > 0
+    plain.close()
+    cached.close()
