@@ -168,8 +168,9 @@ def preempt_worker(process_id: int, num_processes: int, port: int, workdir: str)
 
     jax.distributed.initialize(coordinator_address=f"localhost:{port}",
                                num_processes=num_processes, process_id=process_id)
+    from coder.train.hooks import Preempted
     from coder.train.losses import lm_loss_fn
-    from coder.train.trainer import Preempted, Trainer
+    from coder.train.trainer import Trainer
     from configs import base
 
     start = 100 * jax.process_index()

@@ -55,10 +55,7 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
-import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +66,7 @@ from flax import nnx
 from coder.model import sharding
 from coder.train import checkpoint as ckpt_lib
 from coder.train import flat as flat_lib
+from coder.train import hooks as hooks_lib
 from coder.train import metrics as metrics_lib
 from coder.train import state as state_lib
 from coder.train.optim import lr_schedule, make_optimizer
@@ -91,14 +89,6 @@ def batch_spec(name: str, shape: tuple, batch_axes, seq_axes, axis_size) -> tupl
     if ax is not None and seq_axes and shape[ax] % axis_size(seq_axes) == 0:
         spec[ax] = seq_axes
     return tuple(spec)
-
-
-class Preempted(SystemExit):
-    """Raised by `fit` after SIGTERM: the checkpoint is written; the process exits with code 0."""
-
-    def __init__(self, step: int):
-        super().__init__(0)
-        self.step = step
 
 
 def split_microbatches(batch: dict, accum: int) -> dict:
@@ -489,7 +479,7 @@ class Trainer:
         self._jit_eval = jax.jit(self._eval)
         self.writer = metrics_lib.MetricsWriter(self.stage_dir, self.stage,
                                                 resume_step=st.step if latest is not None else None)
-        self._preempt = False
+        self._preemption = hooks_lib.Preemption()  # a SIGTERM seen stays seen across fits
         self._peak_flops = None
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(st.params))
         logging.info(
@@ -682,30 +672,25 @@ class Trainer:
             params = nnx.state(self.state.model, nnx.Param)
         return metrics_lib.model_flops_per_token(self.config.model, seq_len, params=params)
 
-    def fit(self, iterator=None, steps: int | None = None, *, after_step: Callable | None = None) -> int:
+    def fit(self, iterator=None, steps: int | None = None, *, after_step: Callable | None = None,
+            hooks: Sequence[hooks_lib.Hook] = ()) -> int:
         """Train until `steps` (default config.train.steps); returns the final step.
 
-        The loop every training stage shares (LM stages and GRPO's learner): logs every
-        train.log_every steps (`loss` = mean over the non-skipped steps since the last line,
-        `loss_step` = this step's), checkpoints every train.ckpt_every steps and at the end;
-        SIGTERM: finish the current step, save, raise Preempted (exit code 0).
+        The loop every training stage shares (LM stages and GRPO's learner): the step, then the
+        hooks whose cadence is due (`fit_hooks`, coder.train.hooks): the log line every
+        train.log_every steps, a checkpoint every train.ckpt_every steps and at the end; SIGTERM:
+        finish the current step, save, raise Preempted (exit code 0).
 
         `iterator` yields batches (any iterator: a data pipeline, or a generator that collects
         rollouts). `after_step(trainer, metrics) -> dict | None` runs after every step (e.g. GRPO
-        hands the new weights to its engine, runs the agent eval); the scalars it returns join
-        that step's log record.
+        hands the new weights to its engine, runs the agent eval); `hooks` run after it, each on
+        its cadence (`Hook(fn, every=N)`: `fn(trainer, info)` at steps N, 2N, ...). The scalars
+        they return join that step's log record.
         """
         it = self.data_iterator if iterator is None else iterator
         steps = int(self.config.train.steps if steps is None else steps)
-        tc = self.config.train
-        log_every, ckpt_every = max(1, int(tc.log_every)), max(1, int(tc.ckpt_every))
-        prev_handler = None
-        if threading.current_thread() is threading.main_thread():
-            prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        fpt = None
-        t_last, tokens, timed_steps, t_first = None, 0, 0, None
-        loss_sum, loss_n = 0.0, 0  # device-side sum: no host sync per step
-        try:
+        hooks = self.fit_hooks(after_step, hooks)
+        with hooks_lib.running(hooks, self):
             while self.step < steps:
                 try:
                     batch = next(it)
@@ -713,77 +698,24 @@ class Trainer:
                     logging.warning("[%s] data exhausted at step %d", self.stage, self.step)
                     break
                 metrics = self.train_step(batch)
-                extra = (after_step(self, metrics) or {}) if after_step is not None else {}
-                if not int(metrics["skipped"]):
-                    loss_sum, loss_n = loss_sum + metrics["loss"], loss_n + 1
-                if t_last is None:  # the first step includes compilation: time from its end
-                    jax.block_until_ready(metrics)
-                    t_last = t_first = time.perf_counter()
-                    first_step = self.step
-                else:
-                    tokens += int(np.sum(np.asarray(batch["segment_ids"]) > 0)) * jax.process_count()
-                    timed_steps += 1
-                if self.step % log_every == 0 or self.step == steps:
-                    record = dict(metrics)
-                    record["loss_step"] = metrics["loss"]
-                    record["loss"] = loss_sum / max(loss_n, 1) if loss_n else metrics["loss"]
-                    loss_sum, loss_n = 0.0, 0
-                    now = time.perf_counter()
-                    eta = None
-                    if timed_steps:
-                        if fpt is None:
-                            fpt = self._flops_per_token(np.asarray(batch["tokens"]).shape[1])
-                        tps = tokens / max(now - t_last, 1e-9)
-                        record["tokens_per_s"] = tps
-                        record["mfu"] = tps * fpt / self.peak_flops()
-                        eta = (steps - self.step) * (now - t_first) / max(self.step - first_step, 1)
-                    record.update(_data_metrics(it))
-                    record.update(extra)
-                    self.log(record, total_steps=steps, eta_s=eta)
-                    t_last, tokens, timed_steps = now, 0, 0
-                if self._preempted():
-                    self.save(force=True)
-                    self.ckpt.wait()
-                    logging.warning("[%s] SIGTERM: checkpoint at step %d written, exiting", self.stage, self.step)
-                    raise Preempted(self.step)
-                if self.step % ckpt_every == 0 and self.step < steps:
-                    self.save()
-            self.save(force=True)
-            self.ckpt.wait()
-        finally:
-            if prev_handler is not None:
-                signal.signal(signal.SIGTERM, prev_handler)
+                info = hooks_lib.StepInfo(self.step, steps, metrics, batch, it)
+                for hook in hooks:
+                    hook.observe(self, info)
+                    if hook.due(info):
+                        info.record.update(hook(self, info) or {})
         return self.step
 
-    def _on_sigterm(self, signum, frame):
-        del signum, frame
-        self._preempt = True
-
-    def _preempted(self) -> bool:
-        """SIGTERM seen by this process or, in a job of several, by any of them: every process
-        stops after the same step (the checkpoint is written by all of them together; a process
-        that stopped alone would leave the others waiting in the next step's collectives)."""
-        if jax.process_count() == 1:
-            return self._preempt
-        from jax.experimental import multihost_utils
-
-        return bool(np.max(multihost_utils.process_allgather(np.int32(self._preempt))))
+    def fit_hooks(self, after_step: Callable | None = None, hooks=()) -> list[hooks_lib.Hook]:
+        """`fit`'s hooks in the order they run after a step: the caller's (`after_step`, then
+        `hooks`), whose scalars join the log line, then the trainer's own: the log line,
+        preemption, the checkpoint cadence (coder.train.hooks)."""
+        tc = self.config.train
+        caller = ([hooks_lib.after_step(after_step)] if after_step is not None else []) + list(hooks)
+        own = [hooks_lib.MetricsLog(tc.log_every), self._preemption, hooks_lib.Checkpoint(every=tc.ckpt_every)]
+        return caller + own
 
     def close(self):
         """Wait for pending checkpoint writes and close the writers."""
         self.ckpt.close()
         self.writer.close()
 
-
-def _data_metrics(it) -> dict:
-    """The data iterator's counters (coder.data: records seen / bad per kind), when it has them.
-
-    `skipped_records` is the number of bad records skipped so far (malformed, empty, ...).
-    """
-    fn = getattr(it, "metrics", None)
-    if not callable(fn):
-        return {}
-    out = dict(fn())
-    if "data/records_bad" in out:
-        out["skipped_records"] = out["data/records_bad"]
-    return out

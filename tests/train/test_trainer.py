@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from coder.train import hooks, losses
 from coder.train.balancing import router_balancing
-from coder.train import losses
 from coder.train.trainer import Trainer, split_microbatches
 from configs import base
 
@@ -243,6 +243,67 @@ def test_fit_writes_metrics_and_final_checkpoint(tmp_path):
     assert all({"loss", "grad_norm", "lr", "tokens_per_s", "mfu"} <= set(r) for r in records)
     assert (tmp_path / "checkpoints" / "4").is_dir()
 
+
+
+def _endless():
+    i = 0
+    while True:
+        yield make_batch(i)
+        i += 1
+
+
+def test_fit_hooks_run_on_their_cadence_and_checkpoints_on_train_ckpt_every(tmp_path):
+    """A caller's Hook(fn, every=3) runs at steps 3 and 6 of 7, its scalars in those steps' log
+    lines; the checkpoint hook saves at multiples of train.ckpt_every before the last step, then
+    the final one; after_step runs every step, before the hooks."""
+    import json
+
+    cfg = make_config(steps=7, log_every=1, ckpt_every=2, keep_checkpoints=10)
+    tr = make_trainer(tmp_path, cfg)
+    seen, saved, order = [], [], []
+    save = tr.save
+    tr.save = lambda force=False: (saved.append((tr.step, force)), save(force=force))
+
+    def every3(trainer, info):
+        assert info.step == trainer.step and info.steps == 7 and "loss" in info.metrics
+        seen.append(info.step)
+        order.append("hook")
+        return {"custom": float(info.step)}
+
+    def after(trainer, metrics):
+        order.append("after")
+
+    assert tr.fit(_endless(), after_step=after, hooks=[hooks.Hook(every3, every=3)]) == 7
+    tr.close()
+    assert seen == [3, 6]
+    assert order[:4] == ["after", "after", "after", "hook"]
+    assert saved == [(2, False), (4, False), (6, False), (7, True)]
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4, 6, 7]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert [r["step"] for r in records if "custom" in r] == [3, 6]
+    assert all(r["custom"] == r["step"] for r in records if "custom" in r)
+
+
+def test_fit_sigterm_saves_the_step_and_raises_preempted(tmp_path):
+    """SIGTERM during step 2 (sent by a hook): the preemption hook saves step 2, waits, raises
+    Preempted (exit code 0) before the checkpoint cadence; the previous handler is back after."""
+    import os
+    import signal
+
+    cfg = make_config(steps=6, ckpt_every=1000)
+    tr = make_trainer(tmp_path, cfg)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def term(trainer, info):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(hooks.Preempted) as e:
+        tr.fit(_endless(), hooks=[hooks.Hook(term, every=2)])
+    tr.close()
+    assert e.value.step == 2 and e.value.code == 0 and tr.step == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
 
 class ShardedToy(nnx.Module):
     """Toy LM whose parameters carry logical axes, so they shard over the mesh."""
