@@ -276,10 +276,28 @@ def serving_dtype(config):
     return jnp.dtype(config.rl.engine_dtype or config.model.dtype)
 
 
-def make_engine(model, config, *, mesh=None):
+def prefix_cache_slots(config) -> int:
+    """The RL engine's cached prefixes at most: `rl.prefix_cache_slots` where the config has it,
+    -1 (the default) = every slot but one (`engine_slots(config) - 1`), 0 = no prefix cache.
+
+    A self-summary chain's next window starts with the system prompt and task its previous
+    window's row holds: that row's slot, released as the window ends (`agent.Lease.leave`),
+    stays a cached prefix, and the next window prefills only the rest (the summary). Cached
+    slots never keep a row waiting (admission evicts them, or a window takes its match's slot
+    as it is), and new weights flush them, so no prefix of older weights is ever reused
+    (coder/infer/scheduler.py)."""
+    slots = engine_slots(config)
+    n = int(config.rl.get("prefix_cache_slots", -1))
+    if not -1 <= n < slots:
+        raise ValueError(f"rl.prefix_cache_slots={n} must be in [-1, engine slots={slots})")
+    return slots - 1 if n == -1 else n
+
+
+def make_engine(model, config, *, mesh=None, prefix_cache: int | None = None):
     """The RL engine on `mesh` (default: `engine_mesh(config)`), with its own copy of the
     model's weights in `serving_dtype(config)` (an abstract model: the weights it is given later,
-    from the store or the learner, in that dtype); `engine_slots(config)` slots. Refuses (ValueError, before
+    from the store or the learner, in that dtype); `engine_slots(config)` slots, and
+    `prefix_cache` cached prefixes at most (default `prefix_cache_slots(config)`). Refuses (ValueError, before
     anything is placed) an engine that `check_engine_memory` finds too large for its devices."""
     from coder.infer.engine import Engine
 
@@ -289,7 +307,8 @@ def make_engine(model, config, *, mesh=None):
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
                   max_slots=engine_slots(config), decode_steps=int(rl.decode_steps), dtype=serving_dtype(config),
                   mesh=mesh, rules=engine_rules(config),
-                  follower_timeout_s=float(rl.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows))
+                  follower_timeout_s=float(rl.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows),
+                  prefix_cache_slots=prefix_cache_slots(config) if prefix_cache is None else int(prefix_cache))
 
 
 # --- the engine's memory -----------------------------------------------------------------------
@@ -553,6 +572,10 @@ def rollout_metrics(groups: list[list]) -> dict:
         m.update(tool_wait_s_sum=float(np.sum(tool)), tool_wait_s=float(np.mean(tool)),
                  score_time_s=float(np.mean([r.score_time_s for r in flat])),
                  shared_verdicts=int(sum(r.verdict_shared for r in flat)))
+        # the engine's prefill per rollout: computed, and taken from its prefix cache instead
+        computed, saved = sum(r.prefill_tokens for r in flat), sum(r.prefix_tokens_saved for r in flat)
+        m.update(prefill_tokens=computed / len(flat), prefix_tokens_saved=saved / len(flat),
+                 prefix_saved_frac=saved / (computed + saved) if computed + saved else 0.0)
     if not ok:
         return m
 

@@ -511,6 +511,8 @@ class Agent:
                                                 rows=[s.row for _, s, _ in items])
                     for (run, seat, _), out in zip(items, outs):
                         run.on_sample(out, routing=seat.routing())
+            for run, seat in zip(runs, seats):
+                seat.record(run.rollout)
         finally:
             for ep in episodes:
                 ep.close()
@@ -580,12 +582,16 @@ class Lease:
         self.group, self.users = group, users
         self._lock = threading.Lock()
 
-    def leave(self) -> None:
+    def leave(self, row: int | None = None) -> None:
+        """One user is done with the group (with `row`: that row, whose slot goes back to the
+        engine now, where its cache may serve as a cached prefix, e.g. of the user's next window)."""
         with self._lock:
             self.users -= 1
             last = self.users == 0
         if last and hasattr(self.group, "close"):
             self.group.close()
+        elif not last and row is not None and hasattr(self.group, "release"):
+            self.group.release(row)
 
 
 class Seat:
@@ -593,6 +599,11 @@ class Seat:
 
     def __init__(self, engine, lease: Lease | None, row: int = 0):
         self.engine, self.lease, self.row = engine, lease, row
+        self.prefilled = self.reused = 0  # the engine's prefill counts of the rows it left
+
+    def record(self, rollout) -> None:
+        """The rows' prefill counts on the rollout (after its last `leave`)."""
+        rollout.prefill_tokens, rollout.prefix_tokens_saved = self.prefilled, self.reused
 
     def prepare(self, action: Sample) -> None:
         """Moves to a new row for a new generation, appends the Sample's context ids."""
@@ -613,8 +624,12 @@ class Seat:
             return
         if unsent:
             self.engine.append(self.lease.group, self.row, list(unsent))
+        counts = getattr(self.lease.group, "prefill_counts", None)
+        if counts is not None:
+            prefilled, reused = counts(self.row)
+            self.prefilled, self.reused = self.prefilled + prefilled, self.reused + reused
         lease, self.lease = self.lease, None
-        lease.leave()
+        lease.leave(self.row)
 
 
 def drive(run: AgentRun, episode, engine, seat: Seat, rng, sampling_params: Callable) -> Rollout:
@@ -632,6 +647,7 @@ def drive(run: AgentRun, episode, engine, seat: Seat, rng, sampling_params: Call
             (out,) = engine.generate(seat.lease.group, params, sample_key(rng, run.index, action), rows=[seat.row])
             run.on_sample(out, routing=seat.routing())
         seat.leave(run.take_unsent())
+        seat.record(run.rollout)
     finally:
         seat.leave()
     return run.rollout

@@ -95,6 +95,10 @@ class Rollout:
     tool_time_s: float = 0.0  # wall time the rollout waited on tool calls and lint
     score_time_s: float = 0.0  # wall time of scoring (the hidden tests)
     verdict_shared: bool = False  # its tests' verdict came from an identical workspace (no run)
+    # the engine's prefill for its rows (windows): tokens computed (a group's shared prompt counts in
+    # its first rollout), and prompt tokens taken from the engine's prefix cache instead
+    prefill_tokens: int = 0
+    prefix_tokens_saved: int = 0
 
     def usage(self) -> np.ndarray:
         """`[5]` in coder.rl.reward.USAGE_KEYS order."""
