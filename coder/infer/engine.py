@@ -148,7 +148,8 @@ class Engine:
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
                  batch_buckets=BATCH_BUCKETS, len_buckets=None, speculative_k: int = 0,
                  cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0,
-                 follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0, offload_idle_rows: bool = False):
+                 follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0, offload_idle_rows: bool = False,
+                 prefix_in_place: bool = False):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         speculative.check_draft_depth("speculative_k", speculative_k, model_cfg.num_mtp_layers)
@@ -197,7 +198,7 @@ class Engine:
         self.sched = Scheduler(max_slots=int(max_slots), max_len=self.max_len, spec_k=self.spec_k,
                                num_steps=self.decode_steps_per_call, moe_layers=self.moe_layers,
                                top_k=self.top_k_experts, expert_dtype=self.experts_dtype,
-                               prefix_cache_slots=int(prefix_cache_slots))
+                               prefix_cache_slots=int(prefix_cache_slots), prefix_in_place=bool(prefix_in_place))
         self._store = None  # programs.Store of `_slots` slots and `_capacity` positions
         self._slots = self._capacity = 0
         self._thread = None

@@ -177,9 +177,10 @@ class Scheduler:
     """Rows by slot, the admission queue, and the inputs / outputs of each program call."""
 
     def __init__(self, *, max_slots: int, max_len: int, spec_k: int, num_steps: int, moe_layers: int,
-                 top_k: int, expert_dtype, prefix_cache_slots: int = 0):
+                 top_k: int, expert_dtype, prefix_cache_slots: int = 0, prefix_in_place: bool = False):
         self.pool = SlotPool(max_slots)
         self.prefix_cache_slots = int(prefix_cache_slots)
+        self.prefix_in_place = bool(prefix_in_place)  # a match's slot is taken as it is, never copied
         # slot -> (cached tokens, their expert-id chunks), least recently used first
         self.prefixes: collections.OrderedDict[int, tuple[list, list]] = collections.OrderedDict()
         self.max_len, self.spec_k, self.num_steps = max_len, spec_k, num_steps
@@ -199,7 +200,10 @@ class Scheduler:
         group admitted here reuses (the engine copies them after this call). A group that fits
         only with its match's slot takes that slot as it is (its first row starts with the
         prefix's n tokens cached, `Row.reused`; nothing to copy): a self-summary chain's next
-        window in the slot its previous window left."""
+        window in the slot its previous window left. With `prefix_in_place` every match is taken
+        so (one slot where a copy holds two: the pool, and each decode call over it, stays as
+        small as the rows; the prefix is no longer cached, but the row's slot is, once released,
+        with the same tokens and more)."""
         out, pinned = [], set()
         while self.admissions:
             rows, call = self.admissions[0]
@@ -211,8 +215,8 @@ class Scheduler:
                     break
                 self._evict(victim)
             own = None  # (cached slot, n) the first row takes as it is: nothing to copy
-            if match and match[0] not in pinned and len(self.pool.free) < len(rows):
-                if len(self.pool.free) + 1 >= len(rows):  # the match's own slot makes it fit
+            if match and match[0] not in pinned and (self.prefix_in_place or len(self.pool.free) < len(rows)):
+                if len(self.pool.free) + 1 >= len(rows):  # the match's own slot (makes it fit)
                     own, match = match, None
                 else:
                     self._evict(match[0])  # only by giving up its match does the group fit

@@ -162,3 +162,19 @@ def test_a_full_pool_hands_the_cached_slot_itself_to_the_next_window(model_and_c
     assert s["prefix_hits"] == 2 and s["prefix_tokens"] == plain.stats()["prefill_tokens"] - s["prefill_tokens"] > 0
     plain.close()
     cached.close()
+
+
+def test_in_place_reuse_keeps_the_pool_as_small_as_the_rows(model_and_cfg):
+    """prefix_in_place (the RL engine): each turn takes the previous turn's slot as it is, so one
+    slot serves the whole conversation (a copy would hold two), with the same replies."""
+    cfg, model = model_and_cfg
+    plain, cached = engine_of(model, cfg, 0), engine_of(model, cfg, 2, prefix_in_place=True)
+    want, got = conversation(plain, TURNS), conversation(cached, TURNS)
+    assert [a.tokens for a in want] == [b.tokens for b in got]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
+    s = cached.stats()
+    assert s["prefix_hits"] == 3 and s["prefix_tokens"] == plain.stats()["prefill_tokens"] - s["prefill_tokens"]
+    assert cached.sched.pool.high == 1 and cached.compilations["copy"] == 0
+    plain.close()
+    cached.close()
