@@ -638,6 +638,11 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
             entry["tokens_per_s_upper"] = tokens[name] / lower_s if lower_s else 0.0
         entry["compile_seconds"] = time.perf_counter() - t1
         out[name] = entry
+        logging.info("engine %s (%d rows, cache %d, k=%d) on %s: %s, %.1f GiB a chip, compiled in %.0f s", name,
+                     setup["rows"], setup["cache_slots"], k, topo.name, entry.get("status"),
+                     (entry.get("memory") or entry.get("memory_overflow") or {}).get(
+                         "total_bytes", (entry.get("memory_overflow") or {}).get("used_bytes", 0.0)) / 2**30,
+                     entry["compile_seconds"])
     out["compile_seconds"] = time.perf_counter() - t0
     return out
 

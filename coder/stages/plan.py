@@ -103,6 +103,7 @@ def _compile_step(name: str, lower, config, mesh, topo, model_flops: float, rows
                                       gmm_scale=compile_stage.gmm_scale(config, mesh, rows_per_micro, seq))
         entry["status"] = "fits" if entry["memory"]["fits"] else "does_not_fit"
     entry["compile_seconds"] = time.perf_counter() - t0
+    logging.info("plan: %s: %s, compiled in %.0f s", name, entry.get("status"), entry["compile_seconds"])
     return entry
 
 
