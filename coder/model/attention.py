@@ -103,6 +103,55 @@ def _gather_latent(y):
     return constrain(constrain(y, ("batch", "res_seq", None)), LATENT)
 
 
+CACHED_ATTENTION_BLOCK = 4096  # cache slots a step of the blockwise cached attention reads
+
+
+def cached_attention(q_abs, q_rope, c_all, r_all, positions, scale: float, block: int | None = None):
+    """A cached call's attention in MLA's absorbed form -> o_lat `[B,T,H,r]` (before W_uv).
+
+    q_abs `[B,T,H,r]` (q_nope W_uk), q_rope `[B,T,H,dr]`, c_all `[B,S,r]` and r_all `[B,S,dr]`
+    (the cache after this call's writes), positions `[B,T]`: a query sees the slots at or
+    before its position. Caches of at most `block` (CACHED_ATTENTION_BLOCK) slots, or not a
+    multiple of it, take one softmax over `[B,H,T,S]` scores. Longer ones go `block` slots at a
+    time with an online softmax (running max and sum, as flash attention), so the scores held
+    are `[B,H,T,block]`: one 256-token prefill chunk of
+    2 rows x 64 heads against a 256k cache holds 537 MB of float32 scores, not 34 GB. Every block
+    is visited (a loop of S / block trips: XLA knows its cost), masked past each query's
+    position, as the one-pass form masks."""
+    block = int(block or CACHED_ATTENTION_BLOCK)
+    b, s, r = c_all.shape
+    dt = c_all.dtype
+    if s <= block or s % block:
+        scores = (jnp.einsum("bthr,bsr->bhts", q_abs, c_all, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthd,bsd->bhts", q_rope, r_all, preferred_element_type=jnp.float32))
+        mask = (jnp.arange(s)[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+        probs = jax.nn.softmax(jnp.where(mask, scores * scale, NEG_INF), axis=-1)
+        return jnp.einsum("bhts,bsr->bthr", probs.astype(dt), c_all)
+    t, h = q_abs.shape[1], q_abs.shape[2]
+
+    def step(i, carry):
+        m, l, acc = carry  # [B,H,T] running max and sum; acc [B,T,H,r] float32
+        c = jax.lax.dynamic_slice_in_dim(c_all, i * block, block, axis=1)
+        rr = jax.lax.dynamic_slice_in_dim(r_all, i * block, block, axis=1)
+        sc = (jnp.einsum("bthr,bsr->bhts", q_abs, c, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthd,bsd->bhts", q_rope, rr, preferred_element_type=jnp.float32))
+        mask = ((i * block + jnp.arange(block))[None, None, :] <= positions[:, :, None])[:, None]
+        sc = jnp.where(mask, sc * scale, NEG_INF)
+        m_new = jnp.maximum(m, sc.max(-1))
+        p = jnp.exp(sc - m_new[..., None])
+        p = jnp.where(mask, p, 0.0)  # a block wholly past a query's position adds nothing
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        pv = jnp.einsum("bhts,bsr->bthr", p.astype(dt), c, preferred_element_type=jnp.float32)
+        acc = acc * jnp.swapaxes(corr, 1, 2)[..., None] + pv
+        return m_new, l, acc
+
+    init = (jnp.full((b, h, t), NEG_INF, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+            jnp.zeros((b, t, h, r), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, s // block, step, init)
+    return (acc / jnp.swapaxes(l, 1, 2)[..., None]).astype(dt)
+
+
 def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
     """One layer's cache, zeros: latent `[B, max_len, r]` and RoPE key `[B, max_len, dr]`; with the
     nsa backend also NSA's compressed keys `k_cmp` `[B, Sc, 1, r + dr]` and values `v_cmp`
@@ -236,12 +285,7 @@ class MLA(nnx.Module):
             c_all = new_cache["latent"].astype(dt)  # [B,S,r]
             r_all = new_cache["rope"].astype(dt)  # [B,S,dr]
             q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
-            scores = (jnp.einsum("bthr,bsr->bhts", q_abs, c_all, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthd,bsd->bhts", q_rope, r_all, preferred_element_type=jnp.float32))
-            slots = jnp.arange(c_all.shape[1])
-            mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
-            probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, NEG_INF), axis=-1)
-            o_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(dt), c_all)
+            o_lat = cached_attention(q_abs, q_rope, c_all, r_all, positions, self.scale)
             o = jnp.einsum("bthr,rhd->bthd", o_lat, w_kvb[..., self.dn:])
         o = constrain(o, ("batch", "seq", "heads", None))
         # summed over heads straight into the residual stream's layout (a reduce-scatter over

@@ -126,3 +126,18 @@ def test_speculative_greedy_past_yarn_training_length_equals_plain(conversation)
     diffs = phase_diffs(logp, group.tokens(0), first, second)
     assert max(diffs) < TOL, diffs
     assert 0 < spec.accepted < spec.drafted, (spec.accepted, spec.drafted)
+
+
+def test_blockwise_cached_attention_in_the_engine_equals_the_full_forward(conversation, monkeypatch):
+    """A cache longer than attention.CACHED_ATTENTION_BLOCK (here 32: the 256-slot cache in 8
+    blocks) goes block by block with an online softmax (what a 256k cache does at 4096): the
+    same greedy tokens, the same logprobs as the full forward."""
+    from coder.model import attention
+
+    cfg, model, prompt, obs, _group, plain_first, plain_second, logp = conversation
+    monkeypatch.setattr(attention, "CACHED_ATTENTION_BLOCK", 32)
+    engine = Engine(model, cfg, max_len=MAX_LEN, batch_buckets=(1,), len_buckets=LENS)
+    group, first, second = converse(engine, prompt, obs)
+    assert (first.tokens, second.tokens) == (plain_first.tokens, plain_second.tokens)
+    diffs = phase_diffs(logp, group.tokens(0), first, second)
+    assert max(diffs) < TOL, diffs
