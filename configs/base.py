@@ -188,6 +188,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.speculative_k = 0  # the engine drafts this many tokens per step with the MTP modules (<= model.num_mtp_layers)
     # The rollout engine (coder/infer/engine.py): continuous batching over a pool of cache slots.
     c.rl.engine_slots = 0  # rows decoded together at most (0 = tasks_per_step * group_size)
+    # slots a released row's KV stays in as a cached prefix (a self-summary window's next one starts
+    # from its system prompt and task; new weights flush them): -1 = every slot but one, 0 = none
+    c.rl.prefix_cache_slots = -1
     # rows waiting on tools move their KV cache to host memory when other rows need the slot, and
     # come back before they decode (same tokens; more rollouts open than slots; one-process
     # engines only: coder/infer/engine.py). Serving needs none: a request's rows close with it.

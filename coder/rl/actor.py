@@ -277,7 +277,7 @@ def serving_dtype(config):
 
 
 def prefix_cache_slots(config) -> int:
-    """The RL engine's cached prefixes at most: `rl.prefix_cache_slots` where the config has it,
+    """The RL engine's cached prefixes at most: `rl.prefix_cache_slots`,
     -1 (the default) = every slot but one (`engine_slots(config) - 1`), 0 = no prefix cache.
 
     A self-summary chain's next window starts with the system prompt and task its previous
@@ -287,7 +287,7 @@ def prefix_cache_slots(config) -> int:
     as it is), and new weights flush them, so no prefix of older weights is ever reused
     (coder/infer/scheduler.py)."""
     slots = engine_slots(config)
-    n = int(config.rl.get("prefix_cache_slots", -1))
+    n = int(config.rl.prefix_cache_slots)
     if not -1 <= n < slots:
         raise ValueError(f"rl.prefix_cache_slots={n} must be in [-1, engine slots={slots})")
     return slots - 1 if n == -1 else n
