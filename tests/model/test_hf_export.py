@@ -10,16 +10,10 @@ from flax import nnx
 from coder.model import Transformer, hf_export, hf_import
 
 
-def test_save_hf_writes_to_an_fsspec_url(tmp_path, monkeypatch):
+def test_save_hf_writes_to_an_fsspec_url(tmp_path, monkeypatch, export_cfg):
     """The checkpoint lands in the store, not in a local directory named `memory:` (or `gs:`),
     and reads back as the same parameters."""
-    from configs.base import model_config
-
-    cfg = model_config()
-    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
-                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
-                    num_mtp_layers=0, dtype="float32"))
+    cfg = export_cfg()
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tok = types.SimpleNamespace(bos_id=1, eos_id=2, files=lambda: {"tokenizer.model": b"sp-bytes"})
     (tmp_path / "work").mkdir()

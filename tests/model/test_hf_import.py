@@ -82,14 +82,8 @@ def test_import_matches_transformers_and_round_trips(case, tmp_path):
 
 
 @pytest.mark.slow
-def test_mtp_layers_round_trip(tmp_path):
-    from configs.base import model_config
-
-    cfg = model_config()
-    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
-                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
-                    num_mtp_layers=2, dtype="float32"))
+def test_mtp_layers_round_trip(tmp_path, export_cfg):
+    cfg = export_cfg(2)
     model = Transformer(cfg, rngs=nnx.Rngs(3))
     hf_export.save_hf(cfg, model, str(tmp_path))
     names = set(json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"])
@@ -235,7 +229,7 @@ def _pack_int4(w: np.ndarray, group: int):
     return words, scale, (q.reshape(out, cols // group, group) * s[..., None]).reshape(out, cols).astype(np.float32)
 
 
-def test_kimi_k25_wrapper_with_int4_experts_imports_its_text_model(tmp_path, caplog):
+def test_kimi_k25_wrapper_with_int4_experts_imports_its_text_model(tmp_path, caplog, export_cfg):
     """A checkpoint in Kimi K2.5's format, written here from a coder model: the multimodal wrapper
     (model_type kimi_k25, the text config under text_config, tensors under language_model.), the
     routed experts INT4 pack-quantized (compressed-tensors, group-wise bf16 scales, the scales in
@@ -247,13 +241,7 @@ def test_kimi_k25_wrapper_with_int4_experts_imports_its_text_model(tmp_path, cap
 
     from safetensors.numpy import load_file, save_file
 
-    from configs.base import model_config
-
-    cfg = model_config()
-    cfg.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
-                    qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1,
-                    num_mtp_layers=0, dtype="float32"))
+    cfg = export_cfg()
     model = Transformer(cfg, rngs=nnx.Rngs(5))
     plain = tmp_path / "plain"
     hf_export.save_hf(cfg, model, str(plain))
