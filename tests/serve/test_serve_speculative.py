@@ -281,7 +281,7 @@ def test_speculative_k_reaches_the_engine_and_needs_trained_mtp_modules(tmp_path
 
     # a checkpoint without MTP weights (stand-ins for reading one: only the report matters)
     monkeypatch.setattr(stages, "inherit_model_config", lambda config, path: config)
-    monkeypatch.setattr(ckpt_lib, "stage_tokenizer", lambda config, path: tok)
+    monkeypatch.setattr(ckpt_lib, "stage_tokenizer", lambda config, path, agent_text=None: tok)
     monkeypatch.setattr(state_lib, "load_into", lambda model, path, require_all=False: {"fresh_mtp": [0, 1]})
     with pytest.raises(ValueError, match=r"serve\.speculative_k=1 .*module\(s\) \[0\]"):
         serve_stage.build_engine(c, "/hf/checkpoint")
