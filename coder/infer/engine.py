@@ -839,15 +839,17 @@ class Engine:
         return traced
 
     def _check_cache_layout(self):
-        """Every cache leaf must be `[batch, slots, ...]` with `slots` growing with the capacity and
-        the other axes independent of it (programs.resize relies on it); fail early otherwise."""
+        """Every cache leaf must be `[batch, ...]` with exactly one later axis growing with the
+        capacity (slots: axis 1, or 2 behind init_cache's layer axis) and the others independent of
+        it (programs.resize relies on it); fail early otherwise."""
         shapes = lambda b, c: jax.eval_shape(lambda: init_cache(self.cfg, b, c, self.cache_dtype))
         a, b, c = shapes(2, 64), shapes(3, 64), shapes(2, 1024)
         for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+            grows = [i for i in range(1, x.ndim) if x.shape[i] != z.shape[i]]
             if (x.ndim < 2 or (x.shape[0], y.shape[0]) != (2, 3) or x.shape[1:] != y.shape[1:]
-                    or x.shape[2:] != z.shape[2:] or not 0 < x.shape[1] < z.shape[1]):
+                    or len(grows) != 1 or not 0 < x.shape[grows[0]] < z.shape[grows[0]]):
                 raise ValueError(f"init_cache leaf {x.shape} (batch 2, capacity 64) is not "
-                                 "[batch, slots growing with the capacity, fixed axes...]")
+                                 "[batch, ..., slots growing with the capacity, ...] with one such axis")
 
 
 _RUNNING = weakref.WeakSet()  # engines whose thread runs: stopped before the interpreter exits

@@ -168,18 +168,26 @@ def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
     return cache
 
 
-def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids) -> dict:
+def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids, layer=None) -> dict:
     """Write new tokens at their absolute `positions`; padding tokens (segment 0) write nothing.
-    Other entries (NSA's compressed caches) are passed through unchanged."""
+    Other entries (NSA's compressed caches) are passed through unchanged. `layer` (a traced
+    int32 scalar): the leaves are a stack of layers' caches `[B, L, S, ...]` and this is layer
+    `layer`'s write, scattered in place into the stack (no copy of the layer's slice)."""
     b, t = positions.shape
-    max_len = layer_cache["latent"].shape[1]
+    max_len = layer_cache["latent"].shape[1 if layer is None else 2]
     slot = jnp.where(segment_ids > 0, positions, max_len)  # out of range -> dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    new_latent = layer_cache["latent"].at[rows, slot].set(
-        latent.astype(layer_cache["latent"].dtype), mode="drop")
-    new_rope = layer_cache["rope"].at[rows, slot].set(
-        k_rope.astype(layer_cache["rope"].dtype), mode="drop")
+    at = (rows, slot) if layer is None else (rows, jnp.broadcast_to(layer, (b, t)), slot)
+    new_latent = layer_cache["latent"].at[at].set(latent.astype(layer_cache["latent"].dtype), mode="drop")
+    new_rope = layer_cache["rope"].at[at].set(k_rope.astype(layer_cache["rope"].dtype), mode="drop")
     return dict(layer_cache, latent=new_latent, rope=new_rope)
+
+
+def layer_of(cache: dict, key: str, layer=None):
+    """Leaf `key` of one layer's cache `[B, S, ...]`: the leaf itself, or layer `layer` of a
+    stacked cache `[B, L, S, ...]` (a dynamic slice XLA fuses into the reads that follow)."""
+    x = cache[key]
+    return x if layer is None else jax.lax.dynamic_index_in_dim(x, layer, axis=1, keepdims=False)
 
 
 class MLA(nnx.Module):
@@ -234,8 +242,13 @@ class MLA(nnx.Module):
         q_rope = apply_rope(q[..., self.dn:], positions, inv, self.attention_factor)
         return q_nope, q_rope, latent, k_rope
 
-    def __call__(self, x, positions, segment_ids, cache: dict | None = None, prefix_segment=None):
+    def __call__(self, x, positions, segment_ids, cache: dict | None = None, prefix_segment=None,
+                 cache_layer=None):
         """x `[B,T,D]`, positions/segment_ids `[B,T]` -> (out `[B,T,D]`, updated layer cache).
+
+        cache_layer (a traced int32 scalar) or None: `cache` is the scanned layers' stacked cache
+        (leaves `[B, L, S, ...]`, coder.model.transformer.init_cache's "stack") and this layer is
+        number `cache_layer` of it; it is read and written in place.
 
         prefix_segment `[B,T]` int32 or None: shared-prefix rows (attention_kernels.attention_mask),
         full forward of the dense backend only (a cache or NSA raise: their masks have no prefix)."""
@@ -278,12 +291,13 @@ class MLA(nnx.Module):
                 o = sharding.platform_dependent(*parts, cuda=kernel, default=xla)
             new_cache = None
         elif self.nsa is not None:
-            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)
-            o, new_cache = self._nsa_cached(x, q_nope, q_rope, w_kvb, positions, segment_ids, new_cache)
+            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids, cache_layer)
+            o, new_cache = self._nsa_cached(x, q_nope, q_rope, w_kvb, positions, segment_ids, new_cache,
+                                            cache_layer)
         else:
-            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids)
-            c_all = new_cache["latent"].astype(dt)  # [B,S,r]
-            r_all = new_cache["rope"].astype(dt)  # [B,S,dr]
+            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids, cache_layer)
+            c_all = layer_of(new_cache, "latent", cache_layer).astype(dt)  # [B,S,r]
+            r_all = layer_of(new_cache, "rope", cache_layer).astype(dt)  # [B,S,dr]
             q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
             o_lat = cached_attention(q_abs, q_rope, c_all, r_all, positions, self.scale)
             o = jnp.einsum("bthr,rhd->bthd", o_lat, w_kvb[..., self.dn:])
@@ -420,7 +434,7 @@ class MLA(nnx.Module):
                     f"(Hopper, 9.x, only)")
         return None
 
-    def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache):
+    def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache, layer=None):
         """NSA for a cached call (decode, chunked prefill, verification), after the call's tokens
         were written -> (o `[B,T,H,dv]`, cache with current compressed entries).
 
@@ -438,9 +452,11 @@ class MLA(nnx.Module):
         # query's index with the key's); a query at cache position p against S slots has no
         # kernel, and the step reads only ~(S/d + n l' + w) slots (docs/nsa.md)
         dt = self.dtype
-        lat, rope = cache["latent"][:, :, None], cache["rope"][:, :, None]  # [B,S,1,r], [B,S,1,dr]
-        k_cmp, v_cmp = self.nsa.compress_update((lat, rope), lat, cache["k_cmp"], cache["v_cmp"],
-                                                positions, segment_ids > 0, dtype=dt)
+        lat = layer_of(cache, "latent", layer)[:, :, None]  # [B,S,1,r]
+        rope = layer_of(cache, "rope", layer)[:, :, None]  # [B,S,1,dr]
+        k_cmp, v_cmp = self.nsa.compress_update((lat, rope), lat, layer_of(cache, "k_cmp", layer),
+                                                layer_of(cache, "v_cmp", layer), positions, segment_ids > 0,
+                                                dtype=dt)
         q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
         q = jnp.concatenate([q_abs, q_rope.astype(q_abs.dtype)], axis=-1)  # [B,T,H,r+dr]
         gates = self.nsa.gates(x)  # [B,T,H,3]
@@ -454,4 +470,7 @@ class MLA(nnx.Module):
         tmajor = lambda a: jnp.swapaxes(a, 0, 1)
         o_lat = jax.lax.map(one, (tmajor(q), tmajor(gates), tmajor(positions)), batch_size=NSA_QUERY_CHUNK)
         o = jnp.einsum("bthr,rhd->bthd", tmajor(o_lat).astype(dt), w_kvb[..., self.dn:])
+        if layer is not None:  # the compressed entries (1/d of the cache) written back whole
+            put = lambda stack, new: jax.lax.dynamic_update_index_in_dim(stack, new.astype(stack.dtype), layer, 1)
+            k_cmp, v_cmp = put(cache["k_cmp"], k_cmp), put(cache["v_cmp"], v_cmp)
         return o, dict(cache, k_cmp=k_cmp, v_cmp=v_cmp)

@@ -49,9 +49,11 @@ class Block(nnx.Module):
         self.is_moe = layer_idx >= cfg.first_k_dense_replace
         self.mlp = MoE(cfg, rngs) if self.is_moe else MLP(cfg, cfg.intermediate_size, rngs)
 
-    def __call__(self, x, positions, segment_ids, cache=None, expert_ids=None, prefix_segment=None):
-        """x `[B,T,D]` -> (x, layer cache, MoE stats or None); prefix_segment as MLA's."""
-        a, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache, prefix_segment)
+    def __call__(self, x, positions, segment_ids, cache=None, expert_ids=None, prefix_segment=None,
+                 cache_layer=None):
+        """x `[B,T,D]` -> (x, layer cache, MoE stats or None); prefix_segment, cache_layer as MLA's."""
+        a, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache, prefix_segment,
+                                  cache_layer)
         x = constrain(x + a.astype(x.dtype), HIDDEN)
         h = self.post_attention_layernorm(x)
         stats = None
@@ -128,6 +130,24 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
         return jax.lax.scan(layer, x, (state, routing))
 
+    def _scan_cached(self, x, positions, segment_ids, stack_cache, routing):
+        """The stacked MoE layers of a cached call as one lax.scan over (layer, its slice of the
+        stacked cache) -> (x, stacked cache, stats `[layers, ...]`). The cache rides in the carry,
+        so each layer scatters its tokens into the stack in place and reads its own slice: XLA
+        compiles one layer body, not one per layer (61 unrolled layers took K2's 256k engine past
+        45 minutes of compile), and holds the cache once."""
+        graphdef, state = nnx.split(self.moe_stack)
+        n = jax.tree.leaves(state)[0].shape[0]
+
+        def layer(carry, xs):
+            x, c = carry
+            s, replay, i = xs
+            x, c, stats = nnx.merge(graphdef, s)(x, positions, segment_ids, c, replay, None, i)
+            return (x, c), stats
+
+        (x, stack_cache), stats = jax.lax.scan(layer, (x, stack_cache), (state, routing, jnp.arange(n)))
+        return x, stack_cache, stats
+
     # ------------------------------------------------------------------ API
     def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None,
                  prefix_segment=None):
@@ -158,11 +178,8 @@ class Transformer(nnx.Module):
             if "dropped" in stats:
                 drops.append(expand(stats["dropped"]))
 
-        layers = list(self.layers)
-        if self.moe_stack is not None and cache is not None:
-            layers += stack_slices(self.moe_stack)  # decoding: one layer at a time, per-layer caches
         m = 0
-        for i, block in enumerate(layers):
+        for i, block in enumerate(self.layers):
             layer_cache = None if cache is None else cache["layers"][i]
             replay = None
             if routing is not None and block.is_moe:
@@ -173,9 +190,13 @@ class Transformer(nnx.Module):
             if stats is not None:
                 record(stats)
                 m += 1
-        if self.moe_stack is not None and cache is None:
+        stack_cache = None
+        if self.moe_stack is not None:
             replay = None if routing is None else routing[m:]
-            x, stats = self._scan(x, positions, segment_ids, replay, prefix_segment)
+            if cache is None:
+                x, stats = self._scan(x, positions, segment_ids, replay, prefix_segment)
+            else:
+                x, stack_cache, stats = self._scan_cached(x, positions, segment_ids, cache["stack"], replay)
             record(stats, stacked=True)
         b, t = tokens.shape
         cfg = self.cfg
@@ -189,7 +210,11 @@ class Transformer(nnx.Module):
         if drops:  # model.moe_capacity_factor > 0: mean fraction of pairs over capacity
             aux["router_dropped"] = jnp.mean(jnp.concatenate(drops))
         logits = self._head(self.norm(x))
-        new_cache = None if cache is None else dict(cache, layers=new_layers)
+        new_cache = None
+        if cache is not None:
+            new_cache = dict(cache, layers=new_layers)
+            if stack_cache is not None:
+                new_cache["stack"] = stack_cache
         if run_mtp and len(self.mtp):
             h, mtp_logits, mtp_loads, mtp_ids = x, [], [], []
             for k in range(len(self.mtp)):
@@ -246,21 +271,25 @@ def stack_blocks(blocks: list) -> Block:
     return nnx.merge(graphdef, stacked)
 
 
-def stack_slices(stack: Block) -> list:
-    """The layers of a stacked Block as separate Blocks (views of slice i of every variable)."""
-    graphdef, state = nnx.split(stack)
-    n = jax.tree.leaves(state)[0].shape[0]
-    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(n)]
-
-
 def init_cache(model_cfg, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
-    """{"layers": [per trunk layer], "mtp": [per MTP module]}, each {latent `[B,S,r]`,
+    """{"layers": [per unstacked trunk layer], "mtp": [per MTP module]}, each {latent `[B,S,r]`,
     rope `[B,S,dr]`} of zeros, indexed by absolute position (+ NSA's compressed k_cmp / v_cmp
-    with attention_backend="nsa", see attention.init_layer_cache)."""
-    return dict(
-        layers=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(model_cfg.num_hidden_layers)],
+    with attention_backend="nsa", see attention.init_layer_cache). With `model.scan_layers` the
+    MoE layers' caches are one more entry, "stack": the same leaves with a layer axis after the
+    slot axis, `[B, L_moe, S, ...]` (Transformer._scan_cached), so every leaf keeps its slot on
+    axis 0."""
+    n_dense = min(model_cfg.first_k_dense_replace, model_cfg.num_hidden_layers)
+    stacked = model_cfg.scan_layers and model_cfg.num_hidden_layers > n_dense
+    unstacked = n_dense if stacked else model_cfg.num_hidden_layers
+    cache = dict(
+        layers=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(unstacked)],
         mtp=[init_layer_cache(model_cfg, batch, max_len, dtype) for _ in range(model_cfg.num_mtp_layers)],
     )
+    if stacked:
+        one = jax.eval_shape(lambda: init_layer_cache(model_cfg, batch, max_len, dtype))
+        n = model_cfg.num_hidden_layers - n_dense
+        cache["stack"] = {k: jnp.zeros((batch, n, *v.shape[1:]), v.dtype) for k, v in one.items()}
+    return cache
 
 
 def count_params(model_cfg) -> dict:

@@ -109,14 +109,19 @@ def test_routing_replay_through_the_scan():
 
 
 def test_cached_decoding_equals_the_unrolled_model():
-    """The scanned model decoding with a cache (one stack slice per layer, per-layer caches): its
-    prefill and every decode step give the unrolled model's full-forward logits (the unrolled
-    model's own decoding equals its full forward: test_model.py::test_cached_decode_equals_full_forward)."""
+    """The scanned model decoding with a cache (one scanned layer over the MoE layers' stacked
+    cache `[B, L, S, ...]`): its prefill and every decode step give the unrolled model's
+    full-forward logits (the unrolled model's own decoding equals its full forward:
+    test_model.py::test_cached_decode_equals_full_forward)."""
     unrolled, scanned = _pair()
     tok, pos, _ = _batch()
     seg = jnp.ones_like(tok)
     call = nnx.jit(lambda m, t, p, s, c: m(t, p, s, cache=c)[0] if c is None else m(t, p, s, cache=c))
     cache = init_cache(scanned.cfg, 2, 16, jnp.float32)
+    n_dense = scanned.cfg.first_k_dense_replace
+    assert len(cache["layers"]) == n_dense and "stack" not in init_cache(unrolled.cfg, 2, 16)
+    assert cache["stack"]["latent"].shape == (2, scanned.cfg.num_hidden_layers - n_dense, 16,
+                                              scanned.cfg.kv_lora_rank)
     logits, aux = call(scanned, tok[:, :8], pos[:, :8], seg[:, :8], cache)
     steps = [logits[:, -1]]
     for t in range(8, 12):
@@ -176,3 +181,34 @@ def test_stacked_weights_shard_like_their_layers():
     stacked = s["moe_stack"]["mlp"]["wg"].get_value().spec
     single = u["layers"][2]["mlp"]["wg"].get_value().spec
     assert tuple(stacked) == (None, *single) and "expert" in str(single)
+
+
+NSA = dict(attention_backend="nsa", max_position_embeddings=64,
+           nsa={"compress_block": 8, "compress_stride": 4, "select_block": 8, "select_topk": 3, "window": 16})
+
+
+@pytest.mark.parametrize("kw", [{}, NSA], ids=["dense", "nsa"])
+def test_engine_on_the_scanned_model_equals_the_unrolled_one(kw):
+    """The engine's prefill and multi-step decode (plain and with one MTP draft) over the scanned
+    model's stacked cache: the unrolled model's tokens, its logprobs to float32 rounding, for the
+    dense cached attention and NSA's (whose compressed entries are written back per layer)."""
+    from coder.infer.engine import Engine, SamplingParams
+
+    # from one seed (kw adds NSA's gate variables, so not _init's copies)
+    unrolled, scanned = (Transformer(_cfg(scan, **kw), rngs=nnx.Rngs(0)) for scan in (False, True))
+    prompt = jax.random.randint(jax.random.key(4), (20,), 1, 64).tolist()
+    runs = []
+    for model in (unrolled, scanned):
+        for k in (0, 1):
+            engine = Engine(model, model.cfg, max_len=64, batch_buckets=(2,), len_buckets=(32, 64),
+                            speculative_k=k)
+            group = engine.start_group(prompt, 2)
+            greedy = engine.generate(group, SamplingParams(temperature=0.0, max_new_tokens=12), jax.random.key(0))
+            engine.append(group, 1, [5, 6, 7])  # an observation prefilled as a chunk into row 1
+            sampled = engine.generate(group, SamplingParams(temperature=1.0, max_new_tokens=8), jax.random.key(1),
+                                      rows=[1])
+            runs.append([(g.tokens, g.logprobs) for g in greedy + sampled])
+    for k in (0, 1):
+        for (tok_u, lp_u), (tok_s, lp_s) in zip(runs[k], runs[2 + k]):
+            assert tok_u == tok_s
+            np.testing.assert_allclose(lp_s, lp_u, atol=2e-5, rtol=0)

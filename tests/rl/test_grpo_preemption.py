@@ -28,7 +28,10 @@ grad_norm at step 2 (measured); so the actor here rolls out one group at a time
 (rl.engine_slots = G) with rl.concurrent=False: a group's G rows decode in lockstep, the same
 calls in every run. The groups the driver had
 handed out for the step after the checkpoint (in flight at SIGTERM) were never trained on and
-are not in the saved epoch: the resumed run samples them again, with the same keys and weights.
+are not in the saved epoch: the resumed run samples them again, with the same keys and weights
+(so that one is in flight, the script holds process 0's exit after SIGTERM until the actor has
+started the next step's first group: on a loaded machine the actor's process can lag the
+learner's check, and CI once saw the learner exit first).
 
 The script records, per run, every trained batch's task ids (`trained.jsonl`, by wrapping
 `Learner.batch`) and every episode started (`episodes.jsonl`), so the test can see tasks
@@ -91,6 +94,7 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str, process: int,
     from coder.model import Transformer
     from coder.rl import learner as learner_lib
     from coder.stages import grpo as grpo_stage
+    from coder.train import hooks as hooks_lib
     from coder.train.flat import flat_to_state
     from tests import rl_toy as rl_test
 
@@ -114,6 +118,19 @@ def _run(stage_dir: str, inputs: str, sleep_s: float, actors: str, process: int,
         return batch(self, groups, version)
 
     learner_lib.Learner.batch = recording_batch
+    preemption_check = hooks_lib.Preemption.__call__
+
+    def held_preemption_check(self, trainer, info):
+        # the test checks that the group in flight at the exit is sampled again on resume: once
+        # SIGTERM is seen, process 0 holds the exit until the actor (another process, which on a
+        # loaded machine may lag the learner's check) has started the next step's first group
+        if process == 0 and self.signalled:
+            deadline = time.time() + 120
+            while not _next_group_started(stage_dir) and time.time() < deadline:
+                time.sleep(0.05)
+        return preemption_check(self, trainer, info)
+
+    hooks_lib.Preemption.__call__ = held_preemption_check
 
     class SlowEpisode(rl_test.SubmitEpisode):
         def call(self, call):
