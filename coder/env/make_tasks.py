@@ -21,7 +21,10 @@ next release's tests run in the sandbox, a terse prompt from its changelog; the 
 (tasks per package, verification rate, medians of prompt characters and lines and files
 changed) are printed as one JSON line. mutants: N tasks per package, each with M bugs in as many
 of its source files (coder.env.package_mutants; FAIL_TO_PASS the release's passing tests the
-bugs break). `--solutions` also writes
+bugs break). harbor: Harbor task directories (`DIR...`; Terminal-Bench 2.0's form) whose
+environment is a prebuilt image copied as an OCI layout under `--images`, the workspace its working
+directory committed under `--repos` (coder.env.harbor; a Dockerfile-only task is skipped with its
+reason). `--solutions` also writes
 the reference solutions (files, or the gold patches as {"id", "patch"}), the input of
 `python -m coder.env.check` and of `coder.env.transcripts`.
 """
@@ -35,13 +38,13 @@ import sys
 
 import fsspec
 
-from coder.env import mutate, package_mutants, pypi, releases, swebench, verify
+from coder.env import harbor, mutate, package_mutants, pypi, releases, swebench, verify
 from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions, write_tasks
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m coder.env.make_tasks")
-    p.add_argument("--source", choices=("stdlib", "toy", "swebench", "releases", "mutants"), required=True)
+    p.add_argument("--source", choices=("stdlib", "toy", "swebench", "releases", "mutants", "harbor"), required=True)
     p.add_argument("--n", type=int, help="number of tasks (stdlib, toy; mutants: per package)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="Task JSONL to write")
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--sdist-cache", default="", help="releases, mutants: sdist cache directory")
     p.add_argument("--mutations", type=int, default=1,
                    help="mutants: bugs per task, each in another source file")
+    p.add_argument("dirs", nargs="*", help="harbor: task directories, or directories of them")
+    p.add_argument("--images", default="", help="harbor: directory of OCI layouts (skopeo copy)")
     args = p.parse_args(argv)
     if args.source == "swebench":
         if not args.input or not args.repos:
@@ -112,6 +117,22 @@ def main(argv=None) -> int:
                 print(f"dropped {tid}: {why}", file=sys.stderr)
             rows_per = collections.Counter(swebench.row_repo(r) for r in rows)
             print(verify.table(imported, dropped, rows_per), file=sys.stderr)
+    elif args.source == "harbor":
+        if not args.dirs or not args.repos:
+            p.error("--source harbor needs DIR... and --repos")
+        skipped, tried = {}, harbor.task_dirs(args.dirs)
+        pairs = harbor.import_dirs(tried, args.images, args.repos, skipped,
+                                   solutions=bool(args.verify or args.solutions))
+        for where, why in skipped.items():
+            print(f"skipped {where}: {why}", file=sys.stderr)
+        if args.verify:
+            imported = [t for t, _ in pairs]
+            pairs, dropped = verify.verify(pairs, workers=args.workers, timeout_s=max(
+                [float(t.metadata.get("verifier_timeout_sec") or 600) for t in imported] or [600]))
+            for tid, why in dropped.items():
+                print(f"dropped {tid}: {why}", file=sys.stderr)
+            print(verify.table(imported, dropped), file=sys.stderr)
+        args.n = len(tried)  # a skipped directory makes the exit status 1
     elif args.source in ("releases", "mutants"):
         if not args.packages or not args.repos:
             p.error(f"--source {args.source} needs --packages and --repos")
