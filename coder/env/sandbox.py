@@ -623,7 +623,13 @@ class Sandbox:
             "/tmp",
         ]
         env = self.environment
-        for prefix in ([] if img else self._prefixes) + ([env.path] if env else []):
+        # A task environment's venv, and the installation of the interpreter it was built from
+        # when that is not the host's (a `version` of its own: coder.env.environments).
+        extra = [env.path] if env else []
+        if env and env.base and not any(env.base == p or env.base.startswith(p + "/")
+                                        for p in ["/usr", *self._prefixes]):
+            extra.append(env.base)
+        for prefix in ([] if img else self._prefixes) + extra:
             # Parents such as /root are 0700 on the host; inside they only need to be traversable.
             parents, p = [], os.path.dirname(prefix)
             while p not in ("/", "") and p != "/tmp":

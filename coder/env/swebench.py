@@ -50,8 +50,10 @@ The environment: without one the sandbox runs the host's Python read-only, so a 
 dependencies must already be installed there (`pip install -e .` inside is impossible offline).
 `--environments MAP.json` gives tasks a Python environment (Task.environment, a venv built once
 per spec: coder.env.environments) by repository: {"owner/name@version": spec, "owner/name":
-spec}, the version key first, as SWE-bench's harness keys its environment specs. The instances
-themselves carry no requirements to map: SWE-bench keeps them in its harness, and SWE-rebench's
+spec}, the version key first, as SWE-bench's harness keys its environment specs; a spec's
+`python.version` ("3.9", SWE-bench's specs' "python") builds its venv with that Python, and a
+spec without one takes the version a row's `install_config` names (SWE-rebench's "python";
+`with_python`). The instances themselves carry no requirements to map: SWE-bench keeps them in its harness, and SWE-rebench's
 `install_config` (`pip_packages`, unpinned, plus an `install` command that installs the project
 itself into the environment, which a read-only venv shared by tasks cannot take) stays in the
 metadata. `--setup` gives every task a setup command run in its sandbox after checkout.
@@ -188,6 +190,19 @@ def check_environments(specs: dict) -> dict:
     if not isinstance(specs, dict):
         raise ValueError("environments must map 'owner/name[@version]' to environment specs")
     return {k: environments.normalize(v, f"environments[{k!r}]") for k, v in specs.items()}
+
+
+def with_python(environment: dict, install: dict, iid: str) -> dict:
+    """A venv `environment` given the Python version its row names (SWE-rebench's
+    `install_config` "python", as SWE-bench's specs name one per repository and version) when
+    the spec itself names none: the spec's own `version` / `interpreter` wins. ValueError naming
+    the instance when the row's value is not a version such as "3.9"."""
+    want = install.get("python")
+    py = environment.get("python")
+    if py is None or want in (None, "") or py.get("version") or py.get("interpreter"):
+        return environment
+    version = environments.check_version(want, f"instance {iid!r}: install_config's python")
+    return {"python": {**py, "version": version}}
 
 
 def environment_of(row: dict, specs: dict) -> dict:
@@ -377,7 +392,7 @@ def instance_to_task(
         pass_to_pass=_test_ids(row, "PASS_TO_PASS"),
         test_patch=row.get("test_patch") or "",
         metadata=meta,
-        environment=environment_of(row, environment_specs or {}),
+        environment=with_python(environment_of(row, environment_specs or {}), install, iid),
         test_format=test_format,
     )
     return task, gold

@@ -15,10 +15,10 @@ from packaging.requirements import Requirement
 from coder.env import environments
 from coder.env.episode import Episode
 from coder.env.protocol import render_tool_call as rc
-from configs.base import get_config
 from coder.env.reward import score
 from coder.env.sandbox import Limits, Sandbox, SandboxError
 from coder.env.tasks import Task
+from configs.base import get_config
 
 PYTEST = importlib.metadata.version("pytest")
 
@@ -124,9 +124,9 @@ _RACER = """
 import json, sys
 from coder.env import environments
 real_build = environments._build
-def counted(spec, path):
+def counted(*args):
     print("built", flush=True)
-    real_build(spec, path)
+    real_build(*args)
 environments._build = counted
 print(environments.ensure(json.loads(sys.argv[1]), sys.argv[2]).path)
 """
@@ -144,8 +144,8 @@ def test_environment_is_built_once_per_spec(wheels, tmp_path, monkeypatch):
     assert sorted(len(o) for o in outs) == [1, 2] and outs[0][-1] == outs[1][-1], outs
     builds = []
     real_build = environments._build
-    monkeypatch.setattr(environments, "_build", lambda spec, path: (builds.append(path),
-                                                                   real_build(spec, path)))
+    monkeypatch.setattr(environments, "_build", lambda spec, path, interp: (
+        builds.append(path), real_build(spec, path, interp)))
     cfg = get_config().env
     cfg.environments_dir = str(tmp_path)  # the config key decides where builds go
     limits = Limits.from_config(cfg)
@@ -158,6 +158,77 @@ def test_environment_is_built_once_per_spec(wheels, tmp_path, monkeypatch):
     assert environments.ensure(spec, str(tmp_path)) == a.environment and len(builds) == 1
     other = environments.normalize(_spec(wheels, "tinypkg==1.0", f"pytest=={PYTEST}"))
     assert environments.spec_key(other) != environments.spec_key(spec)
+
+
+def _other_python() -> str:
+    """A Python version (major.minor) this machine has besides the host's, found as a spec's
+    `version` is; "" when there is none."""
+    host = "%d.%d" % sys.version_info[:2]
+    for version in ("3.12", "3.10", "3.13", "3.9", "3.8"):
+        if version != host:
+            try:
+                environments.interpreter(environments.normalize(
+                    {"python": {"requirements": [], "version": version}}))
+                return version
+            except ValueError:
+                continue
+    return ""
+
+
+def test_python_version_and_interpreter_validation():
+    for version in ("3", "python3.9", "2.7", "3.9.x", " 3.9"):
+        with pytest.raises(ValueError, match=r"python\.version: .* must be a string such as"):
+            environments.normalize({"python": {"requirements": [], "version": version}})
+    with pytest.raises(ValueError, match=r"python\.version: 3\.9 must be"):
+        environments.normalize({"python": {"requirements": [], "version": 3.9}})
+    with pytest.raises(ValueError, match=r"python\.interpreter: 'bin/python' must be an absolute"):
+        environments.normalize({"python": {"requirements": [], "interpreter": "bin/python"}})
+    plain = {"python": {"requirements": []}}
+    assert environments.normalize({"python": {"requirements": [], "version": ""}}) == \
+        environments.normalize(plain)  # empty: the host's, keyed as before the key existed
+    assert environments.interpreter(environments.normalize(plain)) == environments.host_interpreter()
+
+
+def test_venv_of_another_python_reports_that_version(tmp_path):
+    """A spec's `version` builds its venv with that Python (found on PATH or under pyenv), in and
+    out of the sandbox; its key differs from the host's and from another version's."""
+    version = _other_python()
+    if not version:
+        pytest.skip(f"no Python other than the host's {sys.version_info[:2]} on PATH or under pyenv")
+    spec = environments.normalize({"python": {"requirements": [], "version": version}})
+    env = environments.ensure(spec, str(tmp_path))
+    want = str(tuple(int(x) for x in version.split(".")))
+    probe = "import sys; print(sys.version_info[:2])"
+    r = subprocess.run([os.path.join(env.bin, "python"), "-c", probe], capture_output=True, text=True)
+    assert r.stdout.strip() == want, r
+    with open(os.path.join(env.path, "coder-environment.json")) as f:
+        assert json.load(f)["python"].startswith(version + ".")
+    with Sandbox(_task("v", spec, files={"answer.py": ""}), Limits(environments_dir=str(tmp_path))) as sb:
+        assert sb.environment == env
+        r = sb.run(f"python -c '{probe}'; command -v python")
+        assert r.stdout.splitlines() == [want, f"{env.bin}/python"], r
+    host = environments.normalize({"python": {"requirements": []}})
+    same_as_host = environments.normalize({"python": {"requirements": [], "version": "%d.%d" %
+                                                      sys.version_info[:2]}})
+    keys = {environments.spec_key(s) for s in (spec, host, same_as_host)}
+    assert len(keys) == 3  # the version is part of the key (also the host's own, named)
+    assert environments.interpreter(same_as_host).version[:2] == sys.version_info[:2]
+
+
+def test_missing_python_version_is_refused_naming_it(tmp_path):
+    spec = environments.normalize({"python": {"requirements": [], "version": "3.2"}})
+    where = r"no Python 3\.2 to build the environment with; looked at: python3\.2 on PATH"
+    with pytest.raises(ValueError, match=where):
+        environments.interpreter(spec)
+    with pytest.raises(ValueError, match=where):
+        environments.spec_key(spec)
+    with pytest.raises(SandboxError, match=r"task 'old': environment .*" + where):
+        Sandbox(_task("old", spec), Limits(environments_dir=str(tmp_path)))  # an infra error
+    assert os.listdir(tmp_path) == []
+    host = "%d.%d" % sys.version_info[:2]
+    wrong = {"python": {"requirements": [], "version": "3.2", "interpreter": sys.executable}}
+    with pytest.raises(ValueError, match=rf"looked at: interpreter {sys.executable}: is Python {host}"):
+        environments.interpreter(environments.normalize(wrong))
 
 
 def test_failed_build_is_an_infra_error_naming_task_and_spec(wheels, tmp_path):

@@ -567,6 +567,30 @@ def test_environments_by_repository_and_version(fixture, tmp_path):
             "python": {}}})
 
 
+def test_environment_python_version_from_the_spec_else_the_row(fixture, tmp_path):
+    """A spec's `python.version` is the task's (over the row's); a spec without one takes the
+    Python a row's install_config names (SWE-rebench's "python"); a row without one, or a task
+    without a spec, gets none; a malformed version is refused naming the key or the instance."""
+    specs = tmp_path / "environments.json"
+    specs.write_text(json.dumps({"acme/calc@1.0": {"python": {"requirements": [], "version": "3.9"}},
+                                 "acme/calc": {"python": {"requirements": []}}}))
+    rebench = json.dumps({"python": "3.10"})
+    rows = [dict(fixture["instance"], install_config=rebench),
+            dict(fixture["instance"], instance_id="acme__calc-2", version="2.0", install_config=rebench),
+            dict(fixture["instance"], instance_id="acme__calc-3", version="2.0")]
+    tasks, _ = _import(fixture, tmp_path, rows, extra=("--environments", str(specs)))
+    assert [t.environment["python"].get("version") for t in tasks] == ["3.9", "3.10", None]
+    (plain,), _ = _import(fixture, tmp_path, rows[1:2])
+    assert plain.environment == {}  # no spec: the host's Python, whatever the row names
+    with pytest.raises(ValueError, match=r"environments\['acme/calc'\]\.python\.version: 3\.9 must be"):
+        swebench.import_instances(rows, str(fixture["repos"]), environment_specs={"acme/calc": {
+            "python": {"requirements": [], "version": 3.9}}})
+    with pytest.raises(ValueError, match=r"instance 'acme__calc-2': install_config's python: 3\.1 "):
+        swebench.import_instances([dict(rows[1], install_config={"python": 3.10})],
+                                  str(fixture["repos"]), environment_specs={"acme/calc": {
+                                      "python": {"requirements": []}}})
+
+
 def test_exit_status_scoring_setup_and_errors(fixture, tmp_path):
     (task,), _ = _import(fixture, tmp_path, [fixture["instance"]])
     cmd = "python -I -c 'import sys; sys.path.insert(0, \".\"); import calc.ops as o; " \
