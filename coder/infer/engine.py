@@ -223,13 +223,15 @@ class Engine:
         self.offloads = self.swap_ins = self.offloaded_bytes = 0
         self._check_cache_layout()
         bind = dict(experts_dtype=self.experts_dtype)
+        # the programs that return a new store take the old one's buffers (donated): the pool is
+        # held once, not twice (without it K2's 256k decode needed 111 GiB a chip, the cache twice)
         self._prefill_fn = jax.jit(self._counted("prefill", functools.partial(
-            programs.prefill, graphdef, spec_k=self.spec_k, **bind)))
+            programs.prefill, graphdef, spec_k=self.spec_k, **bind)), donate_argnums=(1,))
         self._decode_fn = jax.jit(self._counted("decode", functools.partial(
-            programs.decode, graphdef, num_steps=self.decode_steps_per_call, **bind)))
-        self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots))
+            programs.decode, graphdef, num_steps=self.decode_steps_per_call, **bind)), donate_argnums=(1,))
+        self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots), donate_argnums=(0,))
         self._read_slot_fn = jax.jit(self._counted("read_slot", programs.read_slot))
-        self._write_slot_fn = jax.jit(self._counted("write_slot", programs.write_slot))
+        self._write_slot_fn = jax.jit(self._counted("write_slot", programs.write_slot), donate_argnums=(0,))
         self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
         self._calls = {"pool": self._call_pool, "prefill": self._call_prefill, "copy": self._call_copy,
                        "decode": self._call_decode, "weights": self._call_weights}
@@ -465,7 +467,8 @@ class Engine:
             rng=vec(jnp.uint32, *self._key_shape), temperature=vec(jnp.float32), top_k=vec(jnp.int32),
             top_p=vec(jnp.float32), stops=vec(jnp.int32, 8))
         decode_fn = self._decode_fn if num_steps == self.decode_steps_per_call else jax.jit(functools.partial(
-            programs.decode, self._graphdef, num_steps=num_steps, experts_dtype=self.experts_dtype))
+            programs.decode, self._graphdef, num_steps=num_steps, experts_dtype=self.experts_dtype),
+            donate_argnums=(1,))
         decode = decode_fn.lower(state, store, inputs, jax.ShapeDtypeStruct((), jnp.int32))
         return {"prefill": prefill, "decode": decode, "state": state, "store": store}
 

@@ -130,24 +130,27 @@ def prefill(graphdef, state, store: Store, idx, tokens, positions, segment_ids, 
 
     tokens/positions/segment_ids `[B, T]` (padding segment 0), last `[B]` index of each row's
     last real token. Returns (store with the rows' tokens cached, their held logits / hidden
-    taken at `last` and no residual owed, expert ids `[B, T, L, K]`)."""
-    sub = jax.tree.map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), store)
+    taken at `last` and no residual owed, expert ids `[B, T, L, K]`). The model reads and writes
+    the pool's cache in place at the rows' slots (`cache_rows`): a row's cache is never copied
+    out of the pool whole (at 256k, gathering the prefilling rows' caches put every one of them
+    on every chip)."""
+    rows = lambda x: jnp.take(x, idx, axis=0, mode="clip")
     model = nnx.merge(graphdef, state)
-    logits, aux = model(tokens, positions, segment_ids, cache=sub.cache)
+    logits, aux = model(tokens, positions, segment_ids, cache=store.cache, cache_rows=idx)
     pick = last[:, None, None]
-    cache, mtp_hidden = aux["cache"], sub.mtp_hidden
+    cache, mtp_hidden = aux["cache"], rows(store.mtp_hidden)
     if spec_k:
-        cache, mtp_hidden = speculative.advance(model, cache, sub.hidden, mtp_hidden, aux["hidden"], tokens,
-                                                positions[:, 0], last + 1, segment_ids[:, 0] > 0)
-    new = Store(
-        cache=cache,
-        logits=jnp.take_along_axis(logits, pick, axis=1)[:, 0].astype(jnp.float32),
-        hidden=jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0].astype(sub.hidden.dtype),
-        mtp_hidden=mtp_hidden.astype(sub.mtp_hidden.dtype),
-        residual=jnp.zeros_like(sub.residual),
-        has_residual=jnp.zeros_like(sub.has_residual),
+        cache, mtp_hidden = speculative.advance(model, cache, rows(store.hidden), mtp_hidden, aux["hidden"], tokens,
+                                                positions[:, 0], last + 1, segment_ids[:, 0] > 0, cache_rows=idx)
+    new = dict(
+        logits=jnp.take_along_axis(logits, pick, axis=1)[:, 0],
+        hidden=jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0],
+        mtp_hidden=mtp_hidden,
+        residual=jnp.zeros((idx.shape[0], *store.residual.shape[1:])),
+        has_residual=jnp.zeros(idx.shape, bool),
     )
-    out = jax.tree.map(lambda x, s: x.at[idx].set(s.astype(x.dtype), mode="drop"), store, new)
+    put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
+    out = store.replace(cache=cache, **{k: put(getattr(store, k), v) for k, v in new.items()})
     return out, _compact_experts(aux["expert_ids"], experts_dtype)
 
 

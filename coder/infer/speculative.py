@@ -49,12 +49,13 @@ def check_draft_depth(key: str, k: int, num_mtp_layers: int) -> None:
         raise ValueError(f"{key}={k}: each drafted token takes one MTP module, and {why}")
 
 
-def advance(model, cache, h_last, mtp_last, main_hidden, tokens, start, n_valid, active):
+def advance(model, cache, h_last, mtp_last, main_hidden, tokens, start, n_valid, active, cache_rows=None):
     """Run every MTP depth over a chunk that entered the main cache.
 
     h_last `[B,D]` = h^0_{L-1}; mtp_last `[B,M,D]`; main_hidden `[B,T,D]` = h^0_{L..L+T-1};
     tokens `[B,T]` = tok_{L..L+T-1}; start `[B]` = L; n_valid `[B]` real tokens of the chunk
-    (the rest is padding); active `[B]` rows to update.
+    (the rest is padding); active `[B]` rows to update; cache_rows as the model's (the batch
+    rows' slots in a pool's `cache`).
     Returns (cache, mtp_last `[B,M,D]` = h^d_{L+c-1-d}).
     """
     t = tokens.shape[1]
@@ -66,7 +67,7 @@ def advance(model, cache, h_last, mtp_last, main_hidden, tokens, start, n_valid,
         hin = jnp.concatenate([prev_last[:, None].astype(prev_out.dtype), prev_out[:, :-1]], axis=1)
         pos = start[:, None] - d + j
         seg = ((j < n_valid[:, None]) & (pos >= 0) & active[:, None]).astype(jnp.int32)
-        out, _, cache = model.mtp_module(d - 1, hin, tokens, jnp.maximum(pos, 0), seg, cache)
+        out, _, cache = model.mtp_module(d - 1, hin, tokens, jnp.maximum(pos, 0), seg, cache, cache_rows)
         new_last.append(jnp.take_along_axis(out, last, axis=1)[:, 0])
         prev_out, prev_last = out, mtp_last[:, d - 1]
     if not new_last:

@@ -51,7 +51,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -168,26 +168,57 @@ def init_layer_cache(cfg, batch: int, max_len: int, dtype) -> dict:
     return cache
 
 
-def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids, layer=None) -> dict:
-    """Write new tokens at their absolute `positions`; padding tokens (segment 0) write nothing.
-    Other entries (NSA's compressed caches) are passed through unchanged. `layer` (a traced
-    int32 scalar): the leaves are a stack of layers' caches `[B, L, S, ...]` and this is layer
-    `layer`'s write, scattered in place into the stack (no copy of the layer's slice)."""
+@struct.dataclass
+class CacheIndex:
+    """Where a cached call's batch rows and this layer live in the cache it is given.
+
+    rows `[B]` int32 or None: the cache slot of each batch row (None: row b is slot b, the cache
+    holds exactly the batch's rows; a slot == the cache's slot count is padding: its writes are
+    dropped, its reads clipped). The engine's prefill passes the pool's whole cache and the
+    rows' slots, so no row's cache is gathered out of the pool and scattered back whole (at
+    256k that was every prefilling row's cache copied to every chip).
+    layer (a traced int32 scalar) or None: the cache's leaves are a stack of layers
+    `[slots, L, C, ...]` (transformer.init_cache's "stack") and this is layer `layer`; None: one
+    layer's `[slots, C, ...]`."""
+
+    rows: jax.Array | None = None
+    layer: jax.Array | None = None
+
+
+def write_cache(layer_cache: dict, latent, k_rope, positions, segment_ids, at: CacheIndex = CacheIndex()) -> dict:
+    """Write new tokens at their absolute `positions` of their rows' slots (`at`); padding tokens
+    (segment 0) write nothing. Other entries (NSA's compressed caches) are passed through
+    unchanged. The scatter goes into the given leaves in place (a stacked layer's too)."""
     b, t = positions.shape
-    max_len = layer_cache["latent"].shape[1 if layer is None else 2]
+    max_len = layer_cache["latent"].shape[1 if at.layer is None else 2]
     slot = jnp.where(segment_ids > 0, positions, max_len)  # out of range -> dropped
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    at = (rows, slot) if layer is None else (rows, jnp.broadcast_to(layer, (b, t)), slot)
-    new_latent = layer_cache["latent"].at[at].set(latent.astype(layer_cache["latent"].dtype), mode="drop")
-    new_rope = layer_cache["rope"].at[at].set(k_rope.astype(layer_cache["rope"].dtype), mode="drop")
+    rows = jnp.arange(b) if at.rows is None else at.rows
+    rows = jnp.broadcast_to(rows[:, None], (b, t))
+    where = (rows, slot) if at.layer is None else (rows, jnp.broadcast_to(at.layer, (b, t)), slot)
+    new_latent = layer_cache["latent"].at[where].set(latent.astype(layer_cache["latent"].dtype), mode="drop")
+    new_rope = layer_cache["rope"].at[where].set(k_rope.astype(layer_cache["rope"].dtype), mode="drop")
     return dict(layer_cache, latent=new_latent, rope=new_rope)
 
 
-def layer_of(cache: dict, key: str, layer=None):
-    """Leaf `key` of one layer's cache `[B, S, ...]`: the leaf itself, or layer `layer` of a
-    stacked cache `[B, L, S, ...]` (a dynamic slice XLA fuses into the reads that follow)."""
+def read_cache(cache: dict, key: str, at: CacheIndex = CacheIndex()):
+    """Leaf `key` of this layer for the call's rows `[B, C, ...]`: layer `at.layer` of a stack (a
+    dynamic slice XLA fuses into the reads that follow), then the rows' slots (a gather of one
+    layer's rows, never the stack's)."""
     x = cache[key]
-    return x if layer is None else jax.lax.dynamic_index_in_dim(x, layer, axis=1, keepdims=False)
+    if at.layer is not None:
+        x = jax.lax.dynamic_index_in_dim(x, at.layer, axis=1, keepdims=False)
+    return x if at.rows is None else jnp.take(x, at.rows, axis=0, mode="clip")
+
+
+def put_cache(cache: dict, key: str, value, at: CacheIndex = CacheIndex()):
+    """`cache[key]` with this layer's rows set to `value` `[B, C, ...]` (NSA's compressed entries,
+    which a call recomputes whole per row); padding rows dropped."""
+    x, value = cache[key], value.astype(cache[key].dtype)
+    if at.layer is None:
+        return value if at.rows is None else x.at[at.rows].set(value, mode="drop")
+    if at.rows is None:
+        return jax.lax.dynamic_update_index_in_dim(x, value, at.layer, 1)
+    return x.at[at.rows, at.layer].set(value, mode="drop")
 
 
 class MLA(nnx.Module):
@@ -243,12 +274,11 @@ class MLA(nnx.Module):
         return q_nope, q_rope, latent, k_rope
 
     def __call__(self, x, positions, segment_ids, cache: dict | None = None, prefix_segment=None,
-                 cache_layer=None):
+                 cache_at: CacheIndex = CacheIndex()):
         """x `[B,T,D]`, positions/segment_ids `[B,T]` -> (out `[B,T,D]`, updated layer cache).
 
-        cache_layer (a traced int32 scalar) or None: `cache` is the scanned layers' stacked cache
-        (leaves `[B, L, S, ...]`, coder.model.transformer.init_cache's "stack") and this layer is
-        number `cache_layer` of it; it is read and written in place.
+        cache_at: where the batch's rows and this layer sit in `cache` (CacheIndex: a pool's
+        slots, a layer of the stacked cache); read and written in place.
 
         prefix_segment `[B,T]` int32 or None: shared-prefix rows (attention_kernels.attention_mask),
         full forward of the dense backend only (a cache or NSA raise: their masks have no prefix)."""
@@ -291,13 +321,12 @@ class MLA(nnx.Module):
                 o = sharding.platform_dependent(*parts, cuda=kernel, default=xla)
             new_cache = None
         elif self.nsa is not None:
-            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids, cache_layer)
-            o, new_cache = self._nsa_cached(x, q_nope, q_rope, w_kvb, positions, segment_ids, new_cache,
-                                            cache_layer)
+            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids, cache_at)
+            o, new_cache = self._nsa_cached(x, q_nope, q_rope, w_kvb, positions, segment_ids, new_cache, cache_at)
         else:
-            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids, cache_layer)
-            c_all = layer_of(new_cache, "latent", cache_layer).astype(dt)  # [B,S,r]
-            r_all = layer_of(new_cache, "rope", cache_layer).astype(dt)  # [B,S,dr]
+            new_cache = write_cache(cache, latent, k_rope, positions, segment_ids, cache_at)
+            c_all = read_cache(new_cache, "latent", cache_at).astype(dt)  # [B,S,r]
+            r_all = read_cache(new_cache, "rope", cache_at).astype(dt)  # [B,S,dr]
             q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
             o_lat = cached_attention(q_abs, q_rope, c_all, r_all, positions, self.scale)
             o = jnp.einsum("bthr,rhd->bthd", o_lat, w_kvb[..., self.dn:])
@@ -434,7 +463,7 @@ class MLA(nnx.Module):
                     f"(Hopper, 9.x, only)")
         return None
 
-    def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache, layer=None):
+    def _nsa_cached(self, x, q_nope, q_rope, w_kvb, positions, segment_ids, cache, at: CacheIndex):
         """NSA for a cached call (decode, chunked prefill, verification), after the call's tokens
         were written -> (o `[B,T,H,dv]`, cache with current compressed entries).
 
@@ -452,10 +481,10 @@ class MLA(nnx.Module):
         # query's index with the key's); a query at cache position p against S slots has no
         # kernel, and the step reads only ~(S/d + n l' + w) slots (docs/nsa.md)
         dt = self.dtype
-        lat = layer_of(cache, "latent", layer)[:, :, None]  # [B,S,1,r]
-        rope = layer_of(cache, "rope", layer)[:, :, None]  # [B,S,1,dr]
-        k_cmp, v_cmp = self.nsa.compress_update((lat, rope), lat, layer_of(cache, "k_cmp", layer),
-                                                layer_of(cache, "v_cmp", layer), positions, segment_ids > 0,
+        lat = read_cache(cache, "latent", at)[:, :, None]  # [B,S,1,r]
+        rope = read_cache(cache, "rope", at)[:, :, None]  # [B,S,1,dr]
+        k_cmp, v_cmp = self.nsa.compress_update((lat, rope), lat, read_cache(cache, "k_cmp", at),
+                                                read_cache(cache, "v_cmp", at), positions, segment_ids > 0,
                                                 dtype=dt)
         q_abs = jnp.einsum("bthd,rhd->bthr", q_nope, w_kvb[..., : self.dn])
         q = jnp.concatenate([q_abs, q_rope.astype(q_abs.dtype)], axis=-1)  # [B,T,H,r+dr]
@@ -470,7 +499,5 @@ class MLA(nnx.Module):
         tmajor = lambda a: jnp.swapaxes(a, 0, 1)
         o_lat = jax.lax.map(one, (tmajor(q), tmajor(gates), tmajor(positions)), batch_size=NSA_QUERY_CHUNK)
         o = jnp.einsum("bthr,rhd->bthd", tmajor(o_lat).astype(dt), w_kvb[..., self.dn:])
-        if layer is not None:  # the compressed entries (1/d of the cache) written back whole
-            put = lambda stack, new: jax.lax.dynamic_update_index_in_dim(stack, new.astype(stack.dtype), layer, 1)
-            k_cmp, v_cmp = put(cache["k_cmp"], k_cmp), put(cache["v_cmp"], v_cmp)
-        return o, dict(cache, k_cmp=k_cmp, v_cmp=v_cmp)
+        # the compressed entries (1/d of the cache) written back whole for the call's rows
+        return o, dict(cache, k_cmp=put_cache(cache, "k_cmp", k_cmp, at), v_cmp=put_cache(cache, "v_cmp", v_cmp, at))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coder.model import attention_kernels
-from coder.model.attention import MLA, init_layer_cache
+from coder.model.attention import MLA, CacheIndex, init_layer_cache
 from coder.model.layers import MLP, RMSNorm, dtype_of, param, weight
 from coder.model.moe import MoE
 from coder.model.sharding import constrain
@@ -50,10 +50,10 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs) if self.is_moe else MLP(cfg, cfg.intermediate_size, rngs)
 
     def __call__(self, x, positions, segment_ids, cache=None, expert_ids=None, prefix_segment=None,
-                 cache_layer=None):
-        """x `[B,T,D]` -> (x, layer cache, MoE stats or None); prefix_segment, cache_layer as MLA's."""
+                 cache_at: CacheIndex = CacheIndex()):
+        """x `[B,T,D]` -> (x, layer cache, MoE stats or None); prefix_segment, cache_at as MLA's."""
         a, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache, prefix_segment,
-                                  cache_layer)
+                                  cache_at)
         x = constrain(x + a.astype(x.dtype), HIDDEN)
         h = self.post_attention_layernorm(x)
         stats = None
@@ -130,7 +130,7 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
         return jax.lax.scan(layer, x, (state, routing))
 
-    def _scan_cached(self, x, positions, segment_ids, stack_cache, routing):
+    def _scan_cached(self, x, positions, segment_ids, stack_cache, routing, rows):
         """The stacked MoE layers of a cached call as one lax.scan over (layer, its slice of the
         stacked cache) -> (x, stacked cache, stats `[layers, ...]`). The cache rides in the carry,
         so each layer scatters its tokens into the stack in place and reads its own slice: XLA
@@ -142,7 +142,8 @@ class Transformer(nnx.Module):
         def layer(carry, xs):
             x, c = carry
             s, replay, i = xs
-            x, c, stats = nnx.merge(graphdef, s)(x, positions, segment_ids, c, replay, None, i)
+            x, c, stats = nnx.merge(graphdef, s)(x, positions, segment_ids, c, replay, None,
+                                                 CacheIndex(rows=rows, layer=i))
             return (x, c), stats
 
         (x, stack_cache), stats = jax.lax.scan(layer, (x, stack_cache), (state, routing, jnp.arange(n)))
@@ -150,10 +151,13 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ API
     def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None,
-                 prefix_segment=None):
+                 prefix_segment=None, cache_rows=None):
         """tokens/positions/segment_ids int32 `[B,T]` -> (logits `[B,T,V]` float32, aux).
 
         cache: from `init_cache` (writes at `positions`, attends to slots <= position).
+        cache_rows: `[B]` int32, the cache row (slot) of each batch row when `cache` holds more
+        rows than the batch (an engine's pool: read and written in place; == the pool's slot
+        count: padding); None: row b is cache row b.
         routing: `[moe_layers, B, T, top_k]` expert ids to replay (aux["expert_ids"] of a call).
         mtp: run the MTP modules (default: yes without a cache, no with one; decoding calls
         `mtp_module` itself).
@@ -185,7 +189,7 @@ class Transformer(nnx.Module):
             if routing is not None and block.is_moe:
                 replay = routing[m]
             x, layer_cache, stats = self._block(block, x, positions, segment_ids, layer_cache, replay,
-                                                prefix_segment)
+                                                prefix_segment, CacheIndex(rows=cache_rows))
             new_layers.append(layer_cache)
             if stats is not None:
                 record(stats)
@@ -196,7 +200,8 @@ class Transformer(nnx.Module):
             if cache is None:
                 x, stats = self._scan(x, positions, segment_ids, replay, prefix_segment)
             else:
-                x, stack_cache, stats = self._scan_cached(x, positions, segment_ids, cache["stack"], replay)
+                x, stack_cache, stats = self._scan_cached(x, positions, segment_ids, cache["stack"], replay,
+                                                          cache_rows)
             record(stats, stacked=True)
         b, t = tokens.shape
         cfg = self.cfg
@@ -219,7 +224,7 @@ class Transformer(nnx.Module):
             h, mtp_logits, mtp_loads, mtp_ids = x, [], [], []
             for k in range(len(self.mtp)):
                 nxt = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))  # tokens[t+k+1], 0 past the end
-                h, lg, new_cache, stats = self._mtp(k, h, nxt, positions, segment_ids, new_cache)
+                h, lg, new_cache, stats = self._mtp(k, h, nxt, positions, segment_ids, new_cache, cache_rows)
                 mtp_logits.append(lg)
                 if stats is not None:
                     mtp_loads.append(stats["load"])
@@ -232,14 +237,14 @@ class Transformer(nnx.Module):
             aux["cache"] = new_cache
         return logits, aux
 
-    def _mtp(self, k, hidden, next_tokens, positions, segment_ids, cache):
+    def _mtp(self, k, hidden, next_tokens, positions, segment_ids, cache, cache_rows=None):
         mod = self.mtp[k]
         e = mod.enorm(self._embed(next_tokens))
         h = mod.hnorm(hidden.astype(self.dtype))
         x = jnp.concatenate([e, h], axis=-1) @ weight(mod.eh_proj, self.dtype)
         layer_cache = None if cache is None else cache["mtp"][k]
         x, layer_cache, stats = self._block(mod.block, constrain(x, HIDDEN), positions, segment_ids,
-                                            layer_cache, None)
+                                            layer_cache, None, None, CacheIndex(rows=cache_rows))
         logits = self._head(mod.shared_head_norm(x))
         if cache is not None:
             mtp_caches = list(cache["mtp"])
@@ -247,13 +252,13 @@ class Transformer(nnx.Module):
             cache = dict(cache, mtp=mtp_caches)
         return x, logits, cache, stats
 
-    def mtp_module(self, k, hidden, next_tokens, positions, segment_ids, cache=None):
+    def mtp_module(self, k, hidden, next_tokens, positions, segment_ids, cache=None, cache_rows=None):
         """Run MTP module k on the previous depth's hidden `[B,T,D]` and tokens[t+k+1] `[B,T]`.
 
         Returns (hidden_out `[B,T,D]`, logits `[B,T,V]` float32, cache) — cache is the whole
         model cache from `init_cache` with module k's entry updated (None if not given).
         """
-        h, logits, cache, _ = self._mtp(k, hidden, next_tokens, positions, segment_ids, cache)
+        h, logits, cache, _ = self._mtp(k, hidden, next_tokens, positions, segment_ids, cache, cache_rows)
         return h, logits, cache
 
 
