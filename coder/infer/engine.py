@@ -78,6 +78,7 @@ import atexit
 import collections
 import functools
 import itertools
+import math
 import threading
 import time
 import weakref
@@ -227,14 +228,16 @@ class Engine:
         # held once, not twice (without it K2's 256k decode needed 111 GiB a chip, the cache twice)
         self._prefill_fn = jax.jit(self._counted("prefill", functools.partial(
             programs.prefill, graphdef, spec_k=self.spec_k, **bind)), donate_argnums=(1,))
+        self._prefill_pool_fn = jax.jit(self._counted("prefill_pool", functools.partial(
+            programs.prefill_pool, graphdef, spec_k=self.spec_k, **bind)), donate_argnums=(1,))
         self._decode_fn = jax.jit(self._counted("decode", functools.partial(
             programs.decode, graphdef, num_steps=self.decode_steps_per_call, **bind)), donate_argnums=(1,))
         self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots), donate_argnums=(0,))
         self._read_slot_fn = jax.jit(self._counted("read_slot", programs.read_slot))
         self._write_slot_fn = jax.jit(self._counted("write_slot", programs.write_slot), donate_argnums=(0,))
         self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
-        self._calls = {"pool": self._call_pool, "prefill": self._call_prefill, "copy": self._call_copy,
-                       "decode": self._call_decode, "weights": self._call_weights}
+        self._calls = {"pool": self._call_pool, "prefill": self._call_prefill, "prefill_pool": self._call_prefill_pool,
+                       "copy": self._call_copy, "decode": self._call_decode, "weights": self._call_weights}
 
     # ------------------------------------------------------------------ public API
     def start_group(self, prompt_ids, n: int) -> Group:
@@ -461,7 +464,10 @@ class Engine:
             rows_sh = store_sharding(jax.ShapeDtypeStruct((batch,), jnp.int32))
         vec = lambda dt, *shape: jax.ShapeDtypeStruct((batch, *shape), dt, sharding=rows_sh)
         tokens = vec(jnp.int32, prefill_len)
-        prefill = self._prefill_fn.lower(state, store, vec(jnp.int32), tokens, tokens, tokens, vec(jnp.int32))
+        if store_sharding is not None and self._rows_split(store_sharding):  # as _prefill runs it
+            prefill = self._prefill_pool_fn.lower(state, store, tokens, tokens, tokens, vec(jnp.int32))
+        else:
+            prefill = self._prefill_fn.lower(state, store, vec(jnp.int32), tokens, tokens, tokens, vec(jnp.int32))
         inputs = programs.SlotInputs(
             length=vec(jnp.int32), active=vec(jnp.bool_), budget=vec(jnp.int32),
             rng=vec(jnp.uint32, *self._key_shape), temperature=vec(jnp.float32), top_k=vec(jnp.int32),
@@ -501,6 +507,17 @@ class Engine:
             return jax.device_put(x, sh)
         placed = jax.tree.map(put, state, self._state_shardings)
         return _fresh_copy(placed)
+
+    def _pool_split(self, slots: int) -> bool:
+        """Whether a pool of `slots` splits its rows over several devices (then prefill runs
+        aligned to the pool, programs.prefill_pool)."""
+        return self._rows_split(self._store_sharding(slots))
+
+    @staticmethod
+    def _rows_split(store_sharding) -> bool:
+        sh = store_sharding(jax.ShapeDtypeStruct((1,), jnp.int32))
+        return isinstance(sh, NamedSharding) and sh.spec and sh.spec[0] is not None and \
+            math.prod(sh.mesh.shape[a] for a in ((sh.spec[0],) if isinstance(sh.spec[0], str) else sh.spec[0])) > 1
 
     def _store_sharding(self, slots: int):
         if self.mesh is None:
@@ -681,12 +698,16 @@ class Engine:
             self._store = self._run(self._resize_fns[slots, cap], self._store)
         self._slots, self._capacity = slots, cap
 
-    def _call_prefill(self, *args) -> np.ndarray:
+    def _call_prefill(self, *args, fn=None) -> np.ndarray:
         if _is_abstract(self._state):
             raise RuntimeError("the engine was built from an abstract model and has no weights yet: "
                                "load_weights first")
-        self._store, experts = self._run(self._prefill_fn, self._state, self._store, *self._global(args))
+        fn = self._prefill_fn if fn is None else fn
+        self._store, experts = self._run(fn, self._state, self._store, *self._global(args))
         return self._host(experts)
+
+    def _call_prefill_pool(self, *args) -> np.ndarray:
+        return self._call_prefill(*args, fn=self._prefill_pool_fn)
 
     def _call_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         self._store = self._run(self._copy_fn, self._store, *self._global((src, dst)))
@@ -796,23 +817,26 @@ class Engine:
         """Write the pending tokens of `rows` (slots held) into the cache, in batches and length
         buckets; rows longer than the largest length bucket go in several chunks."""
         chunk = self.len_buckets[-1]
-        top = self.batch_buckets[-1]
         while True:
             todo = [r for r in rows if r.pending]
             if not todo:
                 return
+            # a pool split over devices prefills aligned to itself: every row that has tokens, at once
+            top = len(todo) if self._pool_split(self._slots) else self.batch_buckets[-1]
             for i in range(0, len(todo), top):
                 part = todo[i:i + top]
                 need = max(r.length + min(len(r.pending), chunk) for r in part)
                 self._fit_pool(need)
-                b = bucket(self.batch_buckets, len(part))
-                chunks, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, self._slots)
-                experts = self._device("prefill", *args)
+                aligned = self._pool_split(self._slots)
+                b = self._slots if aligned else bucket(self.batch_buckets, len(part))
+                chunks, at, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, self._slots,
+                                                            aligned=aligned)
+                experts = self._device("prefill_pool" if aligned else "prefill", *args)
                 self.prefill_tokens += sum(len(c) for c in chunks)
                 for r, c in zip(part, chunks):
                     r.prefilled += len(c)
                 with self._lock:
-                    self.sched.absorb_prefill(part, chunks, experts, self.policy_version)
+                    self.sched.absorb_prefill(part, chunks, at, experts, self.policy_version)
 
     def _decode(self, ready: list[Row], waiting: bool) -> None:
         """One multi-step decode call over the pool; the rows' requests absorb what it emitted."""

@@ -132,24 +132,44 @@ def prefill(graphdef, state, store: Store, idx, tokens, positions, segment_ids, 
     last real token. Returns (store with the rows' tokens cached, their held logits / hidden
     taken at `last` and no residual owed, expert ids `[B, T, L, K]`). The model reads and writes
     the pool's cache in place at the rows' slots (`cache_rows`): a row's cache is never copied
-    out of the pool whole (at 256k, gathering the prefilling rows' caches put every one of them
-    on every chip)."""
-    rows = lambda x: jnp.take(x, idx, axis=0, mode="clip")
+    out of the pool and back whole. Reading one layer's rows is still a gather, which over a
+    pool split across devices brings those rows to every device: such pools take
+    `prefill_pool`."""
+    take = lambda x: jnp.take(x, idx, axis=0, mode="clip")
+    put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
+    return _prefill(graphdef, state, store, idx, take, put, tokens, positions, segment_ids, last, spec_k,
+                    experts_dtype)
+
+
+def prefill_pool(graphdef, state, store: Store, tokens, positions, segment_ids, last, *, spec_k: int,
+                 experts_dtype):
+    """`prefill` with the batch aligned to the pool: row b is slot b (tokens etc. `[S, T]`; a slot
+    with nothing to prefill is a row of padding and keeps its state). What a pool split over
+    devices prefills with: every row is computed where its slot's cache lives, so nothing is
+    gathered (K2 at 256k on a v5p-256: the gathered form needed 214 GiB a chip for 256 rows)."""
+    has = (segment_ids > 0).any(axis=1)  # [S] slots this chunk writes
+    keep = lambda x, v: jnp.where(has.reshape(-1, *([1] * (x.ndim - 1))), v.astype(x.dtype), x)
+    return _prefill(graphdef, state, store, None, lambda x: x, keep, tokens, positions, segment_ids, last,
+                    spec_k, experts_dtype)
+
+
+def _prefill(graphdef, state, store, idx, take, put, tokens, positions, segment_ids, last, spec_k, experts_dtype):
+    """prefill's body: `take` a pool leaf's batch rows, `put` the rows' new values back."""
     model = nnx.merge(graphdef, state)
     logits, aux = model(tokens, positions, segment_ids, cache=store.cache, cache_rows=idx)
     pick = last[:, None, None]
-    cache, mtp_hidden = aux["cache"], rows(store.mtp_hidden)
+    cache, mtp_hidden = aux["cache"], take(store.mtp_hidden)
     if spec_k:
-        cache, mtp_hidden = speculative.advance(model, cache, rows(store.hidden), mtp_hidden, aux["hidden"], tokens,
+        cache, mtp_hidden = speculative.advance(model, cache, take(store.hidden), mtp_hidden, aux["hidden"], tokens,
                                                 positions[:, 0], last + 1, segment_ids[:, 0] > 0, cache_rows=idx)
+    b = tokens.shape[0]
     new = dict(
         logits=jnp.take_along_axis(logits, pick, axis=1)[:, 0],
         hidden=jnp.take_along_axis(aux["hidden"], pick, axis=1)[:, 0],
         mtp_hidden=mtp_hidden,
-        residual=jnp.zeros((idx.shape[0], *store.residual.shape[1:])),
-        has_residual=jnp.zeros(idx.shape, bool),
+        residual=jnp.zeros((b, *store.residual.shape[1:])),
+        has_residual=jnp.zeros((b,), bool),
     )
-    put = lambda x, v: x.at[idx].set(v.astype(x.dtype), mode="drop")
     out = store.replace(cache=cache, **{k: put(getattr(store, k), v) for k, v in new.items()})
     return out, _compact_experts(aux["expert_ids"], experts_dtype)
 

@@ -366,8 +366,11 @@ class Scheduler:
         return max(0, min(req.params.max_new_tokens - len(req.gen.tokens), self.max_len - r.length))
 
     # ------------------------------------------------------------------ program inputs
-    def prefill_batch(self, rows: list[Row], chunk: int, len_buckets, batch: int, slots: int):
-        """numpy inputs of `programs.prefill` for the first `chunk` pending tokens of `rows`."""
+    def prefill_batch(self, rows: list[Row], chunk: int, len_buckets, batch: int, slots: int, *,
+                      aligned: bool = False):
+        """numpy inputs of `programs.prefill` for the first `chunk` pending tokens of `rows`:
+        (chunks, at, args), `at[j]` the batch row of rows[j]. aligned: `programs.prefill_pool`'s
+        (the batch is the pool, `batch` == `slots`: each row at its slot, no slot index)."""
         chunks = [r.pending[:chunk] for r in rows]
         t = bucket(len_buckets, max(len(c) for c in chunks))
         idx = np.full((batch,), slots, np.int32)
@@ -375,17 +378,19 @@ class Scheduler:
         positions = np.zeros((batch, t), np.int32)
         seg = np.zeros((batch, t), np.int32)
         last = np.zeros((batch,), np.int32)
-        for j, (r, c) in enumerate(zip(rows, chunks)):
+        at = [r.slot if aligned else j for j, r in enumerate(rows)]
+        for j, r, c in zip(at, rows, chunks):
             idx[j] = r.slot
             tokens[j, :len(c)] = c
             positions[j, :len(c)] = np.arange(r.length, r.length + len(c))
             seg[j, :len(c)] = 1
             last[j] = len(c) - 1
-        return chunks, (idx, tokens, positions, seg, last)
+        args = (tokens, positions, seg, last) if aligned else (idx, tokens, positions, seg, last)
+        return chunks, at, args
 
-    def absorb_prefill(self, rows: list[Row], chunks: list, experts: np.ndarray, version: int) -> None:
-        """experts `[B, T, L, K]` of the prefilled chunk."""
-        for j, (r, c) in enumerate(zip(rows, chunks)):
+    def absorb_prefill(self, rows: list[Row], chunks: list, at: list, experts: np.ndarray, version: int) -> None:
+        """experts `[B, T, L, K]` of the prefilled chunk, rows[j]'s at batch row at[j]."""
+        for j, r, c in zip(at, rows, chunks):
             r.expert_chunks.append(np.ascontiguousarray(experts[j, :len(c)]))
             r.length += len(c)
             r.logits_version = version

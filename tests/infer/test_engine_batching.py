@@ -243,6 +243,10 @@ def test_data_parallel_attention_engine_equals_single_device(model_and_cfg):
             g = engine.start_group(PROMPTS[0], 8)
             out[name] += engine.generate(g, params, jax.random.key(3))
             g.close()
+        # a pool split over devices prefills aligned to itself (programs.prefill_pool: no row's
+        # cache gathered), one on one device picks its rows (programs.prefill)
+        assert (engine.compilations["prefill_pool"] > 0) == (name == "dp"), engine.compilations
+        assert (engine.compilations["prefill"] > 0) == (name == "single"), engine.compilations
         if name == "dp":
             caches = jax.tree.leaves(engine._store.cache)
             assert caches and all(c.addressable_shards[0].data.shape[0] == c.shape[0] // 8

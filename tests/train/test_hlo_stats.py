@@ -127,3 +127,72 @@ def test_host_offload_moves_the_slice_not_the_host_buffer_through_hbm():
                        ("main", "row"): 3 * row}, traffic
     runs, _ = hlo_stats.multiplicities(module)
     assert runs["fetch"] == runs["store"] == 1
+
+
+SCATTER = """
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_scatter (c: f32[64,1024], idx: s32[2,1], upd: f32[2,1024]) -> f32[64,1024] {
+  %c = f32[64,1024]{1,0} parameter(0)
+  %idx = s32[2,1]{1,0} parameter(1)
+  %upd = f32[2,1024]{1,0} parameter(2)
+  ROOT %sc = f32[64,1024]{1,0} scatter(%c, %idx, %upd), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (cache: f32[64,1024], idx: s32[2,1], upd: f32[2,1024]) -> f32[64,1024] {
+  %cache = f32[64,1024]{1,0} parameter(0)
+  %idx = s32[2,1]{1,0} parameter(1)
+  %upd = f32[2,1024]{1,0} parameter(2)
+  %top = f32[64,1024]{1,0} scatter(%cache, %idx, %upd), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+  ROOT %fused = f32[64,1024]{1,0} fusion(%top, %idx, %upd), kind=kLoop, calls=%fused_scatter
+}
+"""
+
+
+def test_a_scatter_writes_its_updates_in_place():
+    """Two rows scattered into a [64, 1024] cache, as a top-level scatter and as a fusion's root:
+    each reads the indices and the updates and writes the updates; the cache is not read or
+    written whole (XLA shares its buffer; a copy it could not avoid is an instruction of its own)."""
+    module = hlo_stats.parse_hlo(SCATTER)
+    traffic = {(c, i.name): b for c, i, b in hlo_stats.instruction_traffic(module) if c == "main"}
+    rows, indices = 2 * 4 * 1024, 2 * 4
+    assert traffic == {("main", "top"): 2 * rows + indices, ("main", "fused"): 2 * rows + indices}, traffic
+
+
+NESTED_SLICE = """
+%slice_row (c: f32[64,1024], i: s32[]) -> f32[1,1024] {
+  %c = f32[64,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%c, %i, %z), dynamic_slice_sizes={1,1024}
+}
+
+%row_times_w (c: f32[64,1024], w: f32[1024,8], i: s32[]) -> f32[1,8] {
+  %c = f32[64,1024]{1,0} parameter(0)
+  %w = f32[1024,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %row = f32[1,1024]{1,0} fusion(%c, %i), kind=kLoop, calls=%slice_row
+  ROOT %dot = f32[1,8]{1,0} dot(%row, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (cache: f32[64,1024], w: f32[1024,8], i: s32[]) -> f32[1,8] {
+  %cache = f32[64,1024]{1,0} parameter(0)
+  %w = f32[1024,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %out = f32[1,8]{1,0} fusion(%cache, %w, %i), kind=kOutput, calls=%row_times_w
+}
+"""
+
+
+def test_a_slice_in_a_nested_fusion_reads_the_slice():
+    """A dot whose operand is one row of a [64, 1024] cache, sliced in a fusion nested in the
+    dot's (as XLA:TPU fuses a blockwise attention's block of the cache): the row is read, not the
+    cache."""
+    module = hlo_stats.parse_hlo(NESTED_SLICE)
+    traffic = {(c, i.name): b for c, i, b in hlo_stats.instruction_traffic(module) if c == "main"}
+    row, w, index, out = 4 * 1024, 4 * 1024 * 8, 4, 4 * 8
+    assert traffic == {("main", "out"): row + w + index + out}, traffic

@@ -401,53 +401,75 @@ _NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
 
 
 _SLICING = ("dynamic-slice", "slice", "gather")
+# ops that update their operand 0 in place (XLA shares its buffer with the result; where it
+# cannot, copy insertion puts an explicit copy before them, counted as such): the operand index
+# of the update, which is all they write. A KV cache's per-token scatter reads and writes the
+# tokens, not the cache (counted whole, a 256k engine's decode read 4.4 TB a step it never moves).
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 
 
 def _param_index(ins: Instr) -> int:
     return int(ins.args.strip() or 0)
 
 
-def _fusion_access(instrs: list[Instr]) -> tuple[dict[int, float], float | None]:
+def _fusion_access(instrs: list[Instr], computations: dict | None = None,
+                   memo: dict | None = None) -> tuple[dict[int, float], float | None]:
     """Bytes a fused computation reads of each parameter, and writes (None = its result).
 
     A parameter only sliced inside the fusion (dynamic-slice of one layer of a stacked weight)
-    is read for the slices' size; the buffer of an in-place dynamic-update-slice is not read,
+    is read for the slices' size, also where the slice sits in a fusion nested inside
+    (`computations`: the module's, to look into them; XLA:TPU nests a dot's sliced operand so:
+    the blockwise cached attention's 4096-slot block of a 256k cache read the whole cache per
+    block); the buffer of an in-place dynamic-update-slice or scatter (_IN_PLACE) is not read,
     and only the update is written.
     """
+    memo = {} if memo is None else memo
     shapes = {i.name: i.shape for i in instrs}
     users: dict[str, list[tuple[Instr, int]]] = defaultdict(list)
     for i in instrs:
         for pos, o in enumerate(i.operands):
             users[o].append((i, pos))
+
+    def use_bytes(u: Instr, pos: int, full: float) -> float:
+        if u.opcode in _SLICING and pos == 0:
+            return nbytes(u.shape)
+        if u.opcode in _IN_PLACE and pos == 0:
+            return 0.0
+        callee = dict(callees(u)).get("calls") if u.opcode == "fusion" else None
+        if computations is not None and callee in computations:
+            if callee not in memo:
+                memo[callee] = _fusion_access(computations[callee], computations, memo)
+            return memo[callee][0].get(pos, full)
+        return full
+
     reads: dict[int, float] = {}
     for i in instrs:
         if i.opcode != "parameter":
             continue
         us = users.get(i.name, [])
-        if not hbm_bytes(i.shape):  # a host-resident (or on-chip) buffer: no HBM read
+        full = hbm_bytes(i.shape)
+        if not full:  # a host-resident (or on-chip) buffer: no HBM read
             reads[_param_index(i)] = 0.0
-        elif us and all(u.opcode in _SLICING and pos == 0 for u, pos in us):
-            reads[_param_index(i)] = sum(nbytes(u.shape) for u, _ in us)
-        elif us and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in us):
-            reads[_param_index(i)] = 0.0
+        elif us:
+            reads[_param_index(i)] = min(full, sum(use_bytes(u, pos, full) for u, pos in us))
         else:
-            reads[_param_index(i)] = hbm_bytes(i.shape)
+            reads[_param_index(i)] = full
     root = instrs[-1] if instrs else None
     written = None
-    if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-        written = nbytes(shapes.get(root.operands[1], "")) if hbm_bytes(root.shape) else 0.0
+    if root is not None and root.opcode in _IN_PLACE and len(root.operands) > _IN_PLACE[root.opcode]:
+        written = nbytes(shapes.get(root.operands[_IN_PLACE[root.opcode]], "")) if hbm_bytes(root.shape) else 0.0
     return reads, written
 
 
 def _fused_access(module: HloModule) -> dict[str, tuple[dict[int, float], float | None]]:
     """`_fusion_access` of every computation a fusion calls."""
-    fused = {}
+    fused: dict = {}
     for instrs in module.computations.values():
         for ins in instrs:
             if ins.opcode == "fusion":
                 for role, c in callees(ins):
                     if role == "calls" and c in module.computations and c not in fused:
-                        fused[c] = _fusion_access(module.computations[c])
+                        fused[c] = _fusion_access(module.computations[c], module.computations, fused)
     return fused
 
 
@@ -484,9 +506,9 @@ def instruction_traffic(module: HloModule):
                 written = written if w is None else w
             elif i.opcode in _SLICING and operand_bytes:  # the slice is read, from HBM or not
                 operand_bytes = [nbytes(i.shape) if operand_bytes[0] else 0.0] + operand_bytes[1:]
-            elif i.opcode == "dynamic-update-slice" and len(operand_bytes) > 1:
+            elif i.opcode in _IN_PLACE and len(operand_bytes) > _IN_PLACE[i.opcode]:
                 # the update is written in place, into HBM or into a host-resident buffer
-                written = nbytes(shapes.get(i.operands[1], "")) if written else 0.0
+                written = nbytes(shapes.get(i.operands[_IN_PLACE[i.opcode]], "")) if written else 0.0
                 operand_bytes = operand_bytes[1:]
             yield comp, i, written + sum(operand_bytes)
 
