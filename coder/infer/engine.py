@@ -443,10 +443,11 @@ class Engine:
         return s
 
     def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,
-              store_sharding=None, num_steps: int = 1) -> dict:
+              store_sharding=None, num_steps: int = 1, copy_rows: int = 0) -> dict:
         """Lower (never run) the prefill and decode programs of one shape: a pool of `batch`
         slots, cache `capacity`, prefill chunks of `batch` x `prefill_len` tokens, a decode
-        call of `num_steps` steps (1: the cost of one step). The engine may be built from an
+        call of `num_steps` steps (1: the cost of one step), and with `copy_rows` the slot copy
+        that shares a group's prefilled prompt with that many rows. The engine may be built from an
         abstract model (`nnx.eval_shape`): nothing is allocated, which is how stage `compile`
         compiles a full-size engine for a TPU slice. state_shardings: a tree like the model
         state; store_sharding: `leaf -> sharding` for every `[batch, ...]` store leaf.
@@ -476,7 +477,11 @@ class Engine:
             programs.decode, self._graphdef, num_steps=num_steps, experts_dtype=self.experts_dtype),
             donate_argnums=(1,))
         decode = decode_fn.lower(state, store, inputs, jax.ShapeDtypeStruct((), jnp.int32))
-        return {"prefill": prefill, "decode": decode, "state": state, "store": store}
+        out = {"prefill": prefill, "decode": decode, "state": state, "store": store}
+        if copy_rows:  # a group's prompt copied from its first row to the other `copy_rows` rows
+            pairs = jax.ShapeDtypeStruct((copy_rows,), jnp.int32)
+            out["copy"] = self._copy_fn.lower(store, pairs, pairs)
+        return out
 
     # ------------------------------------------------------------------ placement
     def _serving(self, x) -> jax.ShapeDtypeStruct:

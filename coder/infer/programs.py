@@ -104,8 +104,23 @@ def _fit(x, shape):
 
 def copy_slots(store: Store, src, dst) -> Store:
     """Copy slots `src` `[n]` to slots `dst` `[n]` (dst == S: dropped padding). How a group's
-    prompt, prefilled once, is shared by its rows."""
-    return jax.tree.map(lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), store)
+    prompt, prefilled once, is shared by its rows. The stacked layers' cache goes one layer at a
+    time, so n rows of one layer are in flight, not of every layer (gathered over a pool split
+    across devices, n rows of K2's whole 256k stack are 18 GB each on every chip)."""
+    copy = lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop")
+
+    def copy_stack(x):  # [S, L, C, ...]
+        def layer(i, x):
+            rows = jnp.take(jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), src, axis=0, mode="clip")
+            return x.at[dst, i].set(rows, mode="drop")
+        return jax.lax.fori_loop(0, x.shape[1], layer, x)
+
+    cache = dict(store.cache)
+    stack = cache.pop("stack", None)
+    out = jax.tree.map(copy, store.replace(cache=cache))
+    if stack is not None:
+        out = out.replace(cache=dict(out.cache, stack=jax.tree.map(copy_stack, stack)))
+    return out
 
 
 def read_slot(store: Store, slot) -> Store:

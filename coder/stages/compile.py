@@ -479,9 +479,9 @@ def compile_grpo(config, mesh, topo, hlo_dir: str = "") -> dict:
 
 
 def lower_engine(config, mesh) -> tuple[dict, dict]:
-    """Lower the RL engine's prefill and decode programs over `mesh` with abstract weights.
+    """Lower the RL engine's prefill, decode and group-copy programs over `mesh` with abstract weights.
 
-    Returns ({"prefill": Lowered, "decode": Lowered}, setup). Weights shard by the same rules
+    Returns ({"prefill": Lowered, "decode": Lowered, "copy": Lowered}, setup). Weights shard by the same rules
     as training; every store leaf (cache `[rows, slots, ...]`, logits, hidden) splits its rows
     over the batch mesh axes when they divide the rows, else is replicated.
     """
@@ -513,11 +513,12 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
         return NamedSharding(mesh, PartitionSpec(split, *([None] * (leaf.ndim - 1))))
 
     with sharding.activate(mesh, rules):
-        out = engine.lower(rows, slots, prefill, state_shardings=state_sh, store_sharding=store_sharding)
+        out = engine.lower(rows, slots, prefill, state_shardings=state_sh, store_sharding=store_sharding,
+                           copy_rows=int(rl.group_size))
     per_chip = dict(params=bytes_per_chip(out["state"]), cache=bytes_per_chip(out["store"]))
     setup = dict(rows=rows, cache_slots=slots, prefill_len=prefill, speculative_k=int(rl.speculative_k),
                  rows_split_over=list(split or ()), **{f"{k}_bytes_per_chip": v for k, v in per_chip.items()})
-    return {"prefill": out["prefill"], "decode": out["decode"]}, setup
+    return {"prefill": out["prefill"], "decode": out["decode"], "copy": out["copy"]}, setup
 
 
 def engine_model_flops(model_cfg, setup: dict) -> dict:
@@ -632,10 +633,10 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
             shape = (setup["rows"], setup["prefill_len"] if name == "prefill" else k + 1)
             entry = analyse(compiled, topo, params=setup["params_bytes_per_chip"], optimizer=0.0,
                             batch=setup["cache_bytes_per_chip"],
-                            model_flops=model_flops[name], gmm_scale=gmm_scale(config, mesh, *shape))
+                            model_flops=model_flops.get(name, 0.0), gmm_scale=gmm_scale(config, mesh, *shape))
             entry["status"] = "fits" if entry["memory"]["fits"] else "does_not_fit"
             lower_s = entry["roofline"]["step_time_lower_s"]
-            entry["tokens_per_s_upper"] = tokens[name] / lower_s if lower_s else 0.0
+            entry["tokens_per_s_upper"] = tokens.get(name, 0) / lower_s if lower_s else 0.0
         entry["compile_seconds"] = time.perf_counter() - t1
         out[name] = entry
         logging.info("engine %s (%d rows, cache %d, k=%d) on %s: %s, %.1f GiB a chip, compiled in %.0f s", name,

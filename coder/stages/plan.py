@@ -12,8 +12,10 @@ the analysis of one program):
   mtp                      the distillation step (`mtp_step`: trunk frozen, MTP modules trained);
   grpo                     the GRPO learner's step (`grpo_step`) at compile.grpo_batch rows of
                            rl.context_budget tokens (the longest row a generation fills), and
-                           the rollout engine's prefill and one decode step (`engine_prefill`,
-                           `engine_decode`) at its real slot count (rl.engine_slots) over a full
+                           the rollout engine's prefill, one decode step and the slot copy
+                           that shares a group's prompt with its rl.group_size rows
+                           (`engine_prefill`, `engine_decode`, `engine_copy`) at its real slot
+                           count (rl.engine_slots) over a full
                            cache of rl.context_budget tokens, with rl.speculative_k MTP drafts,
                            on the actor's own slice (compile.engine_topology, whose hosts must
                            be rl.actor_processes) or, colocated, on the learner's chips
@@ -147,7 +149,7 @@ def engine_layout(config, learner_mesh, learner_topo):
     return compile_stage.engine_target(config, learner_mesh, learner_topo)
 
 
-def compile_engine_at(config, mesh, topo, slots: int, programs=("prefill", "decode")) -> dict:
+def compile_engine_at(config, mesh, topo, slots: int, programs=("prefill", "decode", "copy")) -> dict:
     """The engine's `programs` compiled at `slots` rows (compile.compile_engine's record; a
     program left out is not compiled)."""
     from coder.stages import compile as compile_stage
@@ -359,7 +361,7 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_n
             engine = run(f"engine_at_{slots}_slots", lambda: compile_engine_at(config, emesh, etopo, slots))
             engine_cache[key] = engine
         eprogs = []
-        for p in ("prefill", "decode"):
+        for p in ("prefill", "decode", "copy"):
             row = _program(f"engine_{p}", engine.get(p) or {"status": engine.get("status", "compile_error"),
                                                         "error": engine.get("error", "")})
             row.update(topology=etopo.name, chips=etopo.num_chips, rows=slots,

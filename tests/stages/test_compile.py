@@ -560,7 +560,7 @@ def test_engine_compiles_on_an_actor_slice_of_its_own():
     assert etopo.name == "v5e-8" and emesh.devices.size == 8 and emesh.shape["data"] == 8
     assert {d.platform for d in emesh.devices.flat} == {"tpu"}
     lowered, setup = C.lower_engine(config, emesh)
-    assert set(lowered) == {"prefill", "decode"} and setup["params_bytes_per_chip"] > 0
+    assert set(lowered) == {"prefill", "decode", "copy"} and setup["params_bytes_per_chip"] > 0
     config.rl.engine_dtype = "bfloat16"  # the serving weights' dtype, not the parameters'
     assert C.lower_engine(config, emesh)[1]["params_bytes_per_chip"] == pytest.approx(
         setup["params_bytes_per_chip"] / 2, rel=0.01)

@@ -48,8 +48,8 @@ def test_quickstart_chain_plan_compiles_every_program_of_every_stage(quickstart_
     assert [r["stage"] for r in plan["stages"]] == list(config.stages)
     programs = {r["stage"]: [p["name"] for p in r["programs"]] for r in plan["stages"]}
     assert programs == {"pretrain": ["train_step"], "longctx": ["train_step"], "mtp": ["mtp_step"],
-                        "sft": ["train_step"], "grpo": ["grpo_step", "engine_prefill", "engine_decode"],
-                        "eval": ["engine_prefill", "engine_decode"]}
+                        "sft": ["train_step"], "grpo": ["grpo_step", "engine_prefill", "engine_decode", "engine_copy"],
+                        "eval": ["engine_prefill", "engine_decode", "engine_copy"]}
     for row in plan["stages"]:
         for p in row["programs"]:
             assert p["status"] == "fits", (row["stage"], p)
