@@ -320,6 +320,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.min_lr_ratio = 0.0  # its cosine decays to grpo.lr * this (0 = train.min_lr_ratio; 1 = constant lr)
     c.grpo.grad_accum = 0  # the learner's micro-batches per step (0 = train.grad_accum)
     c.grpo.remat = ""  # model.remat of the learner ("" = model.remat)
+    c.grpo.offload_optimizer = False  # train.offload_optimizer of the learner (Adam moments in host memory)
     c.grpo.ckpt_every = 5  # steps between grpo checkpoints (-> train.ckpt_every): an RL step is minutes of rollouts
     # MTP refresh: the MTP modules keep distilling the current policy on its sampled tokens (trunk
     # held fixed; 0 = off: the drafts go stale as the policy moves). Small because the global-norm

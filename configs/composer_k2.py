@@ -165,7 +165,11 @@ def recipe(c, *, draft_depth: int):
 
     g = c.grpo
     g["async"] = True  # in-flight weight updates: actors run ahead of the learner
-    g.max_staleness = 2  # tokens more than 2 versions old carry no loss
+    # tokens more than 8 versions old carry no loss (TIS corrects the rest). plan (docs/scale,
+    # "Plans"): a rollout's 32k sampled tokens take ~1 h on an actor (0.179 s a decode step at 256
+    # rows of 256k, 2.19 tokens a step with 2 drafts) while the learner steps every ~450 s, so
+    # its first tokens are 8 versions old when it trains; at 2 most of every rollout was dropped
+    g.max_staleness = 8
     g.tis_cap = 2.0
     g.lr = 1e-6
     g.steps = 1000
@@ -177,6 +181,9 @@ def recipe(c, *, draft_depth: int):
     # slice, remat full, as the longctx stage
     g.grad_accum = 64
     g.remat = "full"
+    # plan: on the chips the step needed 97.6 of 95.0 GiB (K2); the Adam moments wait in pinned
+    # host memory between steps (train.offload_optimizer), as DeepSeek-V3's 256k pretraining does
+    g.offload_optimizer = True
     c.compile.grpo_batch = 128
     c.compile.grpo_seq_len = 262144
 

@@ -242,6 +242,9 @@ def test_composer_k2_recipe_passes_the_grpo_stages_checks():
     grpo.validate(c)
     assert c.rl.context_budget == c.model.max_position_embeddings == 262144
     assert c.rl.actor_processes > 1 and c.env.workers_backend == "ray" and c.grpo["async"]
+    # the learner's step keeps its Adam moments in host memory (the plan's grpo_step did not fit on
+    # the chips), only in the grpo stage
+    assert c.train.offload_optimizer and not stages.stage_config("sft", composer_k2.get_config()).train.offload_optimizer
 
 
 def test_composer_recipes_chain_the_seeds_stages_each_with_its_own_shape_and_layout():
