@@ -634,6 +634,12 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
             entry = analyse(compiled, topo, params=setup["params_bytes_per_chip"], optimizer=0.0,
                             batch=setup["cache_bytes_per_chip"],
                             model_flops=model_flops.get(name, 0.0), gmm_scale=gmm_scale(config, mesh, *shape))
+            if name == "copy":  # the serving weights stay on the chips beside it (it does not take them)
+                mem = entry["memory"]
+                mem["resident_params_bytes"] = setup["params_bytes_per_chip"]
+                mem["total_bytes"] += setup["params_bytes_per_chip"]
+                mem["fraction_of_hbm"] = mem["total_bytes"] / mem["hbm_bytes"]
+                mem["fits"] = mem["total_bytes"] <= mem["hbm_bytes"]
             entry["status"] = "fits" if entry["memory"]["fits"] else "does_not_fit"
             lower_s = entry["roofline"]["step_time_lower_s"]
             entry["tokens_per_s_upper"] = tokens.get(name, 0) / lower_s if lower_s else 0.0
