@@ -104,33 +104,23 @@ def _fit(x, shape):
 
 def copy_slots(store: Store, src, dst) -> Store:
     """Copy slots `src` `[n]` to slots `dst` `[n]` (dst == S: dropped padding). How a group's
-    prompt, prefilled once, is shared by its rows. The caches go one row (and, stacked, one
-    layer) at a time, so one row of one layer is in flight: over a pool split across devices a
-    row read out of the pool is on every chip, and n rows of K2's whole 256k stack were 18 GB
-    each (the plan: with the weights resident, DeepSeek-V3's copy of 8 rows a layer at a time
-    did not fit a v5p-256 chip)."""
-    n = src.shape[0]
+    prompt, prefilled once, is shared by its rows. The stacked layers' cache goes one layer at a
+    time, so n rows of one layer are in flight, not of every layer (gathered over a pool split
+    across devices, n rows of K2's whole 256k stack are 18 GB each on every chip)."""
     copy = lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop")
-
-    def copy_rows(x):  # [S, C, ...]
-        def row(j, x):
-            return x.at[dst[j][None]].set(jnp.take(x, src[j][None], axis=0, mode="clip"), mode="drop")
-        return jax.lax.fori_loop(0, n, row, x)
 
     def copy_stack(x):  # [S, L, C, ...]
         def layer(i, x):
-            def row(j, x):
-                one = jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
-                return x.at[dst[j][None], i].set(jnp.take(one, src[j][None], axis=0, mode="clip"), mode="drop")
-            return jax.lax.fori_loop(0, n, row, x)
+            rows = jnp.take(jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), src, axis=0, mode="clip")
+            return x.at[dst, i].set(rows, mode="drop")
         return jax.lax.fori_loop(0, x.shape[1], layer, x)
 
     cache = dict(store.cache)
     stack = cache.pop("stack", None)
-    cache = jax.tree.map(copy_rows, cache)
+    out = jax.tree.map(copy, store.replace(cache=cache))
     if stack is not None:
-        cache["stack"] = jax.tree.map(copy_stack, stack)
-    return jax.tree.map(copy, store.replace(cache={})).replace(cache=cache)
+        out = out.replace(cache=dict(out.cache, stack=jax.tree.map(copy_stack, stack)))
+    return out
 
 
 def read_slot(store: Store, slot) -> Store:
