@@ -129,11 +129,13 @@ def recipe(c, *, draft_depth: int):
                 "run_tests", "repo_history", "memory_write", "memory_read", "think", "ask_user", "submit")
     pod_layout.actor_engine(c, actor_chips=ACTOR_CHIPS)
     rl.speculative_k = draft_depth  # MTP drafts a decode step (seed 002: 2-3x faster inference)
-    rl.engine_slots = 256  # rows one actor decodes together: 2 per chip (plan: engine_slots_fit)
+    # rows one actor decodes together, 2 per chip. plan: 384 fit K2's decode (93.8 GiB a chip), 256
+    # take 76.0 and leave room for the group copy beside the weights (89.9 GiB); DeepSeek-V3: 256 fit
+    rl.engine_slots = 256
     rl.decode_steps = 32
     rl.eval_num_tasks = 64
     rl.eval_samples = 4
-    rl.num_actors = 4  # actor slices (plan: actor_slices_per_learner)
+    rl.num_actors = 4  # actor slices (plan: actor_slices_per_learner, 4 for K2.5 and for DeepSeek-V3)
     rl.actor_processes = ACTOR_HOSTS  # hosts per actor: a v5p-256 slice
     c.compile.engine_topology = ACTOR_TOPOLOGY
     c.compile.engine_prefill_len = 256  # tokens a row per prefill chunk (1024 x 128 rows needed 117 GiB)
