@@ -9,7 +9,7 @@ to 256k (YaRN 64 over 4096) by the longctx stage.
     python main.py --config=configs/composer_dsv3.py --config.plan=True --config.workdir=/tmp/plan_dsv3
 
 docs/scale/README.md ("Plans") and docs/scale/composer_dsv3/ have its plan so far: sft and GRPO
-fit, except the engine's group copy (99.6 of 95.0 GiB a chip with the weights beside it).
+fit (the engine's group copy 85.7 of 95.0 GiB a chip with the weights beside it).
 """
 from configs.composer_k2 import recipe
 from configs.deepseek_v3_671b import get_config as deepseek_v3_config

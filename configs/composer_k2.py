@@ -130,7 +130,7 @@ def recipe(c, *, draft_depth: int):
     pod_layout.actor_engine(c, actor_chips=ACTOR_CHIPS)
     rl.speculative_k = draft_depth  # MTP drafts a decode step (seed 002: 2-3x faster inference)
     # rows one actor decodes together, 2 per chip. plan: 384 fit K2's decode (93.8 GiB a chip), 256
-    # take 76.0 and leave room for the group copy beside the weights (89.9 GiB); DeepSeek-V3: 256 fit
+    # take 76.0 and leave room for the group copy beside the weights (82.3 GiB); DeepSeek-V3: 256 fit
     rl.engine_slots = 256
     rl.decode_steps = 32
     rl.eval_num_tasks = 64

@@ -104,9 +104,12 @@ def _fit(x, shape):
 
 def copy_slots(store: Store, src, dst) -> Store:
     """Copy slots `src` `[n]` to slots `dst` `[n]` (dst == S: dropped padding). How a group's
-    prompt, prefilled once, is shared by its rows. The stacked layers' cache goes one layer at a
-    time, so n rows of one layer are in flight, not of every layer (gathered over a pool split
-    across devices, n rows of K2's whole 256k stack are 18 GB each on every chip)."""
+    prompt, prefilled once, is shared by its rows. Over a pool split across devices the rows
+    read out of the pool are on every chip, so the caches go one layer at a time: the stacked
+    layers in a loop, the others chained one after another (each layer's copy waits for the one
+    before: XLA otherwise ran them side by side, 24 GB of DeepSeek-V3's 256k rows on every chip
+    of a v5p-256); n rows of one layer are in flight, not of every layer (n rows of K2's whole
+    256k stack are 18 GB each)."""
     copy = lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop")
 
     def copy_stack(x):  # [S, L, C, ...]
@@ -117,9 +120,17 @@ def copy_slots(store: Store, src, dst) -> Store:
 
     cache = dict(store.cache)
     stack = cache.pop("stack", None)
-    out = jax.tree.map(copy, store.replace(cache=cache))
+    leaves, treedef = jax.tree.flatten(cache)
+    done = []
+    for leaf in leaves:
+        if done:  # ordered after the copy before it
+            done[-1], leaf = jax.lax.optimization_barrier((done[-1], leaf))
+        done.append(copy(leaf))
+    out = jax.tree.map(copy, store.replace(cache={})).replace(cache=jax.tree.unflatten(treedef, done))
     if stack is not None:
-        out = out.replace(cache=dict(out.cache, stack=jax.tree.map(copy_stack, stack)))
+        last = done[-1] if done else None
+        stack = jax.tree.map(copy_stack, stack if last is None else jax.lax.optimization_barrier((last, stack))[1])
+        out = out.replace(cache=dict(out.cache, stack=stack))
     return out
 
 
