@@ -106,7 +106,7 @@ def measure(c, tok, model, tasks, tools, prefix_cache: int | None, repeats: int,
             if best is None or dt < best["wall_s"]:
                 grew = {k: v - programs.get(k, 0) for k, v in engine.compilations.items() if v > programs.get(k, 0)}
                 best = dict(wall_s=dt, groups=groups, compiled=engine.num_compilations - n, compiled_programs=grew,
-                            pool_slots=engine._slots,
+                            pool_slots=engine.pool_store.slots,
                             engine_prefill=after["prefill_tokens"] - before["prefill_tokens"],
                             engine_saved=after["prefix_tokens"] - before["prefix_tokens"])
         best.update(actor_lib.rollout_metrics(best["groups"]), cache_slots=engine.sched.prefix_cache_slots)

@@ -123,8 +123,8 @@ def run_engine(model, cfg, k, prompts, temperature, new_tokens, seed, decode_ste
     # the timed pass does not replay it; any compile left in the timed pass is reported)
     for p in prompts:
         decode(p, jax.random.key(seed + 1000))
-    engine.decode_steps = engine.drafted = engine.accepted = 0
-    engine.accepted_by_depth[:] = 0
+    engine.counters.decode_steps = engine.counters.drafted = engine.counters.accepted = 0
+    engine.counters.accepted_by_depth[:] = 0
     compiled = engine.num_compilations
     rng = jax.random.key(seed + 1)
     outs, elapsed, emitted = [], 0.0, 0
@@ -134,19 +134,19 @@ def run_engine(model, cfg, k, prompts, temperature, new_tokens, seed, decode_ste
         elapsed += dt
         emitted += len(gen.tokens)
         outs.append(list(gen.tokens))
-    steps = engine.decode_steps
+    steps = engine.counters.decode_steps
     # depth d is examined only when drafts 1..d-1 were accepted: conditional rate per depth
-    examined = [steps] + [int(a) for a in engine.accepted_by_depth]
+    examined = [steps] + [int(a) for a in engine.counters.accepted_by_depth]
     return {
         "tok_s": emitted / elapsed,
         "compiles": engine.num_compilations - compiled,
         "tokens": emitted,
         "steps": steps,
         "per_step": emitted / max(steps, 1),
-        "drafted": engine.drafted,
-        "accepted": engine.accepted,
-        "accept_rate": engine.accepted / engine.drafted if engine.drafted else float("nan"),
-        "acc_per_step": engine.accepted / max(steps, 1),
+        "drafted": engine.counters.drafted,
+        "accepted": engine.counters.accepted,
+        "accept_rate": engine.counters.accepted / engine.counters.drafted if engine.counters.drafted else float("nan"),
+        "acc_per_step": engine.counters.accepted / max(steps, 1),
         "depth": [examined[d] / max(examined[d - 1], 1) for d in range(1, k + 1)],
     }, outs
 

@@ -68,17 +68,20 @@ fsdp axes), the pool's slots split over the batch axes when they divide the slot
 `dtype` casts floating weights (e.g. bfloat16 serving weights while the learner keeps float32);
 an engine built from an abstract model serves the weights it is given later in it too.
 
-Counters: `prefill_tokens`, `decode_steps`, `decode_calls`, `emitted`, `offloads` / `swap_ins`
-(rows moved to host memory and back) and `offloaded_bytes`, with speculative decoding
-`drafted` / `accepted` and `accepted_by_depth` `[k]`; `stats()` adds the decode batch occupancy.
+Parts (each its own module): `transport` (coder/infer/transport.py: the engine's role, LOCAL,
+LEADER or FOLLOWER, and how a device call reaches every process), `placement`
+(coder/infer/placement.py: shardings, the serving dtype, host inputs and outputs), `weights` and
+`pool_store` (coder/infer/device_state.py: the served weights with their signature, and the slot
+pool on the devices), `sched` (coder/infer/scheduler.py: rows, slots, prefixes, on the host) and
+`counters` (coder/infer/counters.py): `prefill_tokens`, `decode_steps`, `decode_calls`,
+`emitted`, `offloads` / `swap_ins` (rows moved to host memory and back) and `offloaded_bytes`,
+with speculative decoding `drafted` / `accepted` and `accepted_by_depth` `[k]`; `stats()` is
+their snapshot with the decode batch occupancy.
 """
 from __future__ import annotations
 
 import atexit
-import collections
 import functools
-import itertools
-import math
 import threading
 import time
 import weakref
@@ -87,14 +90,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from coder.infer import channel as channel_lib
 from coder.infer import programs, speculative
+from coder.infer.counters import EngineCounters
+from coder.infer.device_state import DeviceStore, ServedWeights
+from coder.infer.placement import Placement
 from coder.infer.scheduler import (BATCH_BUCKETS, FINISH_REASONS, Call, Generation, Request, Row, SamplingParams,
                                    Scheduler, bucket, default_len_buckets)
-from coder.model import init_cache, sharding
+from coder.infer.transport import Transport
+from coder.model import init_cache
 
 __all__ = ["Engine", "Group", "Generation", "SamplingParams", "FINISH_REASONS", "default_len_buckets"]
 
@@ -144,6 +148,12 @@ class Group:
 
 
 class Engine:
+    """Composed of its parts: `transport` (LOCAL / LEADER / FOLLOWER: how device calls reach every
+    process), `placement` (where arrays live), `weights` (the served weights and the pending
+    update), `pool_store` (the slot pool on the devices), `sched` (the host-side scheduler,
+    coder/infer/scheduler.py) and `counters` (what it has done). The engine itself is the public
+    API above and the thread that drives the scheduler's work through device calls."""
+
     thread_safe = True  # generate / append / set_weights may be called from many threads
 
     def __init__(self, model, model_cfg, *, max_len: int, max_slots: int = 64, decode_steps: int = 16,
@@ -167,61 +177,42 @@ class Engine:
         self.len_buckets = tuple(sorted({int(b) for b in (len_buckets or default_len_buckets(max_len))}))
         if self.batch_buckets[0] < 1 or self.len_buckets[0] < 1:
             raise ValueError("batch_buckets and len_buckets must be positive")
-        self.dtype = None if dtype in (None, "") else jnp.dtype(dtype)
-        self.cache_dtype = jnp.dtype(cache_dtype or self.dtype or model_cfg.dtype)
         self.moe_layers = max(0, model_cfg.num_hidden_layers - model_cfg.first_k_dense_replace)
         self.top_k_experts = int(model_cfg.num_experts_per_tok)
         self.experts_dtype = programs.expert_dtype(int(model_cfg.n_routed_experts))
-        self.mesh, self.rules = mesh, tuple(tuple(r) for r in (rules or ()))
+        self.mesh = mesh
         processes = {d.process_index for d in mesh.devices.flat} if mesh is not None else {jax.process_index()}
-        if len(processes) > 1 and processes != set(range(jax.process_count())):
-            raise ValueError(f"the engine's mesh spans processes {sorted(processes)}: a multi-process "
-                             f"engine spans every process of its job (0..{jax.process_count() - 1})")
-        # several processes: process 0 leads, the others follow its calls (module docstring)
-        self._channel = (channel_lib.Channel(f"engine{next(_ENGINES)}", timeout_s=follower_timeout_s)
-                         if len(processes) > 1 else None)
-        self.is_leader = self._channel is None or self._channel.is_leader
-        self.processes = len(processes)
-        if offload_idle_rows and self._channel is not None:
+        self.transport = Transport(processes, {
+            "pool": self._call_pool, "prefill": self._call_prefill, "prefill_pool": self._call_prefill_pool,
+            "copy": self._call_copy, "decode": self._call_decode, "weights": self._call_weights},
+            timeout_s=follower_timeout_s)
+        if offload_idle_rows and self.transport.spans_processes:
             raise ValueError("offload_idle_rows: built for an engine on one process only (over several, a "
                              "slot's state spans the processes' devices and no path moves it to host and back)")
         self.offload_idle_rows = bool(offload_idle_rows)
+        self.placement = Placement(mesh, rules, dtype, spans_processes=self.transport.spans_processes)
+        self.dtype = self.placement.dtype
+        self.cache_dtype = jnp.dtype(cache_dtype or self.dtype or model_cfg.dtype)
+        self.counters = EngineCounters(spec_k=self.spec_k, offload=self.offload_idle_rows)
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
-        self._state_shardings = self._weight_shardings(state)
-        # an abstract model (nnx.eval_shape) holds its parameter dtype: its weights come later,
-        # in the serving dtype, which the engine's signature takes now
-        self._state = self._place(state) if not _is_abstract(state) else jax.tree.map(self._serving, state)
-        self._state_struct = _signature(self._state)
-        self._lock = threading.Condition()
-        self._pending_weights = None
+        self.weights = ServedWeights(graphdef, state, self.placement)
+        self.pool_store = DeviceStore(model_cfg, self.cache_dtype, self.spec_k, self.placement, self._counted)
         self.policy_version = 0
         self.sched = Scheduler(max_slots=int(max_slots), max_len=self.max_len, spec_k=self.spec_k,
                                num_steps=self.decode_steps_per_call, moe_layers=self.moe_layers,
                                top_k=self.top_k_experts, expert_dtype=self.experts_dtype,
                                prefix_cache_slots=int(prefix_cache_slots), prefix_in_place=bool(prefix_in_place))
-        self._store = None  # programs.Store of `_slots` slots and `_capacity` positions
-        self._slots = self._capacity = 0
+        # the engine thread's state, under _lock: the weights waiting to apply and how it runs
+        self._lock = threading.Condition()
+        self._pending_weights = None  # (nnx.State or a loader, version)
         self._thread = None
         self._busy = False  # the engine thread is between taking work and finishing it
         self._closing = False
+        self._broken: BaseException | None = None
         self.admission_timeout_s = float(admission_timeout_s)
         self._stuck_since = None
-        self._broken: BaseException | None = None
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
-        self.compilations = collections.Counter()  # traces per compiled program
-        self.prefill_tokens = 0  # real tokens run through prefill (shared prompts count once)
-        self.prefix_hits = 0  # groups that started from a cached prefix
-        self.prefix_tokens = 0  # prompt tokens those groups did not prefill
-        self.decode_steps = 0  # decode (or draft + verify) steps
-        self.decode_calls = 0  # host calls of the multi-step decode program
-        self.emitted = 0  # tokens emitted by decode calls
-        self.row_steps = 0  # sum over steps of the rows that took part (occupancy numerator)
-        self.slot_steps = 0  # sum over steps of the pool's slot count (occupancy denominator)
-        self.drafted = 0  # speculative: drafts proposed for active rows
-        self.accepted = 0  # speculative: drafts accepted
-        self.accepted_by_depth = np.zeros((self.spec_k,), np.int64)
-        self.offloads = self.swap_ins = self.offloaded_bytes = 0
         self._check_cache_layout()
         bind = dict(experts_dtype=self.experts_dtype)
         # the programs that return a new store take the old one's buffers (donated): the pool is
@@ -235,9 +226,24 @@ class Engine:
         self._copy_fn = jax.jit(self._counted("copy", programs.copy_slots), donate_argnums=(0,))
         self._read_slot_fn = jax.jit(self._counted("read_slot", programs.read_slot))
         self._write_slot_fn = jax.jit(self._counted("write_slot", programs.write_slot), donate_argnums=(0,))
-        self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
-        self._calls = {"pool": self._call_pool, "prefill": self._call_prefill, "prefill_pool": self._call_prefill_pool,
-                       "copy": self._call_copy, "decode": self._call_decode, "weights": self._call_weights}
+
+    @property
+    def is_leader(self) -> bool:
+        """This process takes the engine's calls (one process, or process 0 of several)."""
+        return self.transport.is_leader
+
+    @property
+    def processes(self) -> int:
+        return self.transport.processes
+
+    @property
+    def compilations(self):
+        """Traces per compiled program (collections.Counter)."""
+        return self.counters.compilations
+
+    @property
+    def num_compilations(self) -> int:
+        return self.counters.num_compilations
 
     # ------------------------------------------------------------------ public API
     def start_group(self, prompt_ids, n: int) -> Group:
@@ -251,7 +257,7 @@ class Engine:
             raise ValueError(f"start_group: n={n}, need at least one row")
         if n > self.sched.pool.max_slots:
             raise ValueError(f"start_group: n={n} rows exceed the engine's max_slots={self.sched.pool.max_slots}")
-        self._check_leader("start_group")
+        self.transport.check_leader("start_group")
         rows = [Row(tokens=list(prompt), logits_version=self.policy_version) for _ in range(n)]
         call = Call(1)
         with self._lock:
@@ -284,7 +290,7 @@ class Engine:
         truthy return cancels the row: it leaves the batch after these tokens with finish_reason
         "cancelled" (a server's stop string, a client that went away), keeping its slot and cache
         like any finished row, so a later generate of the row continues from there."""
-        self._check_leader("generate")
+        self.transport.check_leader("generate")
         if rows is None:
             rows = [i for i, r in enumerate(group.rows) if r.finish_reason is None]
         rows = [int(r) for r in rows]
@@ -321,26 +327,17 @@ class Engine:
 
     def set_weights(self, state, version: int | None = None) -> None:
         """Use `state` (nnx.State, possibly partial, or a model) from the next decode call on."""
-        self._check_leader("set_weights")
-        if self._channel is not None:
+        self.transport.check_leader("set_weights")
+        if self.transport.spans_processes:
             raise RuntimeError("set_weights: a state lives on one process; an engine over several "
                                "processes takes weights by load_weights(loader, version)")
         if isinstance(state, nnx.Module):
             state = nnx.state(state)
         with self._lock:
-            base = self._pending_weights[0] if self._pending_weights else self._state
+            base = self._pending_weights[0] if self._pending_weights else self.weights.state
         if callable(base):
             raise RuntimeError("set_weights: a load_weights is pending; call one of them at a time")
-        model = nnx.merge(self._graphdef, base)
-        nnx.update(model, state)
-        if _is_abstract(nnx.state(model)):
-            raise RuntimeError("set_weights: the engine holds no weights for some variables (built from an "
-                               "abstract model, or released by settle(release=True)): give a whole state, or "
-                               "load_weights")
-        new = self._place(nnx.state(model))
-        if _signature(new) != self._state_struct:
-            raise ValueError("set_weights: the new state's structure, shapes or dtypes differ from "
-                             "the engine's model (that would recompile every program)")
+        new = self.weights.merged(state, base)
         with self._lock:
             self._pending_weights = (new, version)
             self._wake()
@@ -350,7 +347,7 @@ class Engine:
         `loader(shardings)` gets {flat name: the engine's sharding of that leaf} and returns
         {flat name: jax.Array} in them (e.g. coder.rl.weight_channel.StoreLoad(url, version)); it
         must pickle (it travels to the followers). Floating leaves are cast to the engine's dtype."""
-        self._check_leader("load_weights")
+        self.transport.check_leader("load_weights")
         with self._lock:
             self._check_alive()
             self._pending_weights = (loader, version)
@@ -360,17 +357,7 @@ class Engine:
         """A follower process's part of the engine: run the leader's device calls until the leader
         closes the engine ("closed") or settles it ("settled": the leader's `settle()`; call
         follow() again for its next calls), or is lost (raises)."""
-        if self.is_leader:
-            raise RuntimeError("follow: this process leads the engine (process 0 takes the calls)")
-        while True:
-            op, args = self._channel.receive()
-            if op == "close":
-                return "closed"
-            if op == "settle":
-                if args[0]:
-                    self._release_memory()
-                return "settled"
-            self._calls[op](*args)
+        return self.transport.follow(lambda release: release and self._release_memory())
 
     def settle(self, release: bool = False) -> None:
         """Leader: wait until the engine is idle (pending weights applied, nothing decoding or
@@ -383,7 +370,7 @@ class Engine:
         caches) and its weights (a colocated learner steps in that memory); no row may be held
         (close every group first). The next `load_weights` brings weights back, and the next
         group a fresh pool."""
-        self._check_leader("settle")
+        self.transport.check_leader("settle")
         with self._lock:
             while self._busy or self._has_work() or self.sched.admissions:
                 self._check_alive()
@@ -392,17 +379,15 @@ class Engine:
             if release and self.sched.rows:
                 raise RuntimeError(f"settle(release=True): {len(self.sched.rows)} row(s) still hold slots "
                                    "(close their groups first)")
-            if self._channel is not None:  # under the lock: the engine thread sends nothing meanwhile
-                self._channel.send("settle", (bool(release),))
+            self.transport.settle(release)  # under the lock: the engine thread sends nothing meanwhile
             if release:
                 self._release_memory()
 
     def _release_memory(self) -> None:
         """Drop the slot pool and the weights (settle(release=True)); the weights' structure stays."""
         self.sched.flush_prefixes()
-        self._store, self._slots, self._capacity = None, 0, 0
-        self._state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                   self._state)
+        self.pool_store.release()
+        self.weights.release()
 
     def close(self) -> None:
         """Stop the engine's thread (pending calls fail); the followers' `follow()` returns."""
@@ -414,33 +399,14 @@ class Engine:
                 self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
-        if self._channel is not None and self.is_leader:
-            try:
-                self._channel.send("close", ())
-            except channel_lib.FollowerLost:  # already gone: nothing to stop
-                pass
-
-    @property
-    def num_compilations(self) -> int:
-        return sum(self.compilations.values())
+        self.transport.close()
 
     def stats(self) -> dict:
         """Counters (cumulative; a caller diffs two snapshots), the decode batch occupancy (rows
         decoding / pool slots, over all steps) and, with speculative decoding, the drafts
         accepted at each depth (`accepted_depth{d}`; depth d is examined only when drafts
         1..d-1 were accepted)."""
-        s = dict(prefill_tokens=self.prefill_tokens, prefix_hits=self.prefix_hits,
-                 prefix_tokens=self.prefix_tokens, decode_steps=self.decode_steps,
-                 decode_calls=self.decode_calls, emitted=self.emitted, row_steps=self.row_steps,
-                 slot_steps=self.slot_steps, occupancy=self.row_steps / self.slot_steps if self.slot_steps else 0.0,
-                 rows_per_step=self.row_steps / self.decode_steps if self.decode_steps else 0.0)
-        if self.spec_k:
-            s.update(drafted=self.drafted, accepted=self.accepted,
-                     **{f"accepted_depth{d + 1}": int(a) for d, a in enumerate(self.accepted_by_depth)})
-        if self.offload_idle_rows:
-            s.update(offloads=self.offloads, swap_ins=self.swap_ins, offloaded_bytes=self.offloaded_bytes,
-                     rows_offloaded_now=len(self.sched.offloaded))
-        return s
+        return self.counters.snapshot(rows_offloaded_now=len(self.sched.offloaded))
 
     def lower(self, batch: int, capacity: int, prefill_len: int, *, state_shardings=None,
               store_sharding=None, num_steps: int = 1, copy_rows: int = 0) -> dict:
@@ -457,7 +423,7 @@ class Engine:
                 return tree
             return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
 
-        state = put(jax.tree.map(self._serving, self._state), state_shardings)
+        state = put(jax.tree.map(self.placement.serving, self.weights.state), state_shardings)
         store = jax.eval_shape(lambda: programs.empty_store(self.cfg, batch, capacity, self.cache_dtype, self.spec_k))
         rows_sh = None
         if store_sharding is not None:
@@ -465,7 +431,7 @@ class Engine:
             rows_sh = store_sharding(jax.ShapeDtypeStruct((batch,), jnp.int32))
         vec = lambda dt, *shape: jax.ShapeDtypeStruct((batch, *shape), dt, sharding=rows_sh)
         tokens = vec(jnp.int32, prefill_len)
-        if store_sharding is not None and self._rows_split(store_sharding):  # as _prefill runs it
+        if store_sharding is not None and Placement.rows_split(store_sharding):  # as _prefill runs it
             prefill = self._prefill_pool_fn.lower(state, store, tokens, tokens, tokens, vec(jnp.int32))
         else:
             prefill = self._prefill_fn.lower(state, store, vec(jnp.int32), tokens, tokens, tokens, vec(jnp.int32))
@@ -483,65 +449,14 @@ class Engine:
             out["copy"] = self._copy_fn.lower(store, pairs, pairs)
         return out
 
-    # ------------------------------------------------------------------ placement
-    def _serving(self, x) -> jax.ShapeDtypeStruct:
-        """The shape and dtype the engine serves leaf `x` in: floating leaves in `dtype` (when set)."""
-        cast = self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-        return jax.ShapeDtypeStruct(x.shape, self.dtype if cast else x.dtype)
-
-    def _weight_shardings(self, state):
-        if self.mesh is None:
-            dev = SingleDeviceSharding(jax.local_devices()[0])
-            return jax.tree.map(lambda _: dev, state)
-        return sharding.state_shardings(state, self.mesh, self.rules)
-
-    def _place(self, state):
-        """The engine's own copy of `state`: cast to the serving dtype, on the engine's shardings.
-        Always fresh buffers: a trainer donates its arrays to each step."""
-        def put(x, sh):
-            spans = isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding != sh
-            if spans and self._channel is None:
-                x = multihost_utils.process_allgather(x, tiled=True)  # a learner over several hosts
-            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-                x = x.astype(self.dtype)
-            if spans and self._channel is not None:  # every process is in this call: reshard on device
-                return jax.jit(_identity, out_shardings=sh)(x)
-            if not sh.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
-                x = np.asarray(x)  # the same host value on every process: each places its devices' part
-                return jax.make_array_from_callback(x.shape, sh, lambda i, x=x: x[i])
-            return jax.device_put(x, sh)
-        placed = jax.tree.map(put, state, self._state_shardings)
-        return _fresh_copy(placed)
-
-    def _pool_split(self, slots: int) -> bool:
-        """Whether a pool of `slots` splits its rows over several devices (then prefill runs
-        aligned to the pool, programs.prefill_pool)."""
-        return self._rows_split(self._store_sharding(slots))
-
-    @staticmethod
-    def _rows_split(store_sharding) -> bool:
-        sh = store_sharding(jax.ShapeDtypeStruct((1,), jnp.int32))
-        return isinstance(sh, NamedSharding) and sh.spec and sh.spec[0] is not None and \
-            math.prod(sh.mesh.shape[a] for a in ((sh.spec[0],) if isinstance(sh.spec[0], str) else sh.spec[0])) > 1
-
-    def _store_sharding(self, slots: int):
-        if self.mesh is None:
-            sh = SingleDeviceSharding(jax.local_devices()[0])
-            return lambda leaf: sh
-        axes = sharding.mesh_axes_of("batch", self.rules)
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        n = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
-        split = axes if axes and slots % n == 0 else None
-        return lambda leaf: NamedSharding(self.mesh, PartitionSpec(split, *([None] * (leaf.ndim - 1))))
-
     def _gather_cache(self, slots):
-        if self._channel is not None:
+        if self.transport.spans_processes:
             raise RuntimeError("Group.cache: the cache of an engine over several processes spans them")
         if any(s < 0 for s in slots):
             raise RuntimeError("Group.cache: a row is offloaded to host memory (or its group closed)")
         with self._lock:
             idx = jnp.asarray(slots, jnp.int32)
-            return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self._store.cache)
+            return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self.pool_store.store.cache)
 
     # ------------------------------------------------------------------ the engine thread
     def _wake(self):
@@ -550,11 +465,6 @@ class Engine:
             self._thread.start()
             _RUNNING.add(self)
         self._lock.notify_all()
-
-    def _check_leader(self, what: str):
-        if not self.is_leader:
-            raise RuntimeError(f"{what}: this process follows the engine (call engine.follow()); "
-                               "process 0 takes the calls")
 
     def _check_alive(self):
         if self._broken is not None:
@@ -653,9 +563,9 @@ class Engine:
         if pending is not None:
             new, version = pending
             if callable(new):  # load_weights: every process reads its own part
-                self._device("weights", new)
+                self.transport.call("weights", new)
             else:
-                self._state = new
+                self.weights.state = new
             with self._lock:
                 self.sched.new_weights()  # cached prefixes and held rows' caches: old weights
             self.policy_version = self.policy_version + 1 if version is None else int(version)
@@ -667,103 +577,49 @@ class Engine:
         settles at the workload's concurrency, so programs are not recompiled as groups come
         and go. The capacity grows to the length bucket needed and shrinks only to a quarter
         of itself or less (long rows gone), which bounds the shapes a run compiles."""
+        ps = self.pool_store
         held = max([r.length for r in self.sched.rows.values()] +
                    [len(tokens) for tokens, _ in self.sched.prefixes.values()], default=0)
-        slots = max(bucket(self.batch_buckets, max(self.sched.pool.high, 1)), self._slots)
+        slots = max(bucket(self.batch_buckets, max(self.sched.pool.high, 1)), ps.slots)
         cap = bucket(self.len_buckets, max(capacity_needed, held, 1))
-        if self._capacity and cap < self._capacity and cap * 4 > self._capacity:
-            cap = self._capacity
-        if self._store is not None and (slots, cap) == (self._slots, self._capacity):
+        if ps.capacity and cap < ps.capacity and cap * 4 > ps.capacity:
+            cap = ps.capacity
+        if ps.store is not None and (slots, cap) == (ps.slots, ps.capacity):
             return
-        self._device("pool", slots, cap)
-
-    def _device(self, op: str, *args):
-        """Run device call `op` (one of `self._calls`), on the followers too: they take its host
-        inputs first (leader only)."""
-        if self._channel is not None:
-            self._channel.send(op, args)
-        return self._calls[op](*args)
+        self.transport.call("pool", slots, cap)
 
     # ------------------------------------------------------------------ device calls
-    # Each runs on every process of the engine with the same host inputs (the leader's); what
-    # they return is read on the leader.
+    # Each runs on every process of the engine with the same host inputs (the leader's, through
+    # the transport); what they return is read on the leader.
     def _call_pool(self, slots: int, cap: int) -> None:
         """A store of `slots` slots and `cap` positions (new, or the old one resized)."""
-        target = jax.eval_shape(lambda: programs.empty_store(self.cfg, slots, cap, self.cache_dtype, self.spec_k))
-        sh = self._store_sharding(slots)
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh(x)), target)
-        out_shardings = jax.tree.map(lambda t: t.sharding, target)
-        if self._store is None:
-            zeros = lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), target)
-            self._store = jax.jit(zeros, out_shardings=out_shardings)()
-        else:
-            if (slots, cap) not in self._resize_fns:
-                fn = self._counted("resize", lambda store, target=target: programs.resize(store, target))
-                self._resize_fns[slots, cap] = jax.jit(fn, out_shardings=out_shardings)
-            self._store = self._run(self._resize_fns[slots, cap], self._store)
-        self._slots, self._capacity = slots, cap
+        self.pool_store.fit(slots, cap)
 
     def _call_prefill(self, *args, fn=None) -> np.ndarray:
-        if _is_abstract(self._state):
-            raise RuntimeError("the engine was built from an abstract model and has no weights yet: "
-                               "load_weights first")
+        self.weights.require()
         fn = self._prefill_fn if fn is None else fn
-        self._store, experts = self._run(fn, self._state, self._store, *self._global(args))
-        return self._host(experts)
+        ps, pl = self.pool_store, self.placement
+        ps.store, experts = pl.run(fn, self.weights.state, ps.store, *pl.replicated(args))
+        return pl.host(experts)
 
     def _call_prefill_pool(self, *args) -> np.ndarray:
         return self._call_prefill(*args, fn=self._prefill_pool_fn)
 
     def _call_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self._store = self._run(self._copy_fn, self._store, *self._global((src, dst)))
+        ps, pl = self.pool_store, self.placement
+        ps.store = pl.run(self._copy_fn, ps.store, *pl.replicated((src, dst)))
 
     def _call_decode(self, fields: dict, stop_below) -> dict:
-        inputs = programs.SlotInputs(**self._global(fields))
-        self._store, emitted = self._run(self._decode_fn, self._state, self._store, inputs,
-                                         self._global(stop_below))
-        return {k: self._host(getattr(emitted, k)) for k in ("tokens", "logprobs", "experts", "count", "stopped",
-                                                             "steps", "row_steps", "accepted")}
+        ps, pl = self.pool_store, self.placement
+        inputs = programs.SlotInputs(**pl.replicated(fields))
+        ps.store, emitted = pl.run(self._decode_fn, self.weights.state, ps.store, inputs, pl.replicated(stop_below))
+        return {k: pl.host(getattr(emitted, k)) for k in ("tokens", "logprobs", "experts", "count", "stopped",
+                                                          "steps", "row_steps", "accepted")}
 
     def _call_weights(self, loader) -> None:
-        from coder.train import flat as flat_lib
+        self.weights.load(loader)
 
-        shardings = flat_lib.state_to_flat(self._state_shardings)
-        flat = loader(shardings)
-        missing = set(shardings) - set(flat)
-        if missing:
-            raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
-        held = flat_lib.state_to_flat(self._state)  # the store's dtype (e.g. bf16) -> the engine's, on device
-        flat = {k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held}
-        new = self._place(flat_lib.flat_to_state(self._state, flat))
-        if _is_abstract(self._state):  # built from an abstract model: the first weights set the signature
-            self._state_struct = _signature(new)
-        elif _signature(new) != self._state_struct:
-            raise ValueError("load_weights: the loaded state's shapes or dtypes differ from the engine's model")
-        self._state = new
-
-    def _global(self, tree):
-        """Host inputs as arrays replicated over the engine's mesh (over several processes a
-        numpy input has no device of its own); as they are on one process."""
-        if self._channel is None:
-            return tree
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda i, x=np.asarray(x): x[i]),
-                            tree)
-
-    def _host(self, x) -> np.ndarray:
-        """A program's output on the host (over several processes: gathered, every process calls)."""
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    def _run(self, fn, *args):
-        if self.mesh is None:
-            return fn(*args)
-        with sharding.activate(self.mesh, self.rules):
-            return fn(*args)
-
+    # ------------------------------------------------------------------ the scheduler's work
     def _admit(self, admitted) -> None:
         """Prefill each admitted group's prompt once (in its first row's slot), copy it to the
         group's other slots, and release the waiting start_group calls."""
@@ -772,8 +628,8 @@ class Engine:
         if reused:  # cached prefixes: copy their slots, prefill only the rest of each prompt
             self._fit_pool(max(n for _, n in (r.reuse for r in reused)))
             b = bucket(self.batch_buckets, len(reused))
-            pad = lambda xs: np.asarray(xs + [self._slots] * (b - len(xs)), np.int32)
-            self._device("copy", pad([r.reuse[0] for r in reused]), pad([r.slot for r in reused]))
+            pad = lambda xs: np.asarray(xs + [self.pool_store.slots] * (b - len(xs)), np.int32)
+            self.transport.call("copy", pad([r.reuse[0] for r in reused]), pad([r.slot for r in reused]))
             with self._lock:
                 for r in reused:
                     slot, n = r.reuse
@@ -781,8 +637,8 @@ class Engine:
                     r.length, r.expert_chunks, r.reuse, r.reused = n, [np.concatenate(chunks)[:n]], None, n
         for r in seeds:  # copied prefixes, and those a row took in their own slot (admit_ready)
             if r.reused:
-                self.prefix_hits += 1
-                self.prefix_tokens += r.reused
+                self.counters.prefix_hits += 1
+                self.counters.prefix_tokens += r.reused
         self._prefill(seeds)
         src, dst = [], []
         for rows, _ in admitted:
@@ -793,8 +649,8 @@ class Engine:
                 r.expert_chunks = list(rows[0].expert_chunks)
         if dst:
             n = bucket(self.batch_buckets, len(dst))
-            pad = lambda xs: np.asarray(xs + [self._slots] * (n - len(xs)), np.int32)
-            self._device("copy", pad(src), pad(dst))
+            pad = lambda xs: np.asarray(xs + [self.pool_store.slots] * (n - len(xs)), np.int32)
+            self.transport.call("copy", pad(src), pad(dst))
         for _, call in admitted:
             call.finish_one()
 
@@ -802,42 +658,45 @@ class Engine:
         """Copy the rows' slot states to host memory; then (unless a generate took a row since it
         was chosen) free their slots."""
         for r in rows:
-            host = jax.tree.map(np.asarray, self._run(self._read_slot_fn, self._store, np.int32(r.slot)))
+            host = jax.tree.map(np.asarray, self.placement.run(self._read_slot_fn, self.pool_store.store,
+                                                               np.int32(r.slot)))
             with self._lock:
                 if self.sched.offload(r, host):
-                    self.offloads += 1
-                    self.offloaded_bytes += sum(x.nbytes for x in jax.tree.leaves(host))
+                    self.counters.offloads += 1
+                    self.counters.offloaded_bytes += sum(x.nbytes for x in jax.tree.leaves(host))
 
     def _swap_in(self, rows: list[Row]) -> None:
         """Write offloaded rows' states back into the slots they were given (the pool sized for
         them first; programs.write_slot fits each leaf to the pool's capacity, which holds the row)."""
         self._fit_pool(max(r.length for r in rows))
+        ps = self.pool_store
         for r in rows:
-            self._store = self._run(self._write_slot_fn, self._store, r.host, np.int32(r.slot))
+            ps.store = self.placement.run(self._write_slot_fn, ps.store, r.host, np.int32(r.slot))
             with self._lock:
                 r.host = None
-                self.swap_ins += 1
+                self.counters.swap_ins += 1
 
     def _prefill(self, rows: list[Row]) -> None:
         """Write the pending tokens of `rows` (slots held) into the cache, in batches and length
         buckets; rows longer than the largest length bucket go in several chunks."""
         chunk = self.len_buckets[-1]
+        ps = self.pool_store
         while True:
             todo = [r for r in rows if r.pending]
             if not todo:
                 return
             # a pool split over devices prefills aligned to itself: every row that has tokens, at once
-            top = len(todo) if self._pool_split(self._slots) else self.batch_buckets[-1]
+            top = len(todo) if self.placement.pool_split(ps.slots) else self.batch_buckets[-1]
             for i in range(0, len(todo), top):
                 part = todo[i:i + top]
                 need = max(r.length + min(len(r.pending), chunk) for r in part)
                 self._fit_pool(need)
-                aligned = self._pool_split(self._slots)
-                b = self._slots if aligned else bucket(self.batch_buckets, len(part))
-                chunks, at, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, self._slots,
+                aligned = self.placement.pool_split(ps.slots)
+                b = ps.slots if aligned else bucket(self.batch_buckets, len(part))
+                chunks, at, args = self.sched.prefill_batch(part, chunk, self.len_buckets, b, ps.slots,
                                                             aligned=aligned)
-                experts = self._device("prefill_pool" if aligned else "prefill", *args)
-                self.prefill_tokens += sum(len(c) for c in chunks)
+                experts = self.transport.call("prefill_pool" if aligned else "prefill", *args)
+                self.counters.prefill_tokens += sum(len(c) for c in chunks)
                 for r, c in zip(part, chunks):
                     r.prefilled += len(c)
                 with self._lock:
@@ -846,27 +705,19 @@ class Engine:
     def _decode(self, ready: list[Row], waiting: bool) -> None:
         """One multi-step decode call over the pool; the rows' requests absorb what it emitted."""
         self._fit_pool(self.sched.needed_capacity(ready))
-        f = self.sched.decode_inputs(ready, self._slots, self._key_shape)
+        slots = self.pool_store.slots
+        f = self.sched.decode_inputs(ready, slots, self._key_shape)
         # rows waiting for a slot: hand control back as soon as one row leaves
         stop_below = np.int32(len(ready) if waiting else 1)
-        out = self._device("decode", f, stop_below)
-        steps = int(out["steps"])
-        self.decode_calls += 1
-        self.decode_steps += steps
-        self.emitted += int(out["count"].sum())
-        self.row_steps += int(out["row_steps"].sum())
-        self.slot_steps += steps * self._slots
-        if self.spec_k:
-            self.drafted += self.spec_k * int(out["row_steps"].sum())
-            self.accepted += int(out["accepted"].sum())
-            self.accepted_by_depth += out["accepted"]
+        out = self.transport.call("decode", f, stop_below)
+        self.counters.count_decode(out, slots)
         with self._lock:
             self.sched.absorb_decode(ready, out, self.policy_version)
 
     # ------------------------------------------------------------------ internals
     def _counted(self, name, fn):
         def traced(*args, **kw):
-            self.compilations[name] += 1  # runs only when jit traces, i.e. on a cache miss
+            self.counters.compilations[name] += 1  # runs only when jit traces, i.e. on a cache miss
             return fn(*args, **kw)
         return traced
 
@@ -885,30 +736,12 @@ class Engine:
 
 
 _RUNNING = weakref.WeakSet()  # engines whose thread runs: stopped before the interpreter exits
-_ENGINES = itertools.count()  # multi-process engines, numbered in the order every process builds them
 
 
 @atexit.register
 def _close_running():
     for engine in list(_RUNNING):
         engine.close()
-
-
-def _signature(state):
-    return jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
-
-
-def _is_abstract(state) -> bool:
-    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
-
-
-def _identity(x):
-    return x
-
-
-@jax.jit
-def _fresh_copy(tree):
-    return jax.tree.map(jnp.copy, tree)
 
 
 @jax.jit

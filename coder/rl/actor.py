@@ -345,7 +345,7 @@ class EngineMemory:
 
     def per_device(self, rows: int) -> int:
         """Bytes on the busiest device with `rows` rows: the weights + the pool's slots, split over
-        `batch_shards` when they divide the pool, else replicated (Engine._store_sharding)."""
+        `batch_shards` when they divide the pool, else replicated (coder.infer.placement.Placement.store_sharding)."""
         pool = self.pool_slots(rows)
         local = pool // self.batch_shards if pool % self.batch_shards == 0 else pool
         return self.weights + local * self.slot

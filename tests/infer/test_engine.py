@@ -104,9 +104,9 @@ def test_sampled_logprobs_match_training_forward_group_and_multiturn(setup):
                                    223, 224, 225, 226, 227]}  # the second crosses a length bucket
     for r, ids in obs.items():
         engine.append(group, r, ids)
-    before = engine.prefill_tokens
+    before = engine.counters.prefill_tokens
     gens2 = engine.generate(group, params, jax.random.key(2))  # rows 0 and 2 are unfinished again
-    assert engine.prefill_tokens - before == 3 + 18  # only the observations were prefilled
+    assert engine.counters.prefill_tokens - before == 3 + 18  # only the observations were prefilled
     assert len(gens2) == 2
     gens3 = engine.generate(group, params, jax.random.key(3), rows=[1])  # row 1 continues alone
     for r, g2 in zip([0, 2], gens2):
@@ -117,10 +117,10 @@ def test_sampled_logprobs_match_training_forward_group_and_multiturn(setup):
 
 def test_prompt_prefilled_once_for_group(setup):
     _, _, engine = setup
-    before = engine.prefill_tokens
+    before = engine.counters.prefill_tokens
     prompt = list(range(30, 50))
     group = engine.start_group(prompt, 4)
-    assert engine.prefill_tokens - before == len(prompt)
+    assert engine.counters.prefill_tokens - before == len(prompt)
     leaves = jax.tree.leaves(group.cache)
     for leaf in leaves:
         leaf = np.asarray(leaf)
@@ -254,13 +254,13 @@ def test_speculative_greedy_identical_and_same_logprobs(spec_setup):
     prompt = [3, 17, 22, 5, 9, 7, 8]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
     ref = plain.generate(plain.start_group(prompt, 1), greedy, jax.random.key(0))[0]
-    spec.accepted = spec.drafted = 0
+    spec.counters.accepted = spec.counters.drafted = 0
     group = spec.start_group(prompt, 2)
     gens = spec.generate(group, greedy, jax.random.key(0))
     assert gens[0].tokens == gens[1].tokens == ref.tokens
     np.testing.assert_allclose(gens[0].logprobs, ref.logprobs, atol=1e-5)
     np.testing.assert_array_equal(gens[0].expert_ids, ref.expert_ids)
-    assert 0 < spec.accepted < spec.drafted  # both acceptance branches ran
+    assert 0 < spec.counters.accepted < spec.counters.drafted  # both acceptance branches ran
     # multi-turn, sampled: recorded logprobs and routing match the training forward
     spec.append(group, 1, [1, 2, 3])
     params = SamplingParams(temperature=0.9, max_new_tokens=6)
@@ -309,7 +309,7 @@ def test_speculative_sampling_distribution_is_exact(spec_setup):
 
     params = SamplingParams(temperature=t, top_k=top_k, max_new_tokens=3)
     for engine in (spec, plain):
-        engine.accepted = engine.drafted = 0
+        engine.counters.accepted = engine.counters.drafted = 0
         samples = []
         for g in range(32):
             gens = engine.generate(engine.start_group(prompt, 64), params, jax.random.fold_in(jax.random.key(9), g))
@@ -319,7 +319,7 @@ def test_speculative_sampling_distribution_is_exact(spec_setup):
         for pos in range(3):
             stat, bound = _chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
             assert stat < bound, (engine.spec_k, pos, stat, bound)
-    assert 0.3 < spec.accepted / spec.drafted < 0.99
+    assert 0.3 < spec.counters.accepted / spec.counters.drafted < 0.99
 
 
 @pytest.mark.parametrize("make_key", [lambda: jax.random.key(3), lambda: jax.random.PRNGKey(5)],

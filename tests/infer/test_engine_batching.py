@@ -99,10 +99,10 @@ def test_row_waiting_on_a_tool_does_not_block_others(model_and_cfg):
     b_finished.set()
     t.join()
     assert b_done_during_tool == [True]
-    before = engine.prefill_tokens
+    before = engine.counters.prefill_tokens
     engine.append(ga, 0, [1, 2, 3])
     more = engine.generate(ga, greedy, jax.random.key(0))[0]
-    assert engine.prefill_tokens - before == 3 and len(more.tokens) == 5
+    assert engine.counters.prefill_tokens - before == 3 and len(more.tokens) == 5
     engine.close()
 
 
@@ -205,7 +205,7 @@ def test_sharded_engine_equals_single_device(model_and_cfg):
         g = engine.start_group(PROMPTS[0], 4)
         out[name] = engine.generate(g, params, jax.random.key(3))
         if name == "mesh":
-            experts = [v.get_value() for _, v in nnx.to_flat_state(engine._state)
+            experts = [v.get_value() for _, v in nnx.to_flat_state(engine.weights.state)
                        if v.get_metadata().get("logical_axes", (None,))[0] == "exp"]
             assert experts and all(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
                                    for x in experts)
@@ -217,7 +217,7 @@ def test_sharded_engine_equals_single_device(model_and_cfg):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     bf16 = make_engine(model, cfg, decode_steps=4, mesh=mesh, rules=mcfg.rules, dtype="bfloat16")
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16._state) if jnp.issubdtype(x.dtype, jnp.floating))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.weights.state) if jnp.issubdtype(x.dtype, jnp.floating))
     gens = bf16.generate(bf16.start_group(PROMPTS[0], 2), params, jax.random.key(3))
     assert all(len(g.tokens) == 10 for g in gens)
     bf16.close()
@@ -248,11 +248,11 @@ def test_data_parallel_attention_engine_equals_single_device(model_and_cfg):
         assert (engine.compilations["prefill_pool"] > 0) == (name == "dp"), engine.compilations
         assert (engine.compilations["prefill"] > 0) == (name == "single"), engine.compilations
         if name == "dp":
-            caches = jax.tree.leaves(engine._store.cache)
+            caches = jax.tree.leaves(engine.pool_store.store.cache)
             assert caches and all(c.addressable_shards[0].data.shape[0] == c.shape[0] // 8
                                   for c in caches)  # one row per device
             flat = [(v.get_metadata().get("logical_axes", (None,)), v.get_value())
-                    for _, v in nnx.to_flat_state(engine._state)]
+                    for _, v in nnx.to_flat_state(engine.weights.state)]
             assert all(x.sharding.is_fully_replicated for axes, x in flat if "exp" not in axes)
             assert all(not x.sharding.is_fully_replicated for axes, x in flat if axes[:1] == ("exp",))
         engine.close()

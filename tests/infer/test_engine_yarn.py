@@ -125,7 +125,7 @@ def test_speculative_greedy_past_yarn_training_length_equals_plain(conversation)
     assert (first.tokens, second.tokens) == (plain_first.tokens, plain_second.tokens)
     diffs = phase_diffs(logp, group.tokens(0), first, second)
     assert max(diffs) < TOL, diffs
-    assert 0 < spec.accepted < spec.drafted, (spec.accepted, spec.drafted)
+    assert 0 < spec.counters.accepted < spec.counters.drafted, (spec.counters.accepted, spec.counters.drafted)
 
 
 def test_blockwise_cached_attention_in_the_engine_equals_the_full_forward(conversation, monkeypatch):

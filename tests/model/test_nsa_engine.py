@@ -245,4 +245,4 @@ def test_speculative_greedy_identical_to_plain(engines):
     gens = spec.generate(spec.start_group(prompt, 2), greedy, jax.random.key(0))
     assert gens[0].tokens == gens[1].tokens == ref.tokens
     np.testing.assert_allclose(gens[0].logprobs, ref.logprobs, atol=1e-4)
-    assert 0 < spec.accepted < spec.drafted  # both acceptance branches ran
+    assert 0 < spec.counters.accepted < spec.counters.drafted  # both acceptance branches ran

@@ -30,10 +30,10 @@ def test_estimate_equals_the_arrays_a_built_engine_places(quickstart_grpo):
     assert (mem.capacity, mem.batch_shards) == (1024, 2)  # rl.context_budget's bucket; rows over data
     engine = actor_lib.make_engine(actor_lib.model_fn(c)(), c, mesh=mesh)
     try:
-        assert per_device_bytes(engine._state) == mem.weights
+        assert per_device_bytes(engine.weights.state) == mem.weights
         for rows in (1, 3, 4):  # a pool of 1 slot is replicated; 3 rows take the bucket of 4, split in 2
-            engine._call_pool(mem.pool_slots(rows), mem.capacity)  # the device call of the engine's _fit_pool
-            assert per_device_bytes(engine._store) == mem.per_device(rows) - mem.weights, rows
+            engine.pool_store.fit(mem.pool_slots(rows), mem.capacity)  # the device call of the engine's _fit_pool
+            assert per_device_bytes(engine.pool_store.store) == mem.per_device(rows) - mem.weights, rows
     finally:
         engine.close()
     assert mem.per_device(1) == mem.weights + mem.slot and mem.per_device(4) == mem.weights + 2 * mem.slot

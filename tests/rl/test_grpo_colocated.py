@@ -65,8 +65,8 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
 
         def watched_after_step(trainer, metrics, after_step=after_step, released=released, run=run):
             engine = run.actors.workers[0].engine  # just after the learner's step
-            released.append(engine._store is None and all(
-                isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine._state)))
+            released.append(engine.pool_store.store is None and all(
+                isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine.weights.state)))
             return after_step(trainer, metrics)
 
         run.after_step = watched_after_step

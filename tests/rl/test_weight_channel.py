@@ -15,7 +15,7 @@ from coder.rl import actor_learner, weight_channel, weight_sync
 
 def served_dtypes(engine) -> set:
     """The dtypes of the floating weights `engine` decodes with (after a decode call applied them)."""
-    return {x.dtype for x in jax.tree.leaves(engine._state) if jnp.issubdtype(x.dtype, jnp.floating)}
+    return {x.dtype for x in jax.tree.leaves(engine.weights.state) if jnp.issubdtype(x.dtype, jnp.floating)}
 
 
 def test_a_one_process_actor_takes_every_version_in_the_serving_dtype(weight_path, caplog):

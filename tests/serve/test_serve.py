@@ -315,7 +315,7 @@ def test_malformed_call_is_returned_as_text_and_logged_as_broken(served):
 
 def test_concurrent_requests_batch_together(served):
     c, engine = served["client"], served["engine"]
-    steps0, rows0 = engine.decode_steps, engine.row_steps
+    steps0, rows0 = engine.counters.decode_steps, engine.counters.row_steps
     msgs = [[{"role": "user", "content": p}] for p in prompts(8, 9)]
 
     def ask(i):
@@ -325,7 +325,7 @@ def test_concurrent_requests_batch_together(served):
         rs = list(ex.map(ask, range(8)))
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in rs)
     # rows decoded together: more than one row per decode step on average (1.0: one at a time)
-    assert (engine.row_steps - rows0) / (engine.decode_steps - steps0) > 1.2
+    assert (engine.counters.row_steps - rows0) / (engine.counters.decode_steps - steps0) > 1.2
     # a row's tokens do not depend on its companions: the same seed alone gives the same reply
     alone = ask(3)
     assert alone.choices[0].message.content == rs[3].choices[0].message.content

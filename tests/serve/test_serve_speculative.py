@@ -107,7 +107,7 @@ def test_greedy_replies_identical_to_plain_decoding(servers, monkeypatch):
     plain server's, for n = 1 and 2 and with a stop token mid-reply."""
     plain, spec = servers["plain"], servers["spec"]
     engine = spec["engine"]
-    drafted, accepted = engine.drafted, engine.accepted
+    drafted, accepted = engine.counters.drafted, engine.counters.accepted
     for i, user in enumerate(USERS):
         kw = dict(temperature=0, max_tokens=24, logprobs=True, n=1 + i % 2)
         a, b = _ask(plain, user, **kw), _ask(spec, user, **kw)
@@ -117,7 +117,7 @@ def test_greedy_replies_identical_to_plain_decoding(servers, monkeypatch):
             if c.finish_reason == "length":
                 assert len(c.logprobs.content) == 24
         assert b.usage.completion_tokens == sum(len(c.logprobs.content) for c in b.choices)
-    assert 0 < engine.accepted - accepted < engine.drafted - drafted  # both acceptance branches ran
+    assert 0 < engine.counters.accepted - accepted < engine.counters.drafted - drafted  # both acceptance branches ran
 
     # a stop token in the middle of the reply (the plain server's 10th greedy token, no other
     # stop ids): both stop at its first occurrence (the speculative engine cuts a step's k + 1
@@ -217,7 +217,7 @@ def test_sampled_distribution_is_exact(servers, monkeypatch):
         s = servers[name]
         monkeypatch.setattr(s["server"], "stop_ids", ())  # every choice samples its 3 tokens
         engine = s["engine"]
-        drafted, accepted = engine.drafted, engine.accepted
+        drafted, accepted = engine.counters.drafted, engine.counters.accepted
         ids = {_ask(s, user, temperature=t, max_tokens=3, n=64, seed=g, extra_body={"top_k": top_k}).id
                for g in range(32)}
         s["server"].log.flush()
@@ -228,7 +228,7 @@ def test_sampled_distribution_is_exact(servers, monkeypatch):
             stat, bound = _chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
             assert stat < bound, (name, pos, stat, bound)
         if name == "spec":
-            rate = (engine.accepted - accepted) / (engine.drafted - drafted)
+            rate = (engine.counters.accepted - accepted) / (engine.counters.drafted - drafted)
             assert 0.3 < rate < 0.99, rate
 
 

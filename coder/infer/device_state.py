@@ -1,0 +1,117 @@
+"""What an engine holds on its devices: the weights it serves (`ServedWeights`, the engine's
+`weights` part) and the slot pool's store (`DeviceStore`, its `pool_store` part), each with the
+rules that keep it one shape per compiled program (coder.infer.engine)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coder.infer import programs
+from coder.infer.placement import Placement
+
+
+class ServedWeights:
+    """The engine's weights (`state`, an nnx.State on `shardings`, in the serving dtype) and
+    their signature (tree structure, shapes and dtypes: a new state must keep it, or every
+    program would recompile). Built from an abstract model (nnx.eval_shape) it holds shapes
+    only until the first `load` sets real weights."""
+
+    def __init__(self, graphdef, state, placement: Placement):
+        self.graphdef, self.placement = graphdef, placement
+        self.shardings = placement.weight_shardings(state)
+        # an abstract model holds its parameter dtype: its weights come later, in the serving dtype
+        self.state = placement.place(state, self.shardings) if not is_abstract(state) else \
+            jax.tree.map(placement.serving, state)
+        self.signature = signature(self.state)
+
+    @property
+    def abstract(self) -> bool:
+        return is_abstract(self.state)
+
+    def require(self) -> None:
+        if self.abstract:
+            raise RuntimeError("the engine was built from an abstract model and has no weights yet: "
+                               "load_weights first")
+
+    def merged(self, state, base) -> nnx.State:
+        """`state` (possibly partial) over `base` (the held or pending state), placed: a whole new
+        state of the engine's signature (set_weights)."""
+        model = nnx.merge(self.graphdef, base)
+        nnx.update(model, state)
+        if is_abstract(nnx.state(model)):
+            raise RuntimeError("set_weights: the engine holds no weights for some variables (built from an "
+                               "abstract model, or released by settle(release=True)): give a whole state, or "
+                               "load_weights")
+        new = self.placement.place(nnx.state(model), self.shardings)
+        if signature(new) != self.signature:
+            raise ValueError("set_weights: the new state's structure, shapes or dtypes differ from "
+                             "the engine's model (that would recompile every program)")
+        return new
+
+    def load(self, loader) -> None:
+        """Weights that `loader(shardings) -> {flat name: jax.Array}` reads (load_weights; every
+        process reads its own part), cast to the held dtypes."""
+        from coder.train import flat as flat_lib  # coder.train imports the model layer: only when loading
+
+        shardings = flat_lib.state_to_flat(self.shardings)
+        flat = loader(shardings)
+        missing = set(shardings) - set(flat)
+        if missing:
+            raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
+        held = flat_lib.state_to_flat(self.state)  # the store's dtype (e.g. bf16) -> the engine's, on device
+        flat = {k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held}
+        new = self.placement.place(flat_lib.flat_to_state(self.state, flat), self.shardings)
+        if self.abstract:  # built from an abstract model: the first weights set the signature
+            self.signature = signature(new)
+        elif signature(new) != self.signature:
+            raise ValueError("load_weights: the loaded state's shapes or dtypes differ from the engine's model")
+        self.state = new
+
+    def release(self) -> None:
+        """Drop the device buffers (settle(release=True)); the structure, shapes and shardings stay."""
+        self.state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+
+
+class DeviceStore:
+    """The slot pool on the devices (`store`, a programs.Store of `slots` slots and `capacity`
+    positions, None until the first `fit`), sharded by `placement.store_sharding`."""
+
+    def __init__(self, cfg, cache_dtype, spec_k: int, placement: Placement, counted):
+        self.cfg, self.cache_dtype, self.spec_k, self.placement = cfg, cache_dtype, int(spec_k), placement
+        self._counted = counted  # the engine's trace counter: (name, fn) -> fn
+        self.store = None
+        self.slots = self.capacity = 0
+        self._resize_fns = {}  # (slots, capacity) -> jitted programs.resize to that shape
+
+    def target(self, slots: int, capacity: int):
+        """The abstract store of that shape, with its shardings."""
+        target = jax.eval_shape(lambda: programs.empty_store(self.cfg, slots, capacity, self.cache_dtype,
+                                                             self.spec_k))
+        sh = self.placement.store_sharding(slots)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh(x)), target)
+
+    def fit(self, slots: int, capacity: int) -> None:
+        """A store of `slots` slots and `capacity` positions: new (zeros), or the old one resized."""
+        target = self.target(slots, capacity)
+        out_shardings = jax.tree.map(lambda t: t.sharding, target)
+        if self.store is None:
+            zeros = lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), target)
+            self.store = jax.jit(zeros, out_shardings=out_shardings)()
+        else:
+            if (slots, capacity) not in self._resize_fns:
+                fn = self._counted("resize", lambda store, target=target: programs.resize(store, target))
+                self._resize_fns[slots, capacity] = jax.jit(fn, out_shardings=out_shardings)
+            self.store = self.placement.run(self._resize_fns[slots, capacity], self.store)
+        self.slots, self.capacity = slots, capacity
+
+    def release(self) -> None:
+        self.store, self.slots, self.capacity = None, 0, 0
+
+
+def signature(state):
+    return jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+
+
+def is_abstract(state) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
