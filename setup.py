@@ -39,11 +39,11 @@ setup(
         "safetensors>=0.4",
         "tensorboardX>=2.6",
         "ruff>=0.6",
-        # the diagnostics tool, run by the sandbox's Python like ruff (coder/env/diagnostics.py
+        # the diagnostics tool, run by the sandbox's Python like ruff (coder/env/tools/diagnostics.py
         # says why these two); tested with mypy 2.4 and jedi 0.20
         "mypy>=2.4,<3",
         "jedi>=0.20,<0.21",
-        # semantic_search's vector index (coder/env/semantic_search.py says why faiss); tested with 1.15
+        # semantic_search's vector index (coder/env/tools/semantic_search.py says why faiss); tested with 1.15
         "faiss-cpu>=1.8,<2",
         "pytest>=8",  # the sandbox's tasks are scored with pytest
         "ray>=2.40,<3",  # RL orchestration: learner, actors and env workers (local or a cluster)
@@ -85,11 +85,11 @@ setup(
         # S3 filesystem. gs:// needs gcsfs, which install_requires holds; s3fs pins the fsspec it
         # was released with and pulls aiobotocore / botocore, so it is an extra.
         "s3": ["s3fs>=2024.6"],
-        # The official SWE-bench harness, only for tests/env/test_grading.py's comparison of
+        # The official SWE-bench harness, only for tests/env/scoring/test_grading.py's comparison of
         # coder's statuses and resolution with its parsers and grading on the same logs (skipped
         # without it). Not in `test`: its install pulls 35 packages (modal, docker, datasets,
         # pandas, pre-commit, virtualenv, ...; 5.0.2, 2026-12), and importing its parsers imports
-        # docker, modal and datasets, so coder implements the rule itself (coder/env/grading.py).
+        # docker, modal and datasets, so coder implements the rule itself (coder/env/scoring/grading.py).
         "swe": ["swebench>=5.0.2,<6"],
     },
 )

@@ -93,7 +93,7 @@ def setup(args):
     """(config, tokenizer, toy tasks) shared by both runs."""
     from coder.data import tokenizer as tokenizer_lib
     from coder.env import protocol, tasks as tasks_lib
-    from coder.env.tools import SPECS
+    from coder.env.tools.registry import SPECS
     from configs import quickstart
 
     c = quickstart.get_config()

@@ -7,7 +7,7 @@
 2. snapshot / restore time of a toy, a stdlib-task-sized and a 2 MB many-file workspace;
 3. a rollout's sandbox start and reset (p50 / p99 ms) for a toy, a stdlib-sized and a
    repository-sized workspace: built from the task (every file written) against forked from one
-   prepared tree (coder.env.prepared: overlayfs copy-on-write where the host allows it), and the
+   prepared tree (coder.env.runtime.prepared: overlayfs copy-on-write where the host allows it), and the
    bytes each rollout's workspace adds on disk;
 4. episodes/s of the pool with 1, 2 and 4 workers (toy tasks, scripted fix + submit + scoring).
 """
@@ -23,11 +23,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coder.env import mutate  # noqa: E402
+from coder.env.sources import mutate  # noqa: E402
 from coder.env.pool import EpisodePool  # noqa: E402
-from coder.env.prepared import PreparedWorkspaces  # noqa: E402
+from coder.env.runtime.prepared import PreparedWorkspaces  # noqa: E402
 from coder.env.protocol import render_tool_call  # noqa: E402
-from coder.env.sandbox import Sandbox, Snapshot  # noqa: E402
+from coder.env.runtime.sandbox import Sandbox, Snapshot  # noqa: E402
 from coder.env.tasks import Task, toy_tasks  # noqa: E402
 
 

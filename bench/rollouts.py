@@ -34,7 +34,7 @@ def setup(tasks: int, group: int, max_turn_tokens: int, max_turns: int, seed: in
 
     from coder.data import tokenizer as tokenizer_lib
     from coder.env import protocol, tasks as tasks_lib
-    from coder.env.tools import SPECS
+    from coder.env.tools.registry import SPECS
     from coder.model import Transformer
     from configs import quickstart
 

@@ -4,7 +4,7 @@
         [--tasks T.jsonl | --n 40 --seed 0] [--encoders bm25,policy,wordllama] [--out R.json]
 
 The repository is CPython's standard library as installed (every top-level `Lib/*.py`, ~170
-files, ~4.7 MB); the tasks are coder.env.mutate's verified bug-fix tasks over it (generated in
+files, ~4.7 MB); the tasks are coder.env.sources.mutate's verified bug-fix tasks over it (generated in
 the sandbox, or read from `--tasks`); the file each task's reference patch changes is its module
 `M.py`. Each task asks up to three queries:
 - **as generated**: the task's prompt, which names the module and the function (`make_tasks`);
@@ -14,7 +14,7 @@ the sandbox, or read from `--tasks`); the file each task's reference patch chang
   module's and class's names removed: what the code does in words, not in names. The sentence
   is the docstring's own, in the indexed chunk: a favourable case for word overlap (BM25), as a
   user who quotes the docs; tasks whose function has no docstring skip it.
-Rankers: `bm25` (coder.env.search, the `search` tool), `policy` (coder.env.semantic_search with
+Rankers: `bm25` (coder.env.tools.search, the `search` tool), `policy` (coder.env.tools.semantic_search with
 the `--checkpoint`'s trunk, the `semantic_search` tool's default), `wordllama` (an installed
 encoder, if `pip install wordllama` was run: 256-d static token embeddings, weights in the wheel).
 
@@ -45,9 +45,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coder.env import search as search_lib  # noqa: E402
-from coder.env import semantic_search as sem  # noqa: E402
-from coder.env import tools  # noqa: E402
+from coder.env.tools import search as search_lib  # noqa: E402
+from coder.env.tools import semantic_search as sem  # noqa: E402
+from coder.env.tools import registry as tools  # noqa: E402
 from coder.env.tasks import Task, read_tasks, write_tasks  # noqa: E402
 from coder.infer import embedding  # noqa: E402
 
@@ -75,7 +75,7 @@ class WordLlamaEncoder:
 
 def repository() -> dict[str, str]:
     """{`M.py`: text} of the installed standard library's top-level modules."""
-    from coder.env import mutate
+    from coder.env.sources import mutate
 
     out = {}
     for name in sorted(os.listdir(mutate.STDLIB)):
@@ -88,7 +88,7 @@ def repository() -> dict[str, str]:
 def tasks_of(args) -> list[Task]:
     if args.tasks and os.path.exists(args.tasks):
         return read_tasks(args.tasks)
-    from coder.env import mutate
+    from coder.env.sources import mutate
 
     t0 = time.perf_counter()
     out = []

@@ -266,17 +266,17 @@ def get_config() -> ml_collections.ConfigDict:
     # commits of a repository task's history copied into its workspace (>= 1: the task's commit
     # itself; more lets the repo_history tool show why code is the way it is); never a later one
     c.env.history_depth = 1
-    # where tasks' Python environments (Task.environment: a venv per spec, coder/env/environments.py)
+    # where tasks' Python environments (Task.environment: a venv per spec, coder/env/runtime/environments.py)
     # are built and kept: a local directory; "" = $XDG_CACHE_HOME/coder/environments (~/.cache/...)
     c.env.environments_dir = ""
     # a task's `setup` commands run with the host's network (pip installs, downloads); the
     # agent's commands and scoring never have one
     c.env.setup_network = False
-    # agent memory (memory_write / memory_read, coder/env/memory.py): notes per run, split and
+    # agent memory (memory_write / memory_read, coder/env/tools/memory.py): notes per run, split and
     # repository; a write past the cap is refused
     c.env.memory_max_notes = 64  # notes kept per (split, repository) of a run
     c.env.memory_max_chars = 2000  # characters of one note
-    # semantic_search (coder/env/semantic_search.py): "policy" = the starting policy's own trunk
+    # semantic_search (coder/env/tools/semantic_search.py): "policy" = the starting policy's own trunk
     # (mean-pooled hidden states, run in the env worker's CPU), "package.module:factory" = an
     # encoder you install, "" = the tool answers that it is off
     c.env.semantic_encoder = "policy"
@@ -286,11 +286,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.max_output_chars = 8000  # one tool result is cut to this many characters
     c.env.max_tool_output_tokens = 32768  # an episode ends when its tool outputs reach this
     # "fraction" of hidden (FAIL_TO_PASS) tests passed | "all" (all-or-nothing; on repository tasks
-    # SWE-bench's resolution rule, also named "resolved"): coder.env.reward.REWARD_MODES
+    # SWE-bench's resolution rule, also named "resolved"): coder.env.scoring.score.REWARD_MODES
     c.env.reward_mode = "fraction"
     c.env.test_timeout_s = 300.0  # wall time of the scoring test run
     # pooled episodes whose prepared workspaces are identical (same task scoring fields, same
-    # tree: coder.env.reward.scoring_digest) share one test run's verdict (coder/env/verdicts.py);
+    # tree: coder.env.scoring.score.scoring_digest) share one test run's verdict (coder/env/scoring/verdicts.py);
     # False runs the tests for every rollout (e.g. to see how flaky a task's tests are)
     c.env.share_verdicts = True
     # where the env workers (rl.env_workers) run: "local" = processes of the actor's host; "ray" =

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install coder on this machine, from a fresh checkout:
-#   1. the system packages the env sandbox needs (coder/env/sandbox.py), with apt-get when a tool
+#   1. the system packages the env sandbox needs (coder/env/runtime/sandbox.py), with apt-get when a tool
 #      is missing (sudo when not root): bubblewrap (bwrap), util-linux (setpriv, prlimit) and
-#      umoci (tasks whose environment is an OCI image, coder/env/images.py);
+#      umoci (tasks whose environment is an OCI image, coder/env/runtime/images.py);
 #   2. the package itself, editable: `pip install -e .`, or `pip install -e ".[EXTRAS]"`.
 #
 #   bash scripts/setup.sh            # what `python main.py --config=configs/quickstart.py` needs
@@ -19,7 +19,7 @@ PYTHON="${PYTHON:-python}"
 # --- system packages ---------------------------------------------------------------------------
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
-command -v umoci >/dev/null 2>&1 || missing+=(umoci)  # OCI image environments (coder/env/images.py)
+command -v umoci >/dev/null 2>&1 || missing+=(umoci)  # OCI image environments (coder/env/runtime/images.py)
 { command -v setpriv >/dev/null 2>&1 && command -v prlimit >/dev/null 2>&1; } || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""

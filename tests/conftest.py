@@ -204,9 +204,9 @@ TINY_RELEASES = {
 
 @pytest.fixture(scope="session")
 def tiny_package_index(tmp_path_factory):
-    """A package index's JSON API on disk, `file://<dir>` (coder.env.pypi reads it as it reads
+    """A package index's JSON API on disk, `file://<dir>` (coder.env.sources.pypi reads it as it reads
     PyPI's): the sdists of package tinypkg7's two releases (TINY_RELEASES), whose tasks are held
-    out (coder.env.releases.split_of)."""
+    out (coder.env.sources.releases.split_of)."""
     import hashlib
     import io
     import tarfile
@@ -236,8 +236,8 @@ def generated_package_tasks(tiny_package_index, tmp_path_factory):
     """Repository tasks generated from tinypkg7's releases on `tiny_package_index`, verified in
     their sandboxes: ((feature task, its changed files after the fix), (bug task, its reference
     files)); the feature task's `repo` is the release mirror (both releases' commits)."""
-    from coder.env import package_mutants, releases
-    from coder.env import repo as repo_lib
+    from coder.env.sources import package_mutants, releases
+    from coder.env.sources import repo as repo_lib
 
     work = tmp_path_factory.mktemp("generated")
     options = releases.Options(history=0, environment={}, timeout_s=60)

@@ -62,7 +62,7 @@ class Job(subprocess.Popen):
 
     def kill_tree(self) -> None:
         """SIGKILL to this process and every process below it."""
-        from coder.env.terminal import _proc_tree
+        from coder.env.runtime.terminal import _proc_tree
 
         for pid in _proc_tree(self.pid) + [self.pid]:
             try:

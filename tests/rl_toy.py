@@ -102,7 +102,7 @@ PREAMBLE = "Answer with the submit tool."
 # --- the sandboxed variant ------------------------------------------------------------------------
 # The same lucky number as a coding task in a real bwrap sandbox: the workspace holds lucky.py
 # (`lucky = 0`) and test_lucky.py (asserts lucky == 3); the one tool is the env's own write_file
-# (coder.env.tools) and the episode has one turn (rl.max_turns=1), so the reward is pytest's verdict
+# (coder.env.tools.registry) and the episode has one turn (rl.max_turns=1), so the reward is pytest's verdict
 # on the written file, run by coder.env.episode in the sandbox: the production episode, tool and
 # scorer (EpisodeFactory, as stage grpo builds them), with a task the 2-layer model can learn.
 FILE_TOOLS = ("write_file",)

@@ -9,7 +9,7 @@ The train / held-out split is a hash of the relative path, not a random draw: it
 no stored list, and adding or removing files never moves another file across the split.
 
 No contamination of the agent's held-out tasks: the stdlib bug-fix task generator
-(coder.env.mutate) builds a task from a top-level module `M.py` and its CPython tests
+(coder.env.sources.mutate) builds a task from a top-level module `M.py` and its CPython tests
 `test/test_M.py`, and splits modules by `task_module_split(M)` (a hash of the module name, 20%
 held out). Both files of every held-out task module (`heldout_task_files`, ~60 files of ~1,800
 on CPython 3.11) are in this corpus's held-out split too, whatever `heldout_fraction`, so
@@ -29,7 +29,7 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-# Percent of the stdlib modules whose bug-fix tasks are held out (coder.env.mutate.split_of).
+# Percent of the stdlib modules whose bug-fix tasks are held out (coder.env.sources.mutate.split_of).
 TASK_HELDOUT_PERCENT = 20
 
 

@@ -2,7 +2,7 @@
 
 Each solution (`{"id", "files"}` written over its task's workspace, or `{"id", "patch"}` applied
 to it with `git apply`) goes into a fresh sandbox of its task and
-the hidden tests are run (coder.env.reward); tasks are scored in parallel worker processes.
+the hidden tests are run (coder.env.scoring.score); tasks are scored in parallel worker processes.
 Prints one JSON line per task, in task order: {"id", "reward", "passed", "total", "error"}.
 `error` is null for a clean run; infrastructure failures are prefixed "infra: ". A task without
 a solution is reported with reward 0 and error "no solution".
@@ -15,8 +15,8 @@ import json
 import sys
 
 from coder.env.pool import EpisodePool
-from coder.env.reward import REWARD_MODES, score_solution
-from coder.env.sandbox import Limits
+from coder.env.scoring.score import REWARD_MODES, score_solution
+from coder.env.runtime.sandbox import Limits
 from coder.env.tasks import read_solutions, read_tasks
 
 

@@ -7,15 +7,15 @@ Per-call interface (coder/rl/agent.py, which parses calls from sampled token ids
     ep.reset(task); out = ep.call(tool_call)   # one parsed protocol.ToolCall -> output text
     outs = ep.call_many(tool_calls)            # one turn's calls: independent ones concurrently
     ep.done; n = ep.lint_count(); reward, info = ep.score(); ep.close()
-Scoring with a verdict shared between identical workspaces (coder/env/verdicts.py, the pool):
+Scoring with a verdict shared between identical workspaces (coder/env/scoring/verdicts.py, the pool):
     d = ep.scoring_digest(); reward, info = ep.score(verdict); ep.verdict  # the test run's Score
 (`step` also accepts a `protocol.ToolCall` and then behaves as `call`.)
 
-`tools` names the tools offered (`()`: all of coder.env.tools; an unknown name is a ValueError);
+`tools` names the tools offered (`()`: all of coder.env.tools.registry; an unknown name is a ValueError);
 `tool_timeout_s` caps one tool command (default: the limits' `timeout_s`). `memory` (a
-coder.env.memory.Memory, or None: the memory tools say memory is off) is the run's notes store;
+coder.env.tools.memory.Memory, or None: the memory tools say memory is off) is the run's notes store;
 each `reset` scopes it to the task's (split, repository). `semantic` (a
-coder.env.semantic_search.SemanticSpec, or None: semantic_search says it is off) names the
+coder.env.tools.semantic_search.SemanticSpec, or None: semantic_search says it is off) names the
 encoder and the embedding cache of `semantic_search`. RL builds every
 episode with `Episode.from_config(config.env, ...)` (coder/rl/actor.py), so `config.env` sets
 the sandbox limits of training and eval rollouts alike.
@@ -27,7 +27,7 @@ docs/contracts.md; `coder.env.transcripts` builds SFT data by driving this same 
 
 In the text interface an episode ends on `submit`, on a reply with no tool call, after
 `max_turns` replies, or when the tool outputs reach `max_tool_output_tokens`; it is then scored
-(`coder.env.reward`) and its sandbox closed. Any broken tool call makes the rollout a failure
+(`coder.env.scoring.score`) and its sandbox closed. Any broken tool call makes the rollout a failure
 (reward 0) even if the tests pass: broken calls are negative examples (docs/contracts.md, "Tool calls"; docs/rl.md).
 
 The calls of one reply run concurrently where they are independent (`call_many`): calls that
@@ -37,7 +37,7 @@ every call before them and before every call after them; the calls between two o
 never runs beside the agent's tests or diagnostics (`tools.may_overlap`: agent code, such as a
 mypy plugin the repository configures, could race its path checks).
 Outputs come back in call order, so a turn means what it would mean run one call after
-another. `shell` runs in the episode's `Terminal` (coder.env.terminal), one session from reset
+another. `shell` runs in the episode's `Terminal` (coder.env.runtime.terminal), one session from reset
 to close; scoring closes it first, so nothing the agent left running can touch the workspace
 while it is scored.
 
@@ -57,12 +57,14 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from coder.env import protocol, reward, tools
-from coder.env.memory import Memory, Scope
-from coder.env.prepared import prepared
-from coder.env.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
-from coder.env.semantic_search import SemanticSpec
-from coder.env.terminal import Terminal
+from coder.env import protocol
+from coder.env.scoring import score as reward
+from coder.env.tools import registry as tools
+from coder.env.tools.memory import Memory, Scope
+from coder.env.runtime.prepared import prepared
+from coder.env.runtime.sandbox import InfraError, Limits, Sandbox, SandboxError, Snapshot
+from coder.env.tools.semantic_search import SemanticSpec
+from coder.env.runtime.terminal import Terminal
 
 _DIAGNOSTIC = re.compile(r"^\S+:\d+:\d+: ")  # ruff concise output: path:line:col: CODE message
 _MAX_CONCURRENT_CALLS = 8  # each may be a bwrap process tree of the sandbox's uid (its nproc)
@@ -172,7 +174,7 @@ class Episode:
             clarification_needed=bool((getattr(task, "metadata", None) or {}).get("underspecified")),
         )
         try:
-            # Every rollout of a task forks one prepared tree (coder.env.prepared).
+            # Every rollout of a task forks one prepared tree (coder.env.runtime.prepared).
             base = None if snapshot else prepared(self.sandbox_root, self.limits).get(task)
             self.sandbox = Sandbox(
                 task, limits=self.limits, root=self.sandbox_root, snapshot=snapshot, base=base

@@ -7,7 +7,7 @@ and drop the pretraining and SFT documents that overlap it (`data.exclude_tasks`
 """
 from __future__ import annotations
 
-from coder.env import repo as repo_lib
+from coder.env.sources import repo as repo_lib
 
 
 def code_texts(tasks):

@@ -8,22 +8,22 @@ coder.env.make_tasks --source releases --packages NAME[==VERSION],... --repos DI
 tasks by mutation in packages' releases: `python -m coder.env.make_tasks --source mutants
 --packages NAME[==VERSION],... --repos DIR --n N [--mutations M] [--seed S] --out T.jsonl`.
 
-stdlib: verified bug-fix tasks from the installed standard library (coder.env.mutate; each
+stdlib: verified bug-fix tasks from the installed standard library (coder.env.sources.mutate; each
 mutant is checked in the sandbox, so this takes a few seconds per task). toy: one-line fixes
 (coder.env.tasks.toy_tasks). swebench: repository tasks (task format v2) from SWE-bench,
 SWE-Gym, SWE-rebench or SWE-smith instances over local mirrors `DIR/owner__name`
-(coder.env.swebench; `--verify` drops the tasks whose gold patch does not score 1, or whose
+(coder.env.sources.swebench; `--verify` drops the tasks whose gold patch does not score 1, or whose
 unchanged workspace does not score 0, in this machine's sandbox, each with its cause, and ends
-with a table per repository: rows, imported, verified, dropped by reason; coder.env.verify). `--solutions` also writes
-releases: "implement what the next release added" (coder.env.releases): sdists from the package
+with a table per repository: rows, imported, verified, dropped by reason; coder.env.sources.verify). `--solutions` also writes
+releases: "implement what the next release added" (coder.env.sources.releases): sdists from the package
 index, committed as a git history in `DIR/pypi__NAME`, FAIL_TO_PASS / PASS_TO_PASS from the
 next release's tests run in the sandbox, a terse prompt from its changelog; the set's figures
 (tasks per package, verification rate, medians of prompt characters and lines and files
 changed) are printed as one JSON line. mutants: N tasks per package, each with M bugs in as many
-of its source files (coder.env.package_mutants; FAIL_TO_PASS the release's passing tests the
+of its source files (coder.env.sources.package_mutants; FAIL_TO_PASS the release's passing tests the
 bugs break). harbor: Harbor task directories (`DIR...`; Terminal-Bench 2.0's form) whose
 environment is a prebuilt image copied as an OCI layout under `--images`, the workspace its working
-directory committed under `--repos` (coder.env.harbor; a Dockerfile-only task is skipped with its
+directory committed under `--repos` (coder.env.sources.harbor; a Dockerfile-only task is skipped with its
 reason). `--solutions` also writes
 the reference solutions (files, or the gold patches as {"id", "patch"}), the input of
 `python -m coder.env.check` and of `coder.env.transcripts`.
@@ -38,7 +38,7 @@ import sys
 
 import fsspec
 
-from coder.env import harbor, mutate, package_mutants, pypi, releases, swebench, verify
+from coder.env.sources import harbor, mutate, package_mutants, pypi, releases, swebench, verify
 from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions, write_tasks
 
 

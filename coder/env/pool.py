@@ -45,10 +45,10 @@ import threading
 import traceback
 import uuid
 
-from coder.env import installed
+from coder.env.runtime import installed
 from coder.env.episode import Episode, select_tools
-from coder.env.sandbox import InfraError
-from coder.env.verdicts import Claim, SharedVerdicts
+from coder.env.runtime.sandbox import InfraError
+from coder.env.scoring.verdicts import Claim, SharedVerdicts
 
 BACKENDS = ("local", "ray")  # env.workers_backend
 
@@ -255,7 +255,7 @@ class EpisodePool:
         self._epoch: dict = {}  # episode key -> its worker's epoch when it started
         self._done: dict = {}  # episode key -> the episode reported itself done (per-call path)
         self._rr = 0
-        # one test run per distinct workspace (coder/env/verdicts.py; env.share_verdicts)
+        # one test run per distinct workspace (coder/env/scoring/verdicts.py; env.share_verdicts)
         self.verdicts = SharedVerdicts() if share_verdicts else None
 
     def _new_worker(self, index: int):

@@ -37,7 +37,7 @@ import uuid
 import ray
 
 from coder.env import pool as pool_lib
-from coder.env.sandbox import InfraError
+from coder.env.runtime.sandbox import InfraError
 
 DEFAULT_TIMEOUT_S = 600.0  # a call's limit when the pool is given none
 START_TIMEOUT_S = 600.0  # an actor's limit to be placed and started

@@ -6,7 +6,7 @@ underspecified prompts (a median of 390 characters for 181 changed lines), multi
 features, and bug reports that come with a log full of things that do not matter
 (../shared/seeds/002). The suite is made from generated task files:
 - held-out repositories only: a task whose `metadata.split` is not "heldout" is left out (the
-  release and mutant generators split by package, coder.env.releases.split_of; the stdlib
+  release and mutant generators split by package, coder.env.sources.releases.split_of; the stdlib
   generator by module), so no suite repository is a training repository;
 - categories (`metadata.category`): "feature" (release tasks: implement what the next release
   added, from its release notes), "bug" (mutants, stdlib bugs, SWE-bench-style instances), and

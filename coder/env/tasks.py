@@ -4,12 +4,12 @@ Task line (v1): {"id", "prompt", "files": {path: text}, "tests": {path: text}, "
 "language", "source"}. `files` is the repository the agent starts from (it may hold visible
 tests); `tests` are the scoring tests, copied over whatever is there only at scoring.
 Task line (v2, a repository snapshot): the same keys plus `repo` and `commit` (the workspace is
-that commit's tree, `coder.env.repo`; `files` and `tests` are then optional and written over
+that commit's tree, `coder.env.sources.repo`; `files` and `tests` are then optional and written over
 it), `setup` (shell run once in the sandbox after checkout), `fail_to_pass` / `pass_to_pass`
 (test ids that decide the reward), `test_patch` (a hidden unified diff applied only at scoring),
-`test_format` (how the command reports each test: pytest, go, tap; coder.env.runners) and
+`test_format` (how the command reports each test: pytest, go, tap; coder.env.scoring.runners) and
 `metadata` (free-form: source, repository name, size of the reference change, ...).
-Any task may name an `environment` (a Python venv spec, `coder.env.environments`): its
+Any task may name an `environment` (a Python venv spec, `coder.env.runtime.environments`): its
 sandboxes then run that venv's interpreter and packages instead of the host's.
 Solution line: {"id", "files": {path: text}} (files written over the task's files) or
 {"id", "patch": unified diff} (applied to the workspace with `git apply`).
@@ -17,7 +17,7 @@ Solution line: {"id", "files": {path: text}} (files written over the task's file
 Files are local paths or fsspec URLs (`gs://...`, `s3://...`, `memory://...`): every read, write
 and glob here goes through fsspec (`glob_files` keeps a URL's protocol in the paths it returns).
 
-Sources: JSONL files (`read_tasks`), the stdlib bug-fix generator (`coder.env.mutate`), and
+Sources: JSONL files (`read_tasks`), the stdlib bug-fix generator (`coder.env.sources.mutate`), and
 `toy_tasks` below: one-line fixes a tiny model can learn, for RL smoke tests.
 """
 
@@ -31,7 +31,8 @@ import random
 
 import fsspec
 
-from coder.env import environments, runners
+from coder.env.runtime import environments
+from coder.env.scoring import runners
 
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 
@@ -69,9 +70,9 @@ class Task:
     test_patch: str = ""  # unified diff of hidden tests: applied at scoring only
     metadata: dict = dataclasses.field(default_factory=dict)
     # {"python": {"requirements": [...], ...}}: the venv every sandbox of the task runs in
-    # (coder.env.environments); {} = the host interpreter's packages, as for a v1 task
+    # (coder.env.runtime.environments); {} = the host interpreter's packages, as for a v1 task
     environment: dict = dataclasses.field(default_factory=dict)
-    # how the test command reports each test: "pytest" | "go" | "tap" (coder.env.runners);
+    # how the test command reports each test: "pytest" | "go" | "tap" (coder.env.scoring.runners);
     # "" = inferred from test_command
     test_format: str = ""
 
@@ -234,7 +235,7 @@ _TOY = {
 
 # The same tasks with the number the tests check left out of the prompt: underspecified, as a
 # user's request often is. The full prompt is the hidden specification the simulated user
-# answers from (the `ask_user` tool, coder/env/tools.py).
+# answers from (the `ask_user` tool, coder/env/tools/registry.py).
 _TOY_VAGUE = {
     "const": "`f()` in answer.py returns the wrong constant; fix it.",
     "add": "`add(a, b)` in answer.py should return a + b plus a fixed offset; it does not.",

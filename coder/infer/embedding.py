@@ -3,7 +3,7 @@
 A coder checkpoint's model embeds a text as the mean over its tokens of the final-norm hidden
 state, L2-normalised (`PolicyEncoder`): no extra weights to ship. `semantic_spec(env_cfg,
 checkpoint)` turns `config.env`'s semantic-search keys into the spec the tool's workers build
-from (coder.env.semantic_search.SemanticSpec).
+from (coder.env.tools.semantic_search.SemanticSpec).
 
 The encoder is the stage's *starting* checkpoint, frozen on purpose: hidden states move with
 every update, and an index mixing vectors of different steps would compare incomparable things;
@@ -12,7 +12,7 @@ env worker, on its CPU: `jax_platforms` is set to cpu there when nothing has ini
 backend yet, so it never takes the trainer's accelerator), which suits a model a host's memory
 holds. A policy a CPU worker cannot hold (the 1T configs) needs an installed encoder
 (`env.semantic_encoder = "package.module:factory"`) or an embedding service behind one.
-Measured against BM25: coder/env/semantic_search.py's table.
+Measured against BM25: coder/env/tools/semantic_search.py's table.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from coder.env.semantic_search import SemanticSpec
+from coder.env.tools.semantic_search import SemanticSpec
 from coder.model import sharding
 from coder.model.config import default_rules
 from coder.train import checkpoint as ckpt_lib

@@ -34,7 +34,7 @@ from flax import nnx
 from coder.env import pool as pool_lib
 from coder.env import tasks as tasks_lib
 from coder.env.episode import Episode
-from coder.env.memory import Memory, repository_key
+from coder.env.tools.memory import Memory, repository_key
 from coder.infer import embedding, programs
 from coder.model import Transformer, sharding
 from coder.rl import agent as agent_lib
@@ -91,7 +91,7 @@ def eval_tasks(config) -> list:
 def check_heldout(config, trained: list, held: list) -> None:
     """ValueError when the agent eval's held-out tasks (`eval_tasks`) overlap the tasks GRPO
     trains on (`trained_tasks`): with two sources (rl.tasks != rl.eval_tasks), a task id or a
-    repository in both (coder.env.memory.repository_key: `metadata["repo"]`, else the task's
+    repository in both (coder.env.tools.memory.repository_key: `metadata["repo"]`, else the task's
     `repo`; tasks without one compare by id only), named. One source needs no check: its last
     rl.eval_num_tasks tasks are held out and the others trained on, disjoint by construction."""
     rl = config.rl
@@ -139,14 +139,14 @@ class EpisodeFactory:
     where the concurrent actor runs it: `pool(n)` starts them on the backend of
     `env.workers_backend`.
 
-    Memory (the memory_write / memory_read tools, coder/env/memory.py): with `memory_dir` (the
+    Memory (the memory_write / memory_read tools, coder/env/tools/memory.py): with `memory_dir` (the
     stage's `{stage_dir}/memory`) the episodes share that run's notes, scoped per repository and
     split; `eval_ids` are the held-out tasks' ids (their notes are the `eval` split, never read
     by a training rollout); a rollout reads the notes other tasks wrote before it started, and
     its own (so a GRPO group's rollouts read the same notes); an agent eval runs in a memory
     session of its own (coder/rl/eval.py). Without it the memory tools answer that memory is off.
 
-    semantic_search (coder/env/semantic_search.py) embeds with `env.semantic_encoder`; the
+    semantic_search (coder/env/tools/semantic_search.py) embeds with `env.semantic_encoder`; the
     "policy" encoder reads `env.semantic_checkpoint`, else `policy_checkpoint` (the stage's
     starting policy, frozen for the run). Built only when `rl.tools` offers the tool."""
 

@@ -72,7 +72,7 @@ SUMMARY_REQUEST = (
 )
 SUMMARY_PREFIX = "Summary of your progress so far:\n"
 EDIT_TOOLS = ("write_file", "edit_file")
-ASK_USER = "ask_user"  # coder.env.tools.ASK_USER: the simulated user
+ASK_USER = "ask_user"  # coder.env.tools.registry.ASK_USER: the simulated user
 THINK_TOOL = "think"  # a scratchpad call: its tokens count as thinking, not tool I/O
 SUBMIT_TOOL = "submit"
 

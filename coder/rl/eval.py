@@ -14,7 +14,7 @@ passed) among K attempts. Both are also reported per task category (coder.env.su
 bug, noisy-context, ...), the CursorBench-like suite's breakdown.
 
 Memory (the memory_read / memory_write tools, when rl.tools offers them): every eval runs in a
-memory session of its own (coder.env.memory.in_session, named in the report's `memory_session`):
+memory session of its own (coder.env.tools.memory.in_session, named in the report's `memory_session`):
 it starts from an empty memory, its rollouts' notes carry from one task to the next within it,
 and no later eval and no training rollout reads them, so the evals before and after training
 (and realtime's gate cycles) compare agents that start from the same memory.
@@ -36,7 +36,7 @@ import fsspec
 import jax
 import numpy as np
 
-from coder.env import memory as memory_lib
+from coder.env.tools import memory as memory_lib
 from coder.env.suite import category_of
 from coder.rl import actor as stage_lib
 

@@ -40,7 +40,7 @@ from coder.model import hf_import, sharding
 from coder.model.hf_import import ARCH_KEYS
 from coder.model.routing import balancing_warning
 
-# The sandbox (coder/env/sandbox.py) runs commands with these; scripts/setup.sh installs them.
+# The sandbox (coder/env/runtime/sandbox.py) runs commands with these; scripts/setup.sh installs them.
 SANDBOX_TOOLS = {"bwrap": "bubblewrap", "setpriv": "util-linux", "prlimit": "util-linux"}
 
 

@@ -242,9 +242,9 @@ def test_corpus_split_is_deterministic_disjoint_and_complete():
 
 
 def test_heldout_tasks_are_not_in_the_pretraining_corpus():
-    """No held-out stdlib bug-fix task (coder.env.mutate) has its module or its hidden tests in
+    """No held-out stdlib bug-fix task (coder.env.sources.mutate) has its module or its hidden tests in
     the corpus's train split (what pretraining and the tokenizer read), whatever the fraction."""
-    from coder.env import mutate
+    from coder.env.sources import mutate
 
     held = [m for m in mutate.candidate_modules() if mutate.split_of(m) == "heldout"]
     assert len(held) >= 10

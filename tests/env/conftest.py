@@ -40,5 +40,5 @@ _SWEBENCH_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "
 @pytest.fixture(scope="session")
 def as_coder_statuses():
     """`as_coder_statuses({id: status})`: a status map of the `swebench` package's log parsers in
-    coder's words (coder.env.runners: an ERROR is "failed", an XFAIL "xfailed")."""
+    coder's words (coder.env.scoring.runners: an ERROR is "failed", an XFAIL "xfailed")."""
     return lambda statuses: {k: _SWEBENCH_STATUS[v] for k, v in statuses.items()}

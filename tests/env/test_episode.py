@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from coder.env import sandbox as sandbox_lib
+from coder.env.runtime import sandbox as sandbox_lib
 from coder.env.episode import Episode
 from coder.env.protocol import ToolCall, render_tool_call as rc
-from coder.env.sandbox import InfraError
+from coder.env.runtime.sandbox import InfraError
 from coder.env.tasks import toy_tasks
 
 ((TASK, SOLUTION),) = toy_tasks(1, seed=5)
@@ -99,7 +99,7 @@ def test_sandbox_start_failure_is_an_infra_error(monkeypatch):
 
 
 def test_tool_crash_is_an_infra_error(monkeypatch):
-    from coder.env import tools
+    from coder.env.tools import registry as tools
 
     def crash(ctx, args):
         raise KeyError("harness bug")
@@ -178,7 +178,7 @@ def test_calls_that_change_the_workspace_keep_their_order():
 
 
 def test_scoring_closes_the_shell_first(monkeypatch):
-    from coder.env import reward
+    from coder.env.scoring import score as reward
 
     seen = {}
 

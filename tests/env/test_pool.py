@@ -9,7 +9,7 @@ import sys
 from coder.env.pool import EpisodePool
 from coder.env.protocol import parse_tool_calls, render_tool_call as rc
 from coder.env.tasks import toy_tasks
-from coder.env.tools import SPECS
+from coder.env.tools.registry import SPECS
 from coder.env.transcripts import minimal_edit, transcript
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -191,12 +191,12 @@ def test_harness_transcript_of_a_repository_task_uses_history_memory_and_semanti
     """A repository task with the whole harness: notes and the changed file's history with the
     search in the first turn, a plan in the scratchpad before the edit, a note for the next task
     before submitting; the note is there afterwards."""
-    from coder.env.memory import Memory
-    from coder.env.semantic_search import SemanticSpec
+    from coder.env.tools.memory import Memory
+    from coder.env.tools.semantic_search import SemanticSpec
     from configs import base
 
     memory = Memory.from_config(base.get_config().env, str(tmp_path / "memory"))
-    semantic = SemanticSpec("tests.env.test_semantic_search:make_word_encoder", cache_dir=str(tmp_path / "sem"))
+    semantic = SemanticSpec("tests.env.tools.test_semantic_search:make_word_encoder", cache_dir=str(tmp_path / "sem"))
     conv, info = transcript(dates_repo_task.task, dates_repo_task.solution, seed=0, memory=memory,
                             semantic=semantic)
     assert info["reward"] == 1.0 and info["broken_calls"] == 0
@@ -207,7 +207,7 @@ def test_harness_transcript_of_a_repository_task_uses_history_memory_and_semanti
                      ["memory_write", "submit"]]
     assert "speed up parse_iso" in msgs[3]["content"]  # the history of pkg/dates.py
     assert "pkg/dates.py:1-3 (score" in msgs[3]["content"].split("</tool_result>")[2]  # semantic_search
-    # the next task of the repository reads it (a task's own later rollouts do not: coder.env.memory.Scope)
+    # the next task of the repository reads it (a task's own later rollouts do not: coder.env.tools.memory.Scope)
     (note,) = memory.scope(dataclasses.replace(dates_repo_task.task, id=dates_repo_task.task.id + "/next")).notes("")
     assert "python -m pytest -q tests" in note and "pkg/dates.py (parse_iso)" in note
 
@@ -341,7 +341,7 @@ def test_dead_worker_turns_calls_into_infra_errors_and_is_restarted():
 
     from coder.env.pool import PooledEpisode
     from coder.env.protocol import ToolCall
-    from coder.env.sandbox import InfraError
+    from coder.env.runtime.sandbox import InfraError
 
     ((task, _),) = toy_tasks(1, seed=6)
     with EpisodePool(1, token_count=len, tools=("shell", "submit")) as pool:
@@ -368,7 +368,7 @@ def test_hung_worker_times_out_as_infra_error():
     import pytest
 
     from coder.env.protocol import ToolCall
-    from coder.env.sandbox import InfraError
+    from coder.env.runtime.sandbox import InfraError
 
     ((task, _),) = toy_tasks(1, seed=7)
     with EpisodePool(1, timeout_s=3.0, token_count=len) as pool:

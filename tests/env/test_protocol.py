@@ -2,7 +2,8 @@
 
 import json
 
-from coder.env import protocol, tools
+from coder.env import protocol
+from coder.env.tools import registry as tools
 from coder.env.protocol import BrokenToolCall, ToolCall, parse_tool_calls, render_tool_call
 
 TOOLS = tools.SPECS

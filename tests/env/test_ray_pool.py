@@ -15,10 +15,10 @@ import pytest
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
-from coder.env import tools as env_tools
+from coder.env.tools import registry as env_tools
 from coder.env.pool import PooledEpisode
 from coder.env.protocol import ToolCall
-from coder.env.sandbox import InfraError
+from coder.env.runtime.sandbox import InfraError
 from coder.env.tasks import toy_tasks
 from coder.rl import actor as actor_lib
 from coder.rl import agent as agent_lib
@@ -41,7 +41,7 @@ def ray_local():
 def _config(backend: str, **env):
     c = base.get_config()
     c.rl.tools = ()  # every tool: shell too
-    c.env.semantic_encoder = ""  # no checkpoint to embed with (tests/env/test_semantic_search.py)
+    c.env.semantic_encoder = ""  # no checkpoint to embed with (tests/env/tools/test_semantic_search.py)
     c.env.workers_backend = backend
     c.env.update(env)
     return c

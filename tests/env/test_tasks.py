@@ -10,8 +10,8 @@ import uuid
 import fsspec
 import pytest
 
-from coder.env import mutate
-from coder.env.reward import score_solution
+from coder.env.sources import mutate
+from coder.env.scoring.score import score_solution
 from coder.env.tasks import (
     Task,
     glob_files,
@@ -191,8 +191,8 @@ def test_stdlib_task_does_not_leak_its_solution():
     workspace and submit. The installed module is the reference solution; inside the task's
     sandbox every installed copy shows the mutant instead, so the hack scores 0 (the reference
     itself still scores 1 in the same kind of sandbox)."""
-    from coder.env.reward import score
-    from coder.env.sandbox import Sandbox
+    from coder.env.scoring.score import score
+    from coder.env.runtime.sandbox import Sandbox
 
     ((task, solution),) = mutate.stdlib_tasks(
         1, seed=0, split="heldout", modules=["colorsys"], max_per_module=1

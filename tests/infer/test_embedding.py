@@ -5,13 +5,13 @@ import os
 import numpy as np
 import pytest
 
-from coder.env import semantic_search as sem
-from coder.env import tools
+from coder.env.tools import semantic_search as sem
+from coder.env.tools import registry as tools
 from coder.env.episode import Episode
 from coder.env.protocol import ToolCall
 from coder.env.tasks import Task
 from coder.infer import embedding
-from tests.env.test_semantic_search import FILES
+from tests.env.tools.test_semantic_search import FILES
 
 
 def test_spec_from_config_says_what_is_missing(policy_checkpoint, tmp_path, monkeypatch):

@@ -139,7 +139,7 @@ def env_tokenizer():
     """A small tokenizer of the sandboxed toy tasks' system prompt, prompts and solutions."""
     from coder.data import tokenizer as tokenizer_lib
     from coder.env import protocol
-    from coder.env import tools as env_tools
+    from coder.env.tools import registry as env_tools
     from coder.env.tasks import toy_tasks
 
     pairs = toy_tasks(8, seed=3)

@@ -307,7 +307,7 @@ def test_sync_mode_raises_the_sandboxed_pass_rate_with_a_ray_actor(tmp_path, san
     assert all(r["version_lag"] == 0 and r["mixed_version_rollouts"] == 0 for r in m)
     assert all(r["staleness_hist_0"] == 1.0 for r in m)
     assert all(r["rollouts"] == 32 for r in m)  # every rollout scored (no infra failure: run_toy)
-    # identical workspaces of a group share one test run (coder/env/verdicts.py): the toy's
+    # identical workspaces of a group share one test run (coder/env/scoring/verdicts.py): the toy's
     # rollouts write one of a few files, so most verdicts are shared
     shared = sum(r["shared_verdicts"] for r in m)
     print("shared verdicts", shared, "of", 32 * len(m))

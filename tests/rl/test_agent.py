@@ -17,8 +17,8 @@ import pytest
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
-from coder.env import tools as env_tools
-from coder.env.sandbox import InfraError
+from coder.env.tools import registry as env_tools
+from coder.env.runtime.sandbox import InfraError
 from coder.rl import agent as agent_lib
 from coder.rl import trajectory
 from coder.rl import actor as actor_lib
@@ -444,13 +444,13 @@ class MemoryEpisode:
 
 
 def test_every_agent_eval_starts_from_the_same_empty_memory(tok, tmp_path):
-    """Each agent eval keeps its rollouts' notes in a memory session of its own (coder.env.memory.
+    """Each agent eval keeps its rollouts' notes in a memory session of its own (coder.env.tools.memory.
     in_session): the eval before GRPO's first step and the one after its last (realtime: every
     gate cycle's) start from an empty memory and read the same notes, so their pass@1 compares
     like with like; training never reads them. The held-out tasks' notes used to persist from
     one eval to the next. (Sequential rollouts: task 0's group reads nothing and writes, task 1's
     reads task 0's notes.)"""
-    from coder.env.memory import Memory
+    from coder.env.tools.memory import Memory
     from coder.env.tasks import Task
     from coder.rl import eval as eval_lib
 
@@ -730,7 +730,7 @@ def test_env_config_reaches_rl_episodes_local_and_pooled():
     c.rl.tools = ()  # every tool: shell too
     with pytest.raises(ValueError, match="semantic_checkpoint"):  # "policy" embeds with a checkpoint
         actor_lib.episode_factory(c)
-    c.env.semantic_encoder = ""  # semantic_search off: tests/env/test_semantic_search.py has it
+    c.env.semantic_encoder = ""  # semantic_search off: tests/env/tools/test_semantic_search.py has it
     c.rl.system_prompt = "Be brief."
     c.rl.tool_timeout_s = 7.0
     ((task, _),) = toy_tasks(1, seed=2)

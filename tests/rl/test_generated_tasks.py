@@ -14,7 +14,7 @@ from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol, suite
-from coder.env import tools as env_tools
+from coder.env.tools import registry as env_tools
 from coder.model import Transformer
 from coder.rl import actor as actor_lib
 from coder.rl import eval as eval_lib
@@ -22,7 +22,7 @@ from coder.rl import grpo, trajectory
 from configs import base
 from tests.rl.test_agent import ScriptedEngine
 
-NAME = "tinypkg7"  # its tasks are held out (coder.env.releases.split_of), so the suite keeps them
+NAME = "tinypkg7"  # its tasks are held out (coder.env.sources.releases.split_of), so the suite keeps them
 
 
 def _turn(tok, *calls, words=""):

@@ -174,7 +174,7 @@ def _finish(procs, timeout) -> None:
 def _stacks(procs) -> str:
     """Every live process's Python stacks (faulthandler on SIGUSR1, `_run`) and the end of each
     one's output; then kills them all (a hung run must not outlive its test)."""
-    from coder.env.terminal import _proc_tree
+    from coder.env.runtime.terminal import _proc_tree
 
     below = [pid for p in procs for pid in _proc_tree(p.pid)]  # Ray's raylet, GCS, workers
     members = [pid for pid in below if b"GroupMember" in _cmdline(pid)]

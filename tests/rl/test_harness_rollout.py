@@ -16,7 +16,7 @@ from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
-from coder.env import tools as env_tools
+from coder.env.tools import registry as env_tools
 from coder.model import Transformer
 from coder.rl import actor as actor_lib
 from coder.rl import eval as eval_lib
@@ -33,7 +33,7 @@ def _config():
     c.rl.aux_rewards.update(dict(communication=0.05, clarification=0.05))
     c.env.history_depth = 2
     c.env.max_output_chars = 1500
-    c.env.semantic_encoder = "tests.env.test_semantic_search:make_word_encoder"  # no model to load
+    c.env.semantic_encoder = "tests.env.tools.test_semantic_search:make_word_encoder"  # no model to load
     return c
 
 

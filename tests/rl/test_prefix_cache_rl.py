@@ -16,7 +16,7 @@ from flax import nnx
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import protocol
-from coder.env import tools as env_tools
+from coder.env.tools import registry as env_tools
 from coder.env.tasks import Task
 from coder.model import Transformer
 from coder.rl import actor as actor_lib

@@ -10,7 +10,7 @@ import pytest
 
 from coder.data import tokenizer as tokenizer_lib
 from coder.env import heldout
-from coder.env import repo as repo_lib
+from coder.env.sources import repo as repo_lib
 from coder.env import suite
 from coder.env import tasks as tasks_lib
 from coder.stages import exclude, lm
