@@ -8,8 +8,10 @@ to 256k (YaRN 64 over 4096) by the longctx stage.
 
     python main.py --config=configs/composer_dsv3.py --config.plan=True --config.workdir=/tmp/plan_dsv3
 
-docs/scale/README.md ("Plans") and docs/scale/composer_dsv3/ have its plan so far: sft and GRPO
-fit (the engine's group copy 85.7 of 95.0 GiB a chip with the weights beside it).
+docs/scale/README.md ("Plans") and docs/scale/composer_dsv3/plan.md have its plan (aaccc5d, the
+whole chain): every program fits; 341 h and 282k chip-hours in all (GRPO 209 h at 751 s a step),
+the engine's decode 84.9 GiB a chip and 0.191 s a step, its group copy 85.7 of 95.0 GiB with the
+weights beside it; 256 slots fit, 384 do not.
 """
 from configs.composer_k2 import recipe
 from configs.deepseek_v3_671b import get_config as deepseek_v3_config

@@ -17,7 +17,8 @@ Plan it first (compiles every program of every stage for its TPU layout on this 
 
 It writes plan.json / plan.md (chips, step seconds, tokens/s, hours per stage; the actor slices
 that keep the learner fed, the weight sync against the learner's step, the slots that fit).
-What the plan measured is in docs/scale/README.md ("Plans") and docs/scale/composer_k2/: every
+What the plan measured is in docs/scale/README.md ("Plans") and docs/scale/composer_k2/plan.md
+(aaccc5d, the whole chain planned in 47 minutes on a 2-core CPU; 225 h, 179k chip-hours): every
 program of every stage fits on 2 x v5p-512 (the learner) and a v5p-256 actor (the engine at 256
 rows of 256k, 2 drafts: decode 0.179 s a step, 76.0 GiB a chip); the values marked "plan:" come
 from it, the ones marked "guess" do not.
