@@ -16,9 +16,10 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
         calls from many threads (one per agent) run together in the same decode batches.
         `on_tokens(row, tokens, logprobs)` streams each decode call's new tokens.
         Generation(tokens, logprobs, expert_ids `[n_tokens, moe_layers, top_k]` uint8/uint16,
-        finish_reason "stop" | "length" | "max_len", policy_version per token). Row i samples
-        with keys fold_in(fold_in(rng, i), position): its tokens do not depend on which rows
-        share its batches (tests compare rows decoded together and alone).
+        finish_reason "stop" | "length" | "max_len" | "cancelled" (FINISH_REASONS),
+        policy_version per token). Row i samples with keys fold_in(fold_in(rng, i), position): its
+        tokens do not depend on which rows share its batches (tests compare rows decoded
+        together and alone).
     engine.append(group, row, token_ids)
         Observation tokens for a row (a tool's output); the next `generate` of that row prefills
         only them, never the history. The row keeps its slot and cache while it waits, unless
