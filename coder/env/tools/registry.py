@@ -1,5 +1,8 @@
-"""The agent's tools. Each is a `ToolSpec` (name, description, JSON schema, rendered into the
-system prompt by `coder.env.protocol`) plus a function `(ToolContext, arguments) -> str`.
+"""The agent's tools, one registry (`TOOLS`). Each is a `Tool`, defined once: its `ToolSpec`
+(name, description, JSON schema, rendered into the system prompt by `coder.env.protocol`), its
+function `(ToolContext, arguments) -> str`, and how its calls share a turn (whether it changes
+state, opens workspace paths from the host, runs the agent's code: `may_overlap`). SPECS,
+FUNCTIONS, EXCLUSIVE, HOST_SIDE and RUNS_AGENT_CODE are read off it.
 
 Commands the model chooses run inside the sandbox: `shell` in the episode's persistent terminal
 (coder.env.runtime.terminal: cwd, variables and background jobs carry over between calls), grep, lint
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from typing import Callable
 
 from coder.env.tools import diagnostics as diagnostics_lib
 from coder.env.tools import search as search_lib
@@ -37,16 +41,25 @@ from coder.env.runtime.terminal import Terminal
 SUBMIT = "submit"
 THINK = "think"
 ASK_USER = "ask_user"
-# Tools that change state (the workspace, which shell may change; memory_write the notes): each
-# runs alone among the calls of a turn, after the calls before it
-# (coder.env.episode.Episode.call_many); the shell's session is one terminal.
-EXCLUSIVE = frozenset({"write_file", "edit_file", "shell", "memory_write"})
-# Tools that open workspace paths from the host: they run with the terminal's processes stopped
-# (`Terminal.frozen`), so a background job cannot race their path checks, and never beside a
-# tool that runs the agent's code (its tests), which could race them the same way.
-HOST_SIDE = frozenset({"read_file", "write_file", "edit_file", "search", "semantic_search"})
-# diagnostics: mypy loads the plugins a repository's mypy configuration names (its code)
-RUNS_AGENT_CODE = frozenset({"run_tests", "shell", "diagnostics"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """One tool, defined once: its spec (name, description, JSON schema), how it runs, and how its
+    calls may share a turn with others (`may_overlap`)."""
+
+    spec: ToolSpec
+    run: Callable[["ToolContext", dict], str]
+    # changes state (the workspace, which shell may change; memory_write the notes): runs alone
+    # among the calls of a turn, after the calls before it (coder.env.episode.Episode.call_many);
+    # the shell's session is one terminal
+    changes_state: bool = False
+    # opens workspace paths from the host: runs with the terminal's processes stopped
+    # (`Terminal.frozen`), so a background job cannot race its path checks, and never beside a
+    # tool that runs the agent's code (its tests), which could race them the same way
+    host_paths: bool = False
+    # runs the agent's code (diagnostics: mypy loads the plugins a repository's configuration names)
+    runs_agent_code: bool = False
 
 
 def may_overlap(a: str, b: str) -> bool:
@@ -343,147 +356,184 @@ def _obj(props: dict, required: list) -> dict:
     }
 
 
-SPECS = [
-    ToolSpec(
-        "shell",
-        "Run a bash command in your terminal (starts in /workspace, no network). One shell "
-        "session per task: cd, exported variables and background jobs (cmd &) persist between "
-        "calls; stdin is empty. Returns the exit code, stdout and stderr.",
-        _obj({"command": _STR, "timeout_s": {"type": "number", "minimum": 1}}, ["command"]),
-    ),
-    ToolSpec(
-        "read_file",
-        "Read a file, with line numbers; optionally only lines start_line.."
-        "end_line (1-based, inclusive).",
-        _obj(
-            {
-                "path": _STR,
-                "start_line": {"type": "integer", "minimum": 1},
-                "end_line": {"type": "integer", "minimum": 1},
-            },
-            ["path"],
+TOOLS = (
+    Tool(
+        ToolSpec(
+            "shell",
+            "Run a bash command in your terminal (starts in /workspace, no network). One shell "
+            "session per task: cd, exported variables and background jobs (cmd &) persist between "
+            "calls; stdin is empty. Returns the exit code, stdout and stderr.",
+            _obj({"command": _STR, "timeout_s": {"type": "number", "minimum": 1}}, ["command"]),
         ),
+        run=shell, changes_state=True, runs_agent_code=True,
     ),
-    ToolSpec(
-        "write_file",
-        "Create or overwrite a file with the given content.",
-        _obj({"path": _STR, "content": _STR}, ["path", "content"]),
-    ),
-    ToolSpec(
-        "edit_file",
-        "Replace the exact text old with new in a file; old must occur exactly once.",
-        _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"]),
-    ),
-    ToolSpec(
-        "grep",
-        "Search files in the workspace for an extended regular expression; prints file:line:text.",
-        _obj({"pattern": _STR, "path": _STR, "ignore_case": {"type": "boolean"}}, ["pattern"]),
-    ),
-    ToolSpec(
-        "search",
-        "Search the code of the workspace for chunks relevant to a natural-"
-        "language or identifier query (ranked by BM25).",
-        _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
-    ),
-    ToolSpec(
-        "semantic_search",
-        "Search the code of the workspace by meaning: the functions, classes and methods "
-        "whose embedding is closest to a natural-language description (finds code that "
-        "does what you describe even when it uses other words).",
-        _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
-    ),
-    ToolSpec(
-        "lint",
-        "Run the ruff linter on a path (default: the whole workspace).",
-        _obj({"path": _STR}, []),
-    ),
-    ToolSpec(
-        "diagnostics",
-        "Type checker and code navigation. action=check: type errors and unresolved names "
-        "from mypy in path (default: the whole workspace). action=definition: where the name "
-        "at path:line:column is defined; action=references: every use of it in the workspace "
-        "(line and column 1-based; or give symbol with path and line instead of column, or "
-        "symbol alone to find workspace definitions with that name).",
-        _obj(
-            {
-                "action": {"type": "string", "enum": list(diagnostics_lib.ACTIONS)},
-                "path": _STR,
-                "line": {"type": "integer", "minimum": 1},
-                "column": {"type": "integer", "minimum": 1},
-                "symbol": _STR,
-            },
-            ["action"],
+    Tool(
+        ToolSpec(
+            "read_file",
+            "Read a file, with line numbers; optionally only lines start_line.."
+            "end_line (1-based, inclusive).",
+            _obj(
+                {
+                    "path": _STR,
+                    "start_line": {"type": "integer", "minimum": 1},
+                    "end_line": {"type": "integer", "minimum": 1},
+                },
+                ["path"],
+            ),
         ),
+        run=read_file, host_paths=True,
     ),
-    ToolSpec(
-        "run_tests",
-        "Run the task's test command (optionally on one test path).",
-        _obj({"path": _STR}, []),
-    ),
-    ToolSpec(
-        "repo_history",
-        "The repository's git history up to the task's commit (never later commits): "
-        "action=log lists commits, newest first (max_count, optionally only those touching "
-        "path); action=show prints one commit's message and diff (commit, default HEAD; "
-        "optionally only path); action=blame shows the commit that last changed each of lines "
-        "start..end of path.",
-        _obj(
-            {
-                "action": {"type": "string", "enum": ["log", "show", "blame"]},
-                "commit": _STR,
-                "path": _STR,
-                "start": {"type": "integer", "minimum": 1},
-                "end": {"type": "integer", "minimum": 1},
-                "max_count": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX_COUNT},
-            },
-            ["action"],
+    Tool(
+        ToolSpec(
+            "write_file",
+            "Create or overwrite a file with the given content.",
+            _obj({"path": _STR, "content": _STR}, ["path", "content"]),
         ),
+        run=write_file, changes_state=True, host_paths=True,
     ),
-    ToolSpec(
-        "memory_write",
-        "Save a short note for your later tasks on this same repository (what you learned: "
-        "layout, how to run things, pitfalls). Notes persist across tasks of this repository; "
-        "they cannot be edited or deleted.",
-        _obj({"note": _STR}, ["note"]),
+    Tool(
+        ToolSpec(
+            "edit_file",
+            "Replace the exact text old with new in a file; old must occur exactly once.",
+            _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"]),
+        ),
+        run=edit_file, changes_state=True, host_paths=True,
     ),
-    ToolSpec(
-        "memory_read",
-        "Read the notes saved by your earlier tasks on this repository (optionally only those "
-        "containing query).",
-        _obj({"query": _STR}, []),
+    Tool(
+        ToolSpec(
+            "grep",
+            "Search files in the workspace for an extended regular expression; prints file:line:text.",
+            _obj({"pattern": _STR, "path": _STR, "ignore_case": {"type": "boolean"}}, ["pattern"]),
+        ),
+        run=grep,
     ),
-    ToolSpec(
-        THINK,
-        "Think: a scratchpad for planning or reasoning about what you found. Runs nothing, "
-        "changes nothing.",
-        _obj({"thought": _STR}, ["thought"]),
+    Tool(
+        ToolSpec(
+            "search",
+            "Search the code of the workspace for chunks relevant to a natural-"
+            "language or identifier query (ranked by BM25).",
+            _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
+        ),
+        run=search, host_paths=True,
     ),
-    ToolSpec(
-        ASK_USER,
-        "Ask the user a clarifying question when the task leaves out something you need to "
-        "know; the user's answer comes back. Do not ask what the task or the code already says.",
-        _obj({"question": _STR}, ["question"]),
+    Tool(
+        ToolSpec(
+            "semantic_search",
+            "Search the code of the workspace by meaning: the functions, classes and methods "
+            "whose embedding is closest to a natural-language description (finds code that "
+            "does what you describe even when it uses other words).",
+            _obj({"query": _STR, "k": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
+        ),
+        run=semantic_search, host_paths=True,
     ),
-    ToolSpec(SUBMIT, "Finish: your changes in /workspace are the solution.", _obj({}, [])),
-]
-FUNCTIONS = {
-    "shell": shell,
-    "read_file": read_file,
-    "write_file": write_file,
-    "edit_file": edit_file,
-    "grep": grep,
-    "search": search,
-    "semantic_search": semantic_search,
-    "lint": lint,
-    "diagnostics": diagnostics_lib.diagnostics,
-    "run_tests": run_tests,
-    "repo_history": repo_history,
-    "memory_write": memory_write,
-    "memory_read": memory_read,
-    THINK: think,
-    ASK_USER: ask_user,
-    SUBMIT: submit,
-}
+    Tool(
+        ToolSpec(
+            "lint",
+            "Run the ruff linter on a path (default: the whole workspace).",
+            _obj({"path": _STR}, []),
+        ),
+        run=lint,
+    ),
+    Tool(
+        ToolSpec(
+            "diagnostics",
+            "Type checker and code navigation. action=check: type errors and unresolved names "
+            "from mypy in path (default: the whole workspace). action=definition: where the name "
+            "at path:line:column is defined; action=references: every use of it in the workspace "
+            "(line and column 1-based; or give symbol with path and line instead of column, or "
+            "symbol alone to find workspace definitions with that name).",
+            _obj(
+                {
+                    "action": {"type": "string", "enum": list(diagnostics_lib.ACTIONS)},
+                    "path": _STR,
+                    "line": {"type": "integer", "minimum": 1},
+                    "column": {"type": "integer", "minimum": 1},
+                    "symbol": _STR,
+                },
+                ["action"],
+            ),
+        ),
+        run=diagnostics_lib.diagnostics, runs_agent_code=True,
+    ),
+    Tool(
+        ToolSpec(
+            "run_tests",
+            "Run the task's test command (optionally on one test path).",
+            _obj({"path": _STR}, []),
+        ),
+        run=run_tests, runs_agent_code=True,
+    ),
+    Tool(
+        ToolSpec(
+            "repo_history",
+            "The repository's git history up to the task's commit (never later commits): "
+            "action=log lists commits, newest first (max_count, optionally only those touching "
+            "path); action=show prints one commit's message and diff (commit, default HEAD; "
+            "optionally only path); action=blame shows the commit that last changed each of lines "
+            "start..end of path.",
+            _obj(
+                {
+                    "action": {"type": "string", "enum": ["log", "show", "blame"]},
+                    "commit": _STR,
+                    "path": _STR,
+                    "start": {"type": "integer", "minimum": 1},
+                    "end": {"type": "integer", "minimum": 1},
+                    "max_count": {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX_COUNT},
+                },
+                ["action"],
+            ),
+        ),
+        run=repo_history,
+    ),
+    Tool(
+        ToolSpec(
+            "memory_write",
+            "Save a short note for your later tasks on this same repository (what you learned: "
+            "layout, how to run things, pitfalls). Notes persist across tasks of this repository; "
+            "they cannot be edited or deleted.",
+            _obj({"note": _STR}, ["note"]),
+        ),
+        run=memory_write, changes_state=True,
+    ),
+    Tool(
+        ToolSpec(
+            "memory_read",
+            "Read the notes saved by your earlier tasks on this repository (optionally only those "
+            "containing query).",
+            _obj({"query": _STR}, []),
+        ),
+        run=memory_read,
+    ),
+    Tool(
+        ToolSpec(
+            THINK,
+            "Think: a scratchpad for planning or reasoning about what you found. Runs nothing, "
+            "changes nothing.",
+            _obj({"thought": _STR}, ["thought"]),
+        ),
+        run=think,
+    ),
+    Tool(
+        ToolSpec(
+            ASK_USER,
+            "Ask the user a clarifying question when the task leaves out something you need to "
+            "know; the user's answer comes back. Do not ask what the task or the code already says.",
+            _obj({"question": _STR}, ["question"]),
+        ),
+        run=ask_user,
+    ),
+    Tool(
+        ToolSpec(SUBMIT, "Finish: your changes in /workspace are the solution.", _obj({}, [])),
+        run=submit,
+    ),
+)
+SPECS = [t.spec for t in TOOLS]  # the order the system prompt lists them
+FUNCTIONS = {t.spec.name: t.run for t in TOOLS}
+EXCLUSIVE = frozenset(t.spec.name for t in TOOLS if t.changes_state)
+HOST_SIDE = frozenset(t.spec.name for t in TOOLS if t.host_paths)
+RUNS_AGENT_CODE = frozenset(t.spec.name for t in TOOLS if t.runs_agent_code)
+if len(FUNCTIONS) != len(TOOLS):
+    raise ValueError(f"two tools share a name: {sorted(t.spec.name for t in TOOLS)}")
 
 
 def call(ctx: ToolContext, name: str, args: dict) -> str:

@@ -233,3 +233,15 @@ def test_chunking_covers_every_line():
     chunks = search.chunk_file("x.txt", text, chunk_lines=40)
     covered = {i for c in chunks for i in range(c.start, c.end + 1)}
     assert covered == set(range(1, 101)) and all(c.end - c.start < 40 for c in chunks)
+
+
+def test_each_tool_is_defined_once_and_its_overlap_rules_come_from_it():
+    """One registry: every spec has its function and flags in one Tool; may_overlap reads them."""
+    names = [t.spec.name for t in tools.TOOLS]
+    assert names == [s.name for s in tools.SPECS] and set(names) == set(tools.FUNCTIONS)
+    assert tools.EXCLUSIVE == {"write_file", "edit_file", "shell", "memory_write"}
+    assert tools.HOST_SIDE == {"read_file", "write_file", "edit_file", "search", "semantic_search"}
+    assert tools.RUNS_AGENT_CODE == {"run_tests", "shell", "diagnostics"}
+    assert tools.may_overlap("read_file", "grep") and tools.may_overlap("run_tests", "lint")
+    assert not tools.may_overlap("read_file", "run_tests")  # a host-side path check beside the agent's code
+    assert not tools.may_overlap("shell", "think") and not tools.may_overlap("grep", "edit_file")
