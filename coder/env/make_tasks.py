@@ -14,7 +14,7 @@ mutant is checked in the sandbox, so this takes a few seconds per task). toy: on
 SWE-Gym, SWE-rebench or SWE-smith instances over local mirrors `DIR/owner__name`
 (coder.env.sources.swebench; `--verify` drops the tasks whose gold patch does not score 1, or whose
 unchanged workspace does not score 0, in this machine's sandbox, each with its cause, and ends
-with a table per repository: rows, imported, verified, dropped by reason; coder.env.sources.verify). `--solutions` also writes
+with a table per repository: rows, imported, verified, dropped by reason; coder.env.sources.verify).
 releases: "implement what the next release added" (coder.env.sources.releases): sdists from the package
 index, committed as a git history in `DIR/pypi__NAME`, FAIL_TO_PASS / PASS_TO_PASS from the
 next release's tests run in the sandbox, a terse prompt from its changelog; the set's figures
@@ -35,6 +35,7 @@ import argparse
 import collections
 import json
 import sys
+from typing import Callable, NamedTuple
 
 import fsspec
 
@@ -44,7 +45,7 @@ from coder.env.tasks import DEFAULT_TEST_COMMAND, toy_tasks, write_solutions, wr
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m coder.env.make_tasks")
-    p.add_argument("--source", choices=("stdlib", "toy", "swebench", "releases", "mutants", "harbor"), required=True)
+    p.add_argument("--source", choices=tuple(SOURCES), required=True)
     p.add_argument("--n", type=int, help="number of tasks (stdlib, toy; mutants: per package)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="Task JSONL to write")
@@ -97,102 +98,115 @@ def main(argv=None) -> int:
     p.add_argument("dirs", nargs="*", help="harbor: task directories, or directories of them")
     p.add_argument("--images", default="", help="harbor: directory of OCI layouts (skopeo copy)")
     args = p.parse_args(argv)
-    if args.source == "swebench":
-        if not args.input or not args.repos:
-            p.error("--source swebench needs --input and --repos")
-        specs = {}
-        if args.environments:
-            with fsspec.open(args.environments, "r", encoding="utf-8") as f:
-                specs = json.load(f)
-        rows, skipped = swebench.read_instances(args.input), {}
-        pairs = swebench.import_instances(rows, args.repos, args.test_command, args.setup, specs,
-                                          skipped=skipped)
-        for where, why in skipped.items():
-            print(f"skipped {where}: {why}", file=sys.stderr)
-        args.n = len(rows)  # a skipped row makes the exit status 1
-        if args.verify:
-            imported = [t for t, _ in pairs]
-            pairs, dropped = verify.verify(pairs, workers=args.workers, setup_network=args.setup_network)
-            for tid, why in dropped.items():
-                print(f"dropped {tid}: {why}", file=sys.stderr)
-            rows_per = collections.Counter(swebench.row_repo(r) for r in rows)
-            print(verify.table(imported, dropped, rows_per), file=sys.stderr)
-    elif args.source == "harbor":
-        if not args.dirs or not args.repos:
-            p.error("--source harbor needs DIR... and --repos")
-        skipped, tried = {}, harbor.task_dirs(args.dirs)
-        pairs = harbor.import_dirs(tried, args.images, args.repos, skipped,
-                                   solutions=bool(args.verify or args.solutions))
-        for where, why in skipped.items():
-            print(f"skipped {where}: {why}", file=sys.stderr)
-        if args.verify:
-            imported = [t for t, _ in pairs]
-            pairs, dropped = verify.verify(pairs, workers=args.workers, timeout_s=max(
-                [float(t.metadata.get("verifier_timeout_sec") or 600) for t in imported] or [600]))
-            for tid, why in dropped.items():
-                print(f"dropped {tid}: {why}", file=sys.stderr)
-            print(verify.table(imported, dropped), file=sys.stderr)
-        args.n = len(tried)  # a skipped directory makes the exit status 1
-    elif args.source in ("releases", "mutants"):
-        if not args.packages or not args.repos:
-            p.error(f"--source {args.source} needs --packages and --repos")
-        if args.source == "mutants" and not args.n:
-            p.error("--source mutants needs --n (tasks per package)")
-        options = releases.Options(
-            history=args.history, max_prompt_chars=args.max_prompt_chars,
-            environment={} if args.host_python else None,
-            test_requirements=tuple(r for r in args.test_requirements.split(",") if r),
-        )
-
-        def log(s):
-            print(s, file=sys.stderr, flush=True)
-
-        pairs, tried, wanted = [], 0, 0
-        for spec in [s.strip() for s in args.packages.split(",") if s.strip()]:
-            name, _ = releases.parse_spec(spec)
-            if args.split and releases.split_of(name) != args.split:
-                log(f"[releases] {name}: skipped, its tasks are in split "
-                    f"{releases.split_of(name)!r} (--split {args.split})")
-                continue
-            if args.source == "mutants":
-                made, dropped = package_mutants.mutant_tasks(
-                    spec, args.repos, args.n, seed=args.seed, mutations=args.mutations,
-                    cache=args.sdist_cache, options=options, index=args.index_url, log=log)
-                wanted += args.n
-            else:
-                made, dropped = releases.package_tasks(
-                    spec, args.repos, cache=args.sdist_cache, pairs=args.pairs,
-                    options=options, index=args.index_url, log=log)
-            pairs += made
-            tried += len(made) + len(dropped)
-        if args.verify:
-            imported = [t for t, _ in pairs]
-            pairs, dropped = verify.verify(pairs, workers=args.workers)
-            for tid, why in dropped.items():
-                log(f"dropped {tid}: {why}")
-            log(verify.table(imported, dropped))
-        if args.source == "releases":
-            print(json.dumps(releases.statistics_of(pairs, tried)), file=sys.stderr)
-        args.n = wanted or max(len(pairs), 1)  # releases: whatever the history made, not none
-    elif args.n is None:
-        p.error(f"--source {args.source} needs --n")
-    elif args.source == "toy":
-        pairs = toy_tasks(args.n, args.seed)
-    else:
-        mods = [m for m in args.modules.split(",") if m] or None
-        pairs = mutate.stdlib_tasks(
-            args.n,
-            args.seed,
-            split=args.split or "train",
-            modules=mods,
-            max_per_module=args.max_per_module,
-            log=lambda s: print(s, file=sys.stderr, flush=True),
-        )
+    source = SOURCES[args.source]
+    missing = [flag for flag in source.needs if getattr(args, _dest(flag)) in (None, "", [])]
+    if missing:
+        p.error(f"--source {args.source} needs {' and '.join(missing)}")
+    pairs, expected = source.read(args)
     write_tasks(args.out, [t for t, _ in pairs])
     if args.solutions:
         write_solutions(args.solutions, {t.id: files for t, files in pairs})
     print(f"wrote {len(pairs)} {args.source} tasks to {args.out}", file=sys.stderr)
-    return 0 if len(pairs) == args.n else 1
+    return 0 if len(pairs) == expected else 1  # fewer: rows, directories or tasks were skipped
+
+
+def _dest(flag: str) -> str:
+    return "dirs" if flag == "DIR..." else flag[2:].replace("-", "_")
+
+
+# --- the sources: each reads its flags and returns (task, solution) pairs and how many it meant to
+def _log(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
+
+
+def _verified(pairs, args, rows_per=None, **kw):
+    """--verify: the pairs whose gold scores 1 and unchanged workspace 0 here; each drop's cause
+    and the table per repository on stderr."""
+    if not args.verify:
+        return pairs
+    imported = [t for t, _ in pairs]
+    pairs, dropped = verify.verify(pairs, workers=args.workers, **kw)
+    for tid, why in dropped.items():
+        _log(f"dropped {tid}: {why}")
+    _log(verify.table(imported, dropped, rows_per) if rows_per is not None else verify.table(imported, dropped))
+    return pairs
+
+
+def _skipped(skipped: dict) -> None:
+    for where, why in skipped.items():
+        _log(f"skipped {where}: {why}")
+
+
+def _swebench(args):
+    specs = {}
+    if args.environments:
+        with fsspec.open(args.environments, "r", encoding="utf-8") as f:
+            specs = json.load(f)
+    rows, skipped = swebench.read_instances(args.input), {}
+    pairs = swebench.import_instances(rows, args.repos, args.test_command, args.setup, specs, skipped=skipped)
+    _skipped(skipped)
+    rows_per = collections.Counter(swebench.row_repo(r) for r in rows)
+    return _verified(pairs, args, rows_per, setup_network=args.setup_network), len(rows)
+
+
+def _harbor(args):
+    skipped, tried = {}, harbor.task_dirs(args.dirs)
+    pairs = harbor.import_dirs(tried, args.images, args.repos, skipped, solutions=bool(args.verify or args.solutions))
+    _skipped(skipped)
+    timeout = max([float(t.metadata.get("verifier_timeout_sec") or 600) for t, _ in pairs] or [600])
+    return _verified(pairs, args, timeout_s=timeout), len(tried)
+
+
+def _packages(args, mutants: bool):
+    options = releases.Options(
+        history=args.history, max_prompt_chars=args.max_prompt_chars,
+        environment={} if args.host_python else None,
+        test_requirements=tuple(r for r in args.test_requirements.split(",") if r),
+    )
+    pairs, tried, wanted = [], 0, 0
+    for spec in [s.strip() for s in args.packages.split(",") if s.strip()]:
+        name, _ = releases.parse_spec(spec)
+        if args.split and releases.split_of(name) != args.split:
+            _log(f"[releases] {name}: skipped, its tasks are in split {releases.split_of(name)!r} "
+                 f"(--split {args.split})")
+            continue
+        if mutants:
+            made, dropped = package_mutants.mutant_tasks(
+                spec, args.repos, args.n, seed=args.seed, mutations=args.mutations,
+                cache=args.sdist_cache, options=options, index=args.index_url, log=_log)
+            wanted += args.n
+        else:
+            made, dropped = releases.package_tasks(
+                spec, args.repos, cache=args.sdist_cache, pairs=args.pairs,
+                options=options, index=args.index_url, log=_log)
+        pairs += made
+        tried += len(made) + len(dropped)
+    pairs = _verified(pairs, args)
+    if not mutants:
+        print(json.dumps(releases.statistics_of(pairs, tried)), file=sys.stderr)
+    return pairs, wanted or max(len(pairs), 1)  # releases: whatever the history made, not none
+
+
+def _stdlib(args):
+    mods = [m for m in args.modules.split(",") if m] or None
+    pairs = mutate.stdlib_tasks(args.n, args.seed, split=args.split or "train", modules=mods,
+                                max_per_module=args.max_per_module, log=_log)
+    return pairs, args.n
+
+
+class Source(NamedTuple):
+    needs: tuple  # the flags it cannot run without
+    read: Callable  # args -> (pairs, the number of tasks it meant to make)
+
+
+SOURCES = {
+    "stdlib": Source(("--n",), _stdlib),
+    "toy": Source(("--n",), lambda args: (toy_tasks(args.n, args.seed), args.n)),
+    "swebench": Source(("--input", "--repos"), _swebench),
+    "harbor": Source(("DIR...", "--repos"), _harbor),
+    "releases": Source(("--packages", "--repos"), lambda args: _packages(args, mutants=False)),
+    "mutants": Source(("--packages", "--repos", "--n"), lambda args: _packages(args, mutants=True)),
+}
 
 
 if __name__ == "__main__":
