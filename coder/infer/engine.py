@@ -196,7 +196,6 @@ class Engine:
         self.cache_dtype = jnp.dtype(cache_dtype or self.dtype or model_cfg.dtype)
         self.counters = EngineCounters(spec_k=self.spec_k, offload=self.offload_idle_rows)
         graphdef, state = nnx.split(model)
-        self._graphdef = graphdef
         self.weights = ServedWeights(graphdef, state, self.placement)
         self.pool_store = DeviceStore(model_cfg, self.cache_dtype, self.spec_k, self.placement, self._counted)
         self.policy_version = 0
@@ -441,7 +440,7 @@ class Engine:
             rng=vec(jnp.uint32, *self._key_shape), temperature=vec(jnp.float32), top_k=vec(jnp.int32),
             top_p=vec(jnp.float32), stops=vec(jnp.int32, 8))
         decode_fn = self._decode_fn if num_steps == self.decode_steps_per_call else jax.jit(functools.partial(
-            programs.decode, self._graphdef, num_steps=num_steps, experts_dtype=self.experts_dtype),
+            programs.decode, self.weights.graphdef, num_steps=num_steps, experts_dtype=self.experts_dtype),
             donate_argnums=(1,))
         decode = decode_fn.lower(state, store, inputs, jax.ShapeDtypeStruct((), jnp.int32))
         out = {"prefill": prefill, "decode": decode, "state": state, "store": store}
