@@ -1,4 +1,4 @@
-"""Asynchronous against synchronous GRPO (stage grpo, coder/rl/actor_learner.py) on this machine,
+"""Asynchronous against synchronous GRPO (stage grpo, coder/rl/topology.py) on this machine,
 with the sandbox in the loop: wall time per learner step, the bound that overlap allows, and the
 weight channel's bytes and seconds per version.
 

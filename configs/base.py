@@ -209,7 +209,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.engine_attention = "training"
     c.rl.concurrent = True  # the actor runs all B x G rollouts at once (False: group by group)
     c.rl.env_workers = 0  # env worker processes running the sandboxes' tool calls (0 = one per rollout, at most 16)
-    # Actors and the weight channel (coder/rl/actor_learner.py): 0 actors = one inside the learner's
+    # Actors and the weight channel (coder/rl/topology.py): 0 actors = one inside the learner's
     # process (no Ray start-up, no second JAX runtime: tests, quickstart, one small machine).
     c.rl.num_actors = 0  # actor processes (Ray actors, each an engine + env workers); 0 = in the learner's process
     c.rl.colocated = False  # sync, actor in the learner's process: weights reach its engine on device (no store)

@@ -1,6 +1,6 @@
 """GRPO's toy environment, shared by the GRPO tests (a helper module: no tests of its own).
 
-The environment (shared with tests/rl/test_actor_learner.py, tests/rl/test_router_replay.py and
+The environment (shared with tests/rl/test_grpo_actors.py, tests/rl/test_router_replay.py and
 tests/rl/test_grpo_preemption.py, which run the learning tests on it) is light and in-process so a
 learning run takes a few minutes on CPU: the task is "submit the lucky number from 1 to 4" (in
 many phrasings, each used once) with one tool, `submit(answer)`, and the reward is 1 when the
@@ -30,7 +30,7 @@ The real sandboxed toy tasks of coder.env run through the same loop in tests/tes
 `FILE_TOY` is the same task as a sandboxed coding task (lucky.py must set `lucky` to 3, pytest
 checks it in a bwrap sandbox, the one tool is the env's write_file): the stage's own episodes,
 tool and scorer, with its own fitted model (`fitted_policy(dir, FILE_TOY)`); the sync learning
-test of tests/rl/test_actor_learner.py runs on it.
+test of tests/rl/test_grpo_actors.py runs on it.
 """
 import dataclasses
 import functools

@@ -352,9 +352,9 @@ class Episode:
             if s.infra_error:
                 self._fail_infra(s.infra_error)
             else:
-                r, err = s.reward, s.error
-                if self.info["broken_calls"]:
-                    r, err = 0.0, f"{self.info['broken_calls']} broken tool call(s)"
+                broken = self.info["broken_calls"]
+                r, _ = reward.outcome(s.reward, broken)  # the broken-call rule
+                err = f"{broken} broken tool call(s)" if broken else s.error
                 self.info.update(reward=r, passed=s.passed, total=s.total, score_error=err)
                 self.close()
         return float(self.info["reward"] or 0.0), dict(self.info)

@@ -16,7 +16,7 @@ every device of the group (coder/infer/engine.py, several processes):
 
 so no member ever holds the whole model. The driver's calls (`run_group`, `notify`, `stats`,
 `pid`) go to member 0; `RayActorGroups` has the driver-facing interface of
-coder/rl/actor_learner.py's `RayActors`.
+coder/rl/actor_hosts.py's `RayActors`.
 
 Failures: a member that dies breaks its group's world (the leader's engine raises FollowerLost
 within rl.actor_timeout_s; a follower whose leader died stops following). Ray does not restart
@@ -73,7 +73,7 @@ class GroupMember:
         from flax import nnx
 
         from coder.rl import actor as actor_lib
-        from coder.rl.actor_learner import ActorWorker
+        from coder.rl.actor_worker import ActorWorker
 
         try:
             timeout = int(float(config.rl.actor_timeout_s))
@@ -132,7 +132,7 @@ class GroupMember:
 class RayActorGroups:
     """`n` actors of `processes` Ray actor processes each (module docstring), on the cluster at
     `rl.ray_address` or on a local Ray instance started here. The driver-facing interface of
-    `RayActors`: submit / wait / result / probe / notify / pids / close."""
+    `RayActors` (coder.rl.actor_hosts.ActorHost), and `pids`."""
 
     def __init__(self, config, n: int, processes: int, tokenizer, make_episode, model_fn, url: str, slots: int):
         import ray  # heavy: ray (the Ray deployments only)
@@ -141,8 +141,8 @@ class RayActorGroups:
 
         if processes < 2:
             raise ValueError(f"rl.actor_processes={processes}: a group spans at least 2 processes "
-                             "(1 is coder.rl.actor_learner.RayActors)")
-        from coder.rl.actor_learner import start_ray
+                             "(1 is coder.rl.actor_hosts.RayActors)")
+        from coder.rl.actor_hosts import start_ray
 
         address = str(config.rl.ray_address)
         self._started = start_ray(config, n, processes)
@@ -163,9 +163,9 @@ class RayActorGroups:
         from ray.util.placement_group import placement_group  # heavy: ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # heavy: ray
 
-        from coder.rl.actor_learner import _placement
+        from coder.rl.actor_hosts import ray_placement
 
-        placement = _placement(self.local)  # what one member takes: a host's accelerators on a cluster
+        placement = ray_placement(self.local)  # what one member takes: a host's accelerators on a cluster
         bundle = {"CPU": placement["num_cpus"], **placement.get("resources", {})}
         if placement.get("num_gpus"):
             bundle["GPU"] = placement["num_gpus"]
@@ -221,7 +221,7 @@ class RayActorGroups:
     def result(self, token):
         import ray  # heavy: ray (the Ray deployments only)
 
-        from coder.rl.actor_learner import ActorLost
+        from coder.rl.actor_hosts import ActorLost
 
         with self._lock:
             i, gen = self._token_of.pop(token, (None, None))
@@ -276,21 +276,3 @@ def _lost_member(e) -> bool:
 
     cause = getattr(e, "cause", None)
     return isinstance(cause, channel.FollowerLost) or "FollowerLost" in str(e)
-
-
-def start_actors(config, *, tokenizer, make_episode, model_fn, url: str, mesh=None):
-    """The actors of `config`: rl.num_actors Ray actors (0 = one in the learner's process,
-    coder.rl.actor_learner.LocalActors, on `mesh`), each of rl.actor_processes processes (1 =
-    coder.rl.actor_learner.RayActors, more = `RayActorGroups`). rl.colocated: the in-process
-    actor's engine takes the learner's versions on device (`ActorWorker.push`)."""
-    from coder.rl.actor_learner import ActorWorker, LocalActors, RayActors, capacity, start_ray
-
-    n, slots, processes = int(config.rl.num_actors), capacity(config), int(config.rl.actor_processes)
-    if n == 0:
-        if config.env.workers_backend == "ray":  # sized for the actor's and the eval's env pools
-            start_ray(config, 0, 1)  # a local instance lives until the process exits, as the pools' own
-        return LocalActors(ActorWorker(config, tokenizer, make_episode, model_fn, url, mesh=mesh,
-                                       colocated=bool(config.rl.colocated)), slots)
-    if processes > 1:
-        return RayActorGroups(config, n, processes, tokenizer, make_episode, model_fn, url, slots)
-    return RayActors(config, n, tokenizer, make_episode, model_fn, url, slots)

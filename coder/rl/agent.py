@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from coder.env import protocol
-from coder.rl import reward as reward_lib
+from coder.env.scoring import score as score_lib
 from coder.rl.trajectory import ContextWindow, Rollout
 
 SUMMARY_REQUEST = (
@@ -384,12 +384,12 @@ class AgentRun:
         self._set(SCORE, ScoreWorkspace())
 
     def _finish(self) -> None:
-        """Applies the infrastructure mask and the broken-call rule (coder.rl.reward.outcome)."""
+        """Applies the infrastructure mask and the broken-call rule (coder.env.scoring.score.outcome)."""
         r = self.rollout
         if r.infra_error:
             r.finish = "infra"
             r.test_reward = 0.0
-        r.outcome, r.correct = reward_lib.outcome(r.test_reward, r.broken_calls)
+        r.outcome, r.correct = score_lib.outcome(r.test_reward, r.broken_calls)
         self._set(DONE, Done())
 
 

@@ -1,4 +1,4 @@
-"""What the GRPO driver (coder/rl/actor_learner.py `Driver`) keeps track of, one idea per class:
+"""What the GRPO driver (coder/rl/driver.py `Driver`) keeps track of, one idea per class:
 
     ActorHealth     each actor UP / DOWN / PROBING / GONE, and the transitions between them
     StalenessGate   the step a group handed out now is trained at, and whether it may go out yet

@@ -4,7 +4,8 @@
 
 **Outcome.** The env's test result in [0, 1] (fraction of scoring tests passed); `correct` is
 "every test passed". A rollout with a *broken tool call* (malformed call text) is a negative
-example: outcome 0, not correct, whatever the tests say, and `rl.broken_call_penalty` below a
+example: outcome 0, not correct, whatever the tests say (the rule is
+`coder.env.scoring.score.outcome`, which the env's text interface applies too), and `rl.broken_call_penalty` below a
 plain failure (without that margin GRPO pushes down the well-formed tokens that follow a wrong
 choice as readily as the choice itself, and the call format decays). It is never dropped:
 dropping it would teach the policy to emit a broken call on a hard task to escape a negative
@@ -91,14 +92,6 @@ def communication_scorer(name: str):
         return fn
 
     return register
-
-
-def outcome(test_reward: float, broken_calls: int) -> tuple[float, bool]:
-    """(outcome in [0, 1], correct) from the env's test score; a broken call is a failure."""
-    if broken_calls > 0:
-        return 0.0, False
-    r = float(np.clip(test_reward, 0.0, 1.0))
-    return r, r >= 1.0
 
 
 def length_cost(usage, weights) -> np.ndarray:

@@ -71,7 +71,7 @@ class Rollout:
     task_id: str
     generations: list = dataclasses.field(default_factory=list)
     test_reward: float = 0.0  # env's test score in [0, 1]
-    outcome: float = 0.0  # after the broken-call rule (coder.rl.reward.outcome)
+    outcome: float = 0.0  # after the broken-call rule (coder.env.scoring.score.outcome)
     correct: bool = False
     infra_error: str = ""  # non-empty: infrastructure failure, masked out of the group
     finish: str = ""  # submit | answer | turns | tokens | context | infra

@@ -165,7 +165,7 @@ class EngineFollower:
     listed) is never a silent wait: `try_poll` counts the failed polls in a row and, once they
     have failed for `timeout_s`, raises `StoreUnreadable` naming the store, the version the engine
     holds and the last error (which names the version read and, for a corrupt or missing leaf,
-    the leaf). The RL actors stop on it (coder/rl/actor_learner.py); a server's thread keeps
+    the leaf). The RL actors stop on it (coder/rl/actor_worker.py); a server's thread keeps
     serving the version it holds, logs it, and `health()` (its GET /health) reports it.
     """
 

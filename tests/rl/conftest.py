@@ -9,7 +9,7 @@ from flax import nnx
 
 from coder.model import Transformer
 from coder.rl import actor as actor_lib
-from coder.rl import actor_learner, weight_sync
+from coder.rl import topology, weight_sync
 from tests import rl_toy
 
 
@@ -65,7 +65,7 @@ def weight_path(tmp_path, toy_tokenizer):
 
     def publish(version: int, seed: int | None = None, hold: bool = False) -> None:
         if ns.publisher is None:  # one publisher for the run, as the learner's
-            ns.publisher = actor_learner.learner_weights(ns.config, staging)
+            ns.publisher = topology.learner_weights(ns.config, staging)
         ns.publisher.publish(Transformer(ns.config.model, rngs=nnx.Rngs(version if seed is None else seed)), version)
         if not hold:
             deliver(version)

@@ -2,7 +2,7 @@
 
 These tests are about the loop's logic, so the engine is a small scripted stand-in with the
 Engine API (start_group / generate / append) that keeps its own copy of every row, and the env
-is an in-process episode; tests/rl/test_actor_learner.py runs the real engine (in-process episodes)
+is an in-process episode; tests/rl/test_grpo_actors.py runs the real engine (in-process episodes)
 and tests/test_quickstart.py real sandboxes.
 """
 import dataclasses

@@ -54,17 +54,17 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
         stage_dir = str(tmp_path / name)
         run = grpo_stage.GrpoRun(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=episode,
                                  model_fn=model_fn_of(cfg, weights))
-        take, seen = run.driver.take, []
+        take, seen = run.deployment.driver.take, []
 
         def watched_take(take=take, seen=seen, run=run):
             seen.append(memory_kinds(run.trainer.opt_state))  # while the actor rolls out
             return take()
 
-        run.driver.take = watched_take
+        run.deployment.driver.take = watched_take
         after_step, released = run.after_step, []
 
         def watched_after_step(trainer, metrics, after_step=after_step, released=released, run=run):
-            engine = run.actors.workers[0].engine  # just after the learner's step
+            engine = run.deployment.host.workers[0].engine  # just after the learner's step
             released.append(engine.pool_store.store is None and all(
                 isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine.weights.state)))
             return after_step(trainer, metrics)

@@ -18,7 +18,7 @@ Why the resumed run can equal the uninterrupted one bit for bit: in sync mode st
 are the tasks of positions [s B, (s+1) B) sampled with the learner's version-s weights; a
 group's sampling key is fold_in(key(seed), task index, attempt), independent of timing and of
 which rows share a decode call; the checkpoint holds the params, the optimizer state, the
-router bias, the step and the epoch's position (`actor_learner.Epoch`), and the reference is
+router bias, the step and the epoch's position (`coder.rl.driver.Epoch`), and the reference is
 rebuilt from its recorded source and checked (coder.rl.learner). One more condition: the
 engine's behaviour logprobs (which enter the loss through the ratio) depend in their last bits
 on which rows share a decode call (the batch's shapes; the MoE's dense or sorted dispatch,

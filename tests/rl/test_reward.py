@@ -12,12 +12,6 @@ from configs import base
 CFG = base.get_config().rl.length_penalty  # max_penalty 0.2, scales 64 / 2048
 
 
-def test_outcome_and_broken_calls():
-    assert R.outcome(1.0, 0) == (1.0, True)
-    assert R.outcome(0.5, 0) == (0.5, False)
-    assert R.outcome(1.0, 1) == (0.0, False)  # passes the tests, but a broken call: negative example
-
-
 def test_length_cost_is_the_weighted_mix():
     usage = {"thinking_tokens": 10, "tool_io_tokens": 40, "output_tokens": 5, "tool_calls": 2, "turns": 3}
     # 1*10 + 0.25*40 + 1*5 + 8*2 + 16*3

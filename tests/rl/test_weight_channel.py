@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from coder.rl import actor as actor_lib
-from coder.rl import actor_learner, weight_channel, weight_sync
+from coder.rl import actor_worker, weight_channel, weight_sync
 
 
 def served_dtypes(engine) -> set:
@@ -27,7 +27,7 @@ def test_a_one_process_actor_takes_every_version_in_the_serving_dtype(weight_pat
     wp.publish(0)
     _, stored = weight_sync.load(wp.url)
     assert {x.dtype for x in stored.values() if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype("bfloat16")}
-    worker = actor_learner.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh)
+    worker = actor_worker.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh)
     try:
         assert wp.decode(worker.engine) == [0, 0]
         assert served_dtypes(worker.engine) == {jnp.dtype("bfloat16")}
@@ -72,7 +72,7 @@ def _run_group_error(worker, min_version: int, wait_s: float = 60.0) -> BaseExce
 
     def run():
         try:
-            worker.run_group(actor_learner.Work(0, rl_toy.make_tasks(1, 0)[0][0], min_version=min_version))
+            worker.run_group(actor_worker.Work(0, rl_toy.make_tasks(1, 0)[0][0], min_version=min_version))
         except BaseException as e:  # noqa: BLE001 - the test reads it
             out["error"] = e
 
@@ -91,7 +91,7 @@ def test_an_actor_that_cannot_read_the_store_stops_the_run_naming_the_store_vers
     used to log and retry forever, and run_group to wait without a deadline)."""
     wp = weight_path
     wp.publish(0)
-    worker = actor_learner.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh, timeout_s=2.0)
+    worker = actor_worker.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh, timeout_s=2.0)
     try:
         if damage == "corrupt leaf":
             version = 1
@@ -121,7 +121,7 @@ def test_an_actor_waiting_for_a_version_the_store_never_gets_stops_the_run(weigh
     wp = weight_path
     wp.config.rl.weight_timeout_s = 1.0
     wp.publish(0)
-    worker = actor_learner.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh)
+    worker = actor_worker.ActorWorker(wp.config, wp.tok, None, None, wp.url, mesh=wp.mesh)
     try:
         err = _run_group_error(worker, 1)
         assert isinstance(err, TimeoutError), err

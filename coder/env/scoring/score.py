@@ -112,6 +112,18 @@ def _all_pass(f2p_passed: int, f2p_total: int, p2p_passed: int, p2p_total: int) 
     return float(f2p_passed == f2p_total and p2p_passed == p2p_total)
 
 
+def outcome(test_reward: float, broken_calls: int) -> tuple[float, bool]:
+    """The broken-call rule, in the one place the house keeps it (docs/contracts.md, "Tool
+    calls"): (outcome in [0, 1], correct) from the tests' score and the rollout's broken tool
+    calls. A broken call makes the rollout a failure whatever the tests say: outcome 0, not
+    correct. Both the env's text interface (coder.env.episode.Episode.score) and the RL agent's
+    rollouts (coder.rl.agent) apply it."""
+    if broken_calls > 0:
+        return 0.0, False
+    r = min(max(float(test_reward), 0.0), 1.0)
+    return r, r >= 1.0
+
+
 # mode -> reward(f2p_passed, f2p_total, p2p_passed, p2p_total); see the module docstring.
 REWARD_MODES = {"fraction": _fraction, "all": _all_pass, "resolved": _all_pass}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coder.env.scoring.score import parse_junit, pytest_args, score, score_solution
+from coder.env.scoring.score import outcome, parse_junit, pytest_args, score, score_solution
 from coder.env.runtime.sandbox import Sandbox
 from coder.env.tasks import Task
 
@@ -175,3 +175,11 @@ def test_parse_junit_counts_only_hidden_files():
     passed, bad, total, not_passed = parse_junit(xml, ["test_a.py"])
     assert (passed, bad, total) == (1, 1, 3)
     assert not_passed == ["test_a.py::T::test_2", "test_a.py::test_3"]
+
+
+def test_a_broken_call_fails_the_rollout_whatever_the_tests_say():
+    """The broken-call rule, kept once (the env's text interface and the RL agent apply it)."""
+    assert outcome(1.0, 0) == (1.0, True)
+    assert outcome(0.5, 0) == (0.5, False)
+    assert outcome(1.5, 0) == (1.0, True)  # clipped to [0, 1]
+    assert outcome(1.0, 1) == (0.0, False)  # passes the tests, but a broken call: negative example

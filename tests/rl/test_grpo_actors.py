@@ -1,4 +1,5 @@
-"""The actor-learner system of stage grpo (coder/rl/actor_learner.py) end to end: in-flight weight
+"""Stage grpo's actors and learner end to end, in-process and on Ray (coder/rl/topology.py, its
+actors coder/rl/actor_worker.py, coder/rl/actor_hosts.py, coder/rl/driver.py): in-flight weight
 updates, the staleness mask, learning in async and sync mode, a killed actor.
 
 The runs use tests/rl_toy.py's in-process toy task ("submit the lucky number", one
@@ -19,7 +20,7 @@ from flax import nnx
 
 from coder.model import Transformer
 from coder.rl import actor as actor_lib
-from coder.rl import actor_learner
+from coder.rl import topology
 from coder.rl import weight_sync
 from coder.stages import grpo as grpo_stage
 from tests import rl_toy as rl_test
@@ -107,7 +108,7 @@ def test_in_flight_update_mixes_versions_and_stale_tokens_carry_no_loss(tmp_path
     cfg = config(tok, stage_len + 64, rl__group_size=4, rl__tasks_per_step=1, rl__engine_slots=8,
                  grpo__async=True, grpo__max_staleness=1, train__steps=4)  # room for a second turn
     stage_dir = str(tmp_path / "grpo")
-    url = actor_learner.store_url(cfg, stage_dir)
+    url = topology.store_url(cfg, stage_dir)
     tasks = [t for t, _ in rl_test.make_tasks(5, seed=0)]
     held = tasks[1].id
 
@@ -130,91 +131,6 @@ def test_in_flight_update_mixes_versions_and_stale_tokens_carry_no_loss(tmp_path
     assert weight_sync.latest_version(url) == 4
     with open(os.path.join(stage_dir, "checkpoints", "4", "data", "process_0-of-1.json")) as f:
         assert json.load(f) == {"format": 1, "below": 4, "extra": []}  # tasks 0-3 used: the epoch's position
-
-
-def test_staleness_histogram_counts_policy_tokens_by_age():
-    """Learner at version 5, grpo.max_staleness 2: policy tokens of versions 5, 4, 4, 1 fall in
-    bins 0, 1, 1 and over; prompt / tool tokens (policy False, version -1) are not counted."""
-    from coder.rl.trajectory import ContextWindow
-
-    g = ContextWindow(tokens=list(range(6)), policy=[False, True, True, True, False, True],
-                   policy_version=[-1, 5, 4, 4, -1, 1])
-    rollout = type("R", (), {"generations": [g]})()
-    h = actor_learner.staleness_histogram([[rollout]], version=5, bins=2)
-    assert h == {"staleness_hist_0": 0.25, "staleness_hist_1": 0.5, "staleness_hist_2": 0.0,
-                 "staleness_hist_over": 0.25}
-
-
-def test_a_local_ray_has_cpus_for_every_env_pool_of_the_run(monkeypatch):
-    """The CPUs a local Ray is started with: the actors' processes, the driver, and with Ray env
-    workers each actor's pool and the learner's agent-eval pool (the 4-process GRPO test's eval
-    pool waited for a CPU that never came when the eval pool was left out)."""
-    from configs import base
-
-    monkeypatch.setattr(actor_learner.os, "cpu_count", lambda: 1)
-    cfg = base.get_config()
-    cfg.rl.update(dict(env_workers=2, group_size=4, tasks_per_step=2))
-    cfg.env.workers_backend = "local"
-    assert actor_learner.local_ray_cpus(cfg, 1, 2) == 2 + 1
-    cfg.env.workers_backend = "ray"
-    assert actor_learner.local_ray_cpus(cfg, 1, 2) == 2 + 1 + 2 + 2
-    assert actor_learner.local_ray_cpus(cfg, 0, 1) == 0 + 1 + 2 + 2  # the actor in the learner's process
-    cfg.env.ray_num_cpus_per_worker = 0.5
-    cfg.rl.env_workers = 0  # one per rollout of the actor's groups (2 x 4), the eval's up to 16
-    assert actor_learner.local_ray_cpus(cfg, 3, 1) == 3 + 1 + (3 * 8 + 16) // 2
-
-
-class SilentActors:
-    """LocalActors' interface over an actor that never finishes a group."""
-
-    def __len__(self):
-        return 1
-
-    def submit(self, i, work):
-        return object()
-
-    def wait(self, tokens, timeout):
-        time.sleep(timeout)
-        return []
-
-    def notify(self, version):
-        pass
-
-    def close(self):
-        pass
-
-
-def test_a_step_that_waits_for_its_groups_says_where_they_are(monkeypatch, caplog):
-    """A learner step whose groups do not come (an actor stuck, a group that never starts) logs,
-    every WAIT_NOTE_S, what it waits for, instead of waiting without a word."""
-    import logging
-    import threading
-
-    from configs import base
-
-    cfg = base.get_config()
-    cfg.rl.update(dict(group_size=2, engine_slots=2))
-    monkeypatch.setattr(actor_learner, "WAIT_NOTE_S", 0.2)
-    order = [(i, f"task{i}") for i in range(4)]
-    driver = actor_learner.Driver(cfg, SilentActors(), order, actor_learner.Epoch(), needed=2, local=2, version=0)
-    caplog.set_level(logging.WARNING)
-    errors = []
-
-    def take():
-        try:
-            driver.take()
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    learner = threading.Thread(target=take, daemon=True)  # waits until closed: the groups never come
-    learner.start()
-    time.sleep(2.0)
-    notes = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
-    driver.close()
-    learner.join(timeout=5)
-    assert errors == ["[grpo] the driver closed while the learner waited for groups"]
-    assert notes and notes[0].startswith("[grpo] step 1 has waited"), notes
-    assert "0 of 2 finished, 1 on actors (states ['up']), 3 tasks not handed out" in notes[0], notes
 
 
 def run_toy(tmp_path, toy, kind=rl_test.SUBMIT_TOY, seed=0, **overrides) -> list[dict]:
