@@ -34,8 +34,11 @@ from flax import nnx
 from coder.env import pool as pool_lib
 from coder.env import tasks as tasks_lib
 from coder.env.episode import Episode
+from coder.env.pool import EpisodePool, PooledEpisode
 from coder.env.tools.memory import Memory, repository_key
 from coder.infer import embedding, programs
+from coder.infer.engine import Engine, SamplingParams
+from coder.infer.scheduler import BATCH_BUCKETS, bucket, default_len_buckets
 from coder.model import Transformer, sharding
 from coder.rl import agent as agent_lib
 from coder.rl import grpo
@@ -171,11 +174,10 @@ class EpisodeFactory:
         on the nodes `env.ray_resource` selects, `env.ray_num_cpus_per_worker` CPUs each). Every
         caller that runs a config's episodes in workers builds them here."""
         if self.backend == "ray":
-            from coder.env.ray_pool import RayEpisodePool
+            from coder.env.ray_pool import RayEpisodePool  # heavy: ray (env.workers_backend "ray" only)
 
             return RayEpisodePool(n_workers, timeout_s=self.harness_timeout_s, share_verdicts=self.share_verdicts,
                                   **self.ray, **self.kwargs)
-        from coder.env.pool import EpisodePool
 
         return EpisodePool(n_workers, timeout_s=self.harness_timeout_s, share_verdicts=self.share_verdicts,
                            **self.kwargs)
@@ -200,8 +202,6 @@ def episode_factory(config, memory_dir: str | None = None, eval_ids=(),
 
 # --- engine ------------------------------------------------------------------------------------
 def sampling_params(rl_cfg):
-    from coder.infer.engine import SamplingParams
-
     def make(max_new_tokens, stop_ids):
         return SamplingParams(temperature=float(rl_cfg.temperature), top_p=float(rl_cfg.top_p),
                               top_k=int(rl_cfg.top_k), max_new_tokens=int(max_new_tokens),
@@ -299,7 +299,6 @@ def make_engine(model, config, *, mesh=None, prefix_cache: int | None = None):
     from the store or the learner, in that dtype); `engine_slots(config)` slots, and
     `prefix_cache` cached prefixes at most (default `prefix_cache_slots(config)`). Refuses (ValueError, before
     anything is placed) an engine that `check_engine_memory` finds too large for its devices."""
-    from coder.infer.engine import Engine
 
     rl = config.rl
     mesh = engine_mesh(config) if mesh is None else mesh
@@ -339,7 +338,6 @@ class EngineMemory:
 
     def pool_slots(self, rows: int) -> int:
         """The slots the engine's pool holds for `rows` rows (its batch bucket, scheduler.BATCH_BUCKETS)."""
-        from coder.infer.scheduler import BATCH_BUCKETS, bucket
 
         return bucket(BATCH_BUCKETS, max(int(rows), 1))
 
@@ -360,7 +358,6 @@ def engine_memory(config, mesh_shape: dict) -> EngineMemory:
     `engine_mesh_shape(config, n_devices)`), from the config alone: the model is built abstractly
     (nnx.eval_shape), nothing is allocated. The serving dtype is `serving_dtype(config)`: the dtype
     of the engine's weights (whichever way they reach it) and of its KV cache."""
-    from coder.infer.scheduler import bucket, default_len_buckets
 
     rules, dtype = engine_rules(config), serving_dtype(config)
     sizes = {axis: int(n) for axis, n in mesh_shape.items()}
@@ -528,7 +525,6 @@ class Actor:
 
     def _episode_maker(self, n_rollouts: int):
         """`task -> episode` for the concurrent mode: pooled when the factory allows it."""
-        from coder.env.pool import PooledEpisode
 
         if not isinstance(self.make_episode, EpisodeFactory):
             return self.make_episode

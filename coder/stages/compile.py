@@ -49,13 +49,29 @@ report.md is rendered from the report by coder.stages.compile_report.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+import sys
+import time
+import traceback
 from typing import Any, NamedTuple
 
 import fsspec
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from coder.infer.engine import Engine
+from coder.model import Transformer, count_params, expert_dispatch, sharding
+from coder.rl import grpo
+from coder.rl.actor import engine_mesh, engine_rules, serving_dtype
+from coder.rl.learner import check_shared_prefix
+from coder.stages import check_batch
 from coder.stages.compile_report import _count, _gib, to_markdown
+from coder.train import metrics
+from coder.train.aot import gpu_stats, hardware
 from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report's building blocks)
     collective_stats,
     group_size,
@@ -64,6 +80,12 @@ from coder.train.aot.hlo_stats import (  # noqa: F401  (re-exported: the report'
     parse_hlo,
     traffic_by_source,
 )
+from coder.train.balancing import router_balancing
+from coder.train.distill import MTP_PARAMS, distill_loss_fn
+from coder.train.losses import lm_loss_fn
+from coder.train.optim import lr_schedule, make_optimizer
+from coder.train.state import opt_state_shardings, split_shardings
+from coder.train.trainer import StepOptions, batch_spec, make_train_step, offloaded_optimizer
 
 # ============================================================================= report
 
@@ -73,7 +95,6 @@ def bytes_per_chip(tree) -> float:
     The largest shard is what the busiest device holds (shards are equal unless a dimension
     does not divide the mesh, in which case XLA pads it).
     """
-    import jax
 
     total = 0.0
     for leaf in jax.tree.leaves(tree):
@@ -111,7 +132,6 @@ def memory_report(mem, hbm_bytes: int, *, params: float, optimizer: float,
 def model_flops_per_step(model_cfg, batch: int, seq: int) -> float:
     """Model FLOPs of one training step: batch x seq tokens x 6 N + 3 A per token
     (coder.train.metrics.model_flops_per_token, the definition the training log's MFU uses)."""
-    from coder.train import metrics
 
     return batch * seq * metrics.model_flops_per_token(model_cfg, seq)
 
@@ -119,7 +139,6 @@ def model_flops_per_step(model_cfg, batch: int, seq: int) -> float:
 def gmm_scale(config, mesh, b: int, t: int) -> float:
     """The fraction of the TPU grouped matmuls' rows a balanced routing fills when the MoE layers
     see `[b, t]` tokens (coder.model.expert_dispatch.grouped_rows_fraction); 1 without routed experts."""
-    from coder.model import expert_dispatch
 
     if not int(config.model.n_routed_experts):
         return 1.0
@@ -132,7 +151,6 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
 
     gmm_scale: the fraction of the grouped matmul kernels' rows the routing fills
     (`grouped_rows_fraction`; coder.train.aot.hlo_stats.kernel_costs)."""
-    from coder.train.aot import hardware
 
     text = compiled.as_text()
     module = parse_hlo(text)
@@ -168,7 +186,6 @@ def analyse_gpu(compiled, module, topo, *, params: float, optimizer: float, batc
     at InfiniBand (gpu_stats.collective_stats), the fit against the memory JAX's allocator
     preallocates (the chip's pool_bytes, 75% of HBM), not the whole HBM. Where the chip has
     measured rates (hardware.MEASURED) `roofline_measured` is the roofline at them."""
-    from coder.train.aot import gpu_stats, hardware
 
     runs, unknown = multiplicities(module)
     chip = topo.chip
@@ -210,8 +227,6 @@ def write_report(report: dict, out_dir: str) -> str:
 # ============================================================================= the training step
 
 def _with_shardings(tree, shardings):
-    import jax
-
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         tree, shardings)
 
@@ -231,11 +246,7 @@ def abstract_state(config, mesh, trainable=None) -> AbstractState:
     """The model of `config.model` split and sharded by `config.mesh.rules` over `mesh`, abstract;
     `params` are the `trainable` parameters (default every nnx.Param; the mtp stage's
     coder.train.distill.MTP_PARAMS), `rest` everything else, as the trainer splits them."""
-    from flax import nnx
 
-    from coder.model import Transformer, sharding
-    from coder.train.state import split_shardings
-    from coder.train.trainer import StepOptions
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(int(config.seed))))
@@ -251,11 +262,7 @@ def _rows(mesh, rules, shape: tuple, dtype, name: str = ""):
     """An abstract batch leaf `name` placed as the trainer's device_batch places it: its rows
     over the "batch" mesh axes (coder.train.trainer.batch_spec: axis 1 of the expert ids, and
     their tokens over the "seq" axes too)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from coder.model import sharding
-    from coder.train.trainer import batch_spec
 
     spec = batch_spec(name, shape, sharding.mesh_axes_of("batch", rules), sharding.mesh_axes_of("seq", rules),
                       lambda a: math.prod(mesh.shape[n] for n in a))
@@ -271,16 +278,7 @@ def _lower_step(config, mesh, state: AbstractState, loss_fn, batch: dict, traina
     Returns (lowered, sizes): per-chip bytes of params (+ non-trained variables), optimizer
     state (0 when offloaded) and batch.
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from coder.model import sharding
-    from coder.train.balancing import router_balancing
-    from coder.train.optim import lr_schedule, make_optimizer
-    from coder.train.state import opt_state_shardings
-    from coder.train.trainer import StepOptions, make_train_step, offloaded_optimizer
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     params, rest, p_sh, r_sh = state.params, state.rest, state.p_sh, state.r_sh
@@ -315,9 +313,7 @@ def lower_train_step(config, mesh, *, loss_fn=None, trainable=None):
     `trainable` (`lower_mtp_step`). batch: tokens, positions, segment_ids int32, loss_mask
     float32 `[data.batch_size, data.seq_len]`; sizes as `_lower_step`.
     """
-    import jax.numpy as jnp
 
-    from coder.train.losses import lm_loss_fn
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     b, t = int(config.data.batch_size), int(config.data.seq_len)
@@ -332,7 +328,6 @@ def lower_mtp_step(config, mesh):
     """Lower the mtp stage's step (coder.stages.mtp: the trunk frozen, only the MTP modules
     trained, on coder.train.distill's loss) over `mesh`; returns (lowered, sizes) as
     `lower_train_step`: the optimizer state covers the MTP modules alone."""
-    from coder.train.distill import MTP_PARAMS, distill_loss_fn
 
     return lower_train_step(config, mesh, loss_fn=distill_loss_fn(float(config.mtp.ce_weight)),
                             trainable=MTP_PARAMS)
@@ -342,7 +337,6 @@ def mtp_model_flops(model_cfg, batch: int, seq: int) -> float:
     """Model FLOPs of one mtp-stage step: the frozen trunk's forward (2 N + A per token, no
     MTP modules) plus the MTP modules trained (6 N + 3 A of the trunk-and-modules count minus
     the trunk's), batch x seq tokens (coder.train.metrics.model_flops_per_token)."""
-    from coder.train import metrics
 
     trunk_fwd = metrics.model_flops_per_token(model_cfg, seq, training=False, mtp_modules=0)
     full = metrics.model_flops_per_token(model_cfg, seq)
@@ -367,11 +361,7 @@ def grpo_shape(config) -> tuple[int, int]:
 def routing_shape(state: AbstractState, mesh, rules, b: int, t: int) -> tuple[int, int]:
     """(moe_layers, top_k) of aux["expert_ids"] `[moe_layers, B, T, top_k]` of the model's
     forward (traced abstractly: the model's own count, dense-first layers and stacking included)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from coder.model import sharding
 
     tok = _rows(mesh, rules, (b, t), jnp.int32)
 
@@ -396,7 +386,6 @@ def lower_grpo_step(config, mesh):
     reference logprobs are an input: the learner computes them with a separate forward.
     setup: rows, seq_len, grad_accum, moe_layers, top_k, router_replay, max_staleness.
     """
-    import jax.numpy as jnp
 
     rules = tuple(tuple(r) for r in config.mesh.rules)
     state = abstract_state(config, mesh)
@@ -405,7 +394,6 @@ def lower_grpo_step(config, mesh):
         ("tokens", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32),
         ("loss_mask", jnp.float32), ("behaviour_logp", jnp.float32), ("ref_logp", jnp.float32),
         ("staleness", jnp.int32)) if k != "ref_logp" or float(config.grpo.kl_coef) > 0}
-    from coder.rl.learner import check_shared_prefix
 
     shared = check_shared_prefix(config)  # rows packed with a group's prompt once: per-token advantages
     batch["advantages"] = _rows(mesh, rules, (b, t) if shared else (b,), jnp.float32)
@@ -414,7 +402,6 @@ def lower_grpo_step(config, mesh):
     layers, k = routing_shape(state, mesh, rules, b, t)
     if layers:
         batch["expert_ids"] = _rows(mesh, rules, (layers, b, t, k), jnp.int32, "expert_ids")
-    from coder.rl import grpo
 
     lowered, sizes = _lower_step(config, mesh, state, grpo.loss_fn_from_config(config), batch)
     setup = dict(rows=b, seq_len=t, tokens_per_step=b * t, grad_accum=int(config.train.grad_accum),
@@ -427,7 +414,6 @@ def grpo_model_flops(model_cfg, rows: int, seq: int, mtp_modules: int = 0) -> fl
     """Model FLOPs of one GRPO step: rows x seq tokens x (6 N + 3 A) of the trunk and
     `mtp_modules` MTP modules (coder.train.metrics.model_flops_per_token): the policy loss runs
     the trunk alone; the MTP refresh (grpo.mtp_weight > 0) adds every MTP module."""
-    from coder.train import metrics
 
     return rows * seq * metrics.model_flops_per_token(model_cfg, seq, mtp_modules=mtp_modules)
 
@@ -448,11 +434,7 @@ def compile_grpo(config, mesh, topo, hlo_dir: str = "") -> dict:
     """Compile and analyse the GRPO learner's step (`lower_grpo_step`) like the training step;
     a failure is recorded, not raised. Model FLOPs: `grpo_model_flops`. `hlo_dir`: where the
     compiled HLO goes (grpo_step.hlo.txt; "" = not saved)."""
-    import logging
-    import time
-    import traceback
 
-    from coder.train.aot import hardware
 
     t0 = time.perf_counter()
     setup = None
@@ -485,12 +467,7 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
     as training; every store leaf (cache `[rows, slots, ...]`, logits, hidden) splits its rows
     over the batch mesh axes when they divide the rows, else is replicated.
     """
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from coder.infer.engine import Engine
-    from coder.model import Transformer, sharding
-    from coder.rl.actor import engine_rules, serving_dtype
 
     rules = engine_rules(config)
     cc, rl = config.compile, config.rl
@@ -530,7 +507,6 @@ def engine_model_flops(model_cfg, setup: dict) -> dict:
     decode: rows x (speculative_k + 1) tokens, each attending to a full cache of cache_slots
     tokens. The drafts' own MTP passes are not counted.
     """
-    from coder.train import metrics
 
     rows, k = setup["rows"], setup["speculative_k"]
     prefill = metrics.model_flops_per_token(model_cfg, setup["prefill_len"], training=False, mtp_modules=k)
@@ -545,8 +521,6 @@ def engine_target(config, mesh, topo):
     the runtime builds it: the learner's slice (a colocated run, rl.colocated: one engine over the
     learner job's devices), or `compile.engine_topology`'s slice (an RL actor's, rl.actor_processes
     hosts)."""
-    from coder.rl.actor import engine_mesh
-    from coder.train.aot import hardware
 
     if not config.compile.engine_topology:
         return engine_mesh(config, list(mesh.devices.flat)), topo
@@ -592,11 +566,7 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
     the learner's slice), the bytes per host of the on-device reshard of the learner's arrays (no
     store, no host hop).
     """
-    import logging
-    import time
-    import traceback
 
-    from coder.train.aot import hardware
 
     t0 = time.perf_counter()
     try:
@@ -668,7 +638,6 @@ def active_params(model_cfg) -> int:
     """N of a training step (coder.train.metrics.active_matmul_params): the matmul weights one
     token multiplies by, trunk + output head + MTP modules (with their use of the shared head),
     routed experts at top-k / n_routed, without the input embedding (a lookup, not a matmul)."""
-    from coder.train import metrics
 
     return int(round(metrics.active_matmul_params(model_cfg)))
 
@@ -735,21 +704,12 @@ def run(config, stage_dir: str, init_from: str = "") -> str:
     No checkpoint is read or written (the step is compiled from shapes only), so a following
     stage starts from the same `init_from` as this one.
     """
-    from coder.train.aot import hardware
 
     with hardware.without_persistent_cache():
         return _run(config, stage_dir, init_from)
 
 
 def _run(config, stage_dir: str, init_from: str) -> str:
-    import logging
-    import sys
-    import time
-    import traceback
-
-    from coder.model import count_params, sharding
-    from coder.stages import check_batch
-    from coder.train.aot import hardware
 
     topo = hardware.parse_topology(config.compile.topology, int(config.mesh.num_slices))
     out_dir = config.compile.report_dir or stage_dir

@@ -33,6 +33,10 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from coder.data import repo_docs
+from coder.data.pretrain import check_repos, make_pretrain_iterator
+from coder.data.sft import SftDataError, make_sft_iterator
+from coder.env import transcripts
 from coder.model import hf_import, sharding
 from coder.stages import exclude as exclude_lib
 from coder.train import checkpoint as ckpt_lib
@@ -49,7 +53,6 @@ def _train(config, stage_dir: str, init_from: str, make_iterator, long_len: int 
     """The training stages' body. `make_iterator(config, tokenizer, split)` gives the stage's
     batches of "train" (endless) or "heldout" (one pass). long_len > 0: the long-context eval at
     that length is logged with the held-out loss, on the same rows before and after."""
-    from coder.env import transcripts
 
     tok = stage_tokenizer(config, init_from, stage_dir, agent_text=transcripts.tokenizer_agent_text)
     heldout = _heldout_batches(config, lambda: make_iterator(config, tok, "heldout"))
@@ -84,7 +87,6 @@ def _heldout_batches(config, make_heldout) -> list[dict]:
     n = int(config.train.heldout_batches)
     if n <= 0:
         return []
-    from coder.data.sft import SftDataError
 
     try:
         it = make_heldout()
@@ -113,7 +115,6 @@ def long_eval_rows(config, tokenizer, length: int) -> dict | None:
     (eval.long_rows and eval.retrieval_examples 0) or no repository is held out (logged)."""
     if not config.data.repos or max(int(config.eval.long_rows), int(config.eval.retrieval_examples)) <= 0:
         return None
-    from coder.data import repo_docs
 
     urls = repo_docs.split_repositories(repo_docs.repository_dirs(config.data.repos), "heldout",
                                         float(config.data.heldout_fraction))
@@ -140,7 +141,6 @@ def heldout_loss(trainer, batches: list[dict]) -> float:
 
 def _pretrain_iterator(config, tok, split):
     """The stage's pretraining batches; its training split without the held-out tasks' code."""
-    from coder.data.pretrain import make_pretrain_iterator
 
     exclude = exclude_lib.training_exclude(config) if split == "train" else None
     return make_pretrain_iterator(config, tok, split, *sharding.data_shard(config), exclude=exclude)
@@ -194,8 +194,6 @@ def _sft_data(config, stage_dir: str) -> str:
         return config.sft.data
     path = epath.Path(stage_dir) / "transcripts.jsonl"
     if jax.process_index() == 0 and not path.exists():
-        from coder.env import transcripts
-
         path.parent.mkdir(parents=True, exist_ok=True)
         # the agent RL runs: its tools (rl.tools) and system prompt (rl.system_prompt)
         convs = transcripts.toy_transcripts(int(config.sft.toy_tasks), int(config.seed), workers=min(4, os.cpu_count() or 1),
@@ -215,8 +213,6 @@ def check_sft(config) -> None:
     (sft.toy_edit_tool, when they are the data), at start-up."""
     exclude_lib.check(config)
     if not config.sft.data:
-        from coder.env import transcripts
-
         try:
             transcripts.check_edit_tool(config.sft.toy_edit_tool, tuple(config.rl.tools))
         except ValueError as e:
@@ -227,8 +223,6 @@ def _sft_iterator(data):
     """`make_iterator(config, tokenizer, split)` of the conversations `data`; the training split
     without the held-out tasks' code."""
     def make_iterator(cfg, tokenizer, split):
-        from coder.data.sft import make_sft_iterator
-
         exclude = exclude_lib.training_exclude(cfg) if split == "train" else None
         return make_sft_iterator(cfg, tokenizer, data, split, *sharding.data_shard(cfg), exclude=exclude)
 
@@ -243,7 +237,6 @@ def sft(config, stage_dir: str, init_from: str) -> str:
 def check_data(config) -> None:
     """The repository keys (data.repos, data.repo_weight) and the long-context eval's (eval.long_*,
     eval.retrieval_examples: stages longctx and eval run it), at start-up."""
-    from coder.data.pretrain import check_repos
 
     check_repos(config)
     exclude_lib.check(config)
@@ -280,8 +273,6 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
     `long/...` (coder.train.long_eval, at eval.long_len, when data.repos holds a held-out
     repository) and the agent eval's numeric results.
     """
-    from coder.data.pretrain import make_pretrain_iterator
-    from coder.env import transcripts
 
     if not init_from:
         raise ValueError("stage eval needs a checkpoint: set init_from or run it after a training stage")
@@ -329,7 +320,7 @@ def evaluate(config, stage_dir: str, init_from: str) -> str:
         record.update(long_eval.long_context_eval(long_rows, score_rows, int(config.eval.long_buckets),
                                                   int(config.data.batch_size), sharding.data_shard(config)))
     if int(config.eval.agent_tasks) > 0:
-        from coder.rl.eval import run_agent_eval
+        from coder.rl.eval import run_agent_eval  # the RL stack, only where SFT runs its agent eval
 
         agent_config = copy.deepcopy(config)
         agent_config.rl.eval_num_tasks = int(config.eval.agent_tasks)

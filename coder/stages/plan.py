@@ -45,11 +45,20 @@ compile.draft_acceptance per depth; a delta version is DELTA_FRACTION of an anch
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import time
+
+from coder import stages
+from coder.model import count_params, sharding
+from coder.rl.actor import engine_rules, serving_dtype
+from coder.stages import compile as compile_stage
+from coder.train.aot import hardware
 
 # The largest bytes-per-version / full-bf16 ratio docs/rl.md (section 8, bench/weight_sync.py)
 # measured for an XOR delta at an RL learning rate of 1e-6 (1.8-3.7% over the first steps): the
@@ -90,7 +99,6 @@ def _program(name: str, entry: dict) -> dict:
 
 def _compile_step(name: str, lower, config, mesh, topo, model_flops: float, rows_per_micro: int, seq: int) -> dict:
     """Lower + compile + analyse one training-like step; a failure is recorded, not raised."""
-    from coder.stages import compile as compile_stage
 
     t0 = time.perf_counter()
     try:
@@ -127,8 +135,6 @@ def engine_slots(config) -> int:
 def engine_layout(config, learner_mesh, learner_topo):
     """(mesh, topology) of the rollout engine as the runtime builds it, after checking that the
     configured actor slice is the one the run starts: ValueError naming the keys otherwise."""
-    from coder.stages import compile as compile_stage
-    from coder.train.aot import hardware
 
     rl, cc = config.rl, config.compile
     if rl.colocated or int(rl.num_actors) == 0:
@@ -152,7 +158,6 @@ def engine_layout(config, learner_mesh, learner_topo):
 def compile_engine_at(config, mesh, topo, slots: int, programs=("prefill", "decode", "copy")) -> dict:
     """The engine's `programs` compiled at `slots` rows (compile.compile_engine's record; a
     program left out is not compiled)."""
-    from coder.stages import compile as compile_stage
 
     return compile_stage.compile_engine(_engine_config(config, slots), mesh, topo, programs=tuple(programs))
 
@@ -180,8 +185,6 @@ def largest_fitting_slots(config, mesh, topo, first: dict, slots: int, *, max_co
     on a large slice fits tens of thousands of rows, and compiling those shapes is slow).
     Returns {"slots", "fits_at", "does_not_fit_at", "compiles": [(slots, fits, GiB)], ...}.
     """
-    from coder.model import sharding
-    from coder.rl.actor import engine_rules
 
     axes = sharding.mesh_axes_of("batch", engine_rules(config))
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
@@ -250,7 +253,6 @@ def expected_tokens_per_step(k: int, acceptance: float) -> float:
 
 def grpo_plan(config, learner: dict, engine: dict, slots_fit: dict, learner_topo) -> dict:
     """The GRPO stage's throughput balance from its compiled programs (module docstring)."""
-    from coder.model import count_params
 
     rl, g, cc = config.rl, config.grpo, config.compile
     step_s = learner["step_s_serial"]
@@ -288,8 +290,6 @@ def grpo_plan(config, learner: dict, engine: dict, slots_fit: dict, learner_topo
     oldest = math.ceil(latency / step_s) if overlapped else 0
     # weights: each learner host writes the serving bytes its chips own; each actor host reads
     # its chips' slices (compile_engine's record), both at the host's network bandwidth
-    from coder.rl.actor import serving_dtype
-
     serving_bytes = count_params(config.model)["total"] * serving_dtype(config).itemsize
     per_host = min(math.prod(learner_topo.chips_per_host_bounds), learner_topo.num_chips)
     lhosts = max(1, learner_topo.num_chips // per_host)
@@ -335,7 +335,6 @@ def _stage_row(name: str, config, chips: int, programs: list[dict], step_s: floa
 def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_now) -> tuple[dict, dict | None]:
     """Compile stage `name`'s programs on `config` (the stage's own); returns (row, grpo part).
     `run(program, compile_fn)` compiles one program (ProgramStore.run: kept on disk as it ends)."""
-    from coder.stages import compile as compile_stage
 
     chips = topo.num_chips
     b, t, accum = int(config.data.batch_size), int(config.data.seq_len), int(config.train.grad_accum)
@@ -388,17 +387,12 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_n
 
 def run(config) -> dict:
     """Plan `config`'s chain (module docstring); writes {workdir}/plan/plan.{json,md}, returns the plan."""
-    from coder.train.aot import hardware
 
     with hardware.without_persistent_cache():
         return _run(config)
 
 
 def _run(config) -> dict:
-    from coder import stages
-    from coder.model import sharding
-    from coder.train.aot import hardware
-
     names = [n for n in stages.stage_names(config) if n not in stages.SERVICES and n != "compile"]
     topo = hardware.parse_topology(config.compile.topology, int(config.mesh.num_slices))
     devices = hardware.topology_devices(topo)
@@ -439,8 +433,6 @@ def _run(config) -> dict:
 
 
 def _plan(config, topo, rows: list, grpo, commit: str, t0: float, *, complete: bool) -> dict:
-    from coder.train.aot import hardware
-
     return dict(
         config=_config_name(), topology=hardware.describe(topo), stages=rows, grpo=grpo,
         total_hours=sum(r["hours"] or 0.0 for r in rows),
@@ -469,7 +461,6 @@ def stage_key(name: str, config, topology: str, commit: str) -> str:
     """What stage `name`'s plan depends on: its config's KEY_SECTIONS (+ STAGE_SECTIONS), the
     target and the code's commit (changes to coder/ or configs/ not committed give no key: such
     a plan is never reused)."""
-    import hashlib
 
     if not commit or _dirty():
         return ""
@@ -528,8 +519,6 @@ class ProgramStore:
 
 
 def _dirty() -> bool:
-    import subprocess
-
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "coder", "configs"],
@@ -545,8 +534,6 @@ def _fmt(x) -> str:
 
 
 def _commit() -> str:
-    import subprocess
-
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
@@ -555,8 +542,6 @@ def _commit() -> str:
 
 
 def _config_name() -> str:
-    import sys
-
     return " ".join(a for a in sys.argv[1:] if a.startswith("--config")) or "(from code)"
 
 

@@ -48,8 +48,16 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from coder.env import transcripts
+from coder.rl import actor as actor_lib
+from coder.rl import eval as eval_lib
+from coder.rl import realtime as realtime_lib
+from coder.rl import weight_channel, weight_sync
+from coder.serve import trajectory_log
 from coder.stages import inherit_model_config
 from coder.stages import serve as serve_stage
+from coder.train.checkpoint import stage_tokenizer
+from coder.train.metrics import MetricsWriter
 
 STATE = "state.json"
 
@@ -66,7 +74,6 @@ def realtime_config(config):
 
 def validate(config) -> None:
     """Stops at start-up on realtime keys that cannot work, naming them."""
-    from coder.rl import realtime as realtime_lib
 
     serve_stage.check(config)
     r = config.realtime
@@ -92,7 +99,6 @@ def check_gate_layout(config, processes: int) -> None:
     devices, given the learner's whole state (`set_weights`): over several processes every host
     would gather the whole learner onto its own devices, so that is refused; on one process the
     engine is checked against its devices' memory (coder.rl.actor.check_engine_memory)."""
-    from coder.rl import actor as actor_lib
 
     n = int(config.rl.eval_num_tasks)
     if n <= 0:
@@ -111,9 +117,6 @@ class Loop:
 
     def __init__(self, config, stage_dir: str, init_from: str, *, tokenizer, model_fn=None, held_out=None,
                  make_episode=None, clock=time.time):
-        from coder.rl import realtime as realtime_lib
-        from coder.rl import weight_channel, weight_sync
-        from coder.train.metrics import MetricsWriter
 
         validate(config)
         self.config, self.stage_dir, self.tok, self.clock = config, stage_dir, tokenizer, clock
@@ -165,9 +168,6 @@ class Loop:
 
     # ------------------------------------------------------------------ the gate's eval
     def _evaluate(self, model, cycle: int, step: int) -> dict:
-        from coder.rl import actor as actor_lib
-        from coder.rl import eval as eval_lib
-
         if self._engine is None:
             self._engine = actor_lib.make_engine(model, self.config)
             self.held_out = actor_lib.eval_tasks(self.config) if self.held_out is None else self.held_out
@@ -191,9 +191,6 @@ class Loop:
 
     def cycle(self) -> dict:
         """One cycle over the window after `state.window_start`; returns its metrics record."""
-        from coder.rl import eval as eval_lib
-        from coder.rl import realtime as realtime_lib
-        from coder.serve import trajectory_log
 
         cfg, st = self.config, self.state
         cycle, v = st["cycle"] + 1, int(st["version"])
@@ -308,8 +305,6 @@ def train(config, stage_dir: str, init_from: str, *, tokenizer, model_fn=None, h
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Stage `realtime`: from `init_from` (else workdir's newest checkpoint, as stage serve)."""
-    from coder.env import transcripts
-    from coder.train.checkpoint import stage_tokenizer
 
     path = serve_stage.served_checkpoint(config, init_from)
     if path != init_from:

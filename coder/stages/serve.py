@@ -34,9 +34,14 @@ import signal
 import jax
 from flax import nnx
 
+from coder.env import transcripts
 from coder.infer import speculative
+from coder.infer.engine import Engine
+from coder.rl.actor import engine_mesh, engine_rules
+from coder.serve.trajectory_log import TrajectoryLog
 from coder.stages import inherit_model_config
 from coder.train import checkpoint as ckpt_lib
+from coder.train.state import build_model, load_into
 
 
 def check(config) -> None:
@@ -105,10 +110,6 @@ def served_checkpoint(config, init_from: str) -> str:
 def build_engine(config, init_from: str = ""):
     """(engine, model, tokenizer, checkpoint path) of the config: the engine on this process's
     devices, or on every process's when the job has several (process 0 leads)."""
-    from coder.env import transcripts
-    from coder.infer.engine import Engine
-    from coder.rl.actor import engine_mesh, engine_rules
-    from coder.train.state import build_model, load_into
 
     check(config)
     path = served_checkpoint(config, init_from)
@@ -147,8 +148,7 @@ def build(config, init_from: str = ""):
 
 def serve_engine(config, engine, model, tok, path: str):
     """The Server over a built engine (leader only)."""
-    from coder.serve.server import Server
-    from coder.serve.trajectory_log import TrajectoryLog
+    from coder.serve.server import Server  # optional: fastapi of the serve extra
 
     s = config.serve
     url = log_store(config)
