@@ -29,6 +29,7 @@ from flax import nnx
 from coder.env.tools.semantic_search import SemanticSpec
 from coder.model import sharding
 from coder.model.config import default_rules
+from coder.model.transformer import count_params
 from coder.train import checkpoint as ckpt_lib
 from coder.train.state import load_model
 
@@ -65,7 +66,6 @@ MAX_HOST_SHARE = 1 / 8
 def check_policy_checkpoint(path: str) -> None:
     """ValueError, before any worker starts, when `path` holds no coder checkpoint (e.g. a Hugging
     Face directory) or its model is too large to embed with in env workers (MAX_HOST_SHARE)."""
-    from coder.model.transformer import count_params
 
     try:
         saved = ckpt_lib.read_config(ckpt_lib.step_dir(path))

@@ -24,6 +24,10 @@ members one by one (a lone new process cannot join the old world): the group's g
 flight come back as ActorLost, and the driver's probe of the group kills what is left of it and
 starts a new group (at most MAX_GROUP_RESTARTS times), which reads the newest version from the
 store.
+
+Imports: nothing that brings jax is imported at this module's top (the coder modules included):
+a member's Ray process loads this module to run `GroupMember`, and its JAX must start only in
+`join`, after jax.distributed.initialize.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Protocol
 
+from coder.data import tokenizer as tokenizer_lib
 from coder.rl.actor_worker import ActorWorker, GroupResult, Work, env_workers
 
 MAX_RESTARTS = 8  # Ray restarts of one actor process
@@ -116,8 +117,6 @@ class RayActors:
 
     def __init__(self, config, n: int, tokenizer, make_episode, model_fn, url: str, slots: int):
         import ray  # heavy: ray (the Ray deployments only)
-
-        from coder.data import tokenizer as tokenizer_lib
 
         address = str(config.rl.ray_address)
         self._started = start_ray(config, n, processes=1)

@@ -27,8 +27,12 @@ import time
 
 import jax
 
+from coder.data import tokenizer as tokenizer_lib
+from coder.env.pool import PooledEpisode
 from coder.rl import actor as actor_lib
 from coder.rl import weight_channel, weight_sync
+from coder.rl.actor import EpisodeFactory
+from coder.rl.weight_channel import StoreUnreadable
 
 POLL_S = 0.5  # an actor polls the store this often when nothing nudges it
 
@@ -109,8 +113,6 @@ class ActorWorker:
                  timeout_s: float | None = None, mesh=None, colocated: bool = False, version: int = -1):
         from flax import nnx
 
-        from coder.data import tokenizer as tokenizer_lib
-
         if isinstance(tokenizer, dict):
             tokenizer = tokenizer_lib.from_record(tokenizer)
         self.index, self.config, self.url = int(index), config, url
@@ -142,8 +144,6 @@ class ActorWorker:
 
     def _episodes(self, make_episode):
         """`task -> episode` for the rollout threads: pooled env workers for an EpisodeFactory."""
-        from coder.env.pool import PooledEpisode
-        from coder.rl.actor import EpisodeFactory
 
         rl = self.config.rl
         if not (isinstance(make_episode, EpisodeFactory) and rl.concurrent):
@@ -153,8 +153,6 @@ class ActorWorker:
 
     # --- weights ---------------------------------------------------------------------------
     def _poll_loop(self):
-        from coder.rl.weight_channel import StoreUnreadable
-
         while not self._closed:
             self._nudge.wait(POLL_S)
             self._nudge.clear()
@@ -216,7 +214,6 @@ class ActorWorker:
         """G rollouts of `work.task`, started once the actor holds version >= work.min_version;
         raises once the store is unreadable or that version has not come within `timeout_s`
         (class docstring)."""
-        from coder.rl.weight_channel import StoreUnreadable
 
         deadline = time.monotonic() + self.timeout_s
         with self._cond:

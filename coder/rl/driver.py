@@ -38,6 +38,7 @@ import numpy as np
 from coder.rl import dispatch
 from coder.rl.actor_hosts import ActorLost
 from coder.rl.actor_worker import Work, capacity
+from coder.rl.dispatch import ActorState
 
 MAX_ATTEMPTS = 3  # a task whose group was lost with its actor this many times is skipped
 WAIT_NOTE_S = 120.0  # a learner step waiting this long for its groups logs where they are
@@ -167,8 +168,6 @@ class Driver:
             self.load[i] += 1
 
     def _probed(self, token) -> None:
-        from coder.rl.dispatch import ActorState
-
         actor = self.probes.pop(token)
         try:
             self.actors.result(token)

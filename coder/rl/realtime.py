@@ -62,6 +62,7 @@ import numpy as np
 from flax import nnx
 
 from coder.rl import grpo
+from coder.train.trainer import Trainer
 
 SIGNALS: dict[str, Callable[[float], float]] = {}
 
@@ -272,8 +273,6 @@ class RealtimeLearner:
     """
 
     def __init__(self, config, stage_dir: str, init_from: str, model_fn=None, tokenizer=None):
-        from coder.train.trainer import Trainer
-
         self.config = config
         g = config.grpo
         self.accum = int(config.train.grad_accum)

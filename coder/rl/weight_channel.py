@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from coder.rl import weight_sync
+from coder.train.flat import flat_to_state, state_to_flat
 
 
 class StoreUnreadable(RuntimeError):
@@ -52,8 +53,6 @@ class ModelPublisher:
         import jax  # heavy: jax (this module loads without it)
         from flax import nnx
         from jax import numpy as jnp
-
-        from coder.train.flat import state_to_flat
 
         t0 = time.perf_counter()
         state = model if isinstance(model, nnx.State) else nnx.state(model)
@@ -114,8 +113,6 @@ def stage_on_device(model, version: int) -> None:
     stages every version (the load runs on all of them)."""
     from flax import nnx
 
-    from coder.train.flat import state_to_flat
-
     state = model if isinstance(model, nnx.State) else nnx.state(model)
     _STAGED.clear()
     _STAGED[int(version)] = state_to_flat(state)
@@ -171,8 +168,6 @@ class EngineFollower:
 
     def __init__(self, engine, url: str, template, *, verify: bool = True, timeout_s: float = 600.0):
         from jax import numpy as jnp
-
-        from coder.train.flat import state_to_flat
 
         self.engine, self.url, self.template = engine, url, template
         self.reader = weight_sync.WeightReader(url, verify=verify)
@@ -241,7 +236,6 @@ class EngineFollower:
     def poll(self) -> int | None:
         """Gives the engine the store's newest version when it is new; returns it (else None).
         Raises ValueError when the store holds another model."""
-        from coder.train.flat import flat_to_state
 
         if getattr(self.engine, "processes", 1) > 1:
             version = weight_sync.latest_version(self.url)

@@ -76,6 +76,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coder.env import protocol
 from coder.infer.engine import SamplingParams
 from coder.rl import realtime
+from coder.rl.weight_channel import EngineFollower
 from coder.serve.derived_signals import DerivedSignals
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -720,7 +721,6 @@ class Server:
     def follow(self, url: str, template, poll_seconds: float = 10.0):
         """Follow the weight store at `url` (a thread: coder.rl.weight_channel.EngineFollower);
         `template` is the model's nnx.State."""
-        from coder.rl.weight_channel import EngineFollower
 
         self.follower = EngineFollower(self.engine, url, template)
         self.follower.start(poll_seconds)

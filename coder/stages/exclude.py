@@ -10,6 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
+from coder.data.decontaminate import NgramIndex
+from coder.env import heldout
+from coder.rl.actor import heldout_tasks
+
 _BUILT: dict = {}
 
 
@@ -32,10 +36,6 @@ def training_exclude(config):
     """The decontaminate.NgramIndex of the held-out tasks' code, or None when there is none."""
     key = _key(config)
     if key not in _BUILT:
-        from coder.data.decontaminate import NgramIndex
-        from coder.env import heldout
-        from coder.rl.actor import heldout_tasks
-
         t0 = time.time()
         tasks = heldout_tasks(config)
         index = NgramIndex.from_texts(heldout.code_texts(tasks), int(config.data.exclude_ngram),

@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from coder.data.pretrain import make_pretrain_iterator
+from coder.env import transcripts
 from coder.model import sharding
 from coder.stages import exclude as exclude_lib
 from coder.train.checkpoint import stage_tokenizer
@@ -63,8 +65,6 @@ def heldout_metrics(trainer, iterator, batches: int) -> dict:
 
 def run(config, stage_dir: str, init_from: str) -> str:
     """Self-distil the MTP modules of the `init_from` model; returns the checkpoint directory."""
-    from coder.data.pretrain import make_pretrain_iterator
-    from coder.env import transcripts
 
     if not init_from:
         raise ValueError("stage mtp distils a trained model: set init_from or run it after pretrain in stages")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
+from coder.model import Transformer
 
 # ============================================================================ model FLOPs
 # The one definition of model FLOPs (the training log's MFU, stage `compile`'s report for the
@@ -71,8 +72,6 @@ def matmul_params(model_cfg, params=None) -> dict:
     from flax import nnx
 
     if params is None:
-        from coder.model import Transformer
-
         abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
         params = nnx.state(abstract, nnx.Param)
     top_k = model_cfg.num_experts_per_tok / model_cfg.n_routed_experts

@@ -63,12 +63,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from coder.data.tokenizer import fingerprint, to_record
 from coder.model import sharding
 from coder.train import checkpoint as ckpt_lib
 from coder.train import flat as flat_lib
 from coder.train import hooks as hooks_lib
 from coder.train import metrics as metrics_lib
 from coder.train import state as state_lib
+from coder.train.aot.hardware import CHIPS
 from coder.train.optim import lr_schedule, make_optimizer
 
 # Arrays whose batch axis is not the first one (router replay ids are [layers, B, T, top_k]).
@@ -520,8 +522,6 @@ class Trainer:
         if self.data_iterator is not None and hasattr(self.data_iterator, "get_state"):
             data_state = self.data_iterator.get_state()
         if self.tokenizer is not None and self._tokenizer_record is None:
-            from coder.data.tokenizer import to_record
-
             self._tokenizer_record = to_record(self.tokenizer)
         self.ckpt.save(
             st.step,
@@ -548,8 +548,6 @@ class Trainer:
         except ValueError as e:  # another model config: the message names the variables
             raise ValueError(f"stage {self.stage}: {e}") from None
         if self.tokenizer is not None and restored.tokenizer is not None:
-            from coder.data.tokenizer import fingerprint
-
             mine, saved = fingerprint(self.tokenizer), restored.tokenizer.get("sha256")
             if mine != saved:
                 raise ValueError(
@@ -653,8 +651,6 @@ class Trainer:
         if self._peak_flops is None:
             per_device = float(self.config.train.peak_flops)
             if per_device <= 0:
-                from coder.train.aot.hardware import CHIPS
-
                 kind = jax.devices()[0].device_kind
                 per_device = next((c.peak_bf16_flops for c in CHIPS.values() if c.device_kind == kind), 0.0)
             if per_device > 0:
