@@ -267,7 +267,6 @@ def test_speculative_k_reaches_the_engine_and_needs_trained_mtp_modules(tmp_path
     from coder import stages
     from coder.stages import serve as serve_stage
     from coder.train import checkpoint as ckpt_lib
-    from coder.train import state as state_lib
 
     tok = make_tokenizer()
     tok.save(str(tmp_path / "tok.model"))
@@ -280,9 +279,9 @@ def test_speculative_k_reaches_the_engine_and_needs_trained_mtp_modules(tmp_path
     engine.close()
 
     # a checkpoint without MTP weights (stand-ins for reading one: only the report matters)
-    monkeypatch.setattr(stages, "inherit_model_config", lambda config, path: config)
+    monkeypatch.setattr(serve_stage, "inherit_model_config", lambda config, path: config)
     monkeypatch.setattr(ckpt_lib, "stage_tokenizer", lambda config, path, agent_text=None: tok)
-    monkeypatch.setattr(state_lib, "load_into", lambda model, path, require_all=False: {"fresh_mtp": [0, 1]})
+    monkeypatch.setattr(serve_stage, "load_into", lambda model, path, require_all=False: {"fresh_mtp": [0, 1]})
     with pytest.raises(ValueError, match=r"serve\.speculative_k=1 .*module\(s\) \[0\]"):
         serve_stage.build_engine(c, "/hf/checkpoint")
     serve_stage.check_drafts(c, {"fresh_mtp": [1]}, "/hf/checkpoint")  # module 1 is not drafted with
