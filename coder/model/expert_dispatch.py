@@ -100,7 +100,9 @@ def _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
             xs = jax.lax.all_gather(xs, gather, axis=0, tiled=True)
             i = jax.lax.all_gather(i, gather, axis=0, tiled=True)
             w = jax.lax.all_gather(w, gather, axis=0, tiled=True)
-        first = jax.lax.axis_index(exp_axes) * n_local if exp_axes else 0
+        # experts split over nothing (size-1 axes): the first is a Python 0, so the local FFN knows
+        # every pair is local (expert_ffn.sorted_ffn's gathers, no masks)
+        first = jax.lax.axis_index(exp_axes) * n_local if _size(mesh, exp_axes) > 1 else 0
         n_experts = wg.shape[0] * max(1, _size(mesh, exp_axes))
         y, dropped = local_experts_ffn(xs, i, w, wg, wu, wd, first, capacity_factor, n_experts)
         y = y.astype(jnp.float32)

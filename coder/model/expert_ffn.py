@@ -40,27 +40,93 @@ def dense_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     return jnp.einsum("ned,ne->nd", y, combine).astype(dt)
 
 
-def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
+def grouped_ffn(x, ids, weights, wg, wu, wd, first_expert=0, all_local: bool = False):
     """Dropless SwiGLU experts for the (token, expert) pairs whose expert is local.
 
     x `[N, D]`, ids/weights `[N, k]`, wg/wu `[El, D, F]`, wd `[El, F, D]` hold experts
     first_expert .. first_expert+El-1. Returns `sum_j weights_j * FFN_{ids_j}(x)` over the local
-    pairs, `[N, D]` in x.dtype. Pairs of other experts are sorted past the last group; those
+    pairs, `[N, D]` in x.dtype. all_local: every expert is here (no expert parallelism), so
+    every pair is local. Otherwise pairs of other experts are sorted past the last group; those
     rows are zeroed on the way in and dropped on the way out (the grouped matmul leaves them
-    unspecified). With N * El <= DENSE_FFN_MAX the CPU lowering is
-    `dense_ffn` (decoding); other platforms always take the sorted form.
+    unspecified). With N * El <= DENSE_FFN_MAX the CPU lowering is `dense_ffn` (decoding);
+    other platforms always take the sorted form.
     """
+    sorted_form = functools.partial(sorted_ffn, first_expert=first_expert, all_local=all_local)
     if x.shape[0] * wg.shape[0] <= DENSE_FFN_MAX:
         return sharding.platform_dependent(x, ids, weights, wg, wu, wd, cpu=functools.partial(
-            dense_ffn, first_expert=first_expert), default=functools.partial(
-            sorted_ffn, first_expert=first_expert))
-    return sorted_ffn(x, ids, weights, wg, wu, wd, first_expert)
+            dense_ffn, first_expert=first_expert), default=sorted_form)
+    return sorted_form(x, ids, weights, wg, wu, wd)
 
 
-def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
-    """`grouped_ffn` by sorting the pairs by expert and one grouped matmul per projection."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_rows(x, order, inverse, k: int):
+    """The pairs' rows in sorted order: xs `[N*k, D]`, xs[i] = x[order[i] // k], for x `[N, D]`,
+    order `[N*k]` a permutation of the pairs (token-major: pair p is token p // k's) and inverse
+    its inverse. Its cotangent is a gather as well (each token's k rows summed, found through
+    `inverse`), where JAX's transpose of the gather is a scatter-add of `[N*k, D]` rows."""
+    return x[order // k]
+
+
+def _dispatch_fwd(x, order, inverse, k):
+    return x[order // k], inverse
+
+
+def _dispatch_bwd(k, inverse, dxs):
+    n = inverse.shape[0] // k
+    dx = dxs[inverse].reshape(n, k, -1).astype(jnp.float32).sum(1)
+    return dx.astype(dxs.dtype), None, None
+
+
+dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def combine_rows(ys, weights, order, inverse):
+    """Each token's weighted sum of its pairs' rows: y `[N, D]` float32, y[n] = sum_j
+    weights[n, j] * ys[inverse[n*k + j]], for ys `[N*k, D]` in sorted order, weights `[N, k]`,
+    order / inverse as `dispatch_rows`. A gather and a sum where the scatter-add form
+    (`zeros.at[token].add(ys)`) writes float32 `[N*k, D]` rows, forward and backward."""
+    n, k = weights.shape
+    return jnp.einsum("nkd,nk->nd", ys[inverse].reshape(n, k, -1).astype(jnp.float32), weights)
+
+
+def _combine_fwd(ys, weights, order, inverse):
+    return combine_rows(ys, weights, order, inverse), (ys, weights, order, inverse)
+
+
+def _combine_bwd(res, dy):
+    ys, weights, order, inverse = res
+    n, k = weights.shape
+    dy_rows = dy[order // k]  # [N*k, D]: each pair's token's cotangent, in sorted order
+    dys = (dy_rows * weights.reshape(-1)[order][:, None]).astype(ys.dtype)
+    # each pair's gate cotangent in sorted order (one pass over ys, fused with dys), then its place
+    dweights = jnp.sum(dy_rows * ys.astype(jnp.float32), axis=-1)[inverse].reshape(n, k)
+    return dys, dweights.astype(weights.dtype), None, None
+
+
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
+
+
+def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0, all_local: bool = False):
+    """`grouped_ffn` by sorting the pairs by expert and one grouped matmul per projection.
+    all_local: gathers in and out (`dispatch_rows`, `combine_rows`), no masks; otherwise the
+    pairs of other experts' rows are masked in and out and the sum is a scatter-add."""
     n, k = ids.shape
     n_local = wg.shape[0]
+    dt = x.dtype
+
+    def experts(xs, group_sizes):
+        h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
+            xs, wu.astype(dt), group_sizes, mask_rows=False)
+        return grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [N*k, D]
+
+    if all_local:
+        key = ids.reshape(-1)
+        order = jnp.argsort(key, stable=True)  # [N*k]
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+        group_sizes = jnp.bincount(key, length=n_local).astype(jnp.int32)
+        ys = experts(dispatch_rows(x, order, inverse, k), group_sizes)
+        return combine_rows(ys, weights, order, inverse).astype(dt)
     local = ids.reshape(-1) - first_expert
     is_local = (local >= 0) & (local < n_local)
     key = jnp.where(is_local, local, n_local)
@@ -70,10 +136,7 @@ def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     local_rows = is_local[order][:, None]  # [N*k, 1]: the rows of the local groups come first
     # rows past the local groups: zero, so their (unspecified) cotangent never reaches dx
     xs = jnp.where(local_rows, x[token], 0)  # [N*k, D]
-    dt = x.dtype
-    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
-        xs, wu.astype(dt), group_sizes, mask_rows=False)
-    y = grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [N*k, D]
+    y = experts(xs, group_sizes)
     w = jnp.where(local_rows[:, 0], weights.reshape(-1)[order], 0.0)
     y = jnp.where(local_rows, y.astype(jnp.float32) * w[:, None], 0.0)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(dt)
@@ -123,5 +186,6 @@ def local_experts_ffn(x, ids, weights, wg, wu, wd, first_expert, capacity_factor
     if capacity_factor > 0:
         cap = expert_capacity(ids.size, n_experts, capacity_factor)
         return capacity_ffn(x, ids, weights, wg, wu, wd, cap, first_expert)
-    y = grouped_ffn(x, ids, weights, wg, wu, wd, first_expert)
+    all_local = isinstance(first_expert, int) and first_expert == 0 and wg.shape[0] == n_experts
+    y = grouped_ffn(x, ids, weights, wg, wu, wd, first_expert, all_local)
     return y, jnp.zeros(x.shape[:1], jnp.float32)

@@ -2,12 +2,12 @@
 weight of w `[G, K, N]` (group_sizes `[G]`) -> `[M, N]`; the MoE's experts run through it.
 
 `grouped_matmul` picks the form when the program is lowered for its platform: the Pallas
-megablox kernels on TPU (`megablox_grouped_matmul`, tiles from `gmm_tiling`), a block-padded
-einsum on GPU and CPU (`block_grouped_matmul`; `grouped_matmul` says why not
-`jax.lax.ragged_dot`). megablox's backward is a grouped matmul too (`tgmm` for the weight
-gradient), so forward and backward cost the routed pairs only; XLA:TPU's own ragged_dot
-gradient w.r.t. the expert weights is a dense masked product of every expert with every pair
-(docs/scale/README.md).
+megablox kernels on TPU (`megablox_grouped_matmul`, tiles from `gmm_tiling`), coder's Pallas
+Triton kernels on CUDA GPUs (coder.pallas.grouped_matmul_gpu), a block-padded einsum on CPU
+(`block_grouped_matmul`; `grouped_matmul` says why not `jax.lax.ragged_dot`). Both kernels'
+backward is a grouped matmul too (`tgmm` for the weight gradient), so forward and backward cost
+the routed pairs only; XLA:TPU's own ragged_dot gradient w.r.t. the expert weights is a dense
+masked product of every expert with every pair (docs/scale/README.md).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import functools
 import jax.numpy as jnp
 
 from coder.model import sharding
+from coder.pallas import grouped_matmul_gpu
 
 GMM_BLOCK = 128  # rows per block of the block-padded grouped matmul (CPU: bigger blocks run faster)
 
@@ -109,18 +110,30 @@ def megablox_grouped_matmul(x, w, group_sizes, interpret: bool = False, tiling=N
     return jnp.where(valid, y, 0) if mask_rows else y
 
 
+def gpu_grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
+    """coder.pallas.grouped_matmul_gpu.gmm in x's dtype; with mask_rows, rows past
+    sum(group_sizes) zeroed (the kernel leaves them unwritten)."""
+    y = grouped_matmul_gpu.gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32))
+    if not mask_rows:
+        return y
+    return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None], y, 0)
+
+
 def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
-    """megablox `gmm` on TPU (`megablox_grouped_matmul`), the block-padded form everywhere else.
-    mask_rows=False: rows past sum(group_sizes) of the result are unspecified (megablox's
-    contract with its caller, `megablox_grouped_matmul`); the block form gives zeros there.
+    """megablox `gmm` on TPU (`megablox_grouped_matmul`), coder's Triton kernels on CUDA GPUs
+    (`gpu_grouped_matmul`), the block-padded form elsewhere (CPU). mask_rows=False: rows past
+    sum(group_sizes) of the result are unspecified (the kernels' contract with their caller,
+    `megablox_grouped_matmul`); the block form gives zeros there.
 
     Not `jax.lax.ragged_dot` on GPU: XLA rewrites a ragged dot into a dense product of every row
     with every group (xla/hlo/transforms/expanders/ragged_dot_rewriter.cc) unless the
     experimental cuDNN fusion is switched on (`--xla_gpu_experimental_use_ragged_dot_fusion`),
     G times the routed FLOPs and a [G, M, K] copy of x (64 experts: 64x); on an H100 the ~1B
-    MoE trained at 1.9% MFU that way (docs/accelerator.md). The block form costs the routed
-    rows plus at most one block of padding per group, and has a batching rule (the trainer's
-    per-replica vmap). `bench/accelerator.py`'s part moe times the forms side by side.
+    MoE trained at 1.9% MFU that way (docs/accelerator.md). Nor the block-padded form there:
+    it gathers a copy of the weight for every row block (`[blocks, K, N]`, kept for the
+    backward) and scatters the rows into padded blocks and back, 3 x 34 GB of the ~1B MoE's
+    step on an H100 (docs/scale/moe_1b_h100 before the kernels). `bench/accelerator.py`'s part
+    moe times the forms side by side.
 
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host. A
@@ -129,4 +142,5 @@ def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
     """
     # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
     tpu = functools.partial(megablox_grouped_matmul, mask_rows=mask_rows)
-    return sharding.platform_dependent(x, w, group_sizes, tpu=tpu, default=block_grouped_matmul)
+    cuda = functools.partial(gpu_grouped_matmul, mask_rows=mask_rows)
+    return sharding.platform_dependent(x, w, group_sizes, tpu=tpu, cuda=cuda, default=block_grouped_matmul)

@@ -74,6 +74,35 @@ class MTPModule(nnx.Module):
         self.shared_head_norm = RMSNorm(d, cfg)
 
 
+@jax.custom_vjp
+def head_logits(h, w):
+    """The output head: h `[B,T,D]` x w `[D,V]` (both the model's dtype) -> logits `[B,T,V]` in
+    float32 (f32 accumulation, f32 logits for the loss).
+
+    Its backward multiplies in the model's dtype with float32 accumulation: the logits'
+    cotangent is cast to h's dtype first. JAX's own transpose of a dot with
+    `preferred_element_type=float32` keeps the float32 cotangent and upcasts the bf16 operand,
+    so both backward matmuls ran float32 x float32 (TF32 at best on a GPU; on the ~1B MoE's H100
+    step, 4.4 TFLOP of them) and read the float32 cotangent twice. In float32 models this is the
+    plain VJP."""
+    return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+
+
+def _head_fwd(h, w):
+    return head_logits(h, w), (h, w)
+
+
+def _head_bwd(res, g):
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("btv,dv->btd", g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.einsum("btd,btv->dv", h, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dh, dw
+
+
+head_logits.defvjp(_head_fwd, _head_bwd)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -102,11 +131,9 @@ class Transformer(nnx.Module):
         return constrain(jnp.take(table, tokens, axis=0).astype(self.dtype), HIDDEN)
 
     def _head(self, h):
-        """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32."""
+        """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32 (`head_logits`)."""
         w = weight(self.embed, self.dtype).T if self.lm_head is None else weight(self.lm_head, self.dtype)
-        logits = jnp.einsum("btd,dv->btv", h.astype(self.dtype), w,
-                            preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return constrain(head_logits(h.astype(self.dtype), w), ("batch", "seq", "vocab"))
 
     def _block(self, block, *args):
         if self.remat == "none":

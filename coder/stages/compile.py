@@ -159,7 +159,7 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     if cost is None:  # XLA:GPU compiled without a GPU states no cost: read it off the HLO
         return analyse_gpu(compiled, module, topo, params=params, optimizer=optimizer, batch=batch,
-                           model_flops=model_flops)
+                           model_flops=model_flops, gmm_scale=gmm_scale)
     xla_flops = float(cost.get("flops", 0.0))
     xla_bytes = float(cost.get("bytes accessed", 0.0))
     flops, traffic = loop_corrected_cost(module, xla_flops, xla_bytes, gmm_scale)
@@ -178,10 +178,11 @@ def analyse(compiled, topo, *, params: float, optimizer: float, batch: float,
 
 
 def analyse_gpu(compiled, module, topo, *, params: float, optimizer: float, batch: float,
-                model_flops: float) -> dict:
+                model_flops: float, gmm_scale: float = 1.0) -> dict:
     """`analyse` of a step XLA:GPU compiled for a GPU topology (coder.train.aot.hardware.GpuTopology),
     whose `cost_analysis()` is None: FLOPs and bytes counted off the optimized HLO
-    (coder.train.aot.gpu_stats.step_cost: the matmuls, the flash kernels from their shapes, HBM
+    (coder.train.aot.gpu_stats.step_cost: the matmuls, the flash and grouped matmul kernels from
+    their shapes, the latter at the routed rows' fraction `gmm_scale`, HBM
     traffic per instruction, loop trips), collectives inside a node at NVLink and across nodes
     at InfiniBand (gpu_stats.collective_stats), the fit against the memory JAX's allocator
     preallocates (the chip's pool_bytes, 75% of HBM), not the whole HBM. Where the chip has
@@ -189,14 +190,14 @@ def analyse_gpu(compiled, module, topo, *, params: float, optimizer: float, batc
 
     runs, unknown = multiplicities(module)
     chip = topo.chip
-    cost = gpu_stats.step_cost(module, runs, chip.l2_bytes)
+    cost = gpu_stats.step_cost(module, runs, chip.l2_bytes, gmm_scale)
     colls = gpu_stats.collective_stats(module, runs, topo.num_chips, topo.gpus_per_node)
     mem = memory_report(compiled.memory_analysis(), chip.pool_bytes, params=params, optimizer=optimizer,
                         batch=batch)
     mem.update(device_hbm_bytes=float(chip.hbm_bytes), pool_fraction=chip.pool_fraction)
     out = dict(
         memory=mem,
-        cost=dict(xla_flops=0.0, xla_bytes_accessed=0.0, flops=cost["flops"], gmm_scale=1.0,
+        cost=dict(xla_flops=0.0, xla_bytes_accessed=0.0, flops=cost["flops"], gmm_scale=gmm_scale,
                   bytes_accessed=cost["bytes_accessed"], matmul_flops=cost["matmul_flops"],
                   kernel_flops=cost["kernel_flops"], kernel_bytes=cost["kernel_bytes"],
                   uncounted_kernels=cost["uncounted_kernels"], loops_with_unknown_trip_count=unknown,

@@ -32,6 +32,17 @@ def shifted_targets(tokens, segment_ids, loss_mask, shift: int):
     return targets, weights
 
 
+def aligned_targets(tokens, segment_ids, loss_mask, shift: int):
+    """`shifted_targets` at the length of the row: targets and weights `[B, T]`, position t
+    predicting `tokens[t + shift]`, the last `shift` positions weight 0 (target 0). The loss then
+    reads the logits `[B, T, V]` whole: slicing them to `[B, T - shift, V]` made XLA pad the
+    float32 cotangent back to T, a copy of the whole logits (8.6 GB a step on the ~1B MoE's H100
+    step, both heads)."""
+    targets, weights = shifted_targets(tokens, segment_ids, loss_mask, shift)
+    pad = ((0, 0), (0, shift))
+    return jnp.pad(targets, pad), jnp.pad(weights, pad)
+
+
 def pick_targets(values, targets):
     """`values[..., targets]` along the last (vocabulary) axis. values `[..., V]`, targets
     int32 `[...]` -> `[...]`.
@@ -61,8 +72,8 @@ def cross_entropy_sum(logits, targets, weights):
 
 def next_token_loss(logits, batch):
     """Mean next-token cross-entropy over targets. logits `[B, T, V]`. Returns (mean, count)."""
-    targets, weights = shifted_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], 1)
-    total, count = cross_entropy_sum(logits[:, :-1], targets, weights)
+    targets, weights = aligned_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], 1)
+    total, count = cross_entropy_sum(logits, targets, weights)
     return total / jnp.maximum(count, 1.0), count
 
 
@@ -74,10 +85,8 @@ def mtp_loss(mtp_logits, batch):
     per_depth = []
     for k in range(mtp_logits.shape[0]):
         shift = k + 2
-        targets, weights = shifted_targets(
-            batch["tokens"], batch["segment_ids"], batch["loss_mask"], shift
-        )
-        total, count = cross_entropy_sum(mtp_logits[k][:, :-shift], targets, weights)
+        targets, weights = aligned_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], shift)
+        total, count = cross_entropy_sum(mtp_logits[k], targets, weights)
         per_depth.append(total / jnp.maximum(count, 1.0))
     per_depth = jnp.stack(per_depth)
     return jnp.mean(per_depth), per_depth

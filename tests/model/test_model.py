@@ -165,3 +165,30 @@ def test_next_key_is_the_streams_own_key_sequence():
 
     np.testing.assert_array_equal(jax.random.key_data(draw(a)), jax.random.key_data(b.params()))
     assert int(a.params.count.get_value()) == 4
+
+
+def test_head_backward_multiplies_in_the_models_dtype():
+    """coder.model.transformer.head_logits: float32 logits from bf16 h and w; its backward casts
+    the logits' cotangent to bf16 and multiplies bf16 x bf16 (float32 accumulation), where JAX's
+    own transpose multiplied float32 x float32; the gradients agree with the float32 VJP to bf16
+    rounding, and in float32 it is the plain VJP."""
+    from coder.model.transformer import head_logits
+
+    kh, kw, kg = jax.random.split(jax.random.key(3), 3)
+    h, w = jax.random.normal(kh, (2, 5, 32)), jax.random.normal(kw, (32, 48)) * 0.2
+    g = jax.random.normal(kg, (2, 5, 48))
+    plain = lambda h, w: jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)  # noqa: E731
+    vjp = lambda f, *a: jax.vjp(f, *a)[1](g)  # noqa: E731
+    for got, want in zip(vjp(head_logits, h, w), vjp(plain, h, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert head_logits(hb, wb).dtype == jnp.float32
+    for got, want in zip(vjp(head_logits, hb, wb), vjp(plain, h, w)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05 * float(jnp.abs(want).max()))
+    dots = [e for e in jax.make_jaxpr(lambda h, w: jax.vjp(head_logits, h, w)[1](g))(hb, wb).eqns
+            if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), dots
+    plain_dots = [e for e in jax.make_jaxpr(lambda h, w: jax.vjp(plain, h, w)[1](g))(hb, wb).eqns
+                  if e.primitive.name == "dot_general"]
+    assert any(v.aval.dtype == jnp.float32 for e in plain_dots for v in e.invars)  # what it replaces

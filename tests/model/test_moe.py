@@ -185,6 +185,36 @@ def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
     assert not np.asarray(dropped).any() and "dropped" not in stats0
 
 
+def test_all_local_sorted_ffn_gathers_in_and_out():
+    """Without expert parallelism (every expert local) the pairs reach the experts and return by
+    gathers (dispatch_rows, combine_rows: their cotangents are gathers too), equal to the masked
+    scatter-add form in values and in the gradients of x, the weights and the router gates; the
+    differentiated program holds no scatter-add and no select over the pairs' rows."""
+    from coder.model.expert_ffn import sorted_ffn
+
+    k = jax.random.split(jax.random.key(1), 6)
+    n, d, f, e = 10, 16, 8, 4
+    x = jax.random.normal(k[0], (n, d))
+    ids = jax.random.randint(k[1], (n, 3), 0, e).at[:, 0].set(jnp.arange(n) % 2)  # expert 2 / 3 used less
+    w = jax.random.uniform(k[2], (n, 3))
+    wg, wu = jax.random.normal(k[3], (e, d, f)), jax.random.normal(k[4], (e, d, f))
+    wd = jax.random.normal(k[5], (e, f, d))
+    grads = {}
+    for all_local in (False, True):
+        fn = lambda x, w, wg, wd: jnp.sum(sorted_ffn(x, ids, w, wg, wu, wd, all_local=all_local) ** 2)  # noqa: B023
+        grads[all_local] = jax.value_and_grad(fn, (0, 1, 2, 3))(x, w, wg, wd)
+    for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    def token_scatter_adds(all_local):  # scatter-adds into the tokens' rows [n, d] (the CPU
+        # grouped matmul's own backward and the group sizes' bincount have scatter-adds of their own)
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(
+            sorted_ffn(x, ids, w, wg, wu, wd, all_local=all_local) ** 2), (0, 1)))(x, w))
+        return jaxpr.count(f"f32[{n},{d}] = scatter-add")
+
+    assert token_scatter_adds(True) == 0
+    assert token_scatter_adds(False) == 2  # the combine forward, the gather's transpose
+
+
 def test_dense_ffn_equals_sorted_ffn():
     """The CPU decode form (every local expert on every token) equals the sorted grouped form,
     values and gradients, with pairs routed to experts that are not local (expert parallelism)."""

@@ -79,7 +79,7 @@ def test_sorted_ffn_with_megablox_equals_ragged_dot(monkeypatch):
 
 @pytest.mark.parametrize("k,n", [(256, 128), (16, 8)])  # tiny widths: padded to 128 lanes
 def test_grouped_matmul_lowers_megablox_for_tpu(k, n, monkeypatch):
-    """grouped_matmul picks megablox (a Mosaic custom call) when lowered for TPU, from this CPU
+    """grouped_matmul picks megablox (a Mosaic custom call) when lowered for TPU and the Triton kernels for GPU, from this CPU
     host (as stage compile does), forward and backward, with block shapes Mosaic accepts (it
     checks them while lowering); the CPU program has none, the GPU program no ragged dot."""
     monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered: each lowering below
@@ -92,9 +92,11 @@ def test_grouped_matmul_lowers_megablox_for_tpu(k, n, monkeypatch):
     assert tpu.count("tpu_custom_call") == 3  # gmm forward, gmm for dx, tgmm for dw
     assert "@tgmm" in tpu
     assert "tpu_custom_call" not in step.trace(x, w).lower().as_text()
-    # GPU: the block-padded form, never a ragged dot (XLA would multiply every row by every group)
+    # GPU: coder's Triton kernels (gmm forward, gmm for dx, tgmm for dw), never a ragged dot
+    # (XLA would multiply every row by every group)
     cuda = step.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "ragged_dot" not in cuda and "tpu_custom_call" not in cuda
+    assert "chlo.ragged_dot" not in cuda and "tpu_custom_call" not in cuda
+    assert cuda.count("__gpu$xla.gpu.triton") == 3, cuda.count("__gpu$xla.gpu.triton")
 
 
 # ----------------------------------------------------------------------------- ragged dispatch

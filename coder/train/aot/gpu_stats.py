@@ -14,9 +14,10 @@ coder.train.aot.hlo_stats's walk (loop trip counts, each computation's runs per 
                  (`hlo_stats.instruction_traffic`), times its runs; a fusion's internals stay on
                  chip; a kernel's re-reads beyond one read of each operand are added where they
                  miss the L2 (`flash_cost`);
-  kernels        coder's Pallas-Triton flash attention (coder.pallas.flash_gpu) from its operand
-                 shapes (`flash_cost`); any other Triton / Mosaic-GPU call is listed, uncounted,
-                 under `uncounted_kernels`;
+  kernels        coder's Pallas-Triton flash attention (coder.pallas.flash_gpu) and grouped
+                 matmuls (coder.pallas.grouped_matmul_gpu) from their operand shapes
+                 (`flash_cost`, `gmm_cost`); any other Triton / Mosaic-GPU call is listed,
+                 uncounted, under `uncounted_kernels`;
   collectives    per kind as hlo_stats counts them; one whose replica groups (or permute pairs)
                  hold devices of two nodes (device id // GPUs per node; the mesh takes the
                  devices in id order) is filed under `dcn`, the InfiniBand part of the roofline.
@@ -107,7 +108,41 @@ def flash_cost(kind: str, q: tuple, k: tuple, v: tuple, itemsize: int = 2, tiles
     return flops, max(tiles_n - 1, 0) * frac * b * h * streamed
 
 
-def _kernel_cost(name: str, ins: Instr, shapes: dict[str, str], l2_bytes: float) -> tuple[float, float] | None:
+# coder.pallas.grouped_matmul_gpu's kernels: (operand index of the rows [M, K], of the weight
+# [G, K, N] or cotangent [M, N]) and the rows a program multiplies at once (Tiles' defaults:
+# the forward's row tile, tgmm's row chunk)
+GMM_KERNELS = {"grouped_matmul_gpu": (3, 4), "tgmm_gpu": (2, 3)}
+
+
+def gmm_cost(name: str, x: tuple, other: tuple, groups: int, gmm_scale: float = 1.0) -> tuple[float, float]:
+    """(matmul FLOPs, HBM bytes beyond one read of each operand) of one grouped matmul call.
+
+    x `[M, K]`; other `[G, K, N]` (grouped_matmul_gpu: w) or `[M, N]` (tgmm_gpu: dy). FLOPs:
+    2 x K x N x the rows it multiplies, the routed ones (`gmm_scale` of M: the all-gather or
+    ragged dispatch's buffer holds more rows than pairs) plus half a tile of rows per group (the
+    last tile of a group is multiplied whole, its rows past the group masked). Bytes: none beyond
+    one read: the programs in flight share a row tile and their group's weight (forward) or a
+    group's rows (tgmm), which the L2 serves after the first read (the kernels' grid orders)."""
+    from coder.pallas.grouped_matmul_gpu import Tiles
+
+    t = Tiles()
+    m, k = x
+    n = other[-1]
+    rows_at_once = t.block_m if name == "grouped_matmul_gpu" else t.block_k
+    return 2.0 * k * n * (m * gmm_scale + groups * rows_at_once / 2), 0.0
+
+
+def _kernel_cost(name: str, ins: Instr, shapes: dict[str, str], l2_bytes: float,
+                 gmm_scale: float = 1.0) -> tuple[float, float] | None:
+    if name in GMM_KERNELS:
+        ops = [hlo_stats.arrays(shapes.get(o, "")) for o in ins.operands]
+        ix, io = GMM_KERNELS[name]
+        if len(ops) <= io or not (len(ops[ix]) == 1 and len(ops[io]) == 1):
+            return None
+        other = ops[io][0][1]
+        # the groups: the weight's leading axis, or tgmm's first operand (each group's first row)
+        groups = other[0] if len(other) == 3 else (ops[0][0][1][0] if ops[0] and ops[0][0][1] else 0)
+        return gmm_cost(name, ops[ix][0][1], other, groups, gmm_scale)
     if name not in FLASH_WIDTHS:
         return None
     ops = [hlo_stats.arrays(shapes.get(o, "")) for o in ins.operands[:3]]
@@ -119,9 +154,10 @@ def _kernel_cost(name: str, ins: Instr, shapes: dict[str, str], l2_bytes: float)
 
 # ============================================================================= the step's cost
 
-def step_cost(module: HloModule, runs: dict[str, float], l2_bytes: float = 0.0) -> dict:
+def step_cost(module: HloModule, runs: dict[str, float], l2_bytes: float = 0.0, gmm_scale: float = 1.0) -> dict:
     """FLOPs and HBM bytes of one step (module docstring), from each computation's `runs`, on a
-    GPU of `l2_bytes` of L2 (`flash_cost`):
+    GPU of `l2_bytes` of L2 (`flash_cost`), the grouped matmuls at `gmm_scale` of their rows
+    routed (`gmm_cost`):
 
       matmul_flops, kernel_flops (by kernel name), flops (their sum), bytes_accessed,
       kernel_bytes (the kernels' re-reads, in bytes_accessed), uncounted_kernels (name -> calls
@@ -142,7 +178,7 @@ def step_cost(module: HloModule, runs: dict[str, float], l2_bytes: float = 0.0) 
             name = kernel_name(ins)
             if name is None:
                 continue
-            cost = _kernel_cost(name, ins, shapes, l2_bytes)
+            cost = _kernel_cost(name, ins, shapes, l2_bytes, gmm_scale)
             if cost is None:
                 uncounted[name] += r
                 continue
