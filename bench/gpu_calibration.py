@@ -1,20 +1,27 @@
 """The GPU roofline against the one GPU measurement: the ~1B MoE step compiled for an H100 on a CPU.
 
-    JAX_PLATFORMS=cpu python bench/gpu_calibration.py                # both forms, ~10 min on 2 cores
-    JAX_PLATFORMS=cpu python bench/gpu_calibration.py --forms block
+    JAX_PLATFORMS=cpu python bench/gpu_calibration.py                # the three forms, ~3 min on 2 cores
+    JAX_PLATFORMS=cpu python bench/gpu_calibration.py --forms kernel
 
 bench/accelerator.py's ~1B MoE (configs/moe_1b.py: 12 layers, 64 experts top-6, d 1024, batch
 8 x 2048) trained at 1689 ms a step on one H100 (docs/accelerator.md, run 2, 2026-11-28) while
 coder.model.grouped_matmul's GPU form was `jax.lax.ragged_dot` (commit c08e5a7 replaced it by
-the block-padded form). This compiles that step with stage compile (coder/stages/compile.py,
-docs/scale/configs.py's "moe_1b,h100") for each form of the expert matmul:
+the block-padded form, and commit 93ff0ae by coder/pallas/grouped_matmul_gpu.py's kernels). This
+compiles that step with stage compile (coder/stages/compile.py, docs/scale/configs.py's
+"moe_1b,h100") in each form:
 
-  ragged_dot  the form that ran: `jax.lax.ragged_dot(x, w, group_sizes)` in place of
+  ragged_dot  the program that ran: `jax.lax.ragged_dot(x, w, group_sizes)` in place of
               `grouped_matmul` where the MoE calls it (coder.model.expert_ffn and
-              coder.model.expert_dispatch, swapped for the compile and restored; XLA rewrites a
-              ragged dot into a dense product of every row with every expert);
-  block       the code as it is (the block-padded einsum on GPU).
+              coder.model.expert_dispatch; XLA rewrites a ragged dot into a dense product of
+              every row with every expert), and the rest as it was then (`GLUE_THEN`);
+  block       the block-padded einsum with the same glue (the code from c08e5a7 to 93ff0ae);
+  kernel      the code as it is (the Triton grouped matmul, the pairs gathered in and out, the
+              head's backward in bf16, the losses on the whole logits).
 
+Each swap lasts the compile and is undone. GLUE_THEN is what the step around the expert matmul
+was when the H100 ran it: the MoE's pairs masked in and summed back by a scatter-add
+(expert_ffn.sorted_ffn with all_local=False), the output head differentiated by JAX's own
+transpose (float32 x float32 backward matmuls), the losses on the logits sliced to the targets.
 and prints, per form, the memory against the pool JAX preallocates, the compiled FLOPs and HBM
 bytes, the roofline's serial bound and MFU at the H100's peak rates and at its measured rates
 (coder.train.aot.hardware.MEASURED: the bf16 matmul and the flash kernels; HBM at the data
@@ -48,20 +55,69 @@ def _ragged_dot(x, w, group_sizes, mask_rows: bool = True):
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+def _head_then(h, w):
+    """The output head before 93ff0ae: JAX's transpose of the float32-accumulating dot."""
+    import jax.numpy as jnp
+
+    return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+
+
+def _next_token_loss_then(logits, batch):
+    """coder.train.losses.next_token_loss before 93ff0ae: the logits sliced to the targets."""
+    import jax.numpy as jnp
+
+    from coder.train import losses
+
+    targets, weights = losses.shifted_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], 1)
+    total, count = losses.cross_entropy_sum(logits[:, :-1], targets, weights)
+    return total / jnp.maximum(count, 1.0), count
+
+
+def _mtp_loss_then(mtp_logits, batch):
+    """coder.train.losses.mtp_loss before 93ff0ae (sliced logits)."""
+    import jax.numpy as jnp
+
+    from coder.train import losses
+
+    per_depth = []
+    for k in range(mtp_logits.shape[0]):
+        targets, weights = losses.shifted_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], k + 2)
+        total, count = losses.cross_entropy_sum(mtp_logits[k][:, :-(k + 2)], targets, weights)
+        per_depth.append(total / jnp.maximum(count, 1.0))
+    per_depth = jnp.stack(per_depth)
+    return jnp.mean(per_depth), per_depth
+
+
+FORMS = ("ragged_dot", "block", "kernel")
+
+
 @contextlib.contextmanager
 def expert_form(form: str):
-    """The MoE's grouped matmul as `form` ("block": unchanged) while the step is traced."""
-    from coder.model import expert_dispatch, expert_ffn
+    """The step as `form` (module docstring) while it is traced; "kernel": unchanged."""
+    import functools
 
-    if form == "block":
+    from coder.model import expert_dispatch, expert_ffn, grouped_matmul, transformer
+    from coder.train import losses
+
+    if form not in FORMS:
+        raise ValueError(f"form {form!r}: one of {FORMS}")
+    if form == "kernel":
         yield
         return
-    saved = expert_ffn.grouped_matmul, expert_dispatch.grouped_matmul
-    expert_ffn.grouped_matmul = expert_dispatch.grouped_matmul = _ragged_dot
+    matmul = _ragged_dot if form == "ragged_dot" else grouped_matmul.block_grouped_matmul
+    masked = functools.partial(expert_ffn.sorted_ffn, all_local=False)
+    swaps = [(expert_ffn, "grouped_matmul", matmul), (expert_dispatch, "grouped_matmul", matmul),
+             (expert_ffn, "sorted_ffn", lambda *a, all_local=False, **kw: masked(*a, **kw)),
+             (transformer, "head_logits", _head_then),
+             (losses, "next_token_loss", _next_token_loss_then), (losses, "mtp_loss", _mtp_loss_then)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in swaps]
+    for m, name, new in swaps:
+        setattr(m, name, new)
     try:
         yield
     finally:
-        expert_ffn.grouped_matmul, expert_dispatch.grouped_matmul = saved
+        for m, name, old in saved:
+            setattr(m, name, old)
 
 
 def scale_config(arg: str):
@@ -124,7 +180,7 @@ def print_table(rows: list[dict]):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--forms", default="ragged_dot,block", help="comma-separated: ragged_dot, block")
+    p.add_argument("--forms", default=",".join(FORMS), help="comma-separated: " + ", ".join(FORMS))
     p.add_argument("--out", default="", help="where the reports go (default: a temporary folder)")
     args = p.parse_args(argv)
     from coder.train.aot import hardware

@@ -97,7 +97,9 @@ def _combine_fwd(ys, weights, order, inverse):
 def _combine_bwd(res, dy):
     ys, weights, order, inverse = res
     n, k = weights.shape
-    dy_rows = dy[order // k]  # [N*k, D]: each pair's token's cotangent, in sorted order
+    # [N*k, D]: each pair's token's cotangent in sorted order, gathered in ys' dtype (the rows
+    # it makes are in that dtype: a float32 gather read twice the bytes)
+    dy_rows = dy.astype(ys.dtype)[order // k].astype(jnp.float32)
     dys = (dy_rows * weights.reshape(-1)[order][:, None]).astype(ys.dtype)
     # each pair's gate cotangent in sorted order (one pass over ys, fused with dys), then its place
     dweights = jnp.sum(dy_rows * ys.astype(jnp.float32), axis=-1)[inverse].reshape(n, k)

@@ -20,8 +20,11 @@ materialises the [Tq, S] mask.
 The FlashAttention-2 scheme: the forward walks the key blocks a query block can see (up to its
 largest position) with an online softmax and keeps the log-sum-exp; the backward recomputes the
 probabilities from it, dQ in a kernel over query blocks and dK / dV in one over key blocks, which
-skips a query block whose positions are all before the key block. Widths are padded to powers of
-two for Triton (192 -> 256: zeros change no dot product), sequences must be whole blocks.
+skips a query block whose positions are all before the key block. Triton's tensors are powers
+of two: the query / key width is taken in power-of-two column parts, each dot summed over them
+(`width_parts`: MLA's 192 as 128 + 64, no padding: the padded 256 cost a third more Q K^T
+FLOPs and a padded copy of q and k, forward and backward), else padded to a power of two (zeros
+change no dot product); values are padded. Sequences must be whole blocks.
 Float32 softmax statistics and accumulators; the matmul operands are the inputs' dtype.
 """
 
@@ -42,8 +45,8 @@ NEG_INF = -1e30  # finite: a masked score never makes a NaN
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """The kernels' block lengths (tokens) and Triton launch parameters. The forward holds a
-    [block_q, 256] query tile and two stages of [block_k, 256] key and value tiles in shared
-    memory at MLA's widths (bf16: 160 KiB at 64 x 64, within an H100's 227 KiB)."""
+    [block_q, 192] query tile and two stages of [block_k, 192] key and [block_k, 128] value tiles
+    in shared memory at MLA's widths (bf16: 104 KiB at 64 x 64, within an H100's 227 KiB)."""
 
     block_q: int = 64
     block_k: int = 64
@@ -64,21 +67,45 @@ def reference(q, k, v, q_pos, q_seg, kv_seg, scale: float, q_prefix=None):
     return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v).astype(q.dtype)
 
 
+def width_parts(width: int) -> tuple[tuple[int, int], ...] | None:
+    """The query / key width as column slices (start, size) of powers of two, each at least 16
+    (Triton's tensors are powers of two, its dots at least 16 wide): 192 -> (0, 128), (128, 64);
+    None when a part would be narrower (the width is then padded to a power of two)."""
+    parts, start = [], 0
+    for bit in reversed(range(width.bit_length())):
+        size = 1 << bit
+        if width & size:
+            parts.append((start, size))
+            start += size
+    return tuple(parts) if all(n >= 16 for _, n in parts) else None
+
+
+def _cols(ref, rows, parts):
+    """Row slice `rows` of a [rows, width] ref, loaded as the column parts (a list of tiles)."""
+    return [ref[rows, a:a + n] for a, n in parts]
+
+
+def _scores(qs, ks):
+    """Q K^T summed over the width's column parts ([bq, bk] float32)."""
+    return sum(plgpu.dot(q, k, trans_b=True).astype(jnp.float32) for q, k in zip(qs, ks))
+
+
 def _seen(q_pos, q_seg, q_pre, k_pos, k_seg):
     return (k_pos <= q_pos) & ((k_seg == q_seg) | ((k_seg == q_pre) & (q_pre > 0)))
 
 
 # ----------------------------------------------------------------------------- kernels
-def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, o_ref, lse_ref, *, scale, block_k):
+def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, o_ref, lse_ref, *, scale, block_k,
+                parts):
     """One query block of one (row, head): o_ref [bq, dv], lse_ref [bq]."""
-    q, qpos, qseg, qpre = q_ref[...], qpos_ref[...], qseg_ref[...], qpre_ref[...]
+    q, qpos, qseg, qpre = _cols(q_ref, slice(None), parts), qpos_ref[...], qseg_ref[...], qpre_ref[...]
     n_k = k_ref.shape[0] // block_k
 
     def body(j, carry):
         acc, m, l = carry
         ks = pl.ds(j * block_k, block_k)
-        k, v, kseg = k_ref[ks, :], v_ref[ks, :], kseg_ref[ks]
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [bq, bk]
+        k, v, kseg = _cols(k_ref, ks, parts), v_ref[ks, :], kseg_ref[ks]
+        s = _scores(q, k) * scale  # [bq, bk]
         seen = _seen(qpos[:, None], qseg[:, None], qpre[:, None], j * block_k + jnp.arange(block_k)[None, :],
                      kseg[None, :])
         s = jnp.where(seen, s, NEG_INF)
@@ -88,7 +115,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, o_r
         acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
-    bq, dv = q.shape[0], o_ref.shape[-1]
+    bq, dv = q[0].shape[0], o_ref.shape[-1]
     hi = jnp.minimum(jnp.max(qpos) // block_k + 1, n_k)  # the blocks holding keys it can see
     init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
     acc, m, l = lax.fori_loop(0, hi, body, init)
@@ -98,34 +125,35 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, o_r
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, dq_ref, *,
-               scale, block_k):
+               scale, block_k, parts):
     """dQ of one query block: sum over the key blocks it sees of dS K (dS = P (dP - delta))."""
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q, do, lse, delta = _cols(q_ref, slice(None), parts), do_ref[...], lse_ref[...], delta_ref[...]
     qpos, qseg, qpre = qpos_ref[...], qseg_ref[...], qpre_ref[...]
     n_k = k_ref.shape[0] // block_k
 
     def body(j, dq):
         ks = pl.ds(j * block_k, block_k)
-        k, v, kseg = k_ref[ks, :], v_ref[ks, :], kseg_ref[ks]
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale
+        k, v, kseg = _cols(k_ref, ks, parts), v_ref[ks, :], kseg_ref[ks]
+        s = _scores(q, k) * scale
         seen = _seen(qpos[:, None], qseg[:, None], qpre[:, None], j * block_k + jnp.arange(block_k)[None, :],
                      kseg[None, :])
         p = jnp.where(seen, jnp.exp(s - lse[:, None]), 0.0)
         dp = plgpu.dot(do, v, trans_b=True).astype(jnp.float32)
-        ds = p * (dp - delta[:, None])
-        return dq + plgpu.dot(ds.astype(k.dtype), k).astype(jnp.float32)
+        ds = (p * (dp - delta[:, None])).astype(k[0].dtype)
+        return [acc + plgpu.dot(ds, kp).astype(jnp.float32) for acc, kp in zip(dq, k)]
 
     hi = jnp.minimum(jnp.max(qpos) // block_k + 1, n_k)
-    dq = lax.fori_loop(0, hi, body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq = lax.fori_loop(0, hi, body, [jnp.zeros(qp.shape, jnp.float32) for qp in q])
+    for (a, n), part in zip(parts, dq):
+        dq_ref[:, a:a + n] = (part * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qpre_ref, kseg_ref, dk_ref,
-                dv_ref, *, scale, block_q):
+                dv_ref, *, scale, block_q, parts):
     """dK, dV of one key block: sums over the query blocks (any order of positions) that see it."""
     j = pl.program_id(0)
-    k, v, kseg = k_ref[...], v_ref[...], kseg_ref[...]
-    bk = k.shape[0]
+    k, v, kseg = _cols(k_ref, slice(None), parts), v_ref[...], kseg_ref[...]
+    bk = v.shape[0]
     kpos = j * bk + jnp.arange(bk)
     n_q = q_ref.shape[0] // block_q
 
@@ -135,22 +163,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_
 
         def add(carry):
             dk, dv = carry
-            q, do, lse, delta = q_ref[qs, :], do_ref[qs, :], lse_ref[qs], delta_ref[qs]
+            q, do, lse, delta = _cols(q_ref, qs, parts), do_ref[qs, :], lse_ref[qs], delta_ref[qs]
             qseg, qpre = qseg_ref[qs], qpre_ref[qs]
-            s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [bq, bk]
+            s = _scores(q, k) * scale  # [bq, bk]
             seen = _seen(qpos[:, None], qseg[:, None], qpre[:, None], kpos[None, :], kseg[None, :])
             p = jnp.where(seen, jnp.exp(s - lse[:, None]), 0.0)
             dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
             dp = plgpu.dot(do, v, trans_b=True).astype(jnp.float32)
-            ds = p * (dp - delta[:, None])
-            return dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True).astype(jnp.float32), dv
+            ds = (p * (dp - delta[:, None])).astype(q[0].dtype)
+            return [acc + plgpu.dot(ds, qp, trans_a=True).astype(jnp.float32) for acc, qp in zip(dk, q)], dv
 
         # a query block whose last position is before this key block sees none of it
         return lax.cond(jnp.max(qpos) >= j * bk, add, lambda c: c, carry)
 
-    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    init = ([jnp.zeros(kp.shape, jnp.float32) for kp in k], jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, n_q, body, init)
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    for (a, n), part in zip(parts, dk):
+        dk_ref[:, a:a + n] = (part * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -160,13 +189,13 @@ def _params(tiles: Tiles):
 
 
 def _forward(q, k, v, q_pos, q_seg, q_pre, kv_seg, scale: float, tiles: Tiles):
-    """(o [B,Tq,H,dv], lse [B,H,Tq] float32) on widths already powers of two."""
+    """(o [B,Tq,H,dv], lse [B,H,Tq] float32); q / k widths in `width_parts`, v's a power of two."""
     b, tq, h, dq = q.shape
     s, dv = k.shape[1], v.shape[-1]
     bq, bk = tiles.block_q, tiles.block_k
     row = lambda length, width: pl.BlockSpec((None, length, None, width), lambda i, b_, h_: (b_, 0, h_, 0))
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, block_k=bk),
+        functools.partial(_fwd_kernel, scale=scale, block_k=bk, parts=width_parts(dq)),
         grid=(tq // bq, b, h),
         in_specs=[pl.BlockSpec((None, bq, None, dq), lambda i, b_, h_: (b_, i, h_, 0)), row(s, dq), row(s, dv),
                   pl.BlockSpec((None, bq), lambda i, b_, h_: (b_, i)),
@@ -190,7 +219,7 @@ def _backward(q, k, v, q_pos, q_seg, q_pre, kv_seg, o, lse, do, scale: float, ti
     seq = lambda length, idx: pl.BlockSpec((None, length), idx)
     bq, bk = tiles.block_q_bwd, tiles.block_k_bwd
     dq_ = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block_k=bk),
+        functools.partial(_dq_kernel, scale=scale, block_k=bk, parts=width_parts(dq)),
         grid=(tq // bq, b, h),
         in_specs=[tile(bq, dq), whole(s, dq), whole(s, dv), tile(bq, dv),
                   stat(bq, lambda i, b_, h_: (b_, h_, i)), stat(bq, lambda i, b_, h_: (b_, h_, i)),
@@ -200,7 +229,7 @@ def _backward(q, k, v, q_pos, q_seg, q_pre, kv_seg, o, lse, do, scale: float, ti
         compiler_params=_params(tiles), interpret=tiles.interpret, name="flash_dq_at_positions",
     )(q, k, v, do, lse, delta, q_pos, q_seg, q_pre, kv_seg)
     dk, dv_ = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, block_q=bq),
+        functools.partial(_dkv_kernel, scale=scale, block_q=bq, parts=width_parts(dq)),
         grid=(s // bk, b, h),
         in_specs=[whole(tq, dq), tile(bk, dq), tile(bk, dv), whole(tq, dv),
                   stat(tq, lambda j, b_, h_: (b_, h_, 0)), stat(tq, lambda j, b_, h_: (b_, h_, 0)),
@@ -243,7 +272,10 @@ def flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = 
                              "(pad the rows: coder.model.attention_kernels pads to 128)")
     dq, dv = q.shape[-1], v.shape[-1]
     pad = lambda a, width: a if a.shape[-1] == width else jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])])
-    wq, wv = pl.next_power_of_2(dq), pl.next_power_of_2(dv)
+    # queries and keys in their width's power-of-two column parts (MLA's 192: 128 + 64), else
+    # padded to a power of two; values padded (MLA's 128 is one already)
+    wq = dq if width_parts(dq) else pl.next_power_of_2(dq)
+    wv = pl.next_power_of_2(dv)
     q_pre = jnp.zeros_like(q_seg, jnp.int32) if q_prefix is None else q_prefix.astype(jnp.int32)
     o = _flash(pad(q, wq), pad(k, wq), pad(v, wv), q_pos.astype(jnp.int32), q_seg.astype(jnp.int32), q_pre,
                kv_seg.astype(jnp.int32), float(scale), tiles)

@@ -77,6 +77,24 @@ SETTINGS = {
 # training step alone. The TPU pod layout is not applied.
 GPU_SETTINGS = ("h100", "h200", "b200")
 
+# GPU clusters for the full-size MoE models ("MODEL,h200-8x32": 32 nodes of 8 GPUs): the GPU
+# cluster layout (configs/pod_layout.py gpu_cluster: tensor parallelism inside a node, rows and
+# experts over the nodes); 128 rows of 32k a step in micro-batches of `rows` rows
+GPU_CLUSTER_SETTINGS = {
+    # an H100's 63.7 GB pool: each block recomputed in the backward (save_attention: 95.1 GiB of
+    # 59.3) and an all-to-all receive buffer of 1.5x the balanced share (2x: 63.3 GiB)
+    "h100-8x32": dict(rows=32, remat="full", a2a_buffer_factor=1.5),
+    "h200-8x32": dict(rows=32),
+    "b200-8x32": dict(rows=32),
+    # Kimi K2: 384 experts, one a GPU over 48 nodes (over 16 nodes, 3 a GPU: 150.5 GiB of
+    # 105.8); 7168 does not divide over 48 nodes, so the embedding dimension of the dense weights
+    # splits over a node's GPUs only; 144 rows (a row per node per micro-batch). No optimizer
+    # offload on GPUs: the compile-only CUDA devices place host-memory arguments on the device
+    # (their memory stats count none on the host), so it is neither claimed nor counted
+    "h200-8x48": dict(rows=48, batch=144, embed="tensor"),
+    "b200-8x48": dict(rows=48, batch=144, embed="tensor"),
+}
+
 # the GRPO learner's step compiled beside the training step (and the engine's programs; the
 # DeepSeek-V3 v5p-512 report has both, the others compile the training step only, for time):
 # rows of SEQ_LEN-token rollouts
@@ -135,6 +153,20 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         if rest:
             raise ValueError(f"{arg!r}: a GPU setting takes no variant")
         c.stages = ()
+        c.compile.update(topology=setting, report_dir=f"docs/scale/{model}_{setting}", engine=False, grpo=False)
+        return c
+    if setting in GPU_CLUSTER_SETTINGS:
+        if rest:
+            raise ValueError(f"{arg!r}: a GPU cluster setting takes no variant")
+        c.stages = ()
+        nodes = int(setting.split("x")[1])
+        g = GPU_CLUSTER_SETTINGS[setting]
+        pod_layout.gpu_cluster(c, nodes=nodes, gpus_per_node=int(setting.split("-")[1].split("x")[0]),
+                               embed=g.get("embed", "expert"))
+        c.data.seq_len, c.data.batch_size = SEQ_LEN, g.get("batch", 128)
+        c.train.grad_accum = c.data.batch_size // g["rows"]
+        c.model.remat = g.get("remat", c.model.remat)
+        c.model.moe_a2a_buffer_factor = g.get("a2a_buffer_factor", c.model.moe_a2a_buffer_factor)
         c.compile.update(topology=setting, report_dir=f"docs/scale/{model}_{setting}", engine=False, grpo=False)
         return c
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices

@@ -81,9 +81,9 @@ def flash_cost(kind: str, q: tuple, k: tuple, v: tuple, itemsize: int = 2, tiles
                l2_bytes: float = 0.0) -> tuple[float, float]:
     """(matmul FLOPs, HBM bytes beyond one read of each operand) of one flash kernel call.
 
-    q `[B, Tq, H, wq]`, k `[B, S, H, wq]`, v `[B, S, H, wv]` as the kernel receives them (widths
-    padded to powers of two: MLA's 192 -> 256, so the padding's FLOPs count, as the GPU does
-    them). FLOPs: 2 x B x H x visited pairs x (FLASH_WIDTHS in q / v widths). Bytes: the forward
+    q `[B, Tq, H, wq]`, k `[B, S, H, wq]`, v `[B, S, H, wv]` as the kernel receives them (q and k
+    in power-of-two column parts, MLA's 192 as 128 + 64; other widths padded to a power of two,
+    so the padding's FLOPs count, as the GPU does them). FLOPs: 2 x B x H x visited pairs x (FLASH_WIDTHS in q / v widths). Bytes: the forward
     and dq kernels stream the key and value tiles once per query tile, dkv the query, dO
     (v's width), lse and delta once per key tile, over the visited fraction. The grid walks one
     (row, head)'s tiles consecutively, so the SMs' concurrent programs stream the same keys and
