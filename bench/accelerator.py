@@ -102,6 +102,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# every part runs within the pool JAX's GPU allocator preallocates, the pool stage compile's GPU
+# reports fit against (coder.train.aot.hardware: 75% of HBM); set here before JAX starts (a value
+# already in the environment is kept) and printed in the header
+MEM_FRACTION = os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -567,6 +572,28 @@ def random_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict:
                 loss_mask=np.ones((rows, seq), np.float32))
 
 
+# device kind -> the committed compiled report of part train's step (configs/moe_1b.py, 8 x 2048:
+# docs/scale/configs.py "moe_1b,h100"), whose serial bound is printed beside the measured step
+COMPILED_TRAIN = {"NVIDIA H100 80GB HBM3": "moe_1b_h100", "NVIDIA H200": "moe_1b_h200", "NVIDIA B200": "moe_1b_b200"}
+
+
+def compiled_estimate(kind: str, rows: int, seq: int) -> dict | None:
+    """The committed report's serial bound (at peak, and at the H100's measured rates where it
+    has them) for part train's step on this device kind, None without one or for another batch."""
+    name = COMPILED_TRAIN.get(kind)
+    path = ROOT / "docs" / "scale" / str(name) / "report.json"
+    if name is None or not path.exists():
+        return None
+    with open(path) as f:
+        r = json.load(f)
+    if [r["setup"]["batch"], r["setup"]["seq_len"]] != [rows, seq]:
+        return None
+    measured = r.get("roofline_measured", {})
+    return dict(report=f"docs/scale/{name}", serial_ms=r["roofline"]["step_time_serial_s"] * 1e3,
+                lower_ms=r["roofline"]["step_time_lower_s"] * 1e3,
+                measured_rates_serial_ms=measured.get("step_time_serial_s", 0.0) * 1e3 or None)
+
+
 def part_train(ctx: Context, budget: Budget, table_rows: list) -> bool:
     from coder.model import count_params
     from coder.train import metrics
@@ -629,10 +656,18 @@ def part_train(ctx: Context, budget: Budget, table_rows: list) -> bool:
     table.note(f"setup: Trainer(...) (model + optimizer init); 1st step: compile + run; step: mean of {steps} "
                f"after it; model FLOPs/token {flops_tok / 1e9:.3f} G (6 N + 3 A at T={seq}); matmul: bf16 on "
                f"accelerators, f32 on CPU (coder.train.metrics.measure_peak_flops)")
+    estimate = compiled_estimate(ctx.kind, rows, seq)
+    if estimate:
+        at_rates = estimate["measured_rates_serial_ms"]
+        table.note(f"compiled estimate ({estimate['report']}): serial bound {estimate['serial_ms']:.0f} ms at peak "
+                   f"rates (perfect overlap {estimate['lower_ms']:.0f} ms)"
+                   + (f", {at_rates:.0f} ms at the H100's measured rates" if at_rates else "")
+                   + f"; measured {step_s * 1e3:.0f} ms")
     finite = skipped == 0 and math.isfinite(float(last["loss"]))
     if not finite:
         table.note(f"non-finite loss or gradient: {skipped} step(s) skipped")
     table_rows.append(dict(params=n["total"], active=n["active"], batch=[rows, seq], setup_s=setup_s, first_step_s=first_s,
+                           compiled_estimate=estimate,
                            step_ms=step_s * 1e3, tokens_per_s=tokens_s, model_tflops=achieved / 1e12,
                            peak_tflops=peak * n_dev / 1e12 if peak else None, peak_source=source, mfu=mfu,
                            matmul_tflops=matmul / 1e12, of_matmul=achieved / matmul,
@@ -821,7 +856,9 @@ def main(argv=None) -> int:
     timer.start()
     print(f"# accelerator check: {ctx.kind} ({ctx.platform}) x {jax.device_count()}, jax {jax.__version__}, "
           f"kernels {ctx.kernel_backend}{' in interpret mode' if ctx.interpret else ''}"
-          f"{', DRY RUN (timings meaningless)' if ctx.dry else ''}", flush=True)
+          f"{', DRY RUN (timings meaningless)' if ctx.dry else ''}; memory pool "
+          f"XLA_PYTHON_CLIENT_MEM_FRACTION={MEM_FRACTION}", flush=True)
+    summary["mem_fraction"] = MEM_FRACTION
     failed = []
     for name in chosen:  # in the order given: what matters most first when the deadline is near
         fn = dict(PARTS)[name]

@@ -21,7 +21,8 @@ compiles that step with stage compile (coder/stages/compile.py, docs/scale/confi
 Each swap lasts the compile and is undone. GLUE_THEN is what the step around the expert matmul
 was when the H100 ran it: the MoE's pairs masked in and summed back by a scatter-add
 (expert_ffn.sorted_ffn with all_local=False), the output head differentiated by JAX's own
-transpose (float32 x float32 backward matmuls), the losses on the logits sliced to the targets.
+transpose (float32 x float32 backward matmuls), the losses on the logits sliced to the targets,
+the flash kernels' 192-wide queries and keys padded to 256.
 and prints, per form, the memory against the pool JAX preallocates, the compiled FLOPs and HBM
 bytes, the roofline's serial bound and MFU at the H100's peak rates and at its measured rates
 (coder.train.aot.hardware.MEASURED: the bf16 matmul and the flash kernels; HBM at the data
@@ -53,6 +54,18 @@ def _ragged_dot(x, w, group_sizes, mask_rows: bool = True):
     import jax
 
     return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def _block(x, w, group_sizes, mask_rows: bool = True):
+    """grouped_matmul's GPU form from c08e5a7 to 93ff0ae (zeros past the groups either way)."""
+    from coder.model.grouped_matmul import block_grouped_matmul
+
+    return block_grouped_matmul(x, w, group_sizes)
+
+
+def _width_parts_then(width: int):
+    """The flash kernels before bd51b42: q / k widths padded to a power of two (192 -> 256)."""
+    return ((0, width),) if width & (width - 1) == 0 else None
 
 
 def _head_then(h, w):
@@ -96,7 +109,8 @@ def expert_form(form: str):
     """The step as `form` (module docstring) while it is traced; "kernel": unchanged."""
     import functools
 
-    from coder.model import expert_dispatch, expert_ffn, grouped_matmul, transformer
+    from coder.model import expert_dispatch, expert_ffn, transformer
+    from coder.pallas import flash_gpu
     from coder.train import losses
 
     if form not in FORMS:
@@ -104,11 +118,12 @@ def expert_form(form: str):
     if form == "kernel":
         yield
         return
-    matmul = _ragged_dot if form == "ragged_dot" else grouped_matmul.block_grouped_matmul
+    matmul = _ragged_dot if form == "ragged_dot" else _block
     masked = functools.partial(expert_ffn.sorted_ffn, all_local=False)
     swaps = [(expert_ffn, "grouped_matmul", matmul), (expert_dispatch, "grouped_matmul", matmul),
              (expert_ffn, "sorted_ffn", lambda *a, all_local=False, **kw: masked(*a, **kw)),
              (transformer, "head_logits", _head_then),
+             (flash_gpu, "width_parts", _width_parts_then),
              (losses, "next_token_loss", _next_token_loss_then), (losses, "mtp_loss", _mtp_loss_then)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in swaps]
     for m, name, new in swaps:

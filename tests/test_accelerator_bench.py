@@ -51,3 +51,28 @@ def test_dry_run_reports_every_part():
     assert all(r["tokens_per_s"] > 0 and r["recompiles"] == 0 for r in decode)
     (mtp,) = [r for r in summary["parts"]["engine"]["rows"] if r["kind"] == "mtp"]
     assert mtp["k"] == 1 and mtp["tokens_per_s"] > 0 and 0.0 <= mtp["accept"] <= 1.0
+
+
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accelerator_bench", os.path.join(ROOT, "bench", "accelerator.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_training_step_is_printed_beside_its_committed_compiled_estimate():
+    """Part train's step on an H100 has a committed compiled report (docs/scale/moe_1b_h100, the
+    same model and 8 x 2048 batch): its serial bounds come beside the measured time; another
+    batch or a device without a report gets none; the pool fraction is set before JAX starts."""
+    bench = _bench()
+    with open(os.path.join(ROOT, "docs", "scale", "moe_1b_h100", "report.json")) as f:
+        report = json.load(f)
+    est = bench.compiled_estimate("NVIDIA H100 80GB HBM3", 8, 2048)
+    assert est["report"] == "docs/scale/moe_1b_h100"
+    assert est["serial_ms"] == report["roofline"]["step_time_serial_s"] * 1e3
+    assert est["measured_rates_serial_ms"] == report["roofline_measured"]["step_time_serial_s"] * 1e3
+    assert bench.compiled_estimate("NVIDIA H100 80GB HBM3", 16, 2048) is None
+    assert bench.compiled_estimate("TPU v5 lite", 8, 2048) is None
+    assert bench.MEM_FRACTION == os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]

@@ -28,6 +28,7 @@ def _bench():
 @pytest.mark.slow  # two lowerings of the tiny model's step: 20-50 s on 2 cores
 def test_the_ragged_dot_form_lowers_to_ragged_dot_for_an_h100_and_is_undone():
     from coder.model import expert_dispatch, expert_ffn, sharding, transformer
+    from coder.pallas import flash_gpu
     from coder.stages import compile as C
     from coder.train import losses
     from configs import base
@@ -39,13 +40,15 @@ def test_the_ragged_dot_form_lowers_to_ragged_dot_for_an_h100_and_is_undone():
     mesh = sharding.make_mesh(c.mesh, hw.topology_devices(hw.parse_topology("h100")))
     library = [(m, name, getattr(m, name)) for m, name in (
         (expert_ffn, "grouped_matmul"), (expert_dispatch, "grouped_matmul"), (expert_ffn, "sorted_ffn"),
-        (transformer, "head_logits"), (losses, "next_token_loss"), (losses, "mtp_loss"))]
+        (transformer, "head_logits"), (losses, "next_token_loss"), (losses, "mtp_loss"),
+        (flash_gpu, "width_parts"))]
     texts = {}
     for form in ("ragged_dot", "kernel"):
         with bench.expert_form(form):
             if form == "ragged_dot":  # the glue of then: the losses on sliced logits, JAX's head transpose
                 assert losses.next_token_loss is bench._next_token_loss_then
                 assert transformer.head_logits is bench._head_then
+                assert flash_gpu.width_parts(192) is None and flash_gpu.width_parts(128) == ((0, 128),)
             lowered, _ = C.lower_train_step(c, mesh)
         texts[form] = lowered.as_text()
     assert "chlo.ragged_dot" in texts["ragged_dot"] and "chlo.ragged_dot" not in texts["kernel"]
