@@ -156,8 +156,11 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.compile.update(topology=setting, report_dir=f"docs/scale/{model}_{setting}", engine=False, grpo=False)
         return c
     if setting in GPU_CLUSTER_SETTINGS:
-        if rest:
-            raise ValueError(f"{arg!r}: a GPU cluster setting takes no variant")
+        # a third part: an RL actor's engine on a node of its own ("MODEL,h200-8x32,h200-8"),
+        # laid out as on an actor slice (pod_layout.actor_engine: bf16, experts over every GPU)
+        if rest and (len(rest) > 1 or rest[0].split("-")[0] not in GPU_SETTINGS or "x" in rest[0]):
+            raise ValueError(f"{arg!r}: a GPU cluster setting takes at most an actor node's topology "
+                             "(e.g. h200-8)")
         c.stages = ()
         nodes = int(setting.split("x")[1])
         g = GPU_CLUSTER_SETTINGS[setting]
@@ -168,6 +171,11 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.model.remat = g.get("remat", c.model.remat)
         c.model.moe_a2a_buffer_factor = g.get("a2a_buffer_factor", c.model.moe_a2a_buffer_factor)
         c.compile.update(topology=setting, report_dir=f"docs/scale/{model}_{setting}", engine=False, grpo=False)
+        if rest:
+            c.compile.report_dir += f"_actors-{rest[0]}"
+            c.compile.engine_topology = rest[0]
+            c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)
+            pod_layout.actor_engine(c, actor_chips=hardware_chips(rest[0]))
         return c
     c.compile.topology = setting.split("x")[0]  # "v6e-256x2" -> two v6e-256 slices
     colocated = variant == "colocated"
