@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from coder.data import decontaminate, pretrain, sft
-from tests.data.test_repo_docs import repo_config, write_repo
-from tests.data.test_sft import config as sft_config
-from tests.data.test_sft import conversation, segments, write
+from tests.data.repo_inputs import repo_config, write_repo
+from tests.data.sft_inputs import config as sft_config
+from tests.data.sft_inputs import conversation, segments, write
 from tests.fakes import CharTokenizer
 
 HELD_OUT = '''def harmonic_mean(values, weights=None):
@@ -43,7 +43,7 @@ def _tokenizer():
     import random
 
     from coder.data import tokenizer as tk
-    from tests.data.test_sft import WORDS
+    from tests.data.sft_inputs import WORDS
 
     rng = random.Random(0)
     return tk.train_tokenizer([" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(200)]

@@ -1,12 +1,11 @@
 """Repository-length documents (coder/data/repo_docs.py) and their place in the pretraining
 pipeline (coder/data/pretrain.py): dependency order with an import cycle, local and fsspec
 repositories, the held-out split, positions continuous within a document, the mixture weight."""
-import fsspec
 import numpy as np
 import pytest
 
 from coder.data import pretrain, repo_docs
-from configs import base
+from tests.data.repo_inputs import repo_config, write_repo
 from tests.fakes import CharTokenizer
 
 # A tiny repository: util <- pkg.d <- pkg.c (relative imports), a <-> b (a cycle), main -> a.
@@ -20,13 +19,6 @@ TINY = {
     "pkg/d.py": "from util import one\n\ndef d():\n    return one()\n",
     "notes.txt": "not python: not read\n",
 }
-
-
-def write_repo(root, files):
-    fs, path = fsspec.core.url_to_fs(str(root))
-    for rel, text in files.items():
-        fs.makedirs(f"{path}/{rel}".rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(f"{path}/{rel}", text.encode())
 
 
 def python_files():
@@ -90,13 +82,6 @@ def test_heldout_repositories_are_disjoint_and_at_least_one():
     assert len(repo_docs.split_repositories(urls, "heldout", 0.3)) == 3
     assert repo_docs.split_repositories(urls[:1], "heldout", 0.5) == []
     assert repo_docs.split_repositories(urls, "train", 0.0) == urls
-
-
-def repo_config(tmp_path, seq_len, max_position, **data):
-    cfg = base.get_config()
-    cfg.data.update(dict(seq_len=seq_len, batch_size=2, heldout_fraction=0.0, **data))
-    cfg.model.max_position_embeddings = max_position
-    return cfg
 
 
 def test_positions_continue_within_a_document_up_to_max_position(tmp_path):

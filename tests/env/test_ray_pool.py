@@ -24,7 +24,7 @@ from coder.rl import actor as actor_lib
 from coder.rl import agent as agent_lib
 from coder.stages import grpo as grpo_stage
 from configs import base
-from tests.rl.test_agent import ScriptedEngine, call_ids
+from tests.rl.scripted_engine import ScriptedEngine, call_ids
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,7 @@ from coder.infer import sampling
 from coder.infer.engine import Engine, SamplingParams
 from coder.infer.reference import NoCacheDecoder
 from coder.model import Transformer
-from configs.base import model_config
-
-MAX_LEN = 64
-BATCH = (1, 4)  # few buckets: each is a compiled program, and compiling dominates test time
-LENS = (32, 64)
-
-
-def tiny_cfg():
-    cfg = model_config()
-    cfg.update({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-                    "num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "n_group": 2, "topk_group": 1,
-                    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_mtp_layers": 1,
-                    "max_position_embeddings": MAX_LEN, "dtype": "float32"})
-    # a larger init spreads the logits, so sampled sequences are far from argmax ties
-    cfg.initializer_range = 0.2
-    return cfg
-
+from tests.infer.engine_inputs import BATCH, LENS, MAX_LEN, chi2_ok, draftable, forward, tiny_cfg
 
 @pytest.fixture(scope="module")
 def setup():
@@ -36,20 +19,13 @@ def setup():
     return cfg, model, engine
 
 
-@nnx.jit
-def _forward(model, tokens, segment_ids):
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, aux = model(tokens, pos, segment_ids)
-    return logits, aux["expert_ids"]
-
-
 def forward_logprobs(model, seq, temperature):
     """Training-style forward over the whole sequence (padded to MAX_LEN, padding in segment 0):
     log_softmax(logits / T) of each next token `[len-1]` and the routing `[len, moe_layers, top_k]`."""
     n = len(seq)
     tokens = np.zeros((1, MAX_LEN), np.int32)
     tokens[0, :n] = seq
-    logits, experts = _forward(model, jnp.asarray(tokens), jnp.asarray((np.arange(MAX_LEN) < n)[None], jnp.int32))
+    logits, experts = forward(model, jnp.asarray(tokens), jnp.asarray((np.arange(MAX_LEN) < n)[None], jnp.int32))
     logits = logits[0, :n]
     scaled = logits / temperature if temperature > 0 else logits
     logp = jax.nn.log_softmax(scaled, axis=-1)
@@ -215,29 +191,6 @@ def test_set_weights_between_decode_steps(setup):
 SPEC_LENS = (16, 32)
 
 
-def draftable(model, scale=0.03):
-    """Make the MTP modules a good but imperfect draft: the trunk's attention and FFN outputs are
-    scaled by `scale` (a near-bigram model), and each MTP module passes the next token's
-    normalised embedding straight to the shared head (its block's outputs zeroed, eh_proj =
-    [I; 0]), i.e. it predicts with the trunk's bigram part. Drafts are then accepted often but
-    not always, so both branches of the acceptance rule run."""
-    def scale_by(var, f):
-        var.set_value(var.get_value() * f)
-
-    def ffn_out(mlp):
-        return [mlp.wd, mlp.shared.down_proj] if hasattr(mlp, "wd") else [mlp.down_proj]
-
-    for layer in model.layers:
-        for var in [layer.self_attn.o_proj] + ffn_out(layer.mlp):
-            scale_by(var, scale)
-    for mod in model.mtp:
-        for var in [mod.block.self_attn.o_proj] + ffn_out(mod.block.mlp):
-            scale_by(var, 0.0)
-        d = mod.eh_proj.get_value().shape[1]
-        mod.eh_proj.set_value(jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))]).astype(mod.eh_proj.get_value().dtype))
-    return model
-
-
 @pytest.fixture(scope="module")
 def spec_setup():
     cfg = tiny_cfg()
@@ -268,23 +221,6 @@ def test_speculative_greedy_identical_and_same_logprobs(spec_setup):
     check_row_against_forward(model, group, 1, [(len(prompt), gens[1], 0.0), (len(prompt) + 23, more)], 0.9)
 
 
-def _chi2_bound(df):
-    """0.999 quantile of chi-squared (Wilson-Hilferty approximation, good to ~1% here)."""
-    z = 3.090
-    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2_ok(counts, probs):
-    """Chi-squared goodness of fit, bins with expected count < 5 pooled."""
-    expected = counts.sum() * probs
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return stat, _chi2_bound(int(keep.sum()) - 1)
-
-
 @pytest.mark.slow
 def test_speculative_sampling_distribution_is_exact(spec_setup):
     """Tokens 1-3 after a prompt, drawn 2048 times with and without 2-token drafting, against the
@@ -300,7 +236,7 @@ def test_speculative_sampling_distribution_is_exact(spec_setup):
     tokens = np.zeros((v * v, MAX_LEN), np.int32)
     tokens[:, :n_p + 2] = seqs
     seg = jnp.asarray(np.broadcast_to(np.arange(MAX_LEN) < n_p + 2, tokens.shape), jnp.int32)
-    logits, _ = _forward(model, jnp.asarray(tokens), seg)
+    logits, _ = forward(model, jnp.asarray(tokens), seg)
     probs = lambda x: np.asarray(sampling.sampling_probs(x, t, top_k, 1.0), np.float64)
     p1 = probs(logits[:1, n_p - 1])[0]
     p2 = probs(logits[::v, n_p])  # [a, b]
@@ -317,7 +253,7 @@ def test_speculative_sampling_distribution_is_exact(spec_setup):
         samples = np.array(samples)
         assert samples.shape == (2048, 3)
         for pos in range(3):
-            stat, bound = _chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
+            stat, bound = chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
             assert stat < bound, (engine.spec_k, pos, stat, bound)
     assert 0.3 < spec.counters.accepted / spec.counters.drafted < 0.99
 

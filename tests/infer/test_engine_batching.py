@@ -16,7 +16,7 @@ from coder.infer import programs
 from coder.infer.engine import Engine, SamplingParams
 from coder.model import Transformer, sharding
 from configs.base import get_config
-from tests.infer.test_engine import BATCH, LENS, MAX_LEN, tiny_cfg
+from tests.infer.engine_inputs import BATCH, LENS, MAX_LEN, tiny_cfg
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def _engine(spec_k: int, timeout_s: float = 60.0):
     from coder.infer.engine import Engine
     from coder.model import Transformer, sharding
     from configs.base import get_config
-    from tests.infer.test_engine import tiny_cfg
+    from tests.infer.engine_inputs import tiny_cfg
 
     cfg = tiny_cfg()
     mcfg = get_config().mesh

@@ -14,7 +14,7 @@ programs. One two-turn conversation, all greedy:
     observation  26 tokens, positions 190..215: one prefill chunk
     turn 2       38 tokens, positions 216..253
 
-The weights are test_engine.draftable's (trunk attention / FFN outputs x 0.03, MTP = the bigram
+The weights are engine_inputs.draftable's (trunk attention / FFN outputs x 0.03, MTP = the bigram
 part), so MTP drafts are accepted often but not always (16 of 62 here); YaRN still moves the
 logprob of a token at positions >= 128 by 0.11 nats on average (measured against the same weights
 with rope_scaling.type="none"), 4 orders of magnitude above the tolerance. The test fails (checked
@@ -30,7 +30,7 @@ from flax import nnx
 from coder.infer.engine import Engine, SamplingParams
 from coder.model import Transformer
 from coder.model.rope import rope_frequencies, softmax_scale
-from tests.infer.test_engine import _forward, draftable, tiny_cfg
+from tests.infer.engine_inputs import draftable, forward, tiny_cfg
 
 ORIG, FACTOR = 64, 4
 MAX_LEN = ORIG * FACTOR  # 256
@@ -56,7 +56,7 @@ def full_forward(model, seq):
     n = len(seq)
     tokens = np.zeros((1, MAX_LEN), np.int32)
     tokens[0, :n] = seq
-    logits, _ = _forward(model, jnp.asarray(tokens), jnp.asarray((np.arange(MAX_LEN) < n)[None], jnp.int32))
+    logits, _ = forward(model, jnp.asarray(tokens), jnp.asarray((np.arange(MAX_LEN) < n)[None], jnp.int32))
     return np.asarray(jax.nn.log_softmax(logits[0, :n], axis=-1))
 
 

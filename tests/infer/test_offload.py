@@ -10,7 +10,7 @@ from flax import nnx
 
 from coder.infer.engine import Engine, SamplingParams
 from coder.model import Transformer
-from tests.infer.test_engine import BATCH, LENS, MAX_LEN, tiny_cfg
+from tests.infer.engine_inputs import BATCH, LENS, MAX_LEN, tiny_cfg
 
 PARAMS = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=5)
 PROMPTS = [[3, 17, 42, 5], [9, 8, 7, 6, 5, 4], [11, 12]]  # three agents

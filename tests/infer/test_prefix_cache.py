@@ -12,7 +12,7 @@ from flax import nnx
 
 from coder.infer.engine import Engine, SamplingParams
 from coder.model import Transformer
-from tests.infer.test_engine import BATCH, LENS, MAX_LEN, tiny_cfg
+from tests.infer.engine_inputs import BATCH, LENS, MAX_LEN, tiny_cfg
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=6)

@@ -3,7 +3,6 @@ forward and backward, in the Pallas interpreter: TPU splash attention and the GP
 kernel (coder.pallas.flash_gpu), each on one device and split over heads, queries (zigzag) and
 rows on 8 fake devices. MLA's widths (queries and keys 192, values 128), several documents per
 row and a padded (segment 0) tail."""
-import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 
 from coder.model import attention_kernels as ak
 from coder.model import sharding
+from tests.model.model_inputs import cuda_grids
 
 DQ, DV = 192, 128  # DeepSeek-V3's MLA: dn + dr = 128 + 64, dv = 128
 
@@ -117,17 +117,7 @@ def test_attention_lowers_to_splash_for_tpu_and_to_xla_for_cpu(monkeypatch):
     assert "tpu_custom_call" not in cpu and "splash" not in cpu
 
 
-def _cuda_grids(fn, *args) -> dict:
-    """{kernel name: its launch grid (x, y, z)} of every Triton call of `fn` lowered for CUDA from
-    this CPU host (one custom call per line of the module's text)."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "tpu_custom_call" not in text
-    grids = {}
-    for line in text.splitlines():
-        if "@__gpu$xla.gpu.triton" in line:
-            grid = tuple(int(re.search(rf"grid_{a} = (\d+)", line).group(1)) for a in "xyz")
-            grids[re.search(r'name = "([^"]+)"', line).group(1)] = grid
-    return grids
+
 
 
 def test_attention_lowers_to_triton_flash_for_cuda_with_tiles_an_h100_holds(monkeypatch):
@@ -142,7 +132,7 @@ def test_attention_lowers_to_triton_flash_for_cuda_with_tiles_an_h100_holds(monk
     t, b, h = q.shape[1], q.shape[0], q.shape[2]
     monkeypatch.setattr(sharding, "target_platform", lambda: None)
     loss = lambda q, k, v: jnp.sum(ak.attention(q, k, v, seg, scale=0.1).astype(jnp.float32))
-    grids = _cuda_grids(jax.grad(loss, (0, 1, 2)), q, k, v)
+    grids = cuda_grids(jax.grad(loss, (0, 1, 2)), q, k, v)
     tiles = Tiles()
     assert grids == {"flash_fwd_at_positions": (t // tiles.block_q, b, h),
                      "flash_dq_at_positions": (t // tiles.block_q_bwd, b, h),
@@ -178,7 +168,7 @@ def test_a_sequence_split_gpu_mesh_gives_each_device_its_share_of_the_queries(mo
     monkeypatch.setattr(sharding, "target_platform", lambda: None)
     loss = lambda q, k, v: jnp.sum(ak.attention(q, k, v, seg, scale=0.1).astype(jnp.float32))
     with sharding.activate(mesh, rules):
-        grids = _cuda_grids(jax.grad(loss, (0, 1, 2)), q, k, v)
+        grids = cuda_grids(jax.grad(loss, (0, 1, 2)), q, k, v)
     tiles, rows, heads = Tiles(), 1, q.shape[2]  # 2 rows over data 2, both heads per device
     assert grids["flash_fwd_at_positions"] == (1024 // 4 // tiles.block_q, rows, heads), grids
     assert grids["flash_dq_at_positions"] == (1024 // 4 // tiles.block_q_bwd, rows, heads), grids
@@ -313,6 +303,6 @@ def test_shared_prefix_rows_lower_to_the_flash_kernel_for_cuda_and_to_xla_for_tp
     seg, pre = _prefix_rows()
     monkeypatch.setattr(sharding, "target_platform", lambda: None)
     fn = jax.jit(lambda q, k, v: ak.attention(q, k, v, seg, 0.1, prefix_segment=pre))
-    assert set(_cuda_grids(fn, q, k, v)) == {"flash_fwd_at_positions"}
+    assert set(cuda_grids(fn, q, k, v)) == {"flash_fwd_at_positions"}
     tpu = fn.trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" not in tpu  # splash has no prefix mask: the reference there

@@ -10,19 +10,10 @@ from flax import nnx
 
 from coder.model import Transformer
 from coder.model.moe import MoE, moe_layers, update_router_bias
+from tests.model.model_inputs import tiny_moe
 
 
-def tiny(**kw):
-    from configs.base import model_config
 
-    cfg = model_config()
-    cfg.update(dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                    num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
-                    qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=8, n_group=4, topk_group=2,
-                    num_experts_per_tok=3, routed_scaling_factor=2.5, num_mtp_layers=1,
-                    dtype="float32", initializer_range=0.3))
-    cfg.update(kw)
-    return cfg
 
 
 def _np_reference(moe: MoE, x: np.ndarray, cfg) -> np.ndarray:
@@ -48,7 +39,7 @@ def _np_reference(moe: MoE, x: np.ndarray, cfg) -> np.ndarray:
 
 
 def test_dropless_matches_per_token_loop():
-    cfg = tiny()
+    cfg = tiny_moe()
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     moe.bias[...] = 0.05 * jax.random.normal(jax.random.key(1), (8,))
     x = jax.random.normal(jax.random.key(2), (2, 16, 16))
@@ -68,7 +59,7 @@ def test_dropless_matches_per_token_loop():
 
 
 def test_bias_update_moves_load_toward_uniform():
-    cfg = tiny(n_group=1, topk_group=1, num_experts_per_tok=2)
+    cfg = tiny_moe(n_group=1, topk_group=1, num_experts_per_tok=2)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     layers = moe_layers(model)  # the trunk's MoE layer, then the MTP module's
     assert len(layers) == 2
@@ -94,7 +85,7 @@ def test_bias_update_moves_load_toward_uniform():
 
 
 def test_routing_replay_reproduces_forward():
-    cfg = tiny()
+    cfg = tiny_moe()
     model = Transformer(cfg, rngs=nnx.Rngs(1))
     tok = jax.random.randint(jax.random.key(4), (2, 16), 1, 64, dtype=jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
@@ -159,7 +150,7 @@ def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
     from coder.model.expert_ffn import capacity_ffn, expert_capacity
     from coder.model.routing import route
 
-    cfg = tiny(n_shared_experts=0, moe_capacity_factor=0.5)
+    cfg = tiny_moe(n_shared_experts=0, moe_capacity_factor=0.5)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     moe.bias[...] = jnp.zeros(8).at[5].set(10.0)  # every token wants expert 5: it overflows
     x = jax.random.normal(jax.random.key(2), (2, 16, 16))
@@ -178,7 +169,7 @@ def test_capacity_drops_pairs_past_each_experts_capacity_in_token_order():
     # a capacity that holds every pair is the dropless layer
     out, dropped = capacity_ffn(jnp.asarray(xf), ids, weights, moe.wg[...], moe.wu[...],
                                 moe.wd[...], capacity=96)
-    dropless = MoE(tiny(n_shared_experts=0), rngs=nnx.Rngs(0))
+    dropless = MoE(tiny_moe(n_shared_experts=0), rngs=nnx.Rngs(0))
     nnx.update(dropless, nnx.state(moe))
     y0, stats0 = dropless(x, valid)
     np.testing.assert_allclose(out, np.asarray(y0).reshape(32, 16), atol=2e-5)

@@ -279,14 +279,14 @@ def test_moe_layer_lowers_with_ragged_dispatch(monkeypatch):
     from flax import nnx
 
     from coder.model.moe import MoE
-    from tests.model.test_moe import tiny
+    from tests.model.model_inputs import tiny_moe
 
     mesh, rules = _mesh(data=2, expert=4)
     x = jnp.ones((8, 4, 16))
     valid = jnp.ones((8, 4), bool)
 
     def lowered(dispatch, platforms=None):
-        moe = MoE(tiny(moe_dispatch=dispatch), rngs=nnx.Rngs(0))
+        moe = MoE(tiny_moe(moe_dispatch=dispatch), rngs=nnx.Rngs(0))
         graph, params, rest = nnx.split(moe, nnx.Param, ...)
 
         def loss(params, x):

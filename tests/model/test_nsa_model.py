@@ -87,7 +87,7 @@ def test_sequence_sharded_nsa_equals_unsharded_forward_and_backward(monkeypatch,
       at an offset in tests/pallas/test_nsa_tpu.py). Their sums run in another order than the
       XLA path's: measured differences 4.8e-7 (loss ~4.2), 8.9e-7 (logits) and 5.8e-8
       (gradients), under the tolerances below (rtol 1e-6, atol 1e-5 and 1e-6)."""
-    from tests.model.test_sharding import mesh_cfg
+    from tests.model.model_inputs import mesh_cfg
 
     def loss_and_logits(m, tok, pos, seg):
         logits = m(tok, pos, seg)[0]
@@ -127,7 +127,7 @@ def test_forcing_a_whole_row_impl_on_a_sequence_split_layer_raises():
     """Under a `sequence`-split mesh the reference (whole rows only) cannot take a shard's
     queries: forcing it raises, naming what can be forced, rather than running a path the
     layer does not take."""
-    from tests.model.test_sharding import mesh_cfg
+    from tests.model.model_inputs import mesh_cfg
 
     mc = mesh_cfg(sequence=8)
     mesh = sharding.make_mesh(mc)
@@ -232,7 +232,7 @@ def test_sequence_sharded_model_lowered_for_cuda_holds_the_gpu_kernels(monkeypat
     shard_map's queries through the Mosaic GPU kernels at the shard's offset, two forward
     kernels and six in its gradient, as the whole-row layer does (their numbers:
     tests/pallas/test_nsa_gpu.py, a piece at a traced offset in GPU interpret mode)."""
-    from tests.model.test_sharding import mesh_cfg
+    from tests.model.model_inputs import mesh_cfg
 
     monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as on GPUs
     mc = mesh_cfg(sequence=8)

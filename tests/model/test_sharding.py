@@ -7,6 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from coder.model import Transformer, sharding
+from tests.model.model_inputs import cuda_grids, mesh_cfg
 
 
 def tiny(**kw):
@@ -22,15 +23,7 @@ def tiny(**kw):
     return cfg
 
 
-def mesh_cfg(rules_override=None, **axes):
-    from configs.base import get_config
 
-    m = get_config().mesh
-    m.update(dict(data=1, fsdp=1, expert=1, tensor=1, sequence=1))
-    m.update(axes)
-    if rules_override:
-        m.rules = tuple((k, rules_override.get(k, v)) for k, v in m.rules)
-    return m
 
 
 TOKENS_OVER_EXPERT = {"batch": ("data", "fsdp", "expert")}
@@ -253,7 +246,6 @@ def test_a_sequence_split_dense_model_lowered_for_cuda_splits_attention_by_queri
     over 2 `tensor` ones: each device's Triton flash kernels take its 128 of the 512 queries
     (grid 128 / 64 query tiles) and its 2 heads, against all 512 keys
     (coder.model.attention_kernels.gpu_flash_attention; numbers in its tests)."""
-    from tests.model.test_attention_kernels import _cuda_grids
 
     monkeypatch.setattr(sharding, "target_platform", lambda: None)  # decided where lowered, as on GPUs
     mc = mesh_cfg(sequence=4, tensor=2)
@@ -261,7 +253,7 @@ def test_a_sequence_split_dense_model_lowered_for_cuda_splits_attention_by_queri
     graph, params, rest = nnx.split(model, nnx.Param, ...)
     tok, pos, seg = batch(b=2, t=512)
     with sharding.activate(sharding.make_mesh(mc), mc.rules):
-        grids = _cuda_grids(lambda p: nnx.merge(graph, p, rest)(tok, pos, seg)[0], params)
+        grids = cuda_grids(lambda p: nnx.merge(graph, p, rest)(tok, pos, seg)[0], params)
     assert grids.pop("flash_fwd_at_positions") == (512 // 4 // 64, 2, 2), grids
     assert set(grids) <= {"grouped_matmul_gpu"}, grids  # the MoE layer's experts (coder.pallas.grouped_matmul_gpu)
 
@@ -270,7 +262,6 @@ def test_shared_prefix_rows_lowered_for_cuda_go_through_the_flash_kernel(monkeyp
     """The GRPO learner's shared-prefix rows (prefix_segment) lowered for CUDA: the model's dense
     attention takes the flash kernel's prefix mask, no [B,H,T,T] scores (XLA stays on TPU / CPU,
     where splash has no such mask)."""
-    from tests.model.test_attention_kernels import _cuda_grids
 
     monkeypatch.setattr(sharding, "target_platform", lambda: None)
     model = Transformer(tiny(max_position_embeddings=256, num_mtp_layers=0), rngs=nnx.Rngs(0))
@@ -279,4 +270,4 @@ def test_shared_prefix_rows_lowered_for_cuda_go_through_the_flash_kernel(monkeyp
     seg = jnp.asarray([[1] * 100 + [2] * 80 + [3] * 76], jnp.int32)  # a prompt and two continuations
     pre = jnp.asarray([[0] * 100 + [1] * 156], jnp.int32)
     fwd = lambda p: nnx.merge(graph, p, rest)(tok, pos, seg, prefix_segment=pre)[0]
-    assert set(_cuda_grids(fwd, params)) - {"grouped_matmul_gpu"} == {"flash_fwd_at_positions"}  # + the MoE's experts
+    assert set(cuda_grids(fwd, params)) - {"grouped_matmul_gpu"} == {"flash_fwd_at_positions"}  # + the MoE's experts

@@ -5,7 +5,6 @@ Engine API (start_group / generate / append) that keeps its own copy of every ro
 is an in-process episode; tests/rl/test_grpo_actors.py runs the real engine (in-process episodes)
 and tests/test_quickstart.py real sandboxes.
 """
-import dataclasses
 import json
 import os
 import uuid
@@ -24,6 +23,7 @@ from coder.rl import trajectory
 from coder.rl import actor as actor_lib
 from coder.stages import grpo as grpo_stage
 from configs import base
+from tests.rl.scripted_engine import ScriptedEngine, ScriptedGeneration, call_ids
 
 
 @pytest.fixture(scope="module")
@@ -31,75 +31,6 @@ def tok():
     texts = [protocol.render_system_prompt(env_tools.SPECS), agent_lib.SUMMARY_REQUEST,
              "def f():\n    return 0\n" * 10, "Make f() return 3. I will read the file first."]
     return tokenizer_lib.train_tokenizer(texts, 400)
-
-
-@dataclasses.dataclass
-class _Gen:
-    tokens: list
-    logprobs: list
-    expert_ids: np.ndarray
-    finish_reason: str
-    policy_version: list
-
-
-class _Group:
-    def __init__(self, prompt, n):
-        self.rows = [list(prompt) for _ in range(n)]
-        self.queued = [[] for _ in range(n)]
-        self.prompt = list(prompt)
-
-    def tokens(self, row):
-        return list(self.rows[row])
-
-    def expert_ids(self, row):
-        pos = np.arange(len(self.rows[row]))
-        return np.stack([pos[:, None] % 5, pos[:, None] % 7], -1).astype(np.int32)  # [L, 1, 2]
-
-
-class ScriptedEngine:
-    """Engine API over a `respond(context ids, row) -> turn ids` policy.
-
-    A turn is emitted up to `max_new_tokens` per call (the rest continues on the next call)
-    and through the first stop token. Logprobs encode the absolute position (-(pos+1)/1000),
-    so a test can check each recorded logprob sits at its token.
-    """
-
-    def __init__(self, respond, chunk=10**9):
-        self.respond, self.chunk = respond, chunk  # chunk: at most this many tokens per call
-        self.groups = []
-        self.calls = []
-
-    def start_group(self, prompt, n):
-        g = _Group(prompt, n)
-        self.groups.append(g)
-        return g
-
-    def append(self, group, row, ids):
-        group.rows[row].extend(int(i) for i in ids)
-        group.queued[row] = []  # the policy now answers the new context
-
-    def generate(self, group, params, rng, rows=None):
-        rows = range(len(group.rows)) if rows is None else rows
-        out = []
-        for r in rows:
-            self.calls.append(params.max_new_tokens)
-            if not group.queued[r]:
-                group.queued[r] = list(self.respond(group.rows[r], r))
-            toks, finish = [], "length"
-            while group.queued[r] and len(toks) < min(params.max_new_tokens, self.chunk):
-                t = group.queued[r].pop(0)
-                toks.append(t)
-                if t in params.stop_token_ids:
-                    finish = "stop"
-                    group.queued[r] = []
-                    break
-            start = len(group.rows[r])
-            group.rows[r].extend(toks)
-            lp = [-(start + i + 1) / 1000 for i in range(len(toks))]
-            ex = np.stack([np.arange(start, start + len(toks))[:, None] % 5,
-                           np.arange(start, start + len(toks))[:, None] % 7], -1).astype(np.int32)
-            out.append(_Gen(toks, lp, ex, finish, [7] * len(toks)))
-        return out
 
 
 class FakeEpisode:
@@ -135,10 +66,6 @@ def rl_cfg(**kw):
 
 def sampling(rl):
     return actor_lib.sampling_params(rl)
-
-
-def call_ids(tok, name, args, pre=""):
-    return tok.encode(pre + protocol.render_tool_call(name, args)) + [tok.end_id]
 
 
 def test_multi_turn_training_tokens_are_sampled_ids_plus_observation_ids(tok):
@@ -596,7 +523,7 @@ def test_observation_is_cut_to_keep_the_summary_reserve(tok):
 # --- the state machine, driven by hand: no engine, no sandbox ------------------------------------
 def _gen(ids, finish="stop", version=3):
     n = len(ids)
-    return _Gen(list(ids), [-0.5] * n, np.full((n, 1, 2), 9, np.uint8), finish, [version] * n)
+    return ScriptedGeneration(list(ids), [-0.5] * n, np.full((n, 1, 2), 9, np.uint8), finish, [version] * n)
 
 
 def test_state_machine_without_engine_or_sandbox(tok):

@@ -20,7 +20,7 @@ from coder.rl import actor as actor_lib
 from coder.rl import eval as eval_lib
 from coder.rl import grpo, trajectory
 from configs import base
-from tests.rl.test_agent import ScriptedEngine
+from tests.rl.scripted_engine import ScriptedEngine
 
 NAME = "tinypkg7"  # its tasks are held out (coder.env.sources.releases.split_of), so the suite keeps them
 

@@ -22,7 +22,7 @@ from coder.rl import actor as actor_lib
 from coder.rl import eval as eval_lib
 from coder.rl import grpo, trajectory
 from configs import base
-from tests.rl.test_agent import ScriptedEngine
+from tests.rl.scripted_engine import ScriptedEngine
 
 def _config():
     c = base.get_config()

@@ -22,7 +22,7 @@ from coder.model import Transformer
 from coder.rl import actor as actor_lib
 from coder.rl import agent as agent_lib
 from configs import quickstart
-from tests.infer.test_engine import tiny_cfg
+from tests.infer.engine_inputs import tiny_cfg
 
 TOOLS = [t for t in env_tools.SPECS if t.name in ("read_file", "submit")]
 TASKS = [Task(id=f"t{i}", prompt=f"Make f() return {i}.", files={}, tests={}) for i in range(2)]

@@ -30,8 +30,8 @@ from coder.infer.engine import Engine
 from coder.model import Transformer
 from coder.serve import trajectory_log
 from coder.serve.server import Server
-from tests.infer.test_engine import _chi2_ok, draftable
-from tests.infer.test_engine import tiny_cfg as engine_cfg
+from tests.infer.engine_inputs import chi2_ok, draftable
+from tests.infer.engine_inputs import tiny_cfg as engine_cfg
 from tests.serve.test_serve import start_uvicorn
 
 openai = pytest.importorskip("openai")
@@ -225,7 +225,7 @@ def test_sampled_distribution_is_exact(servers, monkeypatch):
                             if r["completion_id"] in ids])
         assert samples.shape == (2048, 3)
         for pos in range(3):
-            stat, bound = _chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
+            stat, bound = chi2_ok(np.bincount(samples[:, pos], minlength=v), exact[pos])
             assert stat < bound, (name, pos, stat, bound)
         if name == "spec":
             rate = (engine.counters.accepted - accepted) / (engine.counters.drafted - drafted)
