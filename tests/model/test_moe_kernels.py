@@ -11,6 +11,7 @@ import pytest
 
 from coder.model import expert_dispatch, expert_ffn, grouped_matmul, sharding
 from coder.model.grouped_matmul import megablox_grouped_matmul
+from tests.model.model_inputs import mesh_cfg
 
 
 def _check_values_and_grads(f, f_ref, *args, atol_y=1e-5, rtol=1e-5, atol=1e-4):
@@ -136,15 +137,7 @@ def test_emulated_ragged_all_to_all_matches_documented_example():
 
 
 def _mesh(rules_override=None, **axes):
-    from configs.base import get_config
-
-    from coder.model import sharding
-
-    m = get_config().mesh
-    m.update(dict(data=1, fsdp=1, expert=1, tensor=1, sequence=1))
-    m.update(axes)
-    if rules_override:
-        m.rules = tuple((k, rules_override.get(k, v)) for k, v in m.rules)
+    m = mesh_cfg(rules_override, **axes)
     return sharding.make_mesh(m), sharding.rules_dict(m.rules)
 
 
