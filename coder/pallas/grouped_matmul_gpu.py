@@ -154,6 +154,7 @@ def tgmm(x, dy, group_sizes, tiles: Tiles = Tiles()):
     (rows past the groups are not read; a group without rows gets zeros), in x's dtype."""
     (m, k), n, g = x.shape, dy.shape[1], group_sizes.shape[0]
     t = tiles.fit(k, n)
+    # dw tiles of [block_m, block_n] (K plays the forward's row role here), block_k rows a step
     bk, bn = min(t.block_m, pl.next_power_of_2(max(k, 16))), t.block_n
     xp, dyp = _pad_to(x, 1, bk), _pad_to(dy, 1, bn)
     sizes = group_sizes.astype(jnp.int32)

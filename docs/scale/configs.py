@@ -158,14 +158,14 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     if setting in GPU_CLUSTER_SETTINGS:
         # a third part: an RL actor's engine on a node of its own ("MODEL,h200-8x32,h200-8"),
         # laid out as on an actor slice (pod_layout.actor_engine: bf16, experts over every GPU)
-        if rest and (len(rest) > 1 or rest[0].split("-")[0] not in GPU_SETTINGS or "x" in rest[0]):
+        from coder.train.aot import hardware
+
+        if rest and (len(rest) > 1 or hardware.parse_gpu_topology(rest[0]).nodes != 1):
             raise ValueError(f"{arg!r}: a GPU cluster setting takes at most an actor node's topology "
                              "(e.g. h200-8)")
         c.stages = ()
-        nodes = int(setting.split("x")[1])
-        g = GPU_CLUSTER_SETTINGS[setting]
-        pod_layout.gpu_cluster(c, nodes=nodes, gpus_per_node=int(setting.split("-")[1].split("x")[0]),
-                               embed=g.get("embed", "expert"))
+        topo, g = hardware.parse_gpu_topology(setting), GPU_CLUSTER_SETTINGS[setting]
+        pod_layout.gpu_cluster(c, nodes=topo.nodes, gpus_per_node=topo.gpus_per_node, embed=g.get("embed", "expert"))
         c.data.seq_len, c.data.batch_size = SEQ_LEN, g.get("batch", 128)
         c.train.grad_accum = c.data.batch_size // g["rows"]
         c.model.remat = g.get("remat", c.model.remat)
