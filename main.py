@@ -29,12 +29,15 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
 import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from configs import base
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Python config file with get_config(); override keys with --config.a.b=v"
@@ -99,6 +102,10 @@ def _config_error(e: BaseException, argv: list[str]) -> str | None:
         where = " ".join(overrides) or "--config.* overrides"
         if first.strip("'\"") == key:  # ConfigDict's KeyError says only the key
             message = f"unknown key {key!r} (configs/base.py defines every key) {rest}".strip()
+    plain = where.replace("['", ".").replace("']", "").replace('["', ".").replace('"]', "")
+    moved = [new for old, new in base.MOVED.items() if re.search(rf"\b{re.escape(old)}\b", plain)]
+    if moved and isinstance(inner, (AttributeError, KeyError)):
+        message += f"; it is {moved[0]} now"
     return f"{where}: {' '.join(message.split())}"
 
 

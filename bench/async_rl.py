@@ -7,8 +7,8 @@ weight channel's bytes and seconds per version.
 
 Both runs call `coder.stages.grpo.train` on the same real toy tasks of coder.env (each rollout a
 bwrap sandbox in the actor's env workers, scored by its hidden tests), with the same random
-model, seed, number of steps and rollouts, one Ray actor process (`rl.num_actors=1`) and the
-learner in this process; only `grpo.async` differs. Learner and actor get disjoint cores in BOTH
+model, seed, number of steps and rollouts, one Ray actor process (`rl.topology.actors=1`) and the
+learner in this process; only `rl.topology.asynchronous` differs. Learner and actor get disjoint cores in BOTH
 runs: this process (the learner, its Ray driver threads) is pinned to core 0 before anything
 starts, and a thread pins every `ray::ActorWorker` process, its threads and its descendants (env
 workers, sandboxes) to core 1 as soon as it appears (Ray's own daemons are left unpinned).
@@ -107,7 +107,8 @@ def setup(args):
     c.model.rope_scaling.original_max_position_embeddings = args.context
     c.rl.update(dict(tasks_per_step=args.tasks_per_step, group_size=args.group, max_turn_tokens=args.max_turn_tokens,
                      max_turns=2, context_budget=args.context, summary_reserve=128,
-                     max_rollout_tokens=2 * args.max_turn_tokens, engine_dtype="bfloat16", num_actors=1))
+                     max_rollout_tokens=2 * args.max_turn_tokens, engine_dtype="bfloat16"))
+    c.rl.topology.actors = 1
     c.train.update(dict(steps=args.steps, lr=args.lr, warmup_steps=0, min_lr_ratio=1.0, log_every=1,
                         ckpt_every=10 ** 6))
     c.grpo.update(dict(steps=args.steps, lr=args.lr))
@@ -120,7 +121,7 @@ def run(mode: str, c, tok, tasks, workdir: str) -> tuple[list, float]:
     from coder.stages import grpo as grpo_stage
 
     cfg = c.copy_and_resolve_references()
-    cfg.grpo["async"] = mode == "async"
+    cfg.rl.topology.asynchronous = mode == "async"
     stage_dir = os.path.join(workdir, mode)
     t0 = time.perf_counter()
     grpo_stage.train(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=episode_factory(cfg))

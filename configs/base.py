@@ -17,6 +17,18 @@ import ml_collections
 from coder.model.config import default_rules, model_config  # noqa: F401  (re-exported)
 
 
+# Keys that moved, old name -> new (main.py names the new one when an override uses the old).
+MOVED = {
+    "rl.num_actors": "rl.topology.actors",
+    "rl.actor_processes": "rl.topology.actor_processes",
+    "rl.colocated": "rl.topology.colocated",
+    "rl.offload_optimizer": "rl.topology.offload_optimizer",
+    "rl.actor_timeout_s": "rl.topology.actor_timeout_s",
+    "rl.ray_address": "rl.topology.ray_address",
+    "grpo.async": "rl.topology.asynchronous",
+}
+
+
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.stage = ""  # one stage of coder/stages/__init__.py (set this or `stages`, not both)
@@ -209,18 +221,26 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.engine_attention = "training"
     c.rl.concurrent = True  # the actor runs all B x G rollouts at once (False: group by group)
     c.rl.env_workers = 0  # env worker processes running the sandboxes' tool calls (0 = one per rollout, at most 16)
-    # Actors and the weight channel (coder/rl/topology.py): 0 actors = one inside the learner's
-    # process (no Ray start-up, no second JAX runtime: tests, quickstart, one small machine).
-    c.rl.num_actors = 0  # actor processes (Ray actors, each an engine + env workers); 0 = in the learner's process
-    c.rl.colocated = False  # sync, actor in the learner's process: weights reach its engine on device (no store)
-    c.rl.offload_optimizer = False  # sync: the optimizer state waits in host memory while the actor rolls out
-    c.rl.actor_processes = 1  # processes of one Ray actor (>1: one JAX job spanning them, e.g. the hosts of a slice)
-    c.rl.actor_timeout_s = 120.0  # a member of a multi-process actor silent this long breaks its group (restarted)
+    # GRPO's deployment, one value (coder/rl/topology.py: Topology.from_config reads this section and
+    # names the kind it makes: in-process, colocated, Ray actors, Ray actor groups). 0 actors = one
+    # inside the learner's process (no Ray start-up, no second JAX runtime: tests, quickstart, one
+    # small machine).
+    c.rl.topology = ml_collections.ConfigDict(
+        dict(
+            actors=0,  # actor processes (Ray actors, each an engine + env workers); 0 = in the learner's process
+            actor_processes=1,  # processes of one Ray actor (>1: one JAX job spanning them, e.g. the hosts of a slice)
+            colocated=False,  # sync, actor in the learner's process: weights reach its engine on device (no store)
+            offload_optimizer=False,  # colocated: the optimizer state waits in host memory while the actor rolls out
+            # True: actors run ahead of the learner (<= grpo.max_staleness versions); False: lockstep, reproducible
+            asynchronous=False,
+            actor_timeout_s=120.0,  # a member of a multi-process actor silent this long breaks its group (restarted)
+            ray_address="",  # Ray cluster of the actors ("" = a local Ray instance; "HOST:6379" or "ray://HOST:10001")
+        )
+    )
     # an actor that cannot get the weights it needs for this long stops the run with an error naming the
     # store, the version and the leaf: its first version, the version a group waits for, or a store whose
     # reads keep failing (a corrupt leaf, a missing version); never a hang, never a rollout on old weights
     c.rl.weight_timeout_s = 600.0
-    c.rl.ray_address = ""  # Ray cluster of the actors ("" = a local Ray instance; "HOST:6379" or "ray://HOST:10001")
     c.rl.weight_store = ""  # URL of the weight store the learner publishes to ("" = {stage_dir}/weights; gs://...)
     c.rl.anchor_every = 10  # the store writes every this many versions in full (the others as XOR deltas)
     c.rl.tasks_per_step = 2  # B: tasks per optimizer step (each task used once: single epoch)
@@ -294,7 +314,7 @@ def get_config() -> ml_collections.ConfigDict:
     # False runs the tests for every rollout (e.g. to see how flaky a task's tests are)
     c.env.share_verdicts = True
     # where the env workers (rl.env_workers) run: "local" = processes of the actor's host; "ray" =
-    # Ray actors (coder/env/ray_pool.py) on the cluster at rl.ray_address, e.g. its CPU nodes
+    # Ray actors (coder/env/ray_pool.py) on the cluster at rl.topology.ray_address, e.g. its CPU nodes
     c.env.workers_backend = "local"
     c.env.ray_num_cpus_per_worker = 1.0  # "ray": CPUs Ray reserves for each env worker actor
     c.env.ray_resource = ""  # "ray": custom Ray resource the workers' nodes declare ("" = any node)
@@ -328,7 +348,6 @@ def get_config() -> ml_collections.ConfigDict:
     # scale-free, so the MTP modules still learn at grpo.lr.
     c.grpo.mtp_weight = 0.1
     c.grpo.max_staleness = 4  # tokens sampled more than this many learner versions ago carry no loss
-    c.grpo["async"] = False  # True: actors run ahead of the learner (<= max_staleness versions); False: lockstep, reproducible
     # truncated importance weight min(pi_learner/pi_engine, cap) on each token's loss (0 = off). Without
     # it PPO's min() never bounds ratio x A for a negative advantage, so a stale token whose
     # probability rose since sampling weighs without limit (async mode); 2 is verl's default cap.

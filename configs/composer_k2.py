@@ -25,7 +25,7 @@ from it, the ones marked "guess" do not.
 
 Layout (docs/scale/README.md, configs/pod_layout.py): the learner's stages run on 2 x v5p-512
 (512 chips: the float32 parameters and Adam moments split over both slices, experts 32-way x
-FSDP 8-way in a slice); `rl.num_actors` actors, each a JAX job of `rl.actor_processes` hosts on a
+FSDP 8-way in a slice); `rl.topology.actors` actors, each a JAX job of `rl.topology.actor_processes` hosts on a
 v5p-256 slice (128 chips, 32 hosts) with the engine laid out as DeepSeek-V3 serves (experts over
 all 128 chips, attention data-parallel, rows and their MLA caches over the chips), placed by Ray;
 weights through the store on GCS, each host reading only its own slices; env workers as Ray
@@ -136,11 +136,11 @@ def recipe(c, *, draft_depth: int):
     rl.decode_steps = 32
     rl.eval_num_tasks = 64
     rl.eval_samples = 4
-    rl.num_actors = 4  # actor slices (plan: actor_slices_per_learner, 4 for K2.5 and for DeepSeek-V3)
-    rl.actor_processes = ACTOR_HOSTS  # hosts per actor: a v5p-256 slice
+    rl.topology.actors = 4  # actor slices (plan: actor_slices_per_learner, 4 for K2.5 and for DeepSeek-V3)
+    rl.topology.actor_processes = ACTOR_HOSTS  # hosts per actor: a v5p-256 slice
     c.compile.engine_topology = ACTOR_TOPOLOGY
     c.compile.engine_prefill_len = 256  # tokens a row per prefill chunk (1024 x 128 rows needed 117 GiB)
-    rl.actor_timeout_s = 300.0
+    rl.topology.actor_timeout_s = 300.0
     rl.env_workers = 256  # sandboxes per actor, one per decoding row
     rl.weight_store = ""  # {workdir}/grpo/weights: on GCS with a gs:// workdir
     rl.anchor_every = 10
@@ -165,8 +165,8 @@ def recipe(c, *, draft_depth: int):
     # the one question an underspecified task needs is free and its answer lets the outcome pay.
     rl.aux_rewards.clarification = 0.05
 
+    rl.topology.asynchronous = True  # in-flight weight updates: actors run ahead of the learner
     g = c.grpo
-    g["async"] = True  # in-flight weight updates: actors run ahead of the learner
     # tokens more than 8 versions old carry no loss (TIS corrects the rest). plan (docs/scale,
     # "Plans"): a rollout's 32k sampled tokens take ~1 h on an actor (0.179 s a decode step at 256
     # rows of 256k, 2.19 tokens a step with 2 drafts) while the learner steps every ~450 s, so

@@ -9,10 +9,10 @@
 #
 # Usage:
 #   launch/ray_cluster.sh [--dry-run] gke [-- FLAGS...]   apply the RayCluster, then the learner's
-#                                                         JobSet with --config.grpo['async']=True,
-#                                                         --config.rl.num_actors=NUM_ACTORS,
-#                                                         --config.rl.actor_processes=ACTOR_PROCESSES,
-#                                                         --config.rl.ray_address=ray://RAY_CLUSTER-head-svc:10001
+#                                                         JobSet with --config.rl.topology.asynchronous=True,
+#                                                         --config.rl.topology.actors=NUM_ACTORS,
+#                                                         --config.rl.topology.actor_processes=ACTOR_PROCESSES,
+#                                                         --config.rl.topology.ray_address=ray://RAY_CLUSTER-head-svc:10001
 #                                                         (and, with ENV_NODES > 0,
 #                                                         --config.env.workers_backend=ray
 #                                                         --config.env.ray_resource=env_node)
@@ -22,10 +22,10 @@
 #
 # Variables (environment):
 #   RAY_CLUSTER   name of the RayCluster (default: ${JOB_NAME}-actors)
-#   NUM_ACTORS    rl.num_actors: actors each learner process starts (default: 1); the cluster needs
+#   NUM_ACTORS    rl.topology.actors: actors each learner process starts (default: 1); the cluster needs
 #                 ACTOR_HOSTS = NUM_ACTORS x learner processes (NUM_SLICES x VMS_PER_SLICE) x
 #                 ACTOR_PROCESSES hosts
-#   ACTOR_PROCESSES  hosts per actor slice (rl.actor_processes, default 1); ACTOR_HOSTS must split
+#   ACTOR_PROCESSES  hosts per actor slice (rl.topology.actor_processes, default 1); ACTOR_HOSTS must split
 #                 into slices of that many
 #   ENV_NODES     CPU pods for the env workers (default 0: the env workers run on the actor hosts);
 #                 > 0 needs ENV_CPUS and ENV_MEMORY (launch/gke/raycluster_env.yaml)
@@ -97,9 +97,9 @@ case "$CMD" in
     else
       echo "$rendered" | kubectl apply -f -
     fi
-    learner=("--config.grpo['async']=True" "--config.rl.num_actors=$NUM_ACTORS"
-             "--config.rl.actor_processes=$ACTOR_PROCESSES"
-             "--config.rl.ray_address=ray://${RAY_CLUSTER}-head-svc:10001" "${env_flags[@]}" "${FLAGS[@]}")
+    learner=("--config.rl.topology.asynchronous=True" "--config.rl.topology.actors=$NUM_ACTORS"
+             "--config.rl.topology.actor_processes=$ACTOR_PROCESSES"
+             "--config.rl.topology.ray_address=ray://${RAY_CLUSTER}-head-svc:10001" "${env_flags[@]}" "${FLAGS[@]}")
     dry=(); [[ "$DRY_RUN" == 1 ]] && dry=(--dry-run)
     DRY_RUN="$DRY_RUN" bash "$HERE/tpu_pod.sh" "${dry[@]}" gke -- "${learner[@]}"
     ;;

@@ -241,7 +241,7 @@ def test_composer_k2_recipe_passes_the_grpo_stages_checks():
     c = stages.stage_config("grpo", composer_k2.get_config())
     grpo.validate(c)
     assert c.rl.context_budget == c.model.max_position_embeddings == 262144
-    assert c.rl.actor_processes > 1 and c.env.workers_backend == "ray" and c.grpo["async"]
+    assert c.rl.topology.actor_processes > 1 and c.env.workers_backend == "ray" and c.rl.topology.asynchronous
     # the learner's step keeps its Adam moments in host memory (the plan's grpo_step did not fit on
     # the chips), only in the grpo stage
     assert c.train.offload_optimizer and not stages.stage_config("sft", composer_k2.get_config()).train.offload_optimizer
@@ -270,4 +270,4 @@ def test_composer_recipes_chain_the_seeds_stages_each_with_its_own_shape_and_lay
         assert len({v[4] for v in shape.values()}) == len(shape)  # a learning rate per stage
         g = stages.stage_config("grpo", c)
         assert (g.train.grad_accum, g.model.remat) == (64, "full")
-        assert g.compile.engine_topology == "v5p-256" and g.rl.actor_processes == 32
+        assert g.compile.engine_topology == "v5p-256" and g.rl.topology.actor_processes == 32

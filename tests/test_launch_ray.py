@@ -41,12 +41,12 @@ def test_gke_dry_run_renders_the_actors_raycluster_and_a_learner_connected_to_it
     main = next(line for line in jobset.splitlines() if "python main.py" in line)
     assert shlex.split(main) == [
         "python", "main.py", "--config=configs/kimi_k2_1t.py", "--config.workdir=gs://bucket/runs/k2",
-        "--config.grpo['async']=True", "--config.rl.num_actors=2", "--config.rl.actor_processes=1",
-        "--config.rl.ray_address=ray://k2-actors-head-svc:10001", "--config.train.steps=3"]
+        "--config.rl.topology.asynchronous=True", "--config.rl.topology.actors=2", "--config.rl.topology.actor_processes=1",
+        "--config.rl.topology.ray_address=ray://k2-actors-head-svc:10001", "--config.train.steps=3"]
 
 
 def test_gke_actor_slices_of_several_hosts_and_env_nodes():
-    """Actors of 16 hosts each (v5p-128 slices: rl.actor_processes) and CPU env nodes that take the
+    """Actors of 16 hosts each (v5p-128 slices: rl.topology.actor_processes) and CPU env nodes that take the
     env workers (env.workers_backend=ray on the `env_node` resource): the manifest parses, its
     groups say so, and the learner gets the keys."""
     import yaml
@@ -64,8 +64,8 @@ def test_gke_actor_slices_of_several_hosts_and_env_nodes():
     assert env_group["rayStartParams"]["resources"] == '"{\\"env_node\\": 1000}"'
     assert "google.com/tpu" not in str(env_group)
     main = shlex.split(next(line for line in jobset.splitlines() if "python main.py" in line))
-    assert main[4:] == ["--config.grpo['async']=True", "--config.rl.num_actors=4", "--config.rl.actor_processes=16",
-                        "--config.rl.ray_address=ray://k2-actors-head-svc:10001",
+    assert main[4:] == ["--config.rl.topology.asynchronous=True", "--config.rl.topology.actors=4", "--config.rl.topology.actor_processes=16",
+                        "--config.rl.topology.ray_address=ray://k2-actors-head-svc:10001",
                         "--config.env.workers_backend=ray", "--config.env.ray_resource=env_node"]
 
 
@@ -99,8 +99,8 @@ def test_slurm_dry_run_starts_ray_on_the_actor_nodes_and_the_learner_on_the_firs
     assert learner[0] == "srun" and learner[learner.index("-w") + 1] == "gpu1"
     i = learner.index("main.py")
     assert learner[i + 1:] == ["--config=configs/deepseek_v3_671b.py", "--config.workdir=/shared/runs/ds",
-                               "--config.grpo['async']=True", "--config.rl.num_actors=3",
-                               "--config.rl.ray_address=gpu2:6379", "--config.train.steps=5"]
+                               "--config.rl.topology.asynchronous=True", "--config.rl.topology.actors=3",
+                               "--config.rl.topology.ray_address=gpu2:6379", "--config.train.steps=5"]
 
 
 def test_slurm_two_learner_nodes_share_the_actor_nodes():
@@ -108,7 +108,7 @@ def test_slurm_two_learner_nodes_share_the_actor_nodes():
     assert r.returncode == 0, r.stderr
     head, workers, learner = commands(r.stdout)
     assert head[4] == "gpu3" and workers[4] == "gpu4" and learner[learner.index("-w") + 1] == "gpu1,gpu2"
-    assert "--nodes=2" in learner and "--config.rl.num_actors=1" in learner  # 2 actor nodes / 2 learners
+    assert "--nodes=2" in learner and "--config.rl.topology.actors=1" in learner  # 2 actor nodes / 2 learners
 
 
 def test_slurm_refuses_an_allocation_without_actor_nodes():

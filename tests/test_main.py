@@ -103,3 +103,35 @@ def test_library_info_lines_are_silenced_at_their_loggers():
     p = subprocess.run([PYTHON, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["WARNING", "WARNING", "INFO", "False"]
+
+
+def test_a_key_that_moved_is_named_where_it_is_now():
+    """configs/base.py's MOVED: setting an old key (here in a config file's line, as a
+    `--config.` override does the same) says the new one; every old key is gone and every new
+    one exists."""
+    import main
+    from configs import base
+
+    c = base.get_config()
+    for old, new in base.MOVED.items():
+        assert _has(c, new) and not _has(c, old), (old, new)
+    errors = []
+    try:
+        c.rl.num_actors = 2
+    except AttributeError as e:
+        errors.append(main._config_error(e, []))
+    try:
+        c.grpo["async"] = True
+    except KeyError as e:
+        errors.append(main._config_error(e, []))
+    assert errors[0].endswith("; it is rl.topology.actors now"), errors[0]
+    assert errors[1].endswith("; it is rl.topology.asynchronous now"), errors[1]
+
+
+def _has(config, dotted: str) -> bool:
+    node = config
+    for part in dotted.split("."):
+        if part not in node:
+            return False
+        node = node[part]
+    return True

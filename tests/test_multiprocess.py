@@ -284,8 +284,8 @@ def grpo_worker(process_id: int, num_processes: int, port: int, workdir: str, co
     cfg.train.update(dict(steps=2, ckpt_every=1000))
     cfg.grpo.kl_coef = 0.01
     if colocated:
-        cfg.rl.colocated = cfg.rl.offload_optimizer = True
-        cfg.grpo["async"] = False
+        cfg.rl.topology.colocated = cfg.rl.topology.offload_optimizer = True
+        cfg.rl.topology.asynchronous = False
     tasks = rl_test.make_tasks(6, seed=0)
     answer = {t.id: k for t, k in tasks}
     stage_dir = os.path.join(workdir, "grpo")

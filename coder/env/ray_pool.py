@@ -22,7 +22,7 @@ command slower than `timeout_s` kills its actor (then the same). Nothing waits w
 on the per-call path: calls wait `timeout_s` (DEFAULT_TIMEOUT_S when None), a new or replaced
 actor waits `start_timeout_s` to be placed (an autoscaler may take minutes to add CPU nodes),
 and a pool whose actors the cluster cannot place fails at start naming the keys. Ray is the one
-the process is connected to, else the cluster at `address` (`rl.ray_address`), else a local
+the process is connected to, else the cluster at `address` (`rl.topology.ray_address`), else a local
 instance started here, which lives until the process exits (other pools may share it).
 """
 

@@ -166,7 +166,7 @@ class EpisodeFactory:
         self.backend = str(env.workers_backend)
         self.share_verdicts = bool(env.share_verdicts)
         self.ray = {"num_cpus": float(env.ray_num_cpus_per_worker), "resource": str(env.ray_resource),
-                    "address": str(rl.ray_address)}
+                    "address": str(rl.topology.ray_address)}
 
     def pool(self, n_workers: int):
         """`n_workers` env workers running this factory's episodes (an `EpisodePool`): processes
@@ -306,7 +306,7 @@ def make_engine(model, config, *, mesh=None, prefix_cache: int | None = None):
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
                   max_slots=engine_slots(config), decode_steps=int(rl.decode_steps), dtype=serving_dtype(config),
                   mesh=mesh, rules=engine_rules(config),
-                  follower_timeout_s=float(rl.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows),
+                  follower_timeout_s=float(rl.topology.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows),
                   prefix_cache_slots=prefix_cache_slots(config) if prefix_cache is None else int(prefix_cache))
 
 

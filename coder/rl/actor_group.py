@@ -1,8 +1,8 @@
-"""RL actors that span processes: each actor one JAX job of `rl.actor_processes` Ray actor
+"""RL actors that span processes: each actor one JAX job of `rl.topology.actor_processes` Ray actor
 processes (disaggregated mode: the actors on hosts of their own, placed by Ray).
 
 A model that does not fit one host's accelerators (DeepSeek-V3, Kimi K2 in bf16) needs an engine
-over several hosts. `RayActorGroups` starts `rl.num_actors` groups; a group is P Ray actor
+over several hosts. `RayActorGroups` starts `rl.topology.actors` groups; a group is P Ray actor
 processes (`GroupMember`, one per host: a placement group, STRICT_SPREAD on a cluster, PACK on a
 local instance) that join a `jax.distributed` world of their own (coordinator: member 0, on a
 free port of its node), separate from the learner's. Each member builds the same engine over
@@ -19,7 +19,7 @@ so no member ever holds the whole model. The driver's calls (`run_group`, `notif
 coder/rl/actor_hosts.py's `RayActors`.
 
 Failures: a member that dies breaks its group's world (the leader's engine raises FollowerLost
-within rl.actor_timeout_s; a follower whose leader died stops following). Ray does not restart
+within rl.topology.actor_timeout_s; a follower whose leader died stops following). Ray does not restart
 members one by one (a lone new process cannot join the old world): the group's groups in
 flight come back as ActorLost, and the driver's probe of the group kills what is left of it and
 starts a new group (at most MAX_GROUP_RESTARTS times), which reads the newest version from the
@@ -80,7 +80,7 @@ class GroupMember:
         from coder.rl.actor_worker import ActorWorker
 
         try:
-            timeout = int(float(config.rl.actor_timeout_s))
+            timeout = int(float(config.rl.topology.actor_timeout_s))
             # a dead member is noticed by the others' heartbeats within the same bound
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.size,
                                        process_id=self.rank, initialization_timeout=timeout,
@@ -135,7 +135,7 @@ class GroupMember:
 
 class RayActorGroups:
     """`n` actors of `processes` Ray actor processes each (module docstring), on the cluster at
-    `rl.ray_address` or on a local Ray instance started here. The driver-facing interface of
+    `rl.topology.ray_address` or on a local Ray instance started here. The driver-facing interface of
     `RayActors` (coder.rl.actor_hosts.ActorHost), and `pids`."""
 
     def __init__(self, config, n: int, processes: int, tokenizer, make_episode, model_fn, url: str, slots: int):
@@ -144,11 +144,11 @@ class RayActorGroups:
         from coder.data import tokenizer as tokenizer_lib
 
         if processes < 2:
-            raise ValueError(f"rl.actor_processes={processes}: a group spans at least 2 processes "
+            raise ValueError(f"rl.topology.actor_processes={processes}: a group spans at least 2 processes "
                              "(1 is coder.rl.actor_hosts.RayActors)")
         from coder.rl.actor_hosts import start_ray
 
-        address = str(config.rl.ray_address)
+        address = str(config.rl.topology.ray_address)
         self._started = start_ray(config, n, processes)
         self.local = not address
         self.processes, self.slots, self.url = int(processes), int(slots), url

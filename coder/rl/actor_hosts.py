@@ -50,7 +50,7 @@ class ActorHost(Protocol):
 
 
 class LocalActors:
-    """One ActorWorker inside the learner's process (rl.num_actors = 0): no Ray, no second JAX
+    """One ActorWorker inside the learner's process (rl.topology.actors = 0): no Ray, no second JAX
     runtime; its groups run in threads. Its engine also serves the agent eval."""
 
     def __init__(self, worker: ActorWorker, slots: int):
@@ -97,13 +97,13 @@ def local_ray_cpus(config, n: int, processes: int) -> int:
 
 
 def start_ray(config, n: int, processes: int) -> bool:
-    """Connects to the Ray cluster at rl.ray_address, or starts a local instance (even when
+    """Connects to the Ray cluster at rl.topology.ray_address, or starts a local instance (even when
     RAY_ADDRESS names another cluster) with `local_ray_cpus`. False when Ray was already up."""
     import ray  # heavy: ray (the Ray deployments only)
 
     if ray.is_initialized():
         return False
-    address = str(config.rl.ray_address)
+    address = str(config.rl.topology.ray_address)
     if address:
         ray.init(address=address)
         return True
@@ -113,12 +113,12 @@ def start_ray(config, n: int, processes: int) -> bool:
 
 class RayActors:
     """`n` ActorWorkers as Ray actor processes (restarted by Ray when they die), on the cluster
-    at `rl.ray_address` or on a local Ray instance started here ("" = local)."""
+    at `rl.topology.ray_address` or on a local Ray instance started here ("" = local)."""
 
     def __init__(self, config, n: int, tokenizer, make_episode, model_fn, url: str, slots: int):
         import ray  # heavy: ray (the Ray deployments only)
 
-        address = str(config.rl.ray_address)
+        address = str(config.rl.topology.ray_address)
         self._started = start_ray(config, n, processes=1)
         options = dict(max_restarts=MAX_RESTARTS, max_task_retries=0, max_concurrency=slots + 4,
                        **ray_placement(local=not address))

@@ -96,7 +96,7 @@ class ActorWorker:
         reads keep failing (a corrupt leaf, a missing version). Then `run_group` raises, naming
         the store, the version and the leaf, for that group and every later one: the run stops,
         never hangs, and never rolls out on the weights it held when the store failed.
-      colocated: colocated mode (rl.colocated): `url` is unused, and the learner gives every
+      colocated: colocated mode (rl.topology.colocated): `url` is unused, and the learner gives every
         version by `push` (no store, no poller): each process's staged learner arrays resharded
         on device into the engine's shardings and dtype (coder.rl.weight_channel.OnDevice).
       mesh: the engine's devices (default: this process's, `coder.rl.actor.engine_mesh`). A mesh
@@ -246,7 +246,7 @@ class ActorWorker:
         """Why a group that needs version >= `needed` did not start (run_group's TimeoutError)."""
         if self.follower is None:
             return (f"[actor {self.index}] waited {self.timeout_s:g} s (rl.weight_timeout_s) for weights version >= "
-                    f"{needed}: it holds version {self.version}, and the learner pushed none newer (rl.colocated)")
+                    f"{needed}: it holds version {self.version}, and the learner pushed none newer (rl.topology.colocated)")
         try:
             newest = weight_sync.latest_version(self.url)
         except Exception as e:  # noqa: BLE001 - the message says so

@@ -1,4 +1,4 @@
-"""Colocated GRPO (`rl.colocated`): the learner's own job generates too, on the same devices, in
+"""Colocated GRPO (`rl.topology.colocated`): the learner's own job generates too, on the same devices, in
 turns with the learner's steps (the usual shape on one TPU slice). No weight store: each version
 reaches the engine by an on-device reshard.
 
@@ -22,7 +22,7 @@ processes: an engine of the job's own, loading each evaluated version from the w
 
 Between the phases no process has an engine call in flight, so the learner's collectives and the
 engine's never interleave differently on two processes. The device memory of a phase is its own
-plus the learner's parameters and optimizer state; with `rl.offload_optimizer` the optimizer
+plus the learner's parameters and optimizer state; with `rl.topology.offload_optimizer` the optimizer
 state waits in host memory during every engine phase and comes back for the step.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ColocatedTurns:
       load: process 0's `version -> seconds`: gives the engine that version (default: None, a
         follower). Colocated: `ActorWorker.push` of the staged arrays; an eval engine: a load
         from the weight store (`from_store`).
-      offload: rl.offload_optimizer.
+      offload: rl.topology.offload_optimizer.
     """
 
     def __init__(self, trainer, engine, load=None, *, offload: bool = False):

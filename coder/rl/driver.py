@@ -2,7 +2,7 @@
 `ActorHost`) and queues their finished groups for the learner, in a thread of its own (docs/rl.md,
 section 4).
 
-Two modes, the same pieces (`grpo.async`):
+Two modes, the same pieces (`rl.topology.asynchronous`):
 - async: each actor holds up to `capacity` groups at once (its engine's slots / G); the driver
   keeps at most (grpo.max_staleness + 1) x B groups outstanding (queued or rolling out), so a
   group handed out while the learner is at version u is trained at about u + (groups ahead of
@@ -103,7 +103,7 @@ class Driver:
 
     def __init__(self, config, actors, order: list, epoch: Epoch, *, needed: int, local: int, version: int):
         self.actors, self.epoch, self.local = actors, epoch, int(local)
-        self.asynchronous = bool(config.grpo["async"])
+        self.asynchronous = bool(config.rl.topology.asynchronous)
         self.hist_bins = int(config.grpo.max_staleness)
         self.group_size, self.seed = int(config.rl.group_size), int(config.seed)
         self.slots = capacity(config)

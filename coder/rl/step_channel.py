@@ -1,6 +1,6 @@
 """The batches of a GRPO learner over several processes whose actors process 0 drives.
 
-With Ray actors (`rl.num_actors >= 1`) a learner job of P processes has one driver, in process 0:
+With Ray actors (`rl.topology.actors >= 1`) a learner job of P processes has one driver, in process 0:
 it hands every task of the epoch to the actors (one staleness gate, one group queue, one view of
 the actors' health) and takes the step's B finished groups. Every learner process feeds its own
 rows of the global batch, so process 0 scatters them: process p gets groups

@@ -2,15 +2,15 @@
 (docs/rl.md, section 4).
 
     Topology.from_config(config, processes)   one of four kinds, validated once at start-up:
-      IN_PROCESS   rl.num_actors = 0: one ActorWorker (coder/rl/actor_worker.py) in each learner
+      IN_PROCESS   rl.topology.actors = 0: one ActorWorker (coder/rl/actor_worker.py) in each learner
                    process, threads beside the learner, following the weight store; each process
                    drives its own over its share of every step's tasks
-      COLOCATED    rl.colocated (grpo.async=False): one engine over the job's devices in turns with
+      COLOCATED    rl.topology.colocated (rl.topology.asynchronous=False): one engine over the job's devices in turns with
                    the learner's steps (coder/rl/colocated.py); each version resharded on device,
                    no weight store
-      RAY_ACTORS   rl.num_actors = n >= 1 Ray actor processes (coder/rl/actor_hosts.py), each an
+      RAY_ACTORS   rl.topology.actors = n >= 1 Ray actor processes (coder/rl/actor_hosts.py), each an
                    engine of its own that follows the weight store
-      RAY_GROUPS   n actors of rl.actor_processes = P >= 2 Ray processes each
+      RAY_GROUPS   n actors of rl.topology.actor_processes = P >= 2 Ray processes each
                    (coder/rl/actor_group.py): one engine over a group's devices
       scatter      on a learner of several processes with any kind but IN_PROCESS: process 0's
                    driver takes every group and sends each process its share of the step
@@ -77,37 +77,40 @@ class Topology:
     """GRPO's deployment (module docstring); build it with `from_config`."""
 
     kind: Kind
-    actors: int  # actors the driver hands work to: rl.num_actors on Ray, else the 1 in this process
+    actors: int  # actors the driver hands work to: rl.topology.actors on Ray, else the 1 in this process
     actor_processes: int  # processes of one actor's engine (> 1 only for RAY_GROUPS)
     learner_processes: int  # processes of the learner's job (jax.process_count())
-    asynchronous: bool  # grpo.async
+    asynchronous: bool  # rl.topology.asynchronous
     dtype: object  # the weight path's dtype (coder.rl.actor.serving_dtype)
 
     @classmethod
     def from_config(cls, config, learner_processes: int) -> Topology:
-        """The config's topology, or ValueError naming the keys that cannot work together (and
-        the in-process engine that its devices or host cannot hold: `check_engine_layout`)."""
-        rl = config.rl
-        n, p, asynchronous = int(rl.num_actors), int(rl.actor_processes), bool(config.grpo["async"])
+        """The config's topology (the `rl.topology` section), or ValueError naming the keys that
+        cannot work together (and the in-process engine that its devices or host cannot hold:
+        `check_engine_layout`)."""
+        t = config.rl.topology
+        n, p, asynchronous = int(t.actors), int(t.actor_processes), bool(t.asynchronous)
         if n < 0:
-            raise ValueError(f"rl.num_actors={rl.num_actors} must be >= 0 (0 = one actor in the learner's process)")
+            raise ValueError(f"rl.topology.actors={t.actors} must be >= 0 (0 = one actor in the learner's process)")
         if p < 1 or (p > 1 and n < 1):
-            raise ValueError(f"rl.actor_processes={rl.actor_processes} must be >= 1, and > 1 only with Ray actors "
-                             f"(rl.num_actors={rl.num_actors} >= 1): the actor in the learner's process is one process")
-        if (rl.colocated or rl.offload_optimizer) and asynchronous:
-            raise ValueError(f"rl.colocated={rl.colocated} / rl.offload_optimizer={rl.offload_optimizer} need "
-                             "grpo.async=False: the learner and the actor take turns on the same devices")
-        if rl.offload_optimizer and config.train.offload_optimizer:
-            raise ValueError("rl.offload_optimizer=True and train.offload_optimizer=True both keep the optimizer "
-                             "state in host memory (the first while the actor rolls out, the second between "
-                             "steps, inside every step): set one")
-        if rl.colocated and n != 0:
-            raise ValueError(f"rl.colocated=True runs the actor in the learner's process: set rl.num_actors=0 "
-                             f"(it is {rl.num_actors})")
+            raise ValueError(f"rl.topology.actor_processes={t.actor_processes} must be >= 1, and > 1 only with Ray "
+                             f"actors (rl.topology.actors={t.actors} >= 1): the actor in the learner's process is "
+                             "one process")
+        if (t.colocated or t.offload_optimizer) and asynchronous:
+            raise ValueError(f"rl.topology.colocated={t.colocated} / rl.topology.offload_optimizer="
+                             f"{t.offload_optimizer} need rl.topology.asynchronous=False: the learner and the actor "
+                             "take turns on the same devices")
+        if t.offload_optimizer and config.train.offload_optimizer:
+            raise ValueError("rl.topology.offload_optimizer=True and train.offload_optimizer=True both keep the "
+                             "optimizer state in host memory (the first while the actor rolls out, the second "
+                             "between steps, inside every step): set one")
+        if t.colocated and n != 0:
+            raise ValueError(f"rl.topology.colocated=True runs the actor in the learner's process: set "
+                             f"rl.topology.actors=0 (it is {t.actors})")
         if not asynchronous and n > 1:
-            raise ValueError(f"grpo.async=False runs one actor: set rl.num_actors to 0 or 1 (it is "
-                             f"{rl.num_actors}), or grpo.async=True")
-        kind = (Kind.COLOCATED if rl.colocated else Kind.IN_PROCESS if n == 0
+            raise ValueError(f"rl.topology.asynchronous=False runs one actor: set rl.topology.actors to 0 or 1 (it "
+                             f"is {t.actors}), or rl.topology.asynchronous=True")
+        kind = (Kind.COLOCATED if t.colocated else Kind.IN_PROCESS if n == 0
                 else Kind.RAY_ACTORS if p == 1 else Kind.RAY_GROUPS)
         topology = cls(kind, max(n, 1), p, int(learner_processes), asynchronous, actor_lib.serving_dtype(config))
         topology.check_engine_layout(config)
@@ -142,7 +145,7 @@ class Topology:
         means every process builds an engine of the whole model on its own devices from the weight
         store (coder.rl.actor_worker.ActorWorker: the store's newest version read whole into host
         memory, then placed): allowed while one host holds it (the two-process test job of
-        tests/test_multiprocess.py runs that way), refused, naming rl.num_actors and rl.colocated,
+        tests/test_multiprocess.py runs that way), refused, naming rl.topology.actors and rl.topology.colocated,
         when the whole model in the serving dtype exceeds the host's memory or the engine's
         weights and one row at rl.context_budget exceed its devices' memory. Then the engine
         against its devices' memory (coder.rl.actor.check_engine_memory; CPU devices report no
@@ -166,11 +169,11 @@ class Topology:
                        f"{actor_lib.format_bytes(one)} per device over this process's {len(devices)} devices, "
                        f"more than their {actor_lib.format_bytes(limit)}")
             if why:
-                raise ValueError(f"rl.num_actors=0 and rl.colocated=False on a learner of {processes} processes: "
+                raise ValueError(f"rl.topology.actors=0 and rl.topology.colocated=False on a learner of {processes} processes: "
                                  "every process builds its own engine of the whole model on its own devices, from "
                                  f"the weight store's whole version in its host memory, and {why}: set "
-                                 "rl.num_actors >= 1 (Ray actors, each an engine on its own slice) or "
-                                 "rl.colocated=True with grpo.async=False (one engine over the devices of all "
+                                 "rl.topology.actors >= 1 (Ray actors, each an engine on its own slice) or "
+                                 "rl.topology.colocated=True with rl.topology.asynchronous=False (one engine over the devices of all "
                                  f"{processes} processes)")
         if shape is not None:
             actor_lib.check_engine_memory(config, shape, limit)
@@ -184,7 +187,7 @@ class Topology:
             raise ValueError(f"every process of this {processes}-process learner feeds the whole batch (the "
                              f"mesh's batch axes do not span the processes: {mesh_shape}), but "
                              "each process's own actor rolls out only its share of the tasks: use Ray actors "
-                             "(rl.num_actors >= 1, driven by process 0) or put data / fsdp over the processes")
+                             "(rl.topology.actors >= 1, driven by process 0) or put data / fsdp over the processes")
 
     def tasks_of(self, tasks: list, per_step: int, process: int) -> tuple[list, int]:
         """(order, taken): the [(global task index, task)] this process's driver walks, in order,
@@ -388,7 +391,7 @@ class Colocated(Deployment):
 
     def _turns(self, engine, push) -> None:
         self.turns = colocated.ColocatedTurns(self.trainer, engine, push,
-                                              offload=bool(self.config.rl.offload_optimizer))
+                                              offload=bool(self.config.rl.topology.offload_optimizer))
         self.turns.stage(self.trainer.step)
 
     def start_host(self):

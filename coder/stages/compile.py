@@ -519,8 +519,8 @@ def engine_model_flops(model_cfg, setup: dict) -> dict:
 def engine_target(config, mesh, topo):
     """(mesh, topology) the engine is compiled for, with the engine's own mesh over its chips
     (coder.rl.actor.engine_mesh: expert / tensor / sequence as configured, rows over the rest), as
-    the runtime builds it: the learner's slice (a colocated run, rl.colocated: one engine over the
-    learner job's devices), or `compile.engine_topology`'s slice (an RL actor's, rl.actor_processes
+    the runtime builds it: the learner's slice (a colocated run, rl.topology.colocated: one engine over the
+    learner job's devices), or `compile.engine_topology`'s slice (an RL actor's, rl.topology.actor_processes
     hosts)."""
 
     if not config.compile.engine_topology:
@@ -535,7 +535,7 @@ def colocated_memory(config, engine: dict, grpo: dict) -> dict | None:
 
       engine phase   the engine's larger program (weights, KV caches, temporaries) + what the
                      learner keeps on device meanwhile: its parameters, the frozen reference copy
-                     (grpo.kl_coef > 0) and, unless rl.offload_optimizer, the optimizer state
+                     (grpo.kl_coef > 0) and, unless rl.topology.offload_optimizer, the optimizer state
       learner phase  the GRPO step + the reference copy (the engine freed its memory at the
                      phase's end: Engine.settle(release=True))
     """
@@ -544,7 +544,7 @@ def colocated_memory(config, engine: dict, grpo: dict) -> dict | None:
         return None
     g = grpo["memory"]
     reference = g["params_bytes"] if float(config.grpo.kl_coef) > 0 else 0.0
-    optimizer = 0.0 if config.rl.offload_optimizer else g["optimizer_bytes"]
+    optimizer = 0.0 if config.rl.topology.offload_optimizer else g["optimizer_bytes"]
     engine_bytes = max(p["memory"]["total_bytes"] for p in progs)
     phases = dict(engine=engine_bytes + g["params_bytes"] + reference + optimizer,
                   learner=g["total_bytes"] + reference)
@@ -552,7 +552,7 @@ def colocated_memory(config, engine: dict, grpo: dict) -> dict | None:
     return dict(engine_phase_bytes=phases["engine"], learner_phase_bytes=phases["learner"],
                 engine_program_bytes=engine_bytes, learner_params_bytes=g["params_bytes"],
                 reference_bytes=reference, optimizer_on_device_bytes=optimizer,
-                offload_optimizer=bool(config.rl.offload_optimizer), hbm_bytes=hbm,
+                offload_optimizer=bool(config.rl.topology.offload_optimizer), hbm_bytes=hbm,
                 fits=bool(max(phases.values()) <= hbm))
 
 
@@ -563,7 +563,7 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
     and how each version reaches it: from the weight store, the bytes each host of it reads for a
     version written in full (an anchor: its chips' slices of the serving weights; a delta
     version is a fraction of it) and the seconds that takes at the host's data-centre network
-    bandwidth (its chips' DCN figure in coder/train/aot/hardware.py); colocated (rl.colocated,
+    bandwidth (its chips' DCN figure in coder/train/aot/hardware.py); colocated (rl.topology.colocated,
     the learner's slice), the bytes per host of the on-device reshard of the learner's arrays (no
     store, no host hop).
     """
@@ -579,7 +579,7 @@ def compile_engine(config, mesh, topo, programs: tuple = ("prefill", "decode")) 
     version_bytes = setup["params_bytes_per_chip"] * min(chips_per_host, topo.num_chips)
     out = dict(setup=setup, topology=topo.name, chips=topo.num_chips, hosts=max(1, topo.num_chips // chips_per_host),
                mesh={a: int(n) for a, n in mesh.shape.items()})
-    if config.rl.colocated and not config.compile.engine_topology:
+    if config.rl.topology.colocated and not config.compile.engine_topology:
         # the learner's arrays resharded chip to chip (coder.rl.weight_channel.OnDevice): no store
         out.update(weights_from="on_device", reshard_bytes_per_host=version_bytes)
     else:

@@ -186,7 +186,7 @@ def engine_markdown(e: dict) -> list[str]:
 
 def colocated_markdown(c: dict) -> list[str]:
     """The colocated section of report.md (compile.colocated_memory's entry)."""
-    return ["", "## Colocated RL on this slice (rl.colocated)", "",
+    return ["", "## Colocated RL on this slice (rl.topology.colocated)", "",
             "Learner and engine take turns on these chips (coder/rl/colocated.py); GiB per chip:", "",
             "| phase | what is on device | GiB |", "|---|---|---|",
             f"| engine | the engine's larger program {_gib(c['engine_program_bytes'])} + learner parameters "

@@ -12,8 +12,8 @@ One learner step:
              coder.rl.grpo's loss, then the new version to the weight store (rl.weight_store),
              which the actors poll and apply between two decode calls.
 
-`grpo.async=True` lets actors run ahead of the learner by up to grpo.max_staleness versions
-(tokens older than that carry no loss); `grpo.async=False` is the same pieces in lockstep: one
+`rl.topology.asynchronous=True` lets actors run ahead of the learner by up to grpo.max_staleness versions
+(tokens older than that carry no loss); `rl.topology.asynchronous=False` is the same pieces in lockstep: one
 actor, each step's tasks rolled out with the learner's latest weights. Where the actors run (in
 this process, colocated on the learner's devices, Ray actors, Ray actor groups; on a learner of
 several processes whether process 0 scatters each step's groups) is one value,
@@ -35,7 +35,7 @@ generations, tokens_per_rollout, submitted, abs_advantage, rollout_time_s, learn
 learner_idle_s, actor_idle_s, rollouts_per_s, dropped_rollouts(_total), mixed_version_rollouts,
 version_lag, sync_bytes / sync_raw_bytes / sync_publish_s (the version this step published),
 sync_read_bytes / sync_apply_s (per version the actors applied; an actor over several processes:
-its leader's own slices), actor_processes, offload_bytes / offload_s (rl.offload_optimizer: the
+its leader's own slices), actor_processes, offload_bytes / offload_s (rl.topology.offload_optimizer: the
 optimizer state moved to host memory for the rollout and back), the engine's, plus the
 trainer's (grad_norm, lr, ...).
 """
@@ -78,8 +78,8 @@ def validate(config) -> Topology:
         raise ValueError(f"rl.aux_rewards: unknown {sorted(unknown)}; known {sorted(reward_lib.AUX_REWARDS)}")
     if int(rl.anchor_every) < 1:
         raise ValueError(f"rl.anchor_every={rl.anchor_every} must be >= 1")
-    if float(rl.actor_timeout_s) <= 0 or float(rl.weight_timeout_s) <= 0:
-        raise ValueError(f"rl.actor_timeout_s={rl.actor_timeout_s} and rl.weight_timeout_s={rl.weight_timeout_s} "
+    if float(rl.topology.actor_timeout_s) <= 0 or float(rl.weight_timeout_s) <= 0:
+        raise ValueError(f"rl.topology.actor_timeout_s={rl.topology.actor_timeout_s} and rl.weight_timeout_s={rl.weight_timeout_s} "
                          "must be > 0")
     g = config.grpo
     if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:

@@ -18,7 +18,7 @@ the analysis of one program):
                            count (rl.engine_slots) over a full
                            cache of rl.context_budget tokens, with rl.speculative_k MTP drafts,
                            on the actor's own slice (compile.engine_topology, whose hosts must
-                           be rl.actor_processes) or, colocated, on the learner's chips
+                           be rl.topology.actor_processes) or, colocated, on the learner's chips
                            (coder.rl.actor.engine_mesh / engine_rules, as the actors build it);
                            then `engine_slots_fit`: the largest slot count whose decode program
                            fits, found by compiling (`largest_fitting_slots`);
@@ -137,21 +137,21 @@ def engine_layout(config, learner_mesh, learner_topo):
     configured actor slice is the one the run starts: ValueError naming the keys otherwise."""
 
     rl, cc = config.rl, config.compile
-    if rl.colocated or int(rl.num_actors) == 0:
+    if rl.topology.colocated or int(rl.topology.actors) == 0:
         if cc.engine_topology:
             raise ValueError(f"compile.engine_topology={cc.engine_topology!r}, but the engine runs in the learner's "
-                             f"process (rl.num_actors=0{', rl.colocated=True' if rl.colocated else ''}): "
-                             "leave compile.engine_topology empty or set rl.num_actors")
+                             f"process (rl.topology.actors=0{', rl.topology.colocated=True' if rl.topology.colocated else ''}): "
+                             "leave compile.engine_topology empty or set rl.topology.actors")
         return compile_stage.engine_target(config, learner_mesh, learner_topo)
     if not cc.engine_topology:
-        raise ValueError(f"rl.num_actors={rl.num_actors} actors run on slices of their own: set "
+        raise ValueError(f"rl.topology.actors={rl.topology.actors} actors run on slices of their own: set "
                          "compile.engine_topology to an actor's slice (e.g. 'v5p-256') so the plan compiles "
                          "the engine there")
     etopo = hardware.parse_topology(cc.engine_topology, 1)
     hosts = max(1, etopo.num_chips // math.prod(etopo.chips_per_host_bounds))
-    if hosts != int(rl.actor_processes):
+    if hosts != int(rl.topology.actor_processes):
         raise ValueError(f"compile.engine_topology={cc.engine_topology!r} has {hosts} hosts but an actor is "
-                         f"rl.actor_processes={rl.actor_processes} processes (one per host): make them agree")
+                         f"rl.topology.actor_processes={rl.topology.actor_processes} processes (one per host): make them agree")
     return compile_stage.engine_target(config, learner_mesh, learner_topo)
 
 
@@ -282,8 +282,8 @@ def grpo_plan(config, learner: dict, engine: dict, slots_fit: dict, learner_topo
     # prefills the rest of its context (prompt, tool outputs), decode and prefill in turns
     batch_s = rollouts * (policy / decode_tps + (context - policy) / prefill_tps)
     latency = policy / per_step * dec_s + (context - policy) / max(prefill_tps / slots, 1e-9)
-    actors = int(rl.num_actors) or 1
-    overlapped = bool(g["async"])  # else lockstep: the learner waits for the step's rollouts
+    actors = int(rl.topology.actors) or 1
+    overlapped = bool(rl.topology.asynchronous)  # else lockstep: the learner waits for the step's rollouts
     # async: enough slices that a learner step's rollouts arrive within its step; a token is as
     # many versions stale as learner steps passed since its row started (in-flight updates)
     needed = math.ceil(batch_s / step_s) if overlapped else actors
@@ -377,7 +377,7 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_n
         fit = largest_fitting_slots(config, emesh, etopo, engine, slots, run=run) if engine.get("decode") else {}
         gprog_plan = dict(gprog, rows=rows, seq_len=seq)
         part = grpo_plan(config, gprog_plan, engine, fit, topo)
-        actors = 0 if (config.rl.colocated or int(config.rl.num_actors) == 0) else int(config.rl.num_actors)
+        actors = 0 if (config.rl.topology.colocated or int(config.rl.topology.actors) == 0) else int(config.rl.topology.actors)
         row = _stage_row(name, config, chips + actors * etopo.num_chips, [gprog, *eprogs],
                          part.get("step_s"), gprog["step_s_overlap"], rows * seq)
         return row, part

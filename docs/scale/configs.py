@@ -114,11 +114,11 @@ GRPO_BATCH = 64
 # (1024 needed 117 GiB of temporaries for 128 rows)
 ACTOR_ENGINE = dict(engine_batch=128, engine_max_len=SEQ_LEN, engine_prefill_len=256)
 
-# Colocated RL on the learner's slice ("MODEL,SETTING,colocated"; rl.colocated: the learner's job
+# Colocated RL on the learner's slice ("MODEL,SETTING,colocated"; rl.topology.colocated: the learner's job
 # runs the engine in turns with its steps, coder/rl/colocated.py): the engine laid out as on an
 # actor slice (bf16, experts split over every chip, rows data-parallel) over the learner's chips,
 # one 32k row per chip; the optimizer state in host memory while the engine runs
-# (rl.offload_optimizer) and no reference copy (grpo.kl_coef = 0, as Composer 2's recipe,
+# (rl.topology.offload_optimizer) and no reference copy (grpo.kl_coef = 0, as Composer 2's recipe,
 # configs/composer_k2.py). The report's colocated section adds up each phase's memory.
 COLOCATED_ENGINE = dict(engine_max_len=SEQ_LEN, engine_prefill_len=256)
 
@@ -236,8 +236,8 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         chips = hardware_chips(c.compile.topology)
         c.compile.update(COLOCATED_ENGINE, engine=True, grpo=True, engine_batch=chips)
         pod_layout.actor_engine(c, actor_chips=chips)
-        c.rl.update(dict(colocated=True, offload_optimizer=True))
-        c.grpo.update({"kl_coef": 0.0, "async": False})
+        c.rl.topology.update(dict(colocated=True, offload_optimizer=True, asynchronous=False))
+        c.grpo.kl_coef = 0.0
     elif actor:
         c.compile.engine_topology = actor
         c.compile.update(ACTOR_ENGINE, engine=True, grpo=False)

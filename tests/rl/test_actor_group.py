@@ -46,11 +46,11 @@ def ray_4_devices():
     ray.shutdown()
 
 
-def config(tok, **rl):
-    """Sync GRPO of 2 tasks x 4 rollouts per step, 2 steps; `rl` keys on top."""
+def config(tok, topology, **rl):
+    """Sync GRPO of 2 tasks x 4 rollouts per step, 2 steps; `topology` (rl.topology) and `rl` keys on top."""
     cfg = rl_test.tiny_config(tok, 256)
     cfg.rl.update({"group_size": 4, "tasks_per_step": 2, "max_turns": 1, **rl})
-    cfg.grpo["async"] = False
+    cfg.rl.topology.update({"asynchronous": False, **topology})
     cfg.train.update(dict(steps=2, warmup_steps=0))  # version 1 differs from version 0
     # the weights split over experts and heads, so a group's member holds half of them (data = 1)
     cfg.mesh.update(dict(expert=4, tensor=2))
@@ -99,9 +99,9 @@ TASKS, HELD_OUT = slice(0, 4), slice(4, 6)
 def local_run(tmp_path_factory, tok):
     """The reference: sync GRPO, 2 steps of 2 tasks x 4 rollouts, colocated (the actor in the
     learner's process, its engine on the learner's 8 devices, each version resharded on device:
-    rl.colocated) -> (metrics, the final agent eval's report)."""
+    rl.topology.colocated) -> (metrics, the final agent eval's report)."""
     tmp_path = tmp_path_factory.mktemp("local")
-    cfg = config(tok, num_actors=0, eval_samples=4, colocated=True)
+    cfg = config(tok, dict(actors=0, colocated=True), eval_samples=4)
     tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
     m = run(tmp_path, "local", cfg, tok, lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
             model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))), tasks[TASKS], tasks[HELD_OUT])
@@ -112,7 +112,7 @@ def local_run(tmp_path_factory, tok):
 def test_two_process_actor_equals_the_learners_own_engine(tmp_path, tok, ray_4_devices, local_run):
     """One Ray actor of 2 processes x 4 devices rolls out what the learner's own 8-device engine
     does (`local_run`): the same tokens and losses, and the same final agent eval."""
-    cfg = config(tok, num_actors=1, actor_processes=2, eval_samples=4)
+    cfg = config(tok, dict(actors=1, actor_processes=2), eval_samples=4)
     tasks = [t for t, _ in rl_test.make_tasks(6, seed=0)]
     group = run(tmp_path, "group", cfg, tok, lambda task: rl_test.SubmitEpisode(rl_test.LUCKY),
                 model_fn_of(cfg, nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))), tasks[TASKS], tasks[HELD_OUT])
@@ -155,9 +155,10 @@ def env_config(tok):
     cfg = rl_test.tiny_config(tok, 768)
     cfg.rl.update(dict(group_size=4, tasks_per_step=2, max_turns=2, max_turn_tokens=24, max_rollout_tokens=48,
                        context_budget=768, summary_reserve=16, system_prompt=ENV_PREAMBLE, tools=ENV_TOOLS,
-                       num_actors=1, actor_processes=2, concurrent=True, env_workers=2, eval_samples=2))
+                       concurrent=True, env_workers=2, eval_samples=2))
+    cfg.rl.topology.update(dict(actors=1, actor_processes=2, asynchronous=True))
     cfg.env.workers_backend = "ray"
-    cfg.grpo.update({"async": True, "max_staleness": 1})
+    cfg.grpo.max_staleness = 1
     # a small step: version 1 still emits the broken calls that make a group's rewards differ
     cfg.train.update(dict(steps=2, warmup_steps=0, lr=1e-5))
     cfg.mesh.update(dict(expert=4, tensor=2))
@@ -293,11 +294,10 @@ class KillMember(rl_test.SubmitEpisode):
 
 def test_a_killed_member_breaks_its_group_and_a_new_group_finishes_the_run(tmp_path, tok, ray_4_devices):
     """The follower of the actor's group is SIGKILLed while the leader starts task 2's group:
-    the leader's engine raises within rl.actor_timeout_s, the group's rollouts are dropped, the
+    the leader's engine raises within rl.topology.actor_timeout_s, the group's rollouts are dropped, the
     group is replaced (new processes, the newest weights from the store) and every step trains
     on whole groups."""
-    cfg = config(tok, num_actors=1, actor_processes=2, actor_timeout_s=10.0, tasks_per_step=1)
-    cfg.grpo["async"] = True
+    cfg = config(tok, dict(actors=1, actor_processes=2, actor_timeout_s=10.0, asynchronous=True), tasks_per_step=1)
     cfg.train.steps = 3
     weights = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))
     pid_dir = tmp_path / "pids"

@@ -9,6 +9,7 @@ lucky.py so that its pytest test passes, in bwrap sandboxes) and that variant's 
 In-process episodes reach Ray actors by cloudpickle (their classes by reference to this module,
 the lambdas by value).
 """
+import functools
 import json
 import os
 import signal
@@ -58,9 +59,9 @@ def ray_local():
 
 def config(tok, stage_len, kind=rl_test.SUBMIT_TOY, **overrides):
     cfg = rl_test.tiny_config(tok, stage_len, kind)
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
+    for key, value in overrides.items():  # "rl__topology__actors": cfg.rl.topology.actors
+        *sections, name = key.split("__")
+        functools.reduce(lambda node, s: node[s], sections, cfg)[name] = value
     return cfg
 
 
@@ -106,7 +107,7 @@ def test_in_flight_update_mixes_versions_and_stale_tokens_carry_no_loss(tmp_path
     grpo.max_staleness = 1 the learner (at version >= 2) masks the version-0 tokens."""
     tok, stage_len, state = toy
     cfg = config(tok, stage_len + 64, rl__group_size=4, rl__tasks_per_step=1, rl__engine_slots=8,
-                 grpo__async=True, grpo__max_staleness=1, train__steps=4)  # room for a second turn
+                 rl__topology__asynchronous=True, grpo__max_staleness=1, train__steps=4)  # room for a second turn
     stage_dir = str(tmp_path / "grpo")
     url = topology.store_url(cfg, stage_dir)
     tasks = [t for t, _ in rl_test.make_tasks(5, seed=0)]
@@ -166,12 +167,12 @@ def run_toy(tmp_path, toy, kind=rl_test.SUBMIT_TOY, seed=0, **overrides) -> list
     # actor that ran ahead may have rolled out a step's groups before its window: zeros there
     # (a CI run had one such step)
     worked = [r for r in m if r["engine_decode_steps"] > 0]
-    assert len(worked) == len(m) or (cfg.grpo["async"] and worked), [r["engine_decode_steps"] for r in m]
+    assert len(worked) == len(m) or (cfg.rl.topology.asynchronous and worked), [r["engine_decode_steps"] for r in m]
     assert all(r["engine_tokens_per_s"] > 0 and 0 < r["engine_occupancy"] <= 1 for r in worked)
     # an async window may only decode groups prefilled in the window before it (seen in a local
     # run here: a window of decode steps with 0 prefill tokens, groups started the window before)
     prefilled = [r["engine_prefill_tokens"] > 0 for r in worked]
-    assert all(prefilled) or (cfg.grpo["async"] and sum(prefilled) >= len(worked) // 2), prefilled
+    assert all(prefilled) or (cfg.rl.topology.asynchronous and sum(prefilled) >= len(worked) // 2), prefilled
     return m
 
 
@@ -208,7 +209,7 @@ def pass_rate_slope(m: list[dict]) -> float:
 @pytest.mark.slow
 @pytest.mark.learning
 def test_sync_mode_raises_the_sandboxed_pass_rate_with_a_ray_actor(tmp_path, sandboxed_toy, ray_local):
-    """grpo.async=False, one Ray actor process: each step's groups are sampled with the weights
+    """rl.topology.asynchronous=False, one Ray actor process: each step's groups are sampled with the weights
     the learner just published, and every token is trained on-policy. The tasks are coding tasks
     in bwrap sandboxes (tests/rl_toy.py FILE_TOY: write lucky.py so that its test passes), the
     episodes the stage's own (coder.rl.actor.EpisodeFactory), the reward pytest's verdict: the
@@ -218,7 +219,7 @@ def test_sync_mode_raises_the_sandboxed_pass_rate_with_a_ray_actor(tmp_path, san
     sds, the measured mean 6 null sds and 2.9 seed-to-seed sds above the margin (details beside
     the constant). (The actor inside the learner's process runs this mode in
     tests/rl/test_grpo_preemption.py.)"""
-    m = run_toy(tmp_path, sandboxed_toy, rl_test.FILE_TOY, grpo__async=False, rl__num_actors=1, **SANDBOXED)
+    m = run_toy(tmp_path, sandboxed_toy, rl_test.FILE_TOY, rl__topology__asynchronous=False, rl__topology__actors=1, **SANDBOXED)
     assert all(r["staleness_max"] == 0 and r["stale_tokens"] == 0 for r in m)
     assert all(r["version_lag"] == 0 and r["mixed_version_rollouts"] == 0 for r in m)
     assert all(r["staleness_hist_0"] == 1.0 for r in m)
@@ -246,10 +247,10 @@ ASYNC_GAIN = 0.15
 
 @pytest.mark.slow
 def test_async_mode_runs_ahead_and_learns_with_a_ray_actor(tmp_path, toy, ray_local):
-    """grpo.async=True, one Ray actor process: it rolls out while the learner steps, at most
+    """rl.topology.asynchronous=True, one Ray actor process: it rolls out while the learner steps, at most
     grpo.max_staleness versions ahead, and it learns: its best step beats the first two by
     ASYNC_GAIN (measured gains, noise and the collapse it can show beside the constant)."""
-    m = run_toy(tmp_path, toy, grpo__async=True, rl__num_actors=1, **LEARN)
+    m = run_toy(tmp_path, toy, rl__topology__asynchronous=True, rl__topology__actors=1, **LEARN)
     assert max(r["staleness_max"] for r in m) >= 1  # it did run ahead
     assert all(r["staleness_max"] <= 4 for r in m)  # grpo.max_staleness
     early, _ = reward_gain(m)
@@ -277,7 +278,7 @@ def test_a_killed_actor_is_replaced_and_its_rollouts_dropped(tmp_path, ray_local
     import pickle
 
     tok = rl_test.tokenizer()
-    cfg = config(tok, 256, rl__group_size=2, rl__tasks_per_step=1, rl__num_actors=1, grpo__async=True,
+    cfg = config(tok, 256, rl__group_size=2, rl__tasks_per_step=1, rl__topology__actors=1, rl__topology__asynchronous=True,
                  train__steps=4)
     weights = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(5)))
     assert len(pickle.dumps(weights)) > 200_000  # above what Ray passes inline with a call

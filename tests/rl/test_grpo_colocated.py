@@ -1,6 +1,6 @@
-"""Colocated GRPO (rl.colocated): the learner and its in-process actor take turns on the same
+"""Colocated GRPO (rl.topology.colocated): the learner and its in-process actor take turns on the same
 devices; each version reaches the engine on device (no weight store), and with
-rl.offload_optimizer the optimizer state waits in host memory while the actor rolls out.
+rl.topology.offload_optimizer the optimizer state waits in host memory while the actor rolls out.
 
 Sync mode, 2 steps of 2 tasks x 4 rollouts of a random tiny model: the colocated runs give the
 same rollouts and losses as the run through the store; the colocated engine holds no device
@@ -20,10 +20,11 @@ from coder.stages import grpo as grpo_stage
 from tests import rl_toy as rl_test
 
 
-def config(tok, **rl):
+def config(tok, **topology):
+    """Sync GRPO of 2 tasks x 4 rollouts per step, 2 steps; `topology` keys (rl.topology) on top."""
     cfg = rl_test.tiny_config(tok, 256)
-    cfg.rl.update({"group_size": 4, "tasks_per_step": 2, "max_turns": 1, **rl})
-    cfg.grpo["async"] = False
+    cfg.rl.update({"group_size": 4, "tasks_per_step": 2, "max_turns": 1})
+    cfg.rl.topology.update({"asynchronous": False, **topology})
     cfg.train.update(dict(steps=2, warmup_steps=0))
     return cfg
 
@@ -48,9 +49,9 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
     tasks = [t for t, _ in rl_test.make_tasks(4, seed=0)]
     episode = lambda task: rl_test.SubmitEpisode(rl_test.LUCKY)
     runs, kinds = {}, {}
-    for name, rl in (("store", {}), ("colocated", {"colocated": True}),
-                     ("offload", {"colocated": True, "offload_optimizer": True})):
-        cfg = config(tok, **rl)
+    for name, keys in (("store", {}), ("colocated", {"colocated": True}),
+                       ("offload", {"colocated": True, "offload_optimizer": True})):
+        cfg = config(tok, **keys)
         stage_dir = str(tmp_path / name)
         run = grpo_stage.GrpoRun(cfg, stage_dir, "", tokenizer=tok, tasks=tasks, make_episode=episode,
                                  model_fn=model_fn_of(cfg, weights))
@@ -97,17 +98,17 @@ def test_colocated_runs_equal_the_store_run_and_offload_the_optimizer(tmp_path):
     assert all(r["offload_bytes"] == opt_bytes > 0 and r["offload_s"] >= 0 for r in runs["offload"])
 
 
-@pytest.mark.parametrize("rl,grpo_async,message", [
-    ({"colocated": True, "num_actors": 1}, False, "rl.num_actors=0"),
-    ({"colocated": True}, True, "grpo.async=False"),
-    ({"offload_optimizer": True}, True, "grpo.async=False"),
+@pytest.mark.parametrize("keys,asynchronous,message", [
+    ({"colocated": True, "actors": 1}, False, "rl.topology.actors=0"),
+    ({"colocated": True}, True, "rl.topology.asynchronous=False"),
+    ({"offload_optimizer": True}, True, "rl.topology.asynchronous=False"),
     ({"offload_optimizer": True, "train_offload": True}, False, "set one"),
 ])
-def test_colocated_keys_are_checked_at_start_up(rl, grpo_async, message):
-    rl = dict(rl)
-    train_offload = rl.pop("train_offload", False)
-    cfg = config(rl_test.tokenizer(), **rl)
-    cfg.grpo["async"] = grpo_async
+def test_colocated_keys_are_checked_at_start_up(keys, asynchronous, message):
+    keys = dict(keys)
+    train_offload = keys.pop("train_offload", False)
+    cfg = config(rl_test.tokenizer(), **keys)
+    cfg.rl.topology.asynchronous = asynchronous
     cfg.train.offload_optimizer = train_offload
     with pytest.raises(ValueError, match=message):
         grpo_stage.validate(cfg)

@@ -10,8 +10,8 @@ The runs are subprocesses (this file run as a script, like tests/train/test_chec
 stage grpo's `train` on tests/rl_toy.py's in-process toy task ("submit the lucky
 number", reward 1 for "3") with its tiny MoE model, SFT-ed (tests/conftest.py toy_policy) on the call format
 with a random answer (so rewards differ within a group, the policy moves, and the KL to the
-frozen reference is > 0 from step 2 on). Sync mode (`grpo.async=False`, lockstep), the actor
-inside the stage's process (`rl.num_actors=0`: the driver's thread and the actor's group thread
+frozen reference is > 0 from step 2 on). Sync mode (`rl.topology.asynchronous=False`, lockstep), the actor
+inside the stage's process (`rl.topology.actors=0`: the driver's thread and the actor's group thread
 run beside the learner when the signal arrives), checkpoints only at the end and on SIGTERM.
 
 Why the resumed run can equal the uninterrupted one bit for bit: in sync mode step s's groups
@@ -62,8 +62,8 @@ COMPARED = ("loss", "reward", "kl", "ratio_mean", "entropy", "policy_tokens", "g
 # the layouts: (learner processes, the actors' keys). The actor in the stage's process; or the
 # disaggregated layout on 3 processes: a learner job of two processes (one device each, one
 # global mesh; process 0 drives the actors and scatters each step's groups) and one Ray actor
-ACTORS = {"in_process": (1, dict(num_actors=0)),
-          "disaggregated": (2, dict(num_actors=1, actor_processes=1))}
+ACTORS = {"in_process": (1, dict(actors=0)),
+          "disaggregated": (2, dict(actors=1, actor_processes=1))}
 
 
 def _config(tok, actors="in_process"):
@@ -71,8 +71,9 @@ def _config(tok, actors="in_process"):
 
     cfg = rl_test.tiny_config(tok, STAGE_LEN)
     # one group at a time, its rows decoding together (module docstring: bit-exact engine)
-    cfg.rl.update(dict(group_size=G, tasks_per_step=B, concurrent=False, engine_slots=G, **ACTORS[actors][1]))
-    cfg.grpo.update({"async": False, "kl_coef": 0.05})
+    cfg.rl.update(dict(group_size=G, tasks_per_step=B, concurrent=False, engine_slots=G))
+    cfg.rl.topology.update(dict(asynchronous=False, **ACTORS[actors][1]))
+    cfg.grpo.kl_coef = 0.05
     cfg.train.update(dict(steps=STEPS, ckpt_every=1000, lr=3e-3, warmup_steps=0))
     return cfg
 

@@ -33,14 +33,14 @@ def test_in_process_actors_on_two_processes_are_refused_when_a_host_cannot_hold_
     with pytest.raises(ValueError) as e:
         grpo_stage.validate(c)
     assert str(e.value) == (
-        "rl.num_actors=0 and rl.colocated=False on a learner of 2 processes: every process builds its own engine "
+        "rl.topology.actors=0 and rl.topology.colocated=False on a learner of 2 processes: every process builds its own engine "
         "of the whole model on its own devices, from the weight store's whole version in its host memory, and the "
         f"whole model is {whole / 2 ** 20:.1f} MiB in float32, more than this host's {(whole - 1) / 2 ** 20:.1f} "
-        "MiB of memory: set rl.num_actors >= 1 (Ray actors, each an engine on its own slice) or rl.colocated=True "
-        "with grpo.async=False (one engine over the devices of all 2 processes)")
-    c.rl.colocated = True  # one engine over the job's devices, sharded: no host holds the whole model
+        "MiB of memory: set rl.topology.actors >= 1 (Ray actors, each an engine on its own slice) or rl.topology.colocated=True "
+        "with rl.topology.asynchronous=False (one engine over the devices of all 2 processes)")
+    c.rl.topology.colocated = True  # one engine over the job's devices, sharded: no host holds the whole model
     grpo_stage.validate(c)
-    c.rl.colocated, c.rl.num_actors = False, 1  # Ray actors: each checks its own slice (make_engine)
+    c.rl.topology.colocated, c.rl.topology.actors = False, 1  # Ray actors: each checks its own slice (make_engine)
     grpo_stage.validate(c)
 
 
@@ -49,10 +49,10 @@ def test_in_process_actors_on_two_processes_are_refused_when_their_devices_canno
     c = quickstart_grpo
     one_row = actor_lib.engine_memory(c, actor_lib.engine_mesh_shape(c, 8)).per_device(1)
     monkeypatch.setattr(actor_lib, "device_bytes_limit", lambda devices: one_row - 1)
-    with pytest.raises(ValueError, match=r"^rl\.num_actors=0 and rl\.colocated=False on a learner of 2 processes: "
+    with pytest.raises(ValueError, match=r"^rl\.topology\.actors=0 and rl\.topology\.colocated=False on a learner of 2 processes: "
                                          r".*its weights and one row at rl\.context_budget=1024 need .* MiB per device "
-                                         r"over this process's 8 devices, .*set rl\.num_actors >= 1 .* or "
-                                         r"rl\.colocated=True"):
+                                         r"over this process's 8 devices, .*set rl\.topology\.actors >= 1 .* or "
+                                         r"rl\.topology\.colocated=True"):
         grpo_stage.validate(c)
     monkeypatch.setattr(jax, "process_count", lambda: 1)  # one process: the engine's own keys are named
     with pytest.raises(ValueError, match=r"^rl\.context_budget=1024: the RL engine"):
@@ -77,7 +77,7 @@ def test_an_engine_over_the_device_limit_stops_the_stage(quickstart_grpo, monkey
         grpo_stage.validate(c)
     c.rl.engine_slots = 16
     grpo_stage.validate(c)
-    c.rl.num_actors = 1  # Ray actors' engines are on their own slices: not this process's devices
+    c.rl.topology.actors = 1  # Ray actors' engines are on their own slices: not this process's devices
     c.rl.engine_slots = 0
     grpo_stage.validate(c)
     assert seen == [8, 8, 8]

@@ -153,13 +153,13 @@ def test_slot_search_stops_at_its_cap_for_a_model_far_smaller_than_the_chip(monk
 
 def test_actor_layout_must_be_the_slice_the_run_starts():
     config = _quickstart()
-    config.rl.num_actors, config.rl.actor_processes = 2, 4
+    config.rl.topology.actors, config.rl.topology.actor_processes = 2, 4
     with pytest.raises(ValueError, match="compile.engine_topology"):
         P.engine_layout(config, None, None)
     config.compile.engine_topology = "v5p-256"  # 32 hosts of 4 chips, not 4 processes
-    with pytest.raises(ValueError, match="rl.actor_processes=4"):
+    with pytest.raises(ValueError, match="rl.topology.actor_processes=4"):
         P.engine_layout(config, None, None)
-    config.rl.num_actors = 0
+    config.rl.topology.actors = 0
     with pytest.raises(ValueError, match="learner's process"):
         P.engine_layout(config, None, None)
 
@@ -177,8 +177,8 @@ def _balance(config, *, learner_s, decode_s, prefill_s):
 
 def test_grpo_balance_counts_the_slices_that_keep_an_async_learner_fed():
     config = _quickstart()
-    config.grpo["async"] = True
-    config.rl.num_actors = 2
+    config.rl.topology.asynchronous = True
+    config.rl.topology.actors = 2
     config.rl.tasks_per_step, config.rl.group_size = 4, 8  # 32 rollouts
     config.rl.max_rollout_tokens, config.compile.rollout_tokens = 512, 1024
     config.rl.speculative_k, config.compile.draft_acceptance = 1, 0.5
