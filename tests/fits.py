@@ -30,7 +30,7 @@ FITS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fit
 RECIPES = {
     "toy_policy": "tests.rl_toy:SUBMIT_RECIPE",
     "file_policy": "tests.rl_toy:FILE_RECIPE",
-    "serve_greeter": "tests.serve.test_serve:GREETER",
+    "serve_greeter": "tests.serve.greeter:GREETER",
     "realtime_picker": "tests.rl.test_realtime_learning:PICKER",
 }
 

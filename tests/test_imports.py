@@ -119,3 +119,23 @@ def test_the_walker_sees_lazy_and_relative_imports(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from coder.stages import lm\n    return lm\n")
     assert _imports(str(src), "coder.train.m", set(_modules())) == {"coder.stages.lm"}
+
+
+def test_test_modules_import_no_test_module():
+    """What several test modules share lives in support modules beside them (conftest fixtures,
+    tests/serve/greeter.py, tests/infer/engine_inputs.py, ...), never in another test module:
+    importing one runs its module-level code and collects nothing."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    offenders = []
+    for directory, _, files in os.walk(tests_dir):
+        for name in files:
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            path = os.path.join(directory, name)
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                         and node.module and node.module.startswith("tests") else [])
+                offenders += [f"{os.path.relpath(path, tests_dir)}: {n}" for n in names
+                              if n.startswith("tests.") and any(p.startswith("test_") for p in n.split("."))]
+    assert not offenders, offenders

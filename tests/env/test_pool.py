@@ -196,7 +196,7 @@ def test_harness_transcript_of_a_repository_task_uses_history_memory_and_semanti
     from configs import base
 
     memory = Memory.from_config(base.get_config().env, str(tmp_path / "memory"))
-    semantic = SemanticSpec("tests.env.tools.test_semantic_search:make_word_encoder", cache_dir=str(tmp_path / "sem"))
+    semantic = SemanticSpec("tests.env.tools.search_inputs:make_word_encoder", cache_dir=str(tmp_path / "sem"))
     conv, info = transcript(dates_repo_task.task, dates_repo_task.solution, seed=0, memory=memory,
                             semantic=semantic)
     assert info["reward"] == 1.0 and info["broken_calls"] == 0

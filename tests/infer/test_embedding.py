@@ -11,7 +11,7 @@ from coder.env.episode import Episode
 from coder.env.protocol import ToolCall
 from coder.env.tasks import Task
 from coder.infer import embedding
-from tests.env.tools.test_semantic_search import FILES
+from tests.env.tools.search_inputs import FILES
 
 
 def test_spec_from_config_says_what_is_missing(policy_checkpoint, tmp_path, monkeypatch):

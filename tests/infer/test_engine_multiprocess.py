@@ -93,7 +93,7 @@ def serve_worker(workdir: str):
     from coder.rl import weight_channel
     from coder.stages import serve as serve_stage
     from configs import base
-    from tests.serve.test_serve import PREAMBLE, tiny_cfg
+    from tests.serve.greeter import PREAMBLE, tiny_cfg
 
     tok = tokenizer_lib.load(os.path.join(workdir, "tok.model"))
     c = base.get_config()
@@ -214,7 +214,7 @@ def test_stage_serve_on_two_processes_answers_the_openai_client(tmp_path):
     import urllib.request
 
     openai = pytest.importorskip("openai")
-    from tests.serve.test_serve import TOOLS, make_tokenizer
+    from tests.serve.greeter import TOOLS, make_tokenizer
 
     make_tokenizer().save(str(tmp_path / "tok.model"))
     http_port = jobs.free_port()

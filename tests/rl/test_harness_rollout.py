@@ -33,7 +33,7 @@ def _config():
     c.rl.aux_rewards.update(dict(communication=0.05, clarification=0.05))
     c.env.history_depth = 2
     c.env.max_output_chars = 1500
-    c.env.semantic_encoder = "tests.env.tools.test_semantic_search:make_word_encoder"  # no model to load
+    c.env.semantic_encoder = "tests.env.tools.search_inputs:make_word_encoder"  # no model to load
     return c
 
 

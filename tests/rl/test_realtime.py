@@ -11,7 +11,6 @@ learner returns to version 1's state. A restart resumes from state.json.
 """
 import json
 import time
-import urllib.request
 
 import jax
 import numpy as np
@@ -28,7 +27,8 @@ from coder.stages import realtime as realtime_stage
 from coder.stages import stage_config
 from coder.train.flat import state_to_flat
 from configs import base
-from tests.serve.test_serve import MAX_LEN, PREAMBLE, SUBMIT, TOOLS, fitted, make_engine, prompts, start_uvicorn
+from tests.serve.greeter import (MAX_LEN, PREAMBLE, SUBMIT, TOOLS, fitted, make_engine, post_json, prompts,
+                                 start_uvicorn)
 
 openai = pytest.importorskip("openai")
 
@@ -98,12 +98,6 @@ def test_conversation_feedback_credits_every_completion_of_the_conversation():
     assert {(j.record["completion_id"], j.reward) for j in joined} == {("t1", 1.0), ("t2", 1.0), ("t3", 1.0)}
 
 
-def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req) as f:
-        return json.load(f)
-
-
 def simulated_users(client, url, seed, n=8):
     """n users ask a toy task; even ones report edit_kept (1 when the agent submitted "3") by
     completion id, odd ones a dissatisfied follow-up by conversation id, the last says nothing;
@@ -117,11 +111,11 @@ def simulated_users(client, url, seed, n=8):
         if i == n - 1:
             continue
         if i % 2 == 0:
-            _post(url + "/v1/feedback", {"completion_id": r.id, "signal": "edit_kept", "value": float(kept)})
+            post_json(url + "/v1/feedback", {"completion_id": r.id, "signal": "edit_kept", "value": float(kept)})
         else:
-            _post(url + "/v1/feedback", {"conversation_id": r.conversation_id, "signal": "dissatisfied_followup",
+            post_json(url + "/v1/feedback", {"conversation_id": r.conversation_id, "signal": "dissatisfied_followup",
                                          "value": 1.0})
-    _post(url + "/v1/feedback", {"completion_id": "chatcmpl-nonexistent", "signal": "rating", "value": 1})
+    post_json(url + "/v1/feedback", {"completion_id": "chatcmpl-nonexistent", "signal": "rating", "value": 1})
 
 
 def realtime_config(tmp_path, cfg):

@@ -69,9 +69,8 @@ from coder.stages import realtime as realtime_stage
 from coder.stages import stage_config
 from configs import base, quickstart
 from tests import fits
-from tests.rl.test_realtime import _post
 from tests.rl_toy import train_steps
-from tests.serve.test_serve import MAX_LEN, NAMES, PREAMBLE, SUBMIT, TOOLS, make_engine, start_uvicorn
+from tests.serve.greeter import MAX_LEN, NAMES, PREAMBLE, SUBMIT, TOOLS, make_engine, post_json, start_uvicorn
 
 openai = pytest.importorskip("openai")
 
@@ -172,7 +171,7 @@ def user(client, url, name, prompts, seed):
         answer = (json.loads(calls[0].function.arguments).get("answer")
                   if len(calls) == 1 and calls[0].function.name == "submit" else None)
         ok = passes(answer)
-        _post(url + "/v1/feedback", {"completion_id": r.id, "signal": "edit_kept", "value": float(ok), "user": name})
+        post_json(url + "/v1/feedback", {"completion_id": r.id, "signal": "edit_kept", "value": float(ok), "user": name})
         kept.append(ok)
         answers.append(answer)
     return kept, answers

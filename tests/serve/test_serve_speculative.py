@@ -32,7 +32,7 @@ from coder.serve import trajectory_log
 from coder.serve.server import Server
 from tests.infer.engine_inputs import chi2_ok, draftable
 from tests.infer.engine_inputs import tiny_cfg as engine_cfg
-from tests.serve.test_serve import start_uvicorn
+from tests.serve.greeter import start_uvicorn
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")

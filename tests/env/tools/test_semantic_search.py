@@ -1,13 +1,11 @@
 """semantic_search: chunks by definition, the per-snapshot embedding cache, an installed encoder
 by import path (the policy encoder: tests/infer/test_embedding.py)."""
-import hashlib
-import threading
 
-import numpy as np
 import pytest
 
 from coder.env.tools import semantic_search as sem
 from coder.env.tasks import Task
+from tests.env.tools.search_inputs import FILES, WordEncoder
 
 LONG_CLASS = "class Cache:\n    \"\"\"A cache.\"\"\"\n    size = 3\n\n" + "".join(
     f"    def get_{i}(self, key):\n" + "".join(f"        x{j} = key\n" for j in range(6)) + "        return key\n\n"
@@ -54,40 +52,8 @@ def test_chunks_follow_definitions():
     assert sem.chunk_definitions("README.md", "# title\ntext\n")[0].text == "# title\ntext"
 
 
-class WordEncoder:
-    """Hashed bag of words (deterministic): counts the texts it embeds."""
-
-    name = "words-v1"
-
-    def __init__(self):
-        self.texts, self.lock = [], threading.Lock()
-
-    def encode(self, texts):
-        with self.lock:
-            self.texts += texts
-        out = np.zeros((len(texts), 64), np.float32)
-        for i, t in enumerate(texts):
-            for w in t.lower().replace("_", " ").split():
-                out[i, int(hashlib.md5(w.strip(".,:()\"'").encode()).hexdigest(), 16) % 64] += 1
-        return out
-
-
-def make_word_encoder():
-    return WordEncoder()
-
-
-FILES = {
-    "net/retry.py": 'def backoff_delay(attempt):\n    """Seconds to wait before retrying a failed request."""\n'
-                    "    return 2 ** attempt\n",
-    "text/slug.py": 'def slugify(title):\n    """Lowercase a title and join its words with hyphens."""\n'
-                    '    return "-".join(title.lower().split())\n',
-    "db/pool.py": 'class ConnectionPool:\n    """Keeps open database connections for reuse."""\n',
-    "img/resize.py": 'def thumbnail(image, size):\n    """Shrink an image to fit a square box."""\n',
-}
-
-
 def test_cache_embeds_each_file_content_once_and_reloads_from_disk(tmp_path):
-    spec = sem.SemanticSpec("tests.env.tools.test_semantic_search:make_word_encoder", cache_dir=str(tmp_path))
+    spec = sem.SemanticSpec("tests.env.tools.search_inputs:make_word_encoder", cache_dir=str(tmp_path))
     assert isinstance(sem.encoder_of(spec), WordEncoder)  # an installed encoder, by import path
     with pytest.raises(ValueError, match="package.module:factory"):
         sem.SemanticSpec("wordllama")
