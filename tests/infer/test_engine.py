@@ -65,6 +65,7 @@ def test_greedy_with_and_without_cache(setup):
                                         cfg.num_experts_per_tok)
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_match_training_forward_group_and_multiturn(setup):
     """Shared-prefix group, top-p, two turns with appended observations, rows decoded apart."""
     _, model, engine = setup

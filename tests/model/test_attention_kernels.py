@@ -232,6 +232,7 @@ def test_shared_prefix_mask_by_hand():
     np.testing.assert_array_equal(plain, expected & (np.asarray(seg)[0][:, None] == np.asarray(seg)[0][None]))
 
 
+@pytest.mark.slow
 def test_shared_prefix_attention_equals_unshared_rows():
     """reference_attention over [prompt | cont A | cont B] with the prefix mask gives each
     continuation token the output of its own row [prompt | cont], forward and backward (the

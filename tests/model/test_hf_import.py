@@ -61,7 +61,8 @@ def _theirs(model, tokens):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "groups_noqlora" else c
+                                  for c in sorted(CASES)])  # groups_noqlora: 15 s
 def test_import_matches_transformers_and_round_trips(case, tmp_path):
     hf = _hf_model(case)
     hf.save_pretrained(tmp_path / "hf")

@@ -187,6 +187,7 @@ NSA = dict(attention_backend="nsa", max_position_embeddings=64,
            nsa={"compress_block": 8, "compress_stride": 4, "select_block": 8, "select_topk": 3, "window": 16})
 
 
+@pytest.mark.slow  # 22 s dense, 49 s NSA
 @pytest.mark.parametrize("kw", [{}, NSA], ids=["dense", "nsa"])
 def test_engine_on_the_scanned_model_equals_the_unrolled_one(kw):
     """The engine's prefill and multi-step decode (plain and with one MTP draft) over the scanned

@@ -127,6 +127,7 @@ def _step(cfg, model, batch, accum):
     return {k: float(v) for k, v in metrics.items()}, grads
 
 
+@pytest.mark.slow
 def test_grad_accum_gives_the_unsplit_step_s_loss_grads_and_metrics(setup):
     cfg, model, batch = setup
     runs = {a: _step(cfg, model, batch, a) for a in ACCUMS}

@@ -24,6 +24,9 @@ from coder.rl import agent as agent_lib
 from configs import quickstart
 from tests.infer.engine_inputs import tiny_cfg
 
+# three engines roll out chains of a random model (the module fixtures: ~100 s on the slower 2-core machines)
+pytestmark = pytest.mark.slow
+
 TOOLS = [t for t in env_tools.SPECS if t.name in ("read_file", "submit")]
 TASKS = [Task(id=f"t{i}", prompt=f"Make f() return {i}.", files={}, tests={}) for i in range(2)]
 

@@ -133,6 +133,7 @@ def _import(fx, tmp_path, rows, repos=None, extra=()):
     return read_tasks(out), read_solutions(sols)
 
 
+@pytest.mark.slow
 def test_import_gold_scores_one_empty_and_partial_do_not(fixture, tmp_path, capsys):
     (task,), sols = _import(fixture, tmp_path, [fixture["instance"]])
     assert task.repo == str(fixture["repos"] / "acme__calc") and task.commit == fixture["base"]
@@ -691,6 +692,7 @@ def _r2e_row(fx, new_hash=None):
     }
 
 
+@pytest.mark.slow
 def test_r2e_gym_rows_import_with_the_split_from_their_logs(fixture, tmp_path, capsys):
     """An R2E-Gym row: the workspace is the parent commit, the hidden tests come from the row
     and stay out of reach until scoring, FAIL_TO_PASS / PASS_TO_PASS come from the old commit's
