@@ -17,7 +17,7 @@ import ml_collections
 from coder.model.config import default_rules, model_config  # noqa: F401  (re-exported)
 
 
-# Keys that moved, old name -> new (main.py names the new one when an override uses the old).
+# Keys that moved, old name -> new (main.py names the new one when a config file or an override sets an old one).
 MOVED = {
     "rl.num_actors": "rl.topology.actors",
     "rl.actor_processes": "rl.topology.actor_processes",

@@ -5,7 +5,7 @@
       IN_PROCESS   rl.topology.actors = 0: one ActorWorker (coder/rl/actor_worker.py) in each learner
                    process, threads beside the learner, following the weight store; each process
                    drives its own over its share of every step's tasks
-      COLOCATED    rl.topology.colocated (rl.topology.asynchronous=False): one engine over the job's devices in turns with
+      COLOCATED    rl.topology.colocated (asynchronous=False): one engine over the job's devices in turns with
                    the learner's steps (coder/rl/colocated.py); each version resharded on device,
                    no weight store
       RAY_ACTORS   rl.topology.actors = n >= 1 Ray actor processes (coder/rl/actor_hosts.py), each an
@@ -169,11 +169,13 @@ class Topology:
                        f"{actor_lib.format_bytes(one)} per device over this process's {len(devices)} devices, "
                        f"more than their {actor_lib.format_bytes(limit)}")
             if why:
-                raise ValueError(f"rl.topology.actors=0 and rl.topology.colocated=False on a learner of {processes} processes: "
+                raise ValueError("rl.topology.actors=0 and rl.topology.colocated=False on a learner of "
+                                 f"{processes} processes: "
                                  "every process builds its own engine of the whole model on its own devices, from "
                                  f"the weight store's whole version in its host memory, and {why}: set "
                                  "rl.topology.actors >= 1 (Ray actors, each an engine on its own slice) or "
-                                 "rl.topology.colocated=True with rl.topology.asynchronous=False (one engine over the devices of all "
+                                 "rl.topology.colocated=True with rl.topology.asynchronous=False (one engine over the "
+                                 "devices of all "
                                  f"{processes} processes)")
         if shape is not None:
             actor_lib.check_engine_memory(config, shape, limit)

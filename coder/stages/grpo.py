@@ -79,8 +79,8 @@ def validate(config) -> Topology:
     if int(rl.anchor_every) < 1:
         raise ValueError(f"rl.anchor_every={rl.anchor_every} must be >= 1")
     if float(rl.topology.actor_timeout_s) <= 0 or float(rl.weight_timeout_s) <= 0:
-        raise ValueError(f"rl.topology.actor_timeout_s={rl.topology.actor_timeout_s} and rl.weight_timeout_s={rl.weight_timeout_s} "
-                         "must be > 0")
+        raise ValueError(f"rl.topology.actor_timeout_s={rl.topology.actor_timeout_s} and "
+                         f"rl.weight_timeout_s={rl.weight_timeout_s} must be > 0")
     g = config.grpo
     if int(g.max_staleness) < 0 or float(g.tis_cap) < 0:
         raise ValueError(f"grpo.max_staleness={g.max_staleness} and grpo.tis_cap={g.tis_cap} must be >= 0 "

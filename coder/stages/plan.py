@@ -136,22 +136,22 @@ def engine_layout(config, learner_mesh, learner_topo):
     """(mesh, topology) of the rollout engine as the runtime builds it, after checking that the
     configured actor slice is the one the run starts: ValueError naming the keys otherwise."""
 
-    rl, cc = config.rl, config.compile
-    if rl.topology.colocated or int(rl.topology.actors) == 0:
+    t, cc = config.rl.topology, config.compile
+    if t.colocated or int(t.actors) == 0:
         if cc.engine_topology:
             raise ValueError(f"compile.engine_topology={cc.engine_topology!r}, but the engine runs in the learner's "
-                             f"process (rl.topology.actors=0{', rl.topology.colocated=True' if rl.topology.colocated else ''}): "
+                             f"process (rl.topology.actors=0{', rl.topology.colocated=True' if t.colocated else ''}): "
                              "leave compile.engine_topology empty or set rl.topology.actors")
         return compile_stage.engine_target(config, learner_mesh, learner_topo)
     if not cc.engine_topology:
-        raise ValueError(f"rl.topology.actors={rl.topology.actors} actors run on slices of their own: set "
+        raise ValueError(f"rl.topology.actors={t.actors} actors run on slices of their own: set "
                          "compile.engine_topology to an actor's slice (e.g. 'v5p-256') so the plan compiles "
                          "the engine there")
     etopo = hardware.parse_topology(cc.engine_topology, 1)
     hosts = max(1, etopo.num_chips // math.prod(etopo.chips_per_host_bounds))
-    if hosts != int(rl.topology.actor_processes):
+    if hosts != int(t.actor_processes):
         raise ValueError(f"compile.engine_topology={cc.engine_topology!r} has {hosts} hosts but an actor is "
-                         f"rl.topology.actor_processes={rl.topology.actor_processes} processes (one per host): make them agree")
+                         f"rl.topology.actor_processes={t.actor_processes} processes (one per host): make them agree")
     return compile_stage.engine_target(config, learner_mesh, learner_topo)
 
 
@@ -377,7 +377,7 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_n
         fit = largest_fitting_slots(config, emesh, etopo, engine, slots, run=run) if engine.get("decode") else {}
         gprog_plan = dict(gprog, rows=rows, seq_len=seq)
         part = grpo_plan(config, gprog_plan, engine, fit, topo)
-        actors = 0 if (config.rl.topology.colocated or int(config.rl.topology.actors) == 0) else int(config.rl.topology.actors)
+        actors = 0 if config.rl.topology.colocated else int(config.rl.topology.actors)  # actor slices of their own
         row = _stage_row(name, config, chips + actors * etopo.num_chips, [gprog, *eprogs],
                          part.get("step_s"), gprog["step_s_overlap"], rows * seq)
         return row, part
