@@ -12,7 +12,10 @@ without and with router replay. One run, one markdown table (coder.rl.agreement'
 Pairings (engine / learner): f32 / f32 (model.dtype float32, rl.engine_dtype float32);
 bf16 / f32 (rl.engine_dtype bfloat16: bf16 weights and KV cache, the learner in float32, as
 tests/rl/test_router_replay.py); bf16 / bf16 (model.dtype bfloat16: both compute in bf16 from
-the same float32 master weights). Each pairing samples its own tokens with its engine (T = 1)
+the same float32 master weights); int8 / fp8 / int4e over f32 (the engine's matmul weights in
+int8 or float8_e4m3fn with a scale per output channel, or its routed experts in INT4 with a
+scale per 32 inputs, coder/infer/quantize.py; its other weights and KV cache bf16). The
+"weights" column is what the engine holds on its device. Each pairing samples its own tokens with its engine (T = 1)
 and the learner recomputes exactly those. A second table splits f32 / f32 by where the engine
 computed the token's distribution: the prompt's prefill (the first sampled token) or a decode
 step (the others). A third (--sources) takes the float32 difference apart op by op on one row:
@@ -43,8 +46,10 @@ from coder.rl import grpo, trajectory
 from coder.rl.agreement import agreement
 from configs.base import model_config
 
-PAIRINGS = {"f32/f32": ("float32", "float32"), "bf16/f32": ("bfloat16", "float32"),
-            "bf16/bf16": ("bfloat16", "bfloat16")}  # name -> (engine weights, learner compute dtype)
+# name -> (engine weights' dtype, learner compute dtype, the engine's rl.engine_quantization)
+PAIRINGS = {"f32/f32": ("float32", "float32", ""), "bf16/f32": ("bfloat16", "float32", ""),
+            "bf16/bf16": ("bfloat16", "bfloat16", ""), "int8/f32": ("bfloat16", "float32", "int8"),
+            "fp8/f32": ("bfloat16", "float32", "fp8"), "int4e/f32": ("bfloat16", "float32", "int4_experts")}
 
 
 def tiny_config(args):
@@ -68,13 +73,15 @@ def master_state(cfg, args):
     return nnx.state(model)
 
 
-def sample(model, cfg, engine_dtype, args, prompts):
-    """Rows sampled by an engine over `model`'s weights in `engine_dtype` -> the GRPO batch of
-    them (coder.rl.trajectory.to_batch: behaviour log-probs and the engine's expert ids of every
-    fed token, prompt included) and the engine's seconds."""
+def sample(model, cfg, engine_dtype, quantization, args, prompts):
+    """Rows sampled by an engine over `model`'s weights in `engine_dtype` (quantized as
+    `quantization` says) -> the GRPO batch of them (coder.rl.trajectory.to_batch: behaviour
+    log-probs and the engine's expert ids of every fed token, prompt included), the engine's
+    seconds and the bytes its weights take."""
     n = args.group_size
     engine = Engine(model, cfg, max_len=args.prompt + args.new_tokens + 1, max_slots=len(prompts) * n,
-                    decode_steps=args.decode_steps, dtype=engine_dtype)
+                    decode_steps=args.decode_steps, dtype=engine_dtype, quantization=quantization)
+    weight_bytes = engine.weights.bytes_per_device
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
     t0 = time.perf_counter()
     groups = [engine.start_group(p, n) for p in prompts]
@@ -100,7 +107,7 @@ def sample(model, cfg, engine_dtype, args, prompts):
         group.close()
     seconds = time.perf_counter() - t0
     engine.close()
-    return trajectory.to_batch(rollouts, args.prompt + args.new_tokens), seconds
+    return trajectory.to_batch(rollouts, args.prompt + args.new_tokens), seconds, weight_bytes
 
 
 def learner_logp(model, batch, temperature, replay):
@@ -200,24 +207,24 @@ def main(argv=None):
           f"{cfg.n_routed_experts} experts, top {cfg.num_experts_per_tok}), vocab {cfg.vocab_size}, expert scale "
           f"{args.expert_scale}; {args.groups} x {args.group_size} rows, {args.prompt}-token prompts, "
           f"{args.new_tokens} sampled tokens each at T = {args.temperature}; {jax.default_backend()}\n")
-    head = ("| engine / learner | router replay | tokens | max \\|diff\\| | mean \\|diff\\| | KL k3 | "
+    head = ("| engine / learner | weights | router replay | tokens | max \\|diff\\| | mean \\|diff\\| | KL k3 | "
             "routing (pairs) | routing (tokens) |")
-    lines = [head, "|---" * 8 + "|"]
+    lines = [head, "|---" * 9 + "|"]
     split = None
     for name in args.pairings.split(","):
-        engine_dtype, learner_dtype = PAIRINGS[name]
+        engine_dtype, learner_dtype, quantization = PAIRINGS[name]
         pcfg = cfg.copy_and_resolve_references()
         pcfg.dtype = learner_dtype  # the compute dtype of both the learner and (bf16/bf16) the engine
         model = Transformer(pcfg, rngs=nnx.Rngs(args.seed))
         nnx.update(model, master)
-        batch, seconds = sample(model, pcfg, engine_dtype, args, prompts)
+        batch, seconds, weight_bytes = sample(model, pcfg, engine_dtype, quantization, args, prompts)
         for replay in (False, True):
             logp, valid, own = learner_logp(model, batch, args.temperature, replay)
             mask = batch["loss_mask"] * np.asarray(valid)
             m = {k: float(v) for k, v in agreement(batch["behaviour_logp"], logp, mask, batch["expert_ids"],
                                                    own).items()}
-            lines.append(f"| {name} | {'yes' if replay else 'no'} | {int(mask.sum())} | {fmt(m['abs_diff_max'])} | "
-                         f"{fmt(m['abs_diff_mean'])} | {fmt(m['kl_k3'])} | {m['routing_mismatch']:.4f} | "
+            lines.append(f"| {name} | {weight_bytes / 2 ** 20:.2f} MiB | {'yes' if replay else 'no'} | "
+                         f"{int(mask.sum())} | {fmt(m['abs_diff_max'])} | {fmt(m['abs_diff_mean'])} | {fmt(m['kl_k3'])} | {m['routing_mismatch']:.4f} | "
                          f"{m['routing_mismatch_tokens']:.4f} |")
             if name == "f32/f32" and not replay:
                 first = np.zeros_like(mask)

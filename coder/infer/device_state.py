@@ -7,27 +7,50 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coder.infer import programs
+from coder.infer import programs, quantize
 from coder.infer.placement import Placement
 
 
 class ServedWeights:
-    """The engine's weights (`state`, an nnx.State on `shardings`, in the serving dtype) and
+    """The engine's weights (`state`, an nnx.State on `shardings`, in the serving dtype and, with
+    a `quantization` (coder.infer.quantize), the weights it names in their quantized form) and
     their signature (tree structure, shapes and dtypes: a new state must keep it, or every
     program would recompile). Built from an abstract model (nnx.eval_shape) it holds shapes
-    only until the first `load` sets real weights."""
+    only until the first `load` sets real weights.
 
-    def __init__(self, graphdef, state, placement: Placement):
+    Every state it is given is full precision (a set_weights state may also carry leaves of the
+    held quantized form): it is cast and placed by the placement, then quantized on the
+    devices. A loader is asked for the full-precision leaves (`float_shardings`, names of
+    `float_template`)."""
+
+    def __init__(self, graphdef, state, placement: Placement, quantization=None):
         self.graphdef, self.placement = graphdef, placement
-        self.shardings = placement.weight_shardings(state)
+        self.quantization = quantize.quantization(quantization)
+        self.float_template = jax.tree.map(placement.serving, state)
+        self.float_shardings = placement.weight_shardings(state)
+        served = jax.eval_shape(lambda s: quantize.quantize_state(s, self.quantization), self.float_template)
+        self.shardings = placement.weight_shardings(served)
+        self._quantize = jax.jit(lambda s: quantize.quantize_state(s, self.quantization),
+                                 out_shardings=self.shardings)
         # an abstract model holds its parameter dtype: its weights come later, in the serving dtype
-        self.state = placement.place(state, self.shardings) if not is_abstract(state) else \
-            jax.tree.map(placement.serving, state)
+        self.state = self.served(state) if not is_abstract(state) else served
         self.signature = signature(self.state)
+
+    def served(self, state) -> nnx.State:
+        """A whole `state` as the engine serves it: cast, placed and quantized."""
+        if self.quantization is None:
+            return self.placement.place(state, self.shardings)
+        return self._quantize(self.placement.place(state, self.placement.weight_shardings(state)))
 
     @property
     def abstract(self) -> bool:
         return is_abstract(self.state)
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes the served weights take on the most loaded device (int4: half a byte a value)."""
+        self.require()
+        return quantize.bytes_per_device(self.state)
 
     def require(self) -> None:
         if self.abstract:
@@ -43,7 +66,7 @@ class ServedWeights:
             raise RuntimeError("set_weights: the engine holds no weights for some variables (built from an "
                                "abstract model, or released by settle(release=True)): give a whole state, or "
                                "load_weights")
-        new = self.placement.place(nnx.state(model), self.shardings)
+        new = self.served(nnx.state(model))
         if signature(new) != self.signature:
             raise ValueError("set_weights: the new state's structure, shapes or dtypes differ from "
                              "the engine's model (that would recompile every program)")
@@ -54,14 +77,14 @@ class ServedWeights:
         process reads its own part), cast to the held dtypes."""
         from coder.train import flat as flat_lib  # coder.train imports the model layer: only when loading
 
-        shardings = flat_lib.state_to_flat(self.shardings)
+        shardings = flat_lib.state_to_flat(self.float_shardings)
         flat = loader(shardings)
         missing = set(shardings) - set(flat)
         if missing:
             raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
-        held = flat_lib.state_to_flat(self.state)  # the store's dtype (e.g. bf16) -> the engine's, on device
+        held = flat_lib.state_to_flat(self.float_template)  # the store's dtype (e.g. bf16) -> the engine's
         flat = {k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held}
-        new = self.placement.place(flat_lib.flat_to_state(self.state, flat), self.shardings)
+        new = self.served(flat_lib.flat_to_state(self.float_template, flat))
         if self.abstract:  # built from an abstract model: the first weights set the signature
             self.signature = signature(new)
         elif signature(new) != self.signature:

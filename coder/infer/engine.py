@@ -4,7 +4,7 @@ decode on device, on a mesh. Public API (coder/rl and coder/serve are written ag
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256,
                             stop_token_ids=())
     engine = Engine(model, model_cfg, *, max_len, max_slots=64, decode_steps=16,
-                    speculative_k=0, mesh=None, rules=None, dtype=None,
+                    speculative_k=0, mesh=None, rules=None, dtype=None, quantization=None,
                     batch_buckets=(1, 2, 4, 8, 16, 32), len_buckets=(16, 32, ..., >= max_len))
     group = engine.start_group(prompt_ids, n)
         n rows sharing a prompt: the prompt is prefilled ONCE (one slot) and its cache copied to
@@ -68,6 +68,9 @@ On a mesh: weights shard by the training rules (`coder.model.sharding`: tensor /
 fsdp axes), the pool's slots split over the batch axes when they divide the slot count.
 `dtype` casts floating weights (e.g. bfloat16 serving weights while the learner keeps float32);
 an engine built from an abstract model serves the weights it is given later in it too.
+`quantization` ("int8", "fp8", "int4_experts": coder/infer/quantize.py) holds the weights it
+names quantized (weight-only; the KV cache stays in the serving dtype), whatever full-precision
+weights it is given: `weights.bytes_per_device` says what they take.
 
 Parts (each its own module): `transport` (coder/infer/transport.py: the engine's role, LOCAL,
 LEADER or FOLLOWER, and how a device call reaches every process), `placement`
@@ -161,7 +164,7 @@ class Engine:
                  batch_buckets=BATCH_BUCKETS, len_buckets=None, speculative_k: int = 0,
                  cache_dtype=None, mesh=None, rules=None, dtype=None, admission_timeout_s: float = 300.0,
                  follower_timeout_s: float = 60.0, prefix_cache_slots: int = 0, offload_idle_rows: bool = False,
-                 prefix_in_place: bool = False):
+                 prefix_in_place: bool = False, quantization=None):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need room for a prompt and a token")
         speculative.check_draft_depth("speculative_k", speculative_k, model_cfg.num_mtp_layers)
@@ -196,7 +199,7 @@ class Engine:
         self.cache_dtype = jnp.dtype(cache_dtype or self.dtype or model_cfg.dtype)
         self.counters = EngineCounters(spec_k=self.spec_k, offload=self.offload_idle_rows)
         graphdef, state = nnx.split(model)
-        self.weights = ServedWeights(graphdef, state, self.placement)
+        self.weights = ServedWeights(graphdef, state, self.placement, quantization)
         self.pool_store = DeviceStore(model_cfg, self.cache_dtype, self.spec_k, self.placement, self._counted)
         self.policy_version = 0
         self.sched = Scheduler(max_slots=int(max_slots), max_len=self.max_len, spec_k=self.spec_k,

@@ -29,8 +29,14 @@ class Placement:
     # ---------------------------------------------------------------- weights
     def serving(self, x) -> jax.ShapeDtypeStruct:
         """The shape and dtype the engine serves leaf `x` in: floating leaves in `dtype` (when set)."""
-        cast = self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        cast = self.casts(x.dtype)
         return jax.ShapeDtypeStruct(x.shape, self.dtype if cast else x.dtype)
+
+    def casts(self, dtype) -> bool:
+        """Whether a leaf of `dtype` is served in `dtype`: floating leaves of 16 bits or more (an
+        8-bit float is a quantized weight's values: coder.model.quantized)."""
+        return self.dtype is not None and jnp.issubdtype(dtype, jnp.floating) and \
+            jax.dtypes.itemsize_bits(dtype) >= 16
 
     def weight_shardings(self, state):
         """The engine's sharding of every leaf of `state` (a tree like it)."""
@@ -46,7 +52,7 @@ class Placement:
             spans = isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding != sh
             if spans and not self.spans_processes:
                 x = multihost_utils.process_allgather(x, tiled=True)  # a learner over several hosts
-            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            if self.casts(x.dtype):
                 x = x.astype(self.dtype)
             if spans and self.spans_processes:  # every process is in this call: reshard on device
                 return jax.jit(_identity, out_shardings=sh)(x)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coder.model.quantized import value_of
 from coder.model.sharding import constrain
 
 
@@ -53,8 +54,9 @@ def weight(v: nnx.Variable, dtype=None, whole: bool = False) -> jnp.ndarray:
     the gather moves `dtype`), then whole along `embed` (the FSDP dimension) and split along its
     other axes as the rules say, or whole on every device (`whole`: a data-parallel layer).
     Left implicit, XLA may instead move the activations to the weight's FSDP split (it did when
-    tokens and `embed` split over the same mesh axis)."""
-    w = v[...] if dtype is None else v[...].astype(dtype)
+    tokens and `embed` split over the same mesh axis). A weight an engine holds quantized
+    (coder.model.quantized) is dequantized here, on the stored shard, into `dtype`."""
+    w = value_of(v, dtype)
     axes = v.get_metadata().get("logical_axes")
     if not axes:
         return w

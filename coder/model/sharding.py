@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from coder.model.config import routing_errors
+from coder.model.quantized import Quantized
 
 AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
@@ -314,9 +315,18 @@ def _var_spec(v, rules) -> PartitionSpec:
 
 
 def state_specs(state, rules):
-    """PartitionSpec per variable of an nnx State (same tree structure, Variables kept)."""
-    return jax.tree.map(lambda v: v.replace(_var_spec(v, rules)), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    """PartitionSpec per variable of an nnx State (same tree structure, Variables kept). A
+    quantized weight's values split as the weight would; its scale along the same axes except
+    where it spans an axis whole or in groups (there it is whole: it is small)."""
+    def spec(v):
+        s = _var_spec(v, rules)
+        x = v.get_value() if isinstance(v, nnx.Variable) else None
+        if not isinstance(x, Quantized):
+            return v.replace(s)
+        entries = tuple(s) + (None,) * (x.ndim - len(s))
+        scale = PartitionSpec(*(e if m == n else None for e, m, n in zip(entries, x.scale.shape, x.shape)))
+        return v.replace(Quantized(s, scale))
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def param_specs(model, rules) -> dict[str, PartitionSpec]:

@@ -36,7 +36,7 @@ from coder.env import tasks as tasks_lib
 from coder.env.episode import Episode
 from coder.env.pool import EpisodePool, PooledEpisode
 from coder.env.tools.memory import Memory, repository_key
-from coder.infer import embedding, programs
+from coder.infer import embedding, programs, quantize
 from coder.infer.engine import Engine, SamplingParams
 from coder.infer.scheduler import BATCH_BUCKETS, bucket, default_len_buckets
 from coder.model import Transformer, sharding
@@ -297,7 +297,8 @@ def make_engine(model, config, *, mesh=None, prefix_cache: int | None = None):
     """The RL engine on `mesh` (default: `engine_mesh(config)`), with its own copy of the
     model's weights in `serving_dtype(config)` (an abstract model: the weights it is given later,
     from the store or the learner, in that dtype); `engine_slots(config)` slots, and
-    `prefix_cache` cached prefixes at most (default `prefix_cache_slots(config)`). Refuses (ValueError, before
+    `prefix_cache` cached prefixes at most (default `prefix_cache_slots(config)`), the weights
+    `rl.engine_quantization` names held quantized (coder.infer.quantize). Refuses (ValueError, before
     anything is placed) an engine that `check_engine_memory` finds too large for its devices."""
 
     rl = config.rl
@@ -305,7 +306,7 @@ def make_engine(model, config, *, mesh=None, prefix_cache: int | None = None):
     check_engine_memory(config, dict(mesh.shape), device_bytes_limit(mesh.devices.flat))
     return Engine(model, config.model, max_len=int(rl.context_budget), speculative_k=int(rl.speculative_k),
                   max_slots=engine_slots(config), decode_steps=int(rl.decode_steps), dtype=serving_dtype(config),
-                  mesh=mesh, rules=engine_rules(config),
+                  quantization=rl.engine_quantization, mesh=mesh, rules=engine_rules(config),
                   follower_timeout_s=float(rl.topology.actor_timeout_s), offload_idle_rows=bool(rl.offload_idle_rows),
                   prefix_cache_slots=prefix_cache_slots(config) if prefix_cache is None else int(prefix_cache))
 
@@ -357,7 +358,8 @@ def engine_memory(config, mesh_shape: dict) -> EngineMemory:
     """`EngineMemory` of the RL engine of `config` on a mesh of `mesh_shape` ({axis: size}, e.g.
     `engine_mesh_shape(config, n_devices)`), from the config alone: the model is built abstractly
     (nnx.eval_shape), nothing is allocated. The serving dtype is `serving_dtype(config)`: the dtype
-    of the engine's weights (whichever way they reach it) and of its KV cache."""
+    of the engine's weights (whichever way they reach it) and of its KV cache; the weights
+    `rl.engine_quantization` names take their quantized bytes (int4: half a byte a value)."""
 
     rules, dtype = engine_rules(config), serving_dtype(config)
     sizes = {axis: int(n) for axis, n in mesh_shape.items()}
@@ -366,15 +368,15 @@ def engine_memory(config, mesh_shape: dict) -> EngineMemory:
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         return math.prod(sizes[a] for a in axes)
 
-    state = nnx.state(nnx.eval_shape(model_fn(config)))
-    specs = dict(nnx.to_flat_state(sharding.state_specs(state, rules)))
-    weights = 0
-    for path, var in nnx.to_flat_state(state):
-        x, spec = var.get_value(), specs[path].get_value()
+    served = quantize.abstract_served(nnx.state(nnx.eval_shape(model_fn(config))),
+                                      quantize.quantization(config.rl.engine_quantization), dtype)
+
+    def shard_bytes(x, spec) -> int:
         spec = tuple(spec) + (None,) * (len(x.shape) - len(spec))
         shard = [-(-n // shards(entry)) for n, entry in zip(x.shape, spec)]
-        itemsize = dtype.itemsize if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize
-        weights += math.prod(shard) * itemsize
+        return (math.prod(shard) * jax.dtypes.itemsize_bits(x.dtype) + 7) // 8
+
+    weights = sum(jax.tree.leaves(jax.tree.map(shard_bytes, served, sharding.state_specs(served, rules))))
     budget = int(config.rl.context_budget)
     capacity = bucket(default_len_buckets(budget), budget)
     store = jax.eval_shape(lambda: programs.empty_store(config.model, 1, capacity, dtype, int(config.rl.speculative_k)))
@@ -430,7 +432,8 @@ def check_engine_memory(config, mesh_shape: dict, bytes_limit: int | None) -> No
         raise ValueError(f"rl.context_budget={rl.context_budget}: {where}, so even one row at the budget needs "
                          f"{format_bytes(one)} per device, more than {limit}: lower rl.context_budget, spread the "
                          f"weights over more devices (rl.engine_mesh={dict(rl.engine_mesh)}: the expert / tensor "
-                         f"sizes) or serve them narrower (rl.engine_dtype={rl.engine_dtype!r})")
+                         f"sizes) or serve them narrower (rl.engine_dtype={rl.engine_dtype!r}, "
+                         f"rl.engine_quantization={rl.engine_quantization!r})")
     rows = engine_slots(config)
     need = mem.per_device(rows)
     if need > bytes_limit:

@@ -480,8 +480,8 @@ def lower_engine(config, mesh) -> tuple[dict, dict]:
         model_cfg.moe_shared_data_parallel = False
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(int(config.seed))))
     engine = Engine(abstract, model_cfg, max_len=slots, speculative_k=int(rl.speculative_k),
-                    dtype=serving_dtype(config))
-    state_sh = sharding.state_shardings(nnx.state(abstract), mesh, rules)
+                    dtype=serving_dtype(config), quantization=rl.engine_quantization)
+    state_sh = sharding.state_shardings(engine.weights.state, mesh, rules)  # the served form (quantized)
     axes = sharding.mesh_axes_of("batch", rules)
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     n = math.prod(mesh.shape[a] for a in axes)

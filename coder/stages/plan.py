@@ -354,7 +354,7 @@ def plan_stage(name: str, config, mesh, topo, engine_cache: dict, run=_compile_n
         emesh, etopo = engine_layout(config, mesh, topo)
         slots = engine_slots(config)
         key = (slots, int(config.rl.context_budget), int(config.rl.speculative_k), etopo.name,
-               config.rl.engine_dtype, config.rl.engine_attention)
+               config.rl.engine_dtype, config.rl.engine_quantization, config.rl.engine_attention)
         engine = engine_cache.get(key)
         if engine is None:
             engine = run(f"engine_at_{slots}_slots", lambda: compile_engine_at(config, emesh, etopo, slots))

@@ -45,6 +45,24 @@ def test_estimate_equals_the_arrays_a_built_engine_places(quickstart_grpo):
     assert whole.weights > wide.weights and whole.batch_shards == 8
 
 
+def test_the_estimate_counts_a_quantized_engine_at_its_formats_width(quickstart_grpo):
+    """rl.engine_quantization="int4_experts": the routed experts take half a byte a value plus a
+    bf16 scale per 32, on the same 8-device layout; the estimate is what the engine holds."""
+    c = quickstart_grpo
+    c.rl.engine_mesh.update({"expert": 2, "tensor": 2})
+    c.rl.engine_dtype = "bfloat16"
+    full = actor_lib.engine_memory(c, actor_lib.engine_mesh_shape(c, 8))
+    c.rl.engine_quantization = "int4_experts"
+    mesh = actor_lib.engine_mesh(c, jax.devices())
+    mem = actor_lib.engine_memory(c, dict(mesh.shape))
+    assert mem.weights < full.weights and mem.slot == full.slot
+    engine = actor_lib.make_engine(actor_lib.model_fn(c)(), c, mesh=mesh)
+    try:
+        assert engine.weights.bytes_per_device == mem.weights
+    finally:
+        engine.close()
+
+
 def test_one_row_at_the_context_budget_beyond_the_limit_is_refused(quickstart_grpo):
     c = quickstart_grpo
     shape = actor_lib.engine_mesh_shape(c, 8)
