@@ -57,15 +57,17 @@ def main(argv=None):
             decode = entry.get("decode") or {}
             mem = decode.get("memory") or {}
             roof = decode.get("roofline") or {}
-            step = roof.get("step_time_serial_s")
+            step, cost = roof.get("step_time_serial_s"), decode.get("cost") or {}
+            error = decode.get("error") or entry.get("error") or ""
             rows.append(dict(
                 mode=mode or "none (bf16)", status=decode.get("status", entry.get("status")),
                 gib_per_chip=mem.get("total_bytes", 0) / GIB, params_gib=mem.get("params_bytes", 0) / GIB,
-                hbm_gib=mem.get("hbm_bytes", 0) / GIB,
+                hbm_gib=mem.get("hbm_bytes", 0) / GIB, hbm_bytes_a_step=cost.get("bytes_accessed"),
+                flops_a_step=cost.get("flops"),
                 weights_gib_arithmetic=actor_lib.engine_memory(c, dict(emesh.shape)).weights / GIB,
                 step_ms_serial=1e3 * step if step else None,
                 tokens_per_s=slots * tokens_a_step / step if step else None,
-                compile_s=round(time.perf_counter() - t0, 1), error=(decode.get("error") or entry.get("error") or "")[:300]))
+                compile_s=round(time.perf_counter() - t0, 1), error=error[:300]))
             print(json.dumps(rows[-1]), flush=True)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), args.recipe)
     os.makedirs(out, exist_ok=True)
