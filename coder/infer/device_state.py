@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coder.infer import programs, quantize
+from coder.train import flat as flat_lib
 from coder.infer.placement import Placement
 
 
@@ -74,17 +75,24 @@ class ServedWeights:
 
     def load(self, loader) -> None:
         """Weights that `loader(shardings) -> {flat name: jax.Array}` reads (load_weights; every
-        process reads its own part), cast to the held dtypes."""
-        from coder.train import flat as flat_lib  # coder.train imports the model layer: only when loading
-
-        shardings = flat_lib.state_to_flat(self.float_shardings)
+        process reads its own part), cast to the held dtypes. A loader whose `quantized` is true
+        gives the served form itself (coder.infer.quantize.to_flat's names: a weight store a
+        quantizing publisher wrote); any other gives full-precision leaves, quantized here."""
+        if getattr(loader, "quantized", False):
+            if self.quantization is None:
+                raise ValueError("load_weights: the loader gives quantized weights, but this engine serves them "
+                                 "full precision (built without a quantization)")
+            template, shardings = self.state, quantize.to_flat(self.shardings)
+            to_state = lambda flat: self.placement.place(quantize.from_flat(template, flat), self.shardings)  # noqa: E731
+        else:
+            template, shardings = self.float_template, flat_lib.state_to_flat(self.float_shardings)
+            to_state = lambda flat: self.served(flat_lib.flat_to_state(template, flat))  # noqa: E731
         flat = loader(shardings)
         missing = set(shardings) - set(flat)
         if missing:
             raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
-        held = flat_lib.state_to_flat(self.float_template)  # the store's dtype (e.g. bf16) -> the engine's
-        flat = {k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held}
-        new = self.served(flat_lib.flat_to_state(self.float_template, flat))
+        held = quantize.to_flat(template)  # the store's dtype (e.g. bf16) -> the engine's, on device
+        new = to_state({k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held})
         if self.abstract:  # built from an abstract model: the first weights set the signature
             self.signature = signature(new)
         elif signature(new) != self.signature:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coder.model.quantized import Quantized, quantize
+from coder.train import flat as flat_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,35 @@ def dequantize_state(state: nnx.State) -> nnx.State:
         x = var.get_value()
         leaves.append((path, var.replace(x.dequantize(x.scale.dtype)) if isinstance(x, Quantized) else var))
     return nnx.from_flat_state(leaves)
+
+
+def to_flat(state: nnx.State) -> dict:
+    """{flat name: array} of a served state, a quantized weight as two leaves `{name}.values` and
+    `{name}.scale` (the weight store's names: coder.rl.weight_channel.ModelPublisher)."""
+    out = {}
+    for name, x in flat_lib.state_to_flat(state).items():
+        if isinstance(x, Quantized):
+            out[f"{name}.values"], out[f"{name}.scale"] = x.values, x.scale
+        else:
+            out[name] = x
+    return out
+
+
+def from_flat(template: nnx.State, flat: dict) -> nnx.State:
+    """Inverse of `to_flat` in `template`'s structure (a served state: arrays or shapes)."""
+    leaves = []
+    for path, var in nnx.to_flat_state(template):
+        name = flat_lib.flat_name(path)
+        x = Quantized(flat[f"{name}.values"], flat[f"{name}.scale"]) if isinstance(var.get_value(), Quantized) \
+            else flat[name]
+        leaves.append((path, var.replace(x)))
+    return nnx.from_flat_state(leaves)
+
+
+def holds_quantized(names) -> bool:
+    """Whether flat `names` (to_flat's) hold a quantized weight (a `.values` with its `.scale`)."""
+    names = set(names)
+    return any(n.endswith(".values") and n[: -len(".values")] + ".scale" in names for n in names)
 
 
 def bytes_per_device(state) -> int:

@@ -66,9 +66,10 @@ def store_url(config, stage_dir: str) -> str:
 
 def learner_weights(config, url: str):
     """The learner's publisher (weight_channel.ModelPublisher) of stage grpo: every variable, floating
-    ones in the serving dtype `rl.engine_dtype or model.dtype`, each process writing its own
-    devices' slices."""
+    ones in the serving dtype `rl.engine_dtype or model.dtype`, the weights rl.engine_quantization
+    names in the engines' quantized form, each process writing its own devices' slices."""
     return weight_channel.ModelPublisher(url, dtype=actor_lib.serving_dtype(config),
+                                         quantization=config.rl.engine_quantization,
                                          anchor_every=int(config.rl.anchor_every))
 
 

@@ -3,6 +3,7 @@ the store's newest version into an engine, for every producer and consumer of we
 learner and actors, stage realtime and the servers that follow it).
 
     ModelPublisher(url, dtype=bf16).publish(model, v)   # every process writes its own slices
+    ModelPublisher(url, dtype=bf16, quantization="int8")  # the engines' quantized form instead
     StoreLoad(url, version)                             # an Engine.load_weights loader: each
                                                         # process reads its own devices' slices
     EngineFollower(engine, url, template).poll()        # new versions -> an engine, in flight
@@ -34,16 +35,26 @@ class ModelPublisher:
     gathered, and a process's host memory holds its shards only. Every process of the job calls
     `publish` for every version (a version is complete when all their parts are written).
 
+    With a `quantization` (coder.infer.quantize: the engines' rl.engine_quantization) the
+    weights it names are quantized on the learner's devices and published in that form
+    (`quantize.to_flat`: `{name}.values` and `{name}.scale`): a version moves 2x (int8) to ~3.5x
+    (INT4 experts) fewer bytes than bf16, and an engine of that quantization loads it as is.
+
     Args:
       url: the store.
       dtype: the serving dtype (e.g. bfloat16), or None.
+      quantization: a coder.infer.quantize mode name ("" / None: full precision).
       anchor_every: as WeightPublisher's.
     """
 
-    def __init__(self, url: str, *, dtype=None, anchor_every: int = 10):
+    def __init__(self, url: str, *, dtype=None, quantization=None, anchor_every: int = 10):
         import jax  # heavy: jax (this module loads without it)
 
+        from coder.infer import quantize  # jax too
+
         self.url, self.dtype = url, dtype
+        self.quantization = quantize.quantization(quantization)
+        self._quantize = jax.jit(lambda s: quantize.quantize_state(s, self.quantization))
         self.writer = weight_sync.WeightPublisher(url, shard=(jax.process_index(), jax.process_count()),
                                       anchor_every=anchor_every)
 
@@ -52,20 +63,31 @@ class ModelPublisher:
         WeightPublisher.publish's record, its "seconds" including the copies to host."""
         import jax  # heavy: jax (this module loads without it)
         from flax import nnx
-        from jax import numpy as jnp
+
+        from coder.infer import quantize  # jax too
 
         t0 = time.perf_counter()
         state = model if isinstance(model, nnx.State) else nnx.state(model)
+        if self.quantization is not None:
+            state = self._quantize(jax.tree.map(self._cast, state))
         flat = {}
-        for name, x in state_to_flat(state).items():
-            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-                x = x.astype(self.dtype)
+        for name, x in quantize.to_flat(state).items():
+            x = self._cast(x)
             flat[name] = x if isinstance(x, jax.Array) else np.asarray(x)
         mine = weight_sync.local_slices(flat)
         copied = time.perf_counter() - t0
         info = self.writer.publish(int(version), mine)
         info["seconds"] += copied
         return info
+
+    def _cast(self, x):
+        """A floating leaf of 16 bits or more in the serving dtype (an 8-bit float is a quantized
+        weight's values)."""
+        import jax  # heavy: jax (this module loads without it)
+        from jax import numpy as jnp
+
+        wide = jnp.issubdtype(x.dtype, jnp.floating) and jax.dtypes.itemsize_bits(x.dtype) >= 16
+        return x.astype(self.dtype) if self.dtype is not None and wide else x
 
     def gc(self, keep_from: int) -> dict | None:
         """`gc(url, keep_from)` from process 0 (None on the others)."""
@@ -82,10 +104,12 @@ class StoreLoad:
     """A picklable weight loader for `Engine.load_weights`: every process of an engine calls it
     with its shardings and reads only its own devices' slices of `version` (default: the newest
     complete one). The process keeps one reader per (url, shardings), so the next version costs
-    its deltas."""
+    its deltas. `quantized`: the store holds a quantizing publisher's form (ServedWeights.load
+    then asks for those leaves)."""
 
     url: str
     version: int | None = None
+    quantized: bool = False
 
     def __call__(self, shardings: dict) -> dict:
         key = (self.url, tuple(sorted(shardings.items(), key=lambda kv: kv[0])))
@@ -241,7 +265,8 @@ class EngineFollower:
             version = weight_sync.latest_version(self.url)
             if version is None or version == self.version:
                 return None
-            self.engine.load_weights(StoreLoad(self.url, version), version)
+            quantized = self.engine.weights.quantization is not None  # the same rl.engine_quantization as the publisher
+            self.engine.load_weights(StoreLoad(self.url, version, quantized), version)
             self.version, self.last_read = version, {"version": version, "from": "each process's slices"}
             logging.info("weight version %d from %s: read by every process of the engine", version, self.url)
             return version
@@ -249,17 +274,32 @@ class EngineFollower:
         if got is None:
             return None
         version, flat = got
-        missing = sorted(set(self._dtypes) - set(flat))
-        if missing:
-            raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
-                             f"variables, e.g. {missing[:3]}: it holds another model")
-        state = flat_to_state(self.template, {k: np.asarray(flat[k]).astype(dt, copy=False)
-                                              for k, dt in self._dtypes.items()})
+        state = self._state(version, flat)
         self.engine.set_weights(state, version)
         self.version, self.last_read = version, dict(self.reader.last_read)
         self._polled_bytes += int(self.last_read.get("bytes", 0))
         logging.info("weight version %d from %s (%s)", version, self.url, self.last_read)
         return version
+
+    def _state(self, version: int, flat: dict):
+        """The nnx.State of a version the store gave whole: full precision in `template`'s
+        structure, or a quantizing publisher's form in the engine's served one."""
+        from coder.infer import quantize  # jax too
+
+        if quantize.holds_quantized(flat):
+            if self.engine.weights.quantization is None:
+                raise ValueError(f"weight store {self.url} version {version} holds quantized weights (its publisher's "
+                                 "rl.engine_quantization), but this engine serves them full precision")
+            template = self.engine.weights.state
+            dtypes = {k: v.dtype for k, v in quantize.to_flat(template).items()}
+            build = quantize.from_flat
+        else:
+            template, dtypes, build = self.template, self._dtypes, flat_to_state
+        missing = sorted(set(dtypes) - set(flat))
+        if missing:
+            raise ValueError(f"weight store {self.url} version {version} lacks {len(missing)} of the model's "
+                             f"variables, e.g. {missing[:3]}: it holds another model")
+        return build(template, {k: np.asarray(flat[k]).astype(dt, copy=False) for k, dt in dtypes.items()})
 
     @property
     def bytes_read(self) -> int:

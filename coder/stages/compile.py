@@ -102,7 +102,7 @@ def bytes_per_chip(tree) -> float:
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             shape = sharding.shard_shape(shape)
-        total += math.prod(shape) * leaf.dtype.itemsize
+        total += math.prod(shape) * jax.dtypes.itemsize_bits(leaf.dtype) / 8  # int4: half a byte
     return total
 
 
