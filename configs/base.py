@@ -210,7 +210,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.decode_steps = 16  # decode steps per host call, run on device in one lax.while_loop
     c.rl.engine_dtype = ""  # serving weights' dtype ("" = model.dtype; "bfloat16": bf16 engine, f32 learner)
     # weights the engine holds quantized (coder/infer/quantize.py; weight-only, the learner keeps
-    # its masters): "" none, "int8" / "fp8" every matmul weight, "int4_experts" the routed experts
+    # its masters): "" none, "int8" / "fp8" every matmul weight, "int8_experts" / "int4_experts" the
+    # routed experts only (read narrow on TPU by coder/pallas/quantized_matmul.py)
     c.rl.engine_quantization = ""
     # The engine's model-parallel axes (coder.rl.actor.engine_mesh; 0 = the training mesh's): an
     # actor's slice is often smaller than the learner's, so its engine splits the weights its own

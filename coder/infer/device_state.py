@@ -83,7 +83,8 @@ class ServedWeights:
                 raise ValueError("load_weights: the loader gives quantized weights, but this engine serves them "
                                  "full precision (built without a quantization)")
             template, shardings = self.state, quantize.to_flat(self.shardings)
-            to_state = lambda flat: self.placement.place(quantize.from_flat(template, flat), self.shardings)  # noqa: E731
+            to_state = lambda flat: self.placement.place(  # noqa: E731
+                quantize.from_flat(template, flat), self.shardings)
         else:
             template, shardings = self.float_template, flat_lib.state_to_flat(self.float_shardings)
             to_state = lambda flat: self.served(flat_lib.flat_to_state(template, flat))  # noqa: E731

@@ -7,8 +7,14 @@ the gap, which bench/agreement.py measures per mode.
 
     int8          every matmul weight int8, one scale per output channel (TPU v5p / H100 int8)
     fp8           every matmul weight float8_e4m3fn, one scale per output channel (H100 / B200)
+    int8_experts  the routed experts int8, one scale per output channel; the others as served
     int4_experts  the routed experts INT4, one scale per 32 inputs (Kimi K2.5's released form);
                   the other weights in the serving dtype
+
+On TPU the routed experts are read in their narrow form by coder.pallas.quantized_matmul
+(dequantized tile by tile in VMEM); the other matmul weights are dequantized by XLA inside the
+layer's step, which writes them to HBM first (docs/scale/composer_k2/engine_quantization.md
+measures what each mode costs a decode step).
 
 Weight-only: activations and the KV cache stay in the serving dtype. Never quantized: the
 embedding table (a lookup in float32), the router (float32 logits: a flipped top-k is a
@@ -42,6 +48,7 @@ class Quantization:
 MODES = {q.name: q for q in (
     Quantization("int8", Format("int8"), Format("int8")),
     Quantization("fp8", Format("float8_e4m3fn"), Format("float8_e4m3fn")),
+    Quantization("int8_experts", None, Format("int8")),
     Quantization("int4_experts", None, Format("int4", 32)),
 )}
 

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from coder.model import sharding
 from coder.model.expert_ffn import local_experts_ffn
 from coder.model.grouped_matmul import grouped_matmul
+from coder.model.quantized import operand, spec_for
 
 
 DISPATCHES = ("auto", "all_gather", "ragged_all_to_all")
@@ -91,6 +92,7 @@ def _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
     tok_spec = P(spec(tok_axes), spec(seq_axes), None)
     w_in = P(spec(exp_axes), None, spec(mlp_axes))
     w_out = P(spec(exp_axes), spec(mlp_axes), None)
+    w_specs = (spec_for(wg, w_in), spec_for(wu, w_in), spec_for(wd, w_out))  # a quantized weight's scale too
     n_local = wg.shape[0] // max(1, _size(mesh, exp_axes))
 
     def local(x, ids, weights, wg, wu, wd):
@@ -120,7 +122,7 @@ def _all_gather_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, capacity_fact
             dropped = jnp.zeros((b * t,), jnp.float32)
         return y.reshape(b, t, d).astype(x.dtype), dropped.reshape(b, t)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, *w_specs),
                        out_specs=(tok_spec, P(*tok_spec[:2])), check_vma=False)
     return fn(x, ids, weights, wg, wu, wd)
 
@@ -160,6 +162,7 @@ def _ragged_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, buffer_factor=0.0
     tok_spec = P(_spec(tok_axes), _spec(seq_axes), None)
     w_in = P(_spec(exp_axes), None, _spec(mlp_axes))
     w_out = P(_spec(exp_axes), _spec(mlp_axes), None)
+    w_specs = (spec_for(wg, w_in), spec_for(wu, w_in), spec_for(wd, w_out))  # a quantized weight's scale too
 
     def local(x, ids, weights, wg, wu, wd):
         bl, tl, d = x.shape
@@ -178,7 +181,7 @@ def _ragged_dispatch(x, ids, weights, wg, wu, wd, mesh, rules, buffer_factor=0.0
             dropped = jax.lax.all_gather(dropped, rep, axis=0, tiled=True)[:bl * tl]
         return y.reshape(bl, tl, d).astype(x.dtype), dropped.reshape(bl, tl)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_in, w_in, w_out),
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, *w_specs),
                        out_specs=(tok_spec, P(*tok_spec[:2])), check_vma=False)
     return fn(x, ids, weights, wg, wu, wd)
 
@@ -256,9 +259,9 @@ def _ragged_local(x, ids, weights, real, wg, wu, wd, axes, ep: int, rows: int, r
     # received rows), and `back` reads only rows below it: the grouped matmuls mask nothing
     filled = (r < mine.sum())[:, None]
     xs = jnp.where(filled, buf[jnp.clip(b_start[s_, e_] + r - s_start[e_, s_], 0, rows - 1)], 0)
-    h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
-        xs, wu.astype(dt), group_sizes, mask_rows=False)
-    ys = grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [rows, D]
+    h = jax.nn.silu(grouped_matmul(xs, operand(wg, dt), group_sizes, mask_rows=False)) * grouped_matmul(
+        xs, operand(wu, dt), group_sizes, mask_rows=False)
+    ys = grouped_matmul(h, operand(wd, dt), group_sizes, mask_rows=False)  # [rows, D]
     blk = jnp.minimum(jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), r, side="right"), n_exp - 1)
     s_, e_ = blk // n_local, blk % n_local
     back = jnp.where(filled, ys[jnp.clip(s_start[e_, s_] + r - b_start[s_, e_], 0, rows - 1)], 0)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from coder.model import sharding
 from coder.model.grouped_matmul import grouped_matmul
+from coder.model.quantized import as_dtype, operand
 
 
 DENSE_FFN_MAX = 512  # tokens x local experts up to which CPU runs every expert on every token
@@ -35,8 +36,8 @@ def dense_ffn(x, ids, weights, wg, wu, wd, first_expert=0):
     slot = jnp.where((local >= 0) & (local < n_local), local, n_local)  # n_local: dropped
     combine = jnp.zeros((n, n_local), jnp.float32).at[jnp.arange(n)[:, None], slot].add(weights, mode="drop")
     dt = x.dtype
-    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, wg.astype(dt))) * jnp.einsum("nd,edf->nef", x, wu.astype(dt))
-    y = jnp.einsum("nef,efd->ned", h, wd.astype(dt)).astype(jnp.float32)
+    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, as_dtype(wg, dt))) * jnp.einsum("nd,edf->nef", x, as_dtype(wu, dt))
+    y = jnp.einsum("nef,efd->ned", h, as_dtype(wd, dt)).astype(jnp.float32)
     return jnp.einsum("ned,ne->nd", y, combine).astype(dt)
 
 
@@ -118,9 +119,9 @@ def sorted_ffn(x, ids, weights, wg, wu, wd, first_expert=0, all_local: bool = Fa
     dt = x.dtype
 
     def experts(xs, group_sizes):
-        h = jax.nn.silu(grouped_matmul(xs, wg.astype(dt), group_sizes, mask_rows=False)) * grouped_matmul(
-            xs, wu.astype(dt), group_sizes, mask_rows=False)
-        return grouped_matmul(h, wd.astype(dt), group_sizes, mask_rows=False)  # [N*k, D]
+        h = jax.nn.silu(grouped_matmul(xs, operand(wg, dt), group_sizes, mask_rows=False)) * grouped_matmul(
+            xs, operand(wu, dt), group_sizes, mask_rows=False)
+        return grouped_matmul(h, operand(wd, dt), group_sizes, mask_rows=False)  # [N*k, D]
 
     if all_local:
         key = ids.reshape(-1)
@@ -173,9 +174,9 @@ def capacity_ffn(x, ids, weights, wg, wu, wd, capacity: int, first_expert=0):
     dt = x.dtype
     buf = jnp.zeros((n_local * capacity, x.shape[1]), dt).at[slot].set(x[token], mode="drop")
     buf = buf.reshape(n_local, capacity, -1)
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, wg.astype(dt))) * jnp.einsum(
-        "ecd,edf->ecf", buf, wu.astype(dt))
-    y = jnp.einsum("ecf,efd->ecd", h, wd.astype(dt)).reshape(n_local * capacity, -1)
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, as_dtype(wg, dt))) * jnp.einsum(
+        "ecd,edf->ecf", buf, as_dtype(wu, dt))
+    y = jnp.einsum("ecf,efd->ecd", h, as_dtype(wd, dt)).reshape(n_local * capacity, -1)
     w = jnp.where(kept, weights.reshape(-1), 0.0)
     y_pairs = y[jnp.minimum(slot, n_local * capacity - 1)].astype(jnp.float32) * w[:, None]
     out = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y_pairs).astype(dt)

@@ -16,7 +16,8 @@ import functools
 import jax.numpy as jnp
 
 from coder.model import sharding
-from coder.pallas import grouped_matmul_gpu
+from coder.model.quantized import Quantized, as_dtype
+from coder.pallas import grouped_matmul_gpu, quantized_matmul
 
 GMM_BLOCK = 128  # rows per block of the block-padded grouped matmul (CPU: bigger blocks run faster)
 
@@ -135,11 +136,19 @@ def grouped_matmul(x, w, group_sizes, mask_rows: bool = True):
     step on an H100 (docs/scale/moe_1b_h100 before the kernels). `bench/accelerator.py`'s part
     moe times the forms side by side.
 
+    w may be `Quantized` (a quantized engine's experts): on TPU coder.pallas.quantized_matmul
+    reads it in its narrow form; elsewhere it is dequantized first (as coder.model.quantized.
+    value_of does, so a CPU engine reproduces its dequantized reference bit for bit).
+
     The choice is made when the program is lowered for its platform (`platform_dependent`),
     not from the process's default backend: stage `compile` lowers for TPU from a CPU host. A
     program whose platform is known while tracing (`sharding.platform_dependent`) traces its
     form alone.
     """
+    if isinstance(w, Quantized):  # a quantized engine's experts: the TPU kernel reads them narrow
+        dequantized = lambda x, w, gs: grouped_matmul(x, as_dtype(w, x.dtype), gs, mask_rows)  # noqa: E731
+        return sharding.platform_dependent(x, w, group_sizes, tpu=lambda x, w, gs: quantized_matmul.gmm(
+            x, w.values, w.scale, gs), default=dequantized)
     # any K / N: megablox_grouped_matmul pads them to Mosaic's 128 lanes (tiny models included)
     tpu = functools.partial(megablox_grouped_matmul, mask_rows=mask_rows)
     cuda = functools.partial(gpu_grouped_matmul, mask_rows=mask_rows)

@@ -21,7 +21,6 @@ from coder.model.config import routing_errors
 from coder.model.expert_dispatch import expert_parallel_ffn
 from coder.model.expert_ffn import local_experts_ffn
 from coder.model.layers import MLP, dtype_of, param, weight
-from coder.model.quantized import value_of
 from coder.model.routing import RouterBias, load_fraction, route
 
 
@@ -74,13 +73,13 @@ class MoE(nnx.Module):
         buffer_factor = float(getattr(cfg, "moe_a2a_buffer_factor", 0.0))
         if distributed:
             y, dropped = expert_parallel_ffn(x, ids, weights,
-                                              value_of(self.wg), value_of(self.wu), value_of(self.wd), *ctx,
+                                              self.wg.get_value(), self.wu.get_value(), self.wd.get_value(), *ctx,
                                               capacity_factor=cf, dispatch=dispatch,
                                               buffer_factor=buffer_factor)
         else:
             y, dropped = local_experts_ffn(x.reshape(b * t, d), ids.reshape(b * t, -1),
-                                           weights.reshape(b * t, -1), value_of(self.wg),
-                                           value_of(self.wu), value_of(self.wd), 0, cf, cfg.n_routed_experts)
+                                           weights.reshape(b * t, -1), self.wg.get_value(),
+                                           self.wu.get_value(), self.wd.get_value(), 0, cf, cfg.n_routed_experts)
             y = y.reshape(b, t, d)
         # a bounded ragged_all_to_all buffer can drop pairs too (zero on the all-gather path)
         truncating = distributed and buffer_factor > 0 and dispatch != "all_gather"

@@ -100,6 +100,30 @@ def quantize(w: jax.Array, dtype: str, contracting: tuple[int, ...], group: int 
     return Quantized(scaled.astype(jnp.dtype(dtype)), scale)
 
 
+def as_dtype(w, dtype):
+    """An expert weight as an array in `dtype`: a `Quantized` one dequantized as `value_of` does."""
+    return w.dequantize(w.scale.dtype).astype(dtype) if isinstance(w, Quantized) else w.astype(dtype)
+
+
+def operand(w, dtype):
+    """An expert weight as the grouped matmul takes it: `Quantized` as it is (the TPU kernel reads
+    the narrow form: coder.pallas.quantized_matmul), an array cast to `dtype`."""
+    return w if isinstance(w, Quantized) else w.astype(dtype)
+
+
+def spec_for(w, spec):
+    """The PartitionSpec (tree) of weight `w` split as `spec` says: for a `Quantized` one, its
+    values as `spec` and its scale the same except where it spans or groups an axis (whole
+    there: it is small)."""
+    if not isinstance(w, Quantized):
+        return spec
+    from jax.sharding import PartitionSpec
+
+    entries = tuple(spec) + (None,) * (w.ndim - len(spec))
+    scale = PartitionSpec(*(e if m == n else None for e, m, n in zip(entries, w.scale.shape, w.shape)))
+    return Quantized(spec, scale)
+
+
 def value_of(v, dtype=None):
     """A variable's value as a layer multiplies it, cast to `dtype` when given: the stored
     array, or for a weight the engine holds `Quantized` the weight it stands for in its scale's

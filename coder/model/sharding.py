@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from coder.model.config import routing_errors
-from coder.model.quantized import Quantized
+from coder.model.quantized import spec_for
 
 AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
@@ -320,12 +320,7 @@ def state_specs(state, rules):
     where it spans an axis whole or in groups (there it is whole: it is small)."""
     def spec(v):
         s = _var_spec(v, rules)
-        x = v.get_value() if isinstance(v, nnx.Variable) else None
-        if not isinstance(x, Quantized):
-            return v.replace(s)
-        entries = tuple(s) + (None,) * (x.ndim - len(s))
-        scale = PartitionSpec(*(e if m == n else None for e, m, n in zip(entries, x.scale.shape, x.shape)))
-        return v.replace(Quantized(s, scale))
+        return v.replace(spec_for(v.get_value(), s) if isinstance(v, nnx.Variable) else s)
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
