@@ -113,14 +113,15 @@ def operand(w, dtype):
 
 def spec_for(w, spec):
     """The PartitionSpec (tree) of weight `w` split as `spec` says: for a `Quantized` one, its
-    values as `spec` and its scale the same except where it spans or groups an axis (whole
-    there: it is small)."""
+    values as `spec` and its scale the same, but whole along an axis it spans (size 1). A
+    grouped axis splits with its values, so each shard keeps the scales of its own groups (a
+    scale left whole there would pair a shard's rows with the wrong groups)."""
     if not isinstance(w, Quantized):
         return spec
     from jax.sharding import PartitionSpec
 
     entries = tuple(spec) + (None,) * (w.ndim - len(spec))
-    scale = PartitionSpec(*(e if m == n else None for e, m, n in zip(entries, w.scale.shape, w.shape)))
+    scale = PartitionSpec(*(None if m == 1 and n != 1 else e for e, m, n in zip(entries, w.scale.shape, w.shape)))
     return Quantized(spec, scale)
 
 
