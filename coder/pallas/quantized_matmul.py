@@ -12,13 +12,14 @@ int8 (docs/scale/composer_k2/engine_quantization.md). Here each weight tile is r
 narrow form and dequantized in VMEM: `values * scale` rounded to x's dtype, the same weights
 `Quantized.dequantize` gives, then one MXU matmul accumulated in float32.
 
-Layout: each group's rows are placed at a `block`-aligned offset (as coder.model.grouped_matmul's
-block-padded form), so a row block belongs to one group: the grid is (N / tn, row blocks), a
-scalar-prefetched block -> group table picks the weight tile, and a tile stays resident while
-its group's blocks pass (padding blocks past the last group keep the last group's tile), so
-each weight is read from HBM once a call. Sized for decode and short prefill chunks: a row
-block holds all K inputs of its rows. Forward only: the
-engine never differentiates its weights (the learner trains the full-precision masters).
+Layout: megablox's own visit schedule (`make_group_metadata`): for each group the row tiles
+it touches, a tile spanning two groups visited once for each, only the visits that cover rows
+(the grid's second axis is that count, known on device), so a static buffer of many more rows
+than are routed (the ragged all-to-all's) costs only the routed ones. The column tiles are the
+outer axis and a group's visits are consecutive, so each weight tile is fetched from HBM once
+per call (the pipeline skips a block whose index did not change). A row tile holds all K
+inputs of its rows (decode and short prefill chunks). Forward only: the engine never
+differentiates its weights (the learner trains the full-precision masters).
 
 `reference` is the same product in jnp (dequantize, then the block-padded grouped matmul).
 """
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-BLOCK = 128  # rows per block (the MXU's rows; a group is padded to whole blocks)
+TM = 128  # rows per tile
 
 
 def _tile(n: int, preferred: int) -> int:
@@ -42,75 +43,70 @@ def _tile(n: int, preferred: int) -> int:
     return n
 
 
-def _kernel(block_group, x_ref, v_ref, s_ref, o_ref, *, group: int, tk: int):
-    """One row block times one column tile of its group's weight, `tk` inputs at a time."""
-    del block_group  # used by the index maps only
+def _kernel(group_offsets, group_ids, m_tile_ids, x_ref, v_ref, s_ref, o_ref, *, group: int, tk: int):
+    """Visit t: row tile m_tile_ids[t] times a column tile of group group_ids[t]'s weight, `tk`
+    inputs at a time; only the group's rows of the tile are stored (a tile spanning two groups
+    is visited once for each, consecutively: the out tile stays resident between the two)."""
+    t = pl.program_id(1)
+    tm = x_ref.shape[0]
     k, tn = v_ref.shape
-    acc = jnp.zeros((x_ref.shape[0], tn), jnp.float32)
-    for t in range(k // tk):  # static: a few slices of the resident tiles
-        w = v_ref[t * tk:(t + 1) * tk, :].astype(jnp.float32)
-        if group:  # one scale per `group` inputs: rows t*tk/g ... of the [K / g, tn] scale tile
-            s = s_ref[t * tk // group:(t + 1) * tk // group, :].astype(jnp.float32)
+    acc = jnp.zeros((tm, tn), jnp.float32)
+    for i in range(k // tk):  # static: a few slices of the resident tiles
+        w = v_ref[i * tk:(i + 1) * tk, :].astype(jnp.float32)
+        if group:  # one scale per `group` inputs: rows i*tk/g ... of the [K / g, tn] scale tile
+            s = s_ref[i * tk // group:(i + 1) * tk // group, :].astype(jnp.float32)
             w = (w.reshape(tk // group, group, tn) * s[:, None, :]).reshape(tk, tn)
         else:
             w = w * s_ref[...].astype(jnp.float32)  # [1, tn]
         # a narrow integer times the scale is exact in float32: rounding it once to x's dtype
         # is Quantized.dequantize's rounding (values * scale in that dtype)
-        acc += jnp.dot(x_ref[:, t * tk:(t + 1) * tk], w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
-    o_ref[...] = acc.astype(o_ref.dtype)
+        acc += jnp.dot(x_ref[:, i * tk:(i + 1) * tk], w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
+    g = group_ids[t]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0) + m_tile_ids[t] * tm
+    mine = (rows >= group_offsets[g]) & (rows < group_offsets[g + 1])
+    o_ref[...] = jnp.where(mine, acc.astype(o_ref.dtype), o_ref[...])
 
 
-def _padded_rows(m: int, group_sizes, g: int, block: int):
-    """(dest `[M]` row of each row in the padded layout (n_blocks * block: dropped), block_group
-    `[n_blocks]`, n_blocks, valid `[M]`) of coder.model.grouped_matmul's block-padded form."""
-    n_blocks = -(-(m + g * block) // block)
-    padded = -(-group_sizes // block) * block
-    start = jnp.cumsum(group_sizes) - group_sizes
-    pstart = jnp.cumsum(padded) - padded
-    rows = jnp.arange(m)
-    grp = jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right")
-    valid = grp < g
-    grp = jnp.minimum(grp, g - 1)
-    dest = jnp.where(valid, pstart[grp] + rows - start[grp], n_blocks * block)
-    block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * block, side="right")
-    return dest, jnp.minimum(block_group, g - 1).astype(jnp.int32), n_blocks, valid
+@functools.partial(jax.jit, static_argnames=("tm", "interpret"))
+def gmm(x, values, scale, group_sizes, tm: int = TM, interpret: bool = False):
+    """The grouped matmul of x with the quantized weights (module docstring) -> `[M, N]` in x's
+    dtype, zero in rows past sum(group_sizes)."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
-
-@functools.partial(jax.jit, static_argnames=("block", "interpret"))
-def gmm(x, values, scale, group_sizes, block: int = BLOCK, interpret: bool = False):
-    """The grouped matmul of x with the quantized weights (module docstring) -> `[M, N]` in x's dtype."""
     m, k = x.shape
     g, k2, n = values.shape
     if k2 != k or scale.shape[0] != g or scale.shape[2] != n:
         raise ValueError(f"quantized gmm: x {x.shape}, values {values.shape}, scale {scale.shape} do not agree")
     group = 0 if scale.shape[1] == 1 else k // scale.shape[1]
     tk = _tile(k, 512)
-    # a column tile of a group's weight stays resident while its row blocks pass (the row
-    # blocks are the inner grid axis: the pipeline fetches a block only when its index changes),
-    # so each group's weight is read once per call; <= 4 MiB of values a tile
+    # <= 4 MiB of values a column tile
     bits = jax.dtypes.itemsize_bits(values.dtype)
     tn = _tile(n, max(128, min(512, (32 << 20) // max(1, k * bits) // 128 * 128)))
     if group and tk % group:
         raise ValueError(f"quantized gmm: a k tile of {tk} holds no whole groups of {group}")
-    dest, block_group, n_blocks, valid = _padded_rows(m, group_sizes, g, block)
-    xp = jnp.zeros((n_blocks * block, k), x.dtype).at[dest].set(x, mode="drop")
+    mp = -(-m // tm) * tm
+    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+    # megablox's visits: for each group, the row tiles it touches, in order (its own metadata)
+    (offsets, group_ids, m_tile_ids), visits = make_group_metadata(
+        group_sizes=group_sizes.astype(jnp.int32), m=mp, tm=tm, start_group=jnp.zeros((), jnp.int32),
+        num_nonzero_groups=g, visit_empty_groups=False)
     out = pl.pallas_call(
         functools.partial(_kernel, group=group, tk=tk),
-        out_shape=jax.ShapeDtypeStruct((n_blocks * block, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(n // tn, n_blocks),
-            in_specs=[pl.BlockSpec((block, k), lambda j, i, bg: (i, 0)),
-                      pl.BlockSpec((None, k, tn), lambda j, i, bg: (bg[i], 0, j)),
-                      pl.BlockSpec((None, scale.shape[1], tn), lambda j, i, bg: (bg[i], 0, j))],
-            out_specs=pl.BlockSpec((block, tn), lambda j, i, bg: (i, j))),
+            num_scalar_prefetch=3, grid=(n // tn, visits),
+            in_specs=[pl.BlockSpec((tm, k), lambda j, t, off, gid, mid: (mid[t], 0)),
+                      pl.BlockSpec((None, k, tn), lambda j, t, off, gid, mid: (gid[t], 0, j)),
+                      pl.BlockSpec((None, scale.shape[1], tn), lambda j, t, off, gid, mid: (gid[t], 0, j))],
+            out_specs=pl.BlockSpec((tm, tn), lambda j, t, off, gid, mid: (mid[t], j))),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(  # x once per column tile, each group's weight once
-            flops=2 * n_blocks * block * k * n, transcendentals=0,
-            bytes_accessed=int(xp.size * xp.dtype.itemsize * (n // tn) + n_blocks * block * n * x.dtype.itemsize
+            flops=2 * mp * k * n, transcendentals=0,
+            bytes_accessed=int(xp.size * xp.dtype.itemsize * (n // tn) + mp * n * x.dtype.itemsize
                                + values.size * bits // 8 + scale.size * scale.dtype.itemsize)),
         interpret=interpret,
-    )(block_group, xp, values, scale)
-    return jnp.where(valid[:, None], out[jnp.minimum(dest, n_blocks * block - 1)], 0).astype(x.dtype)
+    )(offsets, group_ids, m_tile_ids, xp, values, scale)
+    return jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], out[:m], 0).astype(x.dtype)
 
 
 def reference(x, values, scale, group_sizes):
