@@ -37,8 +37,10 @@ class ModelPublisher:
 
     With a `quantization` (coder.infer.quantize: the engines' rl.engine_quantization) the
     weights it names are quantized on the learner's devices and published in that form
-    (`quantize.to_flat`: `{name}.values` and `{name}.scale`): a version moves 2x (int8) to ~3.5x
-    (INT4 experts) fewer bytes than bf16, and an engine of that quantization loads it as is.
+    (`quantize.to_flat`: `{name}.values` and `{name}.scale`), and an engine of that quantization
+    loads it as is. int8 halves a version's bytes (a toy MoE of hidden 256 and 16 experts: 4.35
+    MB against 8.28 MB in bf16); int4 values travel one byte each (the store does not pack them
+    two to a byte yet), so int4_experts moves about what int8_experts does (5.33 / 5.15 MB).
 
     Args:
       url: the store.
