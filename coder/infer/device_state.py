@@ -82,7 +82,7 @@ class ServedWeights:
             if self.quantization is None:
                 raise ValueError("load_weights: the loader gives quantized weights, but this engine serves them "
                                  "full precision (built without a quantization)")
-            template, shardings = self.state, quantize.to_flat(self.shardings)
+            template, shardings = self.state, quantize.to_flat(self.shardings, self.state)
             to_state = lambda flat: self.placement.place(  # noqa: E731
                 quantize.from_flat(template, flat), self.shardings)
         else:
@@ -92,7 +92,7 @@ class ServedWeights:
         missing = set(shardings) - set(flat)
         if missing:
             raise ValueError(f"load_weights: the loader gave no {sorted(missing)[:5]} ({len(missing)} leaves)")
-        held = quantize.to_flat(template)  # the store's dtype (e.g. bf16) -> the engine's, on device
+        held = quantize.flat_shapes(template)  # the store's dtype (e.g. bf16) -> the engine's, on device
         new = to_state({k: flat[k] if flat[k].dtype == held[k].dtype else flat[k].astype(held[k].dtype) for k in held})
         if self.abstract:  # built from an abstract model: the first weights set the signature
             self.signature = signature(new)

@@ -107,27 +107,62 @@ def dequantize_state(state: nnx.State) -> nnx.State:
     return nnx.from_flat_state(leaves)
 
 
-def to_flat(state: nnx.State) -> dict:
-    """{flat name: array} of a served state, a quantized weight as two leaves `{name}.values` and
-    `{name}.scale` (the weight store's names: coder.rl.weight_channel.ModelPublisher)."""
+def to_flat(state: nnx.State, template: nnx.State | None = None) -> dict:
+    """{flat name: leaf} of a served state (arrays, shapes, or the shardings of its leaves, with
+    `template` the served state they belong to), a quantized weight as two leaves
+    `{name}.values` and `{name}.scale`: the weight store's names
+    (coder.rl.weight_channel.ModelPublisher). INT4 values travel packed, two to a byte along
+    their last axis (uint8 `[..., n / 2]`; a sharding is the values')."""
+    held = flat_lib.state_to_flat(state if template is None else template)
     out = {}
     for name, x in flat_lib.state_to_flat(state).items():
-        if isinstance(x, Quantized):
-            out[f"{name}.values"], out[f"{name}.scale"] = x.values, x.scale
+        like = held[name]
+        if isinstance(like, Quantized):
+            int4 = jnp.dtype(like.values.dtype) == jnp.int4
+            out[f"{name}.values"] = _pack_int4(x.values) if int4 and template is None else x.values
+            out[f"{name}.scale"] = x.scale
         else:
             out[name] = x
     return out
+
+
+def flat_shapes(state: nnx.State) -> dict:
+    """`to_flat`'s {name: ShapeDtypeStruct} of a served state (arrays or shapes), computing nothing."""
+    return to_flat(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
 
 
 def from_flat(template: nnx.State, flat: dict) -> nnx.State:
     """Inverse of `to_flat` in `template`'s structure (a served state: arrays or shapes)."""
     leaves = []
     for path, var in nnx.to_flat_state(template):
-        name = flat_lib.flat_name(path)
-        x = Quantized(flat[f"{name}.values"], flat[f"{name}.scale"]) if isinstance(var.get_value(), Quantized) \
-            else flat[name]
+        name, like = flat_lib.flat_name(path), var.get_value()
+        if isinstance(like, Quantized):
+            values = flat[f"{name}.values"]
+            if jnp.dtype(like.values.dtype) == jnp.int4:
+                values = _unpack_int4(values)
+            x = Quantized(values, flat[f"{name}.scale"])
+        else:
+            x = flat[name]
         leaves.append((path, var.replace(x)))
     return nnx.from_flat_state(leaves)
+
+
+def _pack_int4(v):
+    """int4 `[..., n]` (n even) -> uint8 `[..., n / 2]`: value 2i in the low nibble, 2i+1 in the high."""
+    if isinstance(v, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(v.shape[:-1] + (v.shape[-1] // 2,), jnp.uint8, sharding=v.sharding)
+    if v.shape[-1] % 2:
+        raise ValueError(f"int4 values of shape {v.shape}: packing two to a byte needs an even last axis")
+    u = jnp.asarray(v).astype(jnp.int8).astype(jnp.uint8) & 0xF
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def _unpack_int4(p):
+    """Inverse of `_pack_int4`."""
+    p = jnp.asarray(p)
+    nibbles = jnp.stack([p & 0xF, p >> 4], axis=-1).astype(jnp.int8)  # [..., n / 2, 2]
+    signed = jnp.where(nibbles > 7, nibbles - 16, nibbles)
+    return signed.reshape(p.shape[:-1] + (2 * p.shape[-1],)).astype(jnp.int4)
 
 
 def holds_quantized(names) -> bool:

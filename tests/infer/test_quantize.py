@@ -105,3 +105,17 @@ def test_an_unknown_mode_is_refused_by_name(model):
     cfg, m = model
     with pytest.raises(ValueError, match="quantization 'int3': one of"):
         engine(m, cfg, "float32", "int3")
+
+
+def test_int4_values_travel_two_to_a_byte_and_come_back():
+    """quantize.to_flat packs INT4 values along their last axis (the weight store's form) and
+    from_flat unpacks them: every value of the format, abstract shapes too."""
+    values = jnp.asarray(np.arange(-8, 8).repeat(3).reshape(3, 16), jnp.int4)
+    state = nnx.State({"wg": nnx.Param(Quantized(values, jnp.ones((3, 1), jnp.bfloat16)))})
+    flat = quantize.to_flat(state)
+    assert flat["wg.values"].dtype == jnp.uint8 and flat["wg.values"].shape == (3, 8)
+    back = quantize.from_flat(state, flat)["wg"].get_value().values
+    assert back.dtype == jnp.int4
+    np.testing.assert_array_equal(np.asarray(back, np.int8), np.asarray(values, np.int8))
+    shapes = quantize.flat_shapes(state)
+    assert (shapes["wg.values"].shape, shapes["wg.values"].dtype) == ((3, 8), jnp.uint8)

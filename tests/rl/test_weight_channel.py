@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from coder.rl import actor as actor_lib
-from coder.rl import actor_worker, weight_channel, weight_sync
+from coder.rl import actor_worker, topology, weight_channel, weight_sync
 
 
 def served_dtypes(engine) -> set:
@@ -104,6 +104,30 @@ def test_a_quantizing_publisher_stores_the_engines_form_and_its_deltas(weight_pa
         assert all(bool((again[k] == stored[k]).all()) for k in stored)
     finally:
         worker.close()
+        abstract.close()
+    # INT4 experts travel two to a byte: an engine over the abstract model holds what one
+    # quantizing the float weights itself holds
+    wp.config.rl.engine_quantization = "int4_experts"
+    url4 = str(tmp_path / "int4")
+    topology.learner_weights(wp.config, url4).publish(Transformer(wp.config.model, rngs=nnx.Rngs(0)), 0)
+    _, stored4 = weight_sync.load(url4)
+    packed = [k for k in stored4 if k.endswith(".values")]
+    assert packed and all(stored4[k].dtype == jnp.uint8 for k in packed)
+    own = actor_lib.make_engine(actor_lib.model_fn(wp.config)(), wp.config, mesh=wp.mesh)
+    abstract = actor_lib.make_engine(nnx.eval_shape(actor_lib.model_fn(wp.config)), wp.config, mesh=wp.mesh)
+    try:
+        abstract.load_weights(weight_channel.StoreLoad(url4, 0, quantized=True), 0)
+        assert wp.decode(abstract) == [0, 0]
+        want, held = quantize.to_flat(own.weights.state), quantize.to_flat(abstract.weights.state)
+        assert held.keys() == want.keys() and all(bool((held[k] == want[k]).all()) for k in held)
+        one = actor_worker.ActorWorker(wp.config, wp.tok, None, None, url4, mesh=wp.mesh)  # the host path
+        try:
+            held = quantize.to_flat(one.engine.weights.state)
+            assert all(bool((held[k] == want[k]).all()) for k in held)
+        finally:
+            one.close()
+    finally:
+        own.close()
         abstract.close()
     wp.config.rl.engine_quantization = ""  # a full-precision engine's follower refuses the quantized store
     engine = actor_lib.make_engine(actor_lib.model_fn(wp.config)(), wp.config, mesh=wp.mesh)
