@@ -74,7 +74,8 @@ def test_a_quantizing_publisher_stores_the_engines_form_and_its_deltas(weight_pa
 
     wp = weight_path
     float_url = str(tmp_path / "float")
-    weight_channel.ModelPublisher(float_url, dtype=jnp.bfloat16).publish(Transformer(wp.config.model, rngs=nnx.Rngs(0)), 0)
+    float_publisher = weight_channel.ModelPublisher(float_url, dtype=jnp.bfloat16)
+    float_publisher.publish(Transformer(wp.config.model, rngs=nnx.Rngs(0)), 0)
     wp.config.rl.engine_quantization = "int8"
     wp.publish(0)
     _, stored = weight_sync.load(wp.url)
