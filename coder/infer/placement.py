@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from coder.model import sharding
+from coder.model.quantized import is_wide_float
 
 
 class Placement:
@@ -35,8 +36,7 @@ class Placement:
     def casts(self, dtype) -> bool:
         """Whether a leaf of `dtype` is served in `dtype`: floating leaves of 16 bits or more (an
         8-bit float is a quantized weight's values: coder.model.quantized)."""
-        return self.dtype is not None and jnp.issubdtype(dtype, jnp.floating) and \
-            jax.dtypes.itemsize_bits(dtype) >= 16
+        return self.dtype is not None and is_wide_float(dtype)
 
     def weight_shardings(self, state):
         """The engine's sharding of every leaf of `state` (a tree like it)."""

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coder.model.quantized import Quantized, quantize
+from coder.model.quantized import Quantized, is_wide_float, quantize
 from coder.train import flat as flat_lib
 
 
@@ -190,5 +190,4 @@ def abstract_served(state, q: Quantization | None, dtype) -> nnx.State:
 def _cast(state, dtype):
     if dtype is None:
         return state
-    wide = lambda dt: jnp.issubdtype(dt, jnp.floating) and jax.dtypes.itemsize_bits(dt) >= 16
-    return jax.tree.map(lambda x: x.astype(dtype) if wide(x.dtype) else x, state)
+    return jax.tree.map(lambda x: x.astype(dtype) if is_wide_float(x.dtype) else x, state)

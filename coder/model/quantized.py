@@ -64,6 +64,12 @@ class Quantized:
         return jax.lax.reduce_precision(w, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def is_wide_float(dtype) -> bool:
+    """Whether `dtype` is a full-precision float (16 bits or more), the kind a serving dtype
+    casts; an 8-bit float is a quantized weight's values and keeps its dtype."""
+    return jnp.issubdtype(dtype, jnp.floating) and jax.dtypes.itemsize_bits(dtype) >= 16
+
+
 def grouped_axis(shape, scale_shape) -> int | None:
     """The axis a grouped scale splits into groups (its size neither 1 nor the weight's), or None."""
     axes = [a for a, (n, m) in enumerate(zip(shape, scale_shape)) if m not in (1, n)]

@@ -85,11 +85,9 @@ class ModelPublisher:
     def _cast(self, x):
         """A floating leaf of 16 bits or more in the serving dtype (an 8-bit float is a quantized
         weight's values)."""
-        import jax  # heavy: jax (this module loads without it)
-        from jax import numpy as jnp
+        from coder.model.quantized import is_wide_float  # jax too
 
-        wide = jnp.issubdtype(x.dtype, jnp.floating) and jax.dtypes.itemsize_bits(x.dtype) >= 16
-        return x.astype(self.dtype) if self.dtype is not None and wide else x
+        return x.astype(self.dtype) if self.dtype is not None and is_wide_float(x.dtype) else x
 
     def gc(self, keep_from: int) -> dict | None:
         """`gc(url, keep_from)` from process 0 (None on the others)."""
