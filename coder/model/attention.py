@@ -55,7 +55,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from coder.model import attention_kernels, sharding
+from coder.model import attention_kernels, context_parallel, sharding
 from coder.model.layers import RMSNorm, dtype_of, param, weight
 from coder.model.rope import apply_rope, rope_frequencies, softmax_scale
 from coder.model.sharding import constrain
@@ -227,6 +227,11 @@ class MLA(nnx.Module):
             raise ValueError(
                 f"model.attention_backend={cfg.attention_backend!r} is not available; "
                 f"choose one of {BACKENDS}")
+        self.context_parallel = context_parallel.check_mode(cfg.get("context_parallel", "gather"))
+        if self.context_parallel != "gather" and cfg.attention_backend == "nsa":
+            raise ValueError(f"model.context_parallel={self.context_parallel!r} is the dense backend's: NSA's "
+                             "sequence-parallel attention gathers its one shared key group (r + dr features a "
+                             "token) and selects blocks from the whole row; set model.context_parallel='gather'")
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.h, self.dn, self.dr, self.dv = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
@@ -310,10 +315,13 @@ class MLA(nnx.Module):
                                                               (*k_rope.shape[:2], self.h, self.dr))], -1)
                 q = jnp.concatenate([q_nope, q_rope.astype(dt)], -1)
                 # splash attention on TPU, the Triton flash kernel on GPU (chosen at lowering)
-                return attention_kernels.attention(q, k, v, segment_ids, self.scale, prefix_segment)
+                return attention_kernels.attention(q, k, v, segment_ids, self.scale, prefix_segment,
+                                                   self.context_parallel)
 
             parts = (q_nope, q_rope, k_nope, k_rope, v)
-            if sharding.targets_cpu():
+            if self.context_parallel == "ring" and attention_kernels.sequence_shards() > 1:
+                o = kernel(*parts)  # every platform's ring (XLA's blocks on CPU)
+            elif sharding.targets_cpu():
                 o = xla(*parts)
             elif prefix_segment is None:
                 o = kernel(*parts)

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from coder.model import sharding
+from coder.model import context_parallel, sharding
+from coder.model.context_parallel import to_zigzag, zigzag_positions
 
 # checkpoint name of the splash kernel's output and log-sum-exp (the residuals its backward
 # needs): model.remat="save_attention" keeps them, so remat never reruns the forward kernel
@@ -159,21 +160,6 @@ def _corner_causal_mask_type():
     return CornerCausalMask
 
 
-def zigzag_positions(seq: int, shards: int):
-    """`[seq]` int32: the original position of each query in zigzag order, where shard s holds
-    half-chunks s and 2*shards-1-s of the row (2*shards half-chunks of seq / (2*shards)).
-
-    Under a causal mask the query shard holding the row's end does ~(2n-1)/n times the
-    average work when shards hold contiguous chunks; in zigzag order every shard pairs an early
-    half-chunk with a late one and does the average (Brandon et al. 2023, striped attention;
-    Llama-3's context parallelism)."""
-    import numpy as np
-
-    half = seq // (2 * shards)
-    chunks = [c for s in range(shards) for c in (s, 2 * shards - 1 - s)]
-    return np.concatenate([np.arange(c * half, (c + 1) * half) for c in chunks]).astype(np.int32)
-
-
 def visited_fraction(tq: int, seq: int) -> float:
     """The fraction of its (query, key) block pairs the busiest device's splash kernel computes
     for `tq` of `seq` queries (seq / tq query shards, zigzag order when split): causal block
@@ -186,26 +172,6 @@ def visited_fraction(tq: int, seq: int) -> float:
     last = pos.reshape(n, tq // bq, bq).max(-1)  # [shard, query block]
     visited = ((last // bkv) + 1).sum(-1)  # key blocks per shard
     return float(visited.max() * bq * bkv) / (tq * seq)
-
-
-def _zigzag(x, axes, n: int, inverse: bool = False):
-    """x `[B, Tl, ...]`, this device's queries along the `axes` (n shards) in row order (shard s:
-    half-chunks 2s, 2s+1) -> the same device's queries in zigzag order (half-chunks s,
-    2n-1-s), by two collective permutes of half a shard each; `inverse` undoes it."""
-    dest = lambda j: j if j < n else 2 * n - 1 - j  # the zigzag shard holding half-chunk j
-    me = jax.lax.axis_index(axes)
-    half = x.shape[1] // 2
-    lo, hi = x[:, :half], x[:, half:]
-    if not inverse:
-        even = jax.lax.ppermute(lo, axes, [(s, dest(2 * s)) for s in range(n)])
-        odd = jax.lax.ppermute(hi, axes, [(s, dest(2 * s + 1)) for s in range(n)])
-        # zigzag shard s holds half-chunks s and 2n-1-s: the even one first when s is even
-        return jnp.where(me % 2 == 0, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
-    even = jnp.where(me % 2 == 0, lo, hi)
-    odd = jnp.where(me % 2 == 0, hi, lo)
-    lo = jax.lax.ppermute(even, axes, [(dest(2 * s), s) for s in range(n)])
-    hi = jax.lax.ppermute(odd, axes, [(dest(2 * s + 1), s) for s in range(n)])
-    return jnp.concatenate([lo, hi], 1)
 
 
 def _splash_local(kernel, q, k, v, seg_q, seg_kv, scale: float):
@@ -241,8 +207,8 @@ def splash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool = Fa
     def local(kernel, q, k, v, seg_q, seg_kv):
         if n == 1:
             return _splash_local(kernel, q, k, v, seg_q, seg_kv, scale)
-        o = _splash_local(kernel, _zigzag(q, ss, n), k, v, _zigzag(seg_q, ss, n), seg_kv, scale)
-        return _zigzag(o, ss, n, inverse=True)
+        o = _splash_local(kernel, to_zigzag(q, ss, n), k, v, to_zigzag(seg_q, ss, n), seg_kv, scale)
+        return to_zigzag(o, ss, n, inverse=True)
 
     fn = jax.shard_map(local, mesh=mesh,
                        in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None)),
@@ -268,7 +234,7 @@ def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool =
     bs, ss, hs = _specs(mesh, rules, b, t, h)
     n = _size(mesh, ss)
     q_spec, kv_spec = P(bs, ss, hs, None), P(bs, None, hs, None)
-    # each query shard's positions in zigzag order (the order _zigzag gives its queries)
+    # each query shard's positions in zigzag order (the order to_zigzag gives its queries)
     table = jnp.asarray(zigzag_positions(t, n).reshape(n, t // n), jnp.int32) if n > 1 else None
 
     def local(q, k, v, seg_q, seg_kv, pre_q):
@@ -276,24 +242,182 @@ def gpu_flash_attention(q, k, v, segment_ids, scale: float, *, interpret: bool =
             pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg_q.shape)
             return flash_gpu.flash_attention(q, k, v, pos, seg_q, seg_kv, scale, tiles, q_prefix=pre_q)
         pos = jnp.broadcast_to(table[jax.lax.axis_index(ss)], seg_q.shape)
-        zig = lambda a: _zigzag(a, ss, n)
+        zig = lambda a: to_zigzag(a, ss, n)
         o = flash_gpu.flash_attention(zig(q), k, v, pos, zig(seg_q), seg_kv, scale, tiles, q_prefix=zig(pre_q))
-        return _zigzag(o, ss, n, inverse=True)
+        return to_zigzag(o, ss, n, inverse=True)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(bs, ss), P(bs, None), P(bs, ss)),
                        out_specs=q_spec, check_vma=False)
     return fn(q, k, v, segment_ids, segment_ids, prefix)
 
 
+# ----------------------------------------------------------------------------- ring
+# model.context_parallel="ring" (coder.model.context_parallel): nothing gathered, the keys and
+# values passed around the `seq` axes; each backend gives the ring its block kernels
+RING_KERNELS = ("splash", "flash", "reference")
+
+
+def splash_blocks(heads: int, length: int, scale: float, interpret: bool = False) -> context_parallel.Blocks:
+    """The ring's blocks by splash (TPU): a causal and a whole-block kernel for `heads` heads of
+    `length`-token query and key blocks. The forward returns splash's log-sum-exp
+    (save_residuals); the backward runs splash's own backward kernels with the row's final
+    output and log-sum-exp as their residuals (`_splash_attention_bwd`: its delta = sum(dO * O)
+    and P = exp(S - L) are then the row's)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+        splash_attention_mask as sm,
+    )
+
+    b = block_len(length)
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+    masks = {True: _corner_causal_mask_type()((length, length)), False: sm.FullMask((length, length))}
+    # concrete mask information (not this trace's values): the ring's backward is traced apart
+    # from its forward and uses the same kernels
+    with jax.ensure_compile_time_eval():
+        kernels = {causal: sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
+                                              q_seq_shards=1, save_residuals=True, interpret=interpret)
+                   for causal, mask in masks.items()}
+    heads_major = lambda a: jnp.swapaxes(a, 1, 2)
+    scaled = lambda q: q * jnp.asarray(scale, q.dtype)  # the kernel applies no softmax scale
+
+    def collapse(info):  # as splash's own call does to a mask's partial blocks
+        if info is None or info.partial_mask_blocks is None:
+            return info
+        return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
+            -1, *info.partial_mask_blocks.shape[-2:]))
+
+    def fwd(causal, q, k, v, q_seg, kv_seg):
+        kernel = kernels[causal]
+
+        def one(q1, k1, v1, sq, skv):
+            o, (lse,) = kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=sq, kv=skv))
+            return o, lse
+
+        with jax.named_scope("ring_causal_block" if causal else context_parallel.FULL_BLOCK_SCOPE):
+            o, lse = jax.vmap(one)(heads_major(scaled(q)), heads_major(k), heads_major(v), q_seg, kv_seg)
+        return heads_major(o), lse
+
+    def bwd(causal, q, k, v, q_seg, kv_seg, o, lse, do):
+        kernel = kernels[causal]
+        kw = kernel.kwargs
+
+        def one(q1, k1, v1, sq, skv, o1, lse1, do1):
+            res = (q1, k1, v1, sk.SegmentIds(q=sq, kv=skv), None, o1, lse1, collapse(kernel.dq_mask_info),
+                   collapse(kernel.dkv_mask_info))
+            grads = sk._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None,
+                                             kw["mask_function"], kw["attn_logits_soft_cap"], kw["interpret"],
+                                             res, do1)
+            return grads[3:6]
+
+        with jax.named_scope("ring_causal_block" if causal else context_parallel.FULL_BLOCK_SCOPE):
+            dq, dk, dv = jax.vmap(one)(heads_major(scaled(q)), heads_major(k), heads_major(v), q_seg, kv_seg,
+                                       heads_major(o.astype(q.dtype)), lse, heads_major(do.astype(q.dtype)))
+        return heads_major(dq) * scale, heads_major(dk), heads_major(dv)
+
+    return context_parallel.Blocks(fwd, bwd)
+
+
+def flash_blocks(scale: float, interpret: bool = False) -> context_parallel.Blocks:
+    """The ring's blocks by the Triton flash kernels (GPU, coder.pallas.flash_gpu), which mask by
+    query position against key index: a causal block's queries at 0..Tq-1, a whole block's all
+    at its last key."""
+    from coder.pallas import flash_gpu
+
+    tiles = flash_gpu.Tiles(interpret=interpret)
+
+    def positions(causal, q, k):
+        b, tq = q.shape[:2]
+        pos = jnp.arange(tq, dtype=jnp.int32) if causal else jnp.full((tq,), k.shape[1] - 1, jnp.int32)
+        return jnp.broadcast_to(pos, (b, tq))
+
+    def fwd(causal, q, k, v, q_seg, kv_seg):
+        with jax.named_scope("ring_causal_block" if causal else context_parallel.FULL_BLOCK_SCOPE):
+            return flash_gpu.flash_forward(q, k, v, positions(causal, q, k), q_seg, kv_seg, scale, tiles)
+
+    def bwd(causal, q, k, v, q_seg, kv_seg, o, lse, do):
+        with jax.named_scope("ring_causal_block" if causal else context_parallel.FULL_BLOCK_SCOPE):
+            return flash_gpu.flash_backward(q, k, v, positions(causal, q, k), q_seg, kv_seg, o.astype(q.dtype), lse,
+                                            do.astype(q.dtype), scale, tiles)
+
+    return context_parallel.Blocks(fwd, bwd)
+
+
+def ring_split(t: int, unit: int = 1):
+    """(mesh, batch axes, seq axes, head axes, n) of the active mesh for a ring over rows of `t`
+    tokens, or None when no mesh is active or its `seq` axes do not split the row (n = 1).
+    Raises when they split it into shards whose half-chunks are not whole `unit`s."""
+    ctx = sharding.current()
+    if ctx is None:
+        return None
+    mesh, rules = ctx
+    ss = sharding.logical_to_spec(("seq",), rules)[0]
+    n = _size(mesh, ss)
+    if n == 1:
+        return None
+    if t % (2 * n * unit):
+        raise ValueError(f"model.context_parallel='ring': rows of {t} tokens over {n} sequence shards are not "
+                         f"2 x {n} half-chunks of whole {unit}-token blocks: change data.seq_len or the "
+                         "`seq` mesh axes")
+    bs, _, hs = _specs(mesh, rules, 1, t, 1)
+    return mesh, bs, ss, hs, n
+
+
+def ring_attention(q, k, v, segment_ids, scale: float, *, kernel: str = "reference", interpret: bool = False):
+    """`reference_attention` with each row split over the active mesh's `seq` axes, as a ring
+    (coder.model.context_parallel): no device holds more than its share of the keys and values
+    and one visiting block. kernel: "splash" (TPU), "flash" (GPU), "reference" (XLA's blocks);
+    `interpret` runs a kernel in the Pallas interpreter (tests). Without a sequence split, the
+    whole-row path of that kernel."""
+    if kernel not in RING_KERNELS:
+        raise ValueError(f"ring attention kernel {kernel!r}: choose one of {RING_KERNELS}")
+    b, t, h, _ = q.shape
+    split = ring_split(t, unit=1 if kernel == "reference" else BLOCKS[-1])
+    if split is None:
+        whole = {"splash": splash_attention, "flash": gpu_flash_attention}.get(kernel)
+        if whole is None:
+            return reference_attention(q, k, v, segment_ids, scale)
+        return whole(q, k, v, segment_ids, scale, interpret=interpret)
+    mesh, bs, ss, hs, n = split
+    bs = bs if bs is not None and b % _size(mesh, bs) == 0 else None
+    hs = hs if hs is not None and h % _size(mesh, hs) == 0 else None
+    heads, half = h // _size(mesh, hs), t // n // 2
+
+    def local(q, k, v, seg):
+        blocks = {"splash": lambda: splash_blocks(heads, half, scale, interpret),
+                  "flash": lambda: flash_blocks(scale, interpret),
+                  "reference": lambda: context_parallel.reference_blocks(scale)}[kernel]()
+        return context_parallel.ring_attention(q, k, v, seg, blocks, ss, n)
+
+    spec = P(bs, ss, hs, None)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(bs, ss)), out_specs=spec, check_vma=False)
+    return fn(q, k, v, segment_ids)
+
+
 # ----------------------------------------------------------------------------- dispatch
-def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
+def attention(q, k, v, segment_ids, scale: float, prefix_segment=None, context_parallel_mode: str = "gather"):
     """Causal segment-masked attention by the kernel of the platform the program is lowered for
     (module docstring). Shapes: q `[B,T,H,dq]`, k `[B,T,H,dq]`, v `[B,T,H,dv]` -> `[B,T,H,dv]`.
 
     With `prefix_segment` (shared-prefix rows, `attention_mask`) it is the GPU flash kernel on
     GPUs (its mask takes the prefix term) and the XLA reference elsewhere: splash compares
-    segment ids for equality only, so on TPU the `[B,H,T,T]` scores are materialised."""
+    segment ids for equality only, so on TPU the `[B,H,T,T]` scores are materialised.
+
+    context_parallel_mode (model.context_parallel, coder.model.context_parallel.MODES): how a
+    row split over the mesh's `seq` axes meets its keys: "gather" them whole on every device,
+    or pass them around a "ring" (`ring_attention`: splash blocks on TPU, flash on GPU, XLA's
+    elsewhere)."""
     ref = functools.partial(reference_attention, scale=scale)
+    if context_parallel.check_mode(context_parallel_mode) == "ring" and (
+            n := sequence_shards()) > 1:
+        if prefix_segment is not None:
+            raise ValueError("model.context_parallel='ring' has no shared-prefix mask (grpo.shared_prefix): "
+                             "use context_parallel='gather' for shared-prefix rows")
+        ring = lambda kernel: functools.partial(ring_attention, scale=scale, kernel=kernel)
+        unit = 2 * n * BLOCKS[-1]  # two half-chunks of whole kernel blocks a shard
+        return sharding.platform_dependent(
+            q, k, v, segment_ids, tpu=_padded(ring("splash"), unit), cuda=_padded(ring("flash"), unit),
+            default=_padded(ring("reference"), 2 * n))
     if prefix_segment is not None:
         return sharding.platform_dependent(
             q, k, v, segment_ids, prefix_segment,
@@ -306,13 +430,18 @@ def attention(q, k, v, segment_ids, scale: float, prefix_segment=None):
         rocm=ref, default=ref)
 
 
-def _padded(kernel):
-    """`kernel(q, k, v, *rows)` on rows padded to a multiple of BLOCKS[-1] tokens (`rows`: the
+def sequence_shards() -> int:
+    ctx = sharding.current()
+    return 1 if ctx is None else _size(ctx[0], sharding.logical_to_spec(("seq",), ctx[1])[0])
+
+
+def _padded(kernel, multiple: int = BLOCKS[-1]):
+    """`kernel(q, k, v, *rows)` on rows padded to a multiple of `multiple` tokens (`rows`: the
     [B,T] segment ids, and prefix segments where given; padding is segment 0, the padding's own,
     which no real token attends to, with no prefix), its output cut back to the input's length."""
     def run(q, k, v, *rows):
         t = q.shape[1]
-        pad = -t % BLOCKS[-1]
+        pad = -t % multiple
         if not pad:
             return kernel(q, k, v, *rows)
         widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))

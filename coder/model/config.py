@@ -71,6 +71,10 @@ def model_config() -> ml_collections.ConfigDict:
     m.num_mtp_layers = 1  # DeepSeek-V3 multi-token-prediction modules (0 = none)
     m.tie_word_embeddings = False  # share the embedding and the output head
     m.attention_backend = "dense"  # "dense" | "nsa"
+    # how the dense attention meets its keys where the mesh splits a row over `seq`
+    # (coder.model.context_parallel): "gather" them whole on every device, or pass them around
+    # a "ring" (no device holds more than its share and one visiting block)
+    m.context_parallel = "gather"
     m.nsa = ml_collections.ConfigDict(
         dict(
             compress_block=32,  # l: compression block length

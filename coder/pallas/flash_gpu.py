@@ -261,22 +261,58 @@ def _flash_bwd(scale, tiles, res, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = Tiles(), q_prefix=None):
-    """See the module docstring (q_prefix None: no shared prefix). Tq must be a multiple of the
-    query tiles and S of the key tiles (ValueError naming them otherwise)."""
-    tq, s = q.shape[1], k.shape[1]
+def _check_tiles(tq: int, s: int, tiles: Tiles):
     for name, n, blocks in (("queries", tq, (tiles.block_q, tiles.block_q_bwd)),
                             ("keys", s, (tiles.block_k, tiles.block_k_bwd))):
         if any(n % blk for blk in blocks):
             raise ValueError(f"flash_attention: {n} {name} are not whole tiles of {blocks} tokens "
                              "(pad the rows: coder.model.attention_kernels pads to 128)")
-    dq, dv = q.shape[-1], v.shape[-1]
-    pad = lambda a, width: a if a.shape[-1] == width else jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])])
-    # queries and keys in their width's power-of-two column parts (MLA's 192: 128 + 64), else
-    # padded to a power of two; values padded (MLA's 128 is one already)
-    wq = dq if width_parts(dq) else pl.next_power_of_2(dq)
-    wv = pl.next_power_of_2(dv)
+
+
+def _widen(a, width: int):
+    return a if a.shape[-1] == width else jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])])
+
+
+def _widths(dq: int, dv: int) -> tuple[int, int]:
+    """The kernels' query / key and value widths: queries and keys in their width's power-of-two
+    column parts (MLA's 192: 128 + 64), else padded to a power of two; values padded (MLA's 128
+    is one already)."""
+    return (dq if width_parts(dq) else pl.next_power_of_2(dq)), pl.next_power_of_2(dv)
+
+
+def _int32_rows(q_pos, q_seg, kv_seg, q_prefix):
     q_pre = jnp.zeros_like(q_seg, jnp.int32) if q_prefix is None else q_prefix.astype(jnp.int32)
-    o = _flash(pad(q, wq), pad(k, wq), pad(v, wv), q_pos.astype(jnp.int32), q_seg.astype(jnp.int32), q_pre,
-               kv_seg.astype(jnp.int32), float(scale), tiles)
+    return q_pos.astype(jnp.int32), q_seg.astype(jnp.int32), q_pre, kv_seg.astype(jnp.int32)
+
+
+def flash_attention(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = Tiles(), q_prefix=None):
+    """See the module docstring (q_prefix None: no shared prefix). Tq must be a multiple of the
+    query tiles and S of the key tiles (ValueError naming them otherwise)."""
+    _check_tiles(q.shape[1], k.shape[1], tiles)
+    dv = v.shape[-1]
+    wq, wv = _widths(q.shape[-1], dv)
+    q_pos, q_seg, q_pre, kv_seg = _int32_rows(q_pos, q_seg, kv_seg, q_prefix)
+    o = _flash(_widen(q, wq), _widen(k, wq), _widen(v, wv), q_pos, q_seg, q_pre, kv_seg, float(scale), tiles)
     return o[..., :dv]
+
+
+def flash_forward(q, k, v, q_pos, q_seg, kv_seg, scale: float, tiles: Tiles = Tiles()):
+    """`flash_attention`'s forward kernel alone, with its log-sum-exp: (o `[B,Tq,H,dv]`, lse
+    `[B,H,Tq]` float32). For callers that combine partial attentions (ring attention,
+    coder.model.context_parallel) and differentiate them with `flash_backward`."""
+    _check_tiles(q.shape[1], k.shape[1], tiles)
+    dv = v.shape[-1]
+    wq, wv = _widths(q.shape[-1], dv)
+    o, lse = _forward(_widen(q, wq), _widen(k, wq), _widen(v, wv), *_int32_rows(q_pos, q_seg, kv_seg, None),
+                      float(scale), tiles)
+    return o[..., :dv], lse
+
+
+def flash_backward(q, k, v, q_pos, q_seg, kv_seg, o, lse, do, scale: float, tiles: Tiles = Tiles()):
+    """The backward kernels of `flash_forward`'s attention given an output `o` and log-sum-exp
+    `lse` (for a ring: the row's final ones, not this block's) -> (dq, dk, dv)."""
+    dq_w, dv = q.shape[-1], v.shape[-1]
+    wq, wv = _widths(dq_w, dv)
+    dq, dk, dv_ = _backward(_widen(q, wq), _widen(k, wq), _widen(v, wv), *_int32_rows(q_pos, q_seg, kv_seg, None),
+                            _widen(o, wv), lse, _widen(do, wv), float(scale), tiles)
+    return dq[..., :dq_w], dk[..., :dq_w], dv_[..., :dv]

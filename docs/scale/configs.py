@@ -145,7 +145,8 @@ LONG = {
 def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     model, setting, *rest = arg.split(",")
     # "", "colocated", "longNk" (+ "-nsa": NSA attention, "-offload": the Adam moments in host
-    # memory between steps, which NSA always takes) or an actor slice's topology
+    # memory between steps, which NSA always takes; "-ring": the dense attention's keys passed
+    # around a ring over `sequence`, model.context_parallel) or an actor slice's topology
     variant = rest[0] if rest else ""
     c = importlib.import_module(f"configs.{model}").get_config()
     c.stage = "compile"
@@ -183,13 +184,13 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
     if variant.startswith("long"):
         head, *rest_flags = variant.split("-")
         long_k, flags = int(head[4:-1]), set(rest_flags)
-        if flags - {"nsa", "offload"}:
-            raise ValueError(f"{variant!r}: a long-context variant is longNk, then -nsa and/or -offload")
-    nsa, offload = "nsa" in flags, "offload" in flags
+        if flags - {"nsa", "offload", "ring"} or {"nsa", "ring"} <= flags:
+            raise ValueError(f"{variant!r}: a long-context variant is longNk, then -nsa or -ring and/or -offload")
+    nsa, offload, ring = "nsa" in flags, "offload" in flags, "ring" in flags
     actor = "" if colocated or long_k else variant
     c.compile.report_dir = f"docs/scale/{model}_{setting}" + (
         "_colocated" if colocated else f"_long{long_k}k" if long_k else f"_actors-{actor}" if actor else "") + (
-        "_nsa" if nsa else "") + ("_offload" if offload else "")
+        "_nsa" if nsa else "_ring" if ring else "") + ("_offload" if offload else "")
     if model == "quickstart":  # the tiny config: its own mesh (data parallel), bf16 as on TPU
         c.stages = ()
         c.model.dtype = "bfloat16"
@@ -227,6 +228,8 @@ def get_config(arg: str = "deepseek_v3_671b,v5p-512"):
         c.model.remat = lg.get("remat", REMAT)
         if nsa:
             c.model.attention_backend = "nsa"
+        if ring:
+            c.model.context_parallel = "ring"
         c.train.offload_optimizer = bool(c.train.offload_optimizer or nsa or offload)
         c.compile.update(engine=False, grpo=lg["grpo"] and s.get("grpo", True) and not nsa,
                          grpo_batch=c.data.batch_size,

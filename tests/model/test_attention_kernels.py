@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 
 from coder.model import attention_kernels as ak
 from coder.model import sharding
+from coder.model.context_parallel import zigzag_positions
 from tests.model.model_inputs import cuda_grids
 
 DQ, DV = 192, 128  # DeepSeek-V3's MLA: dn + dr = 128 + 64, dv = 128
@@ -68,16 +69,6 @@ def test_splash_attention_split_over_heads_queries_and_rows_on_8_devices(data, s
                q, k, v, seg, tol=2e-4)
 
 
-def test_zigzag_order_gives_every_query_shard_the_same_causal_work():
-    n, t = 4, 64
-    pos = ak.zigzag_positions(t, n)
-    assert sorted(pos) == list(range(t))
-    work = [int((pos[s * t // n:(s + 1) * t // n] + 1).sum()) for s in range(n)]  # keys at or before
-    assert len(set(work)) == 1
-    contiguous = [int(np.arange(s * t // n, (s + 1) * t // n).sum() + t // n) for s in range(n)]
-    assert max(contiguous) / np.mean(contiguous) > 1.7  # what zigzag removes: (2n-1)/n
-
-
 @pytest.mark.parametrize("q_seq_shards, offset", [(1, 0), (4, 0), (1, 3)])
 def test_corner_causal_mask_gives_splash_the_mask_information_of_its_causal_mask(q_seq_shards, offset):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -86,7 +77,7 @@ def test_corner_causal_mask_gives_splash_the_mask_information_of_its_causal_mask
     seq, heads = 1024, 2
     fast, stock = ak._corner_causal_mask_type()((seq, seq), offset=offset), sm.CausalMask((seq, seq), offset=offset)
     if q_seq_shards > 1:
-        fast.q_sequence = stock.q_sequence = ak.zigzag_positions(seq, q_seq_shards)
+        fast.q_sequence = stock.q_sequence = zigzag_positions(seq, q_seq_shards)
     for q0, k0, n in [(0, 0, 128), (256, 0, 128), (0, 512, 256), (130, 100, 77), (0, 0, seq)]:
         idx = (slice(q0, q0 + n), slice(k0, k0 + n))
         block = fast[idx]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coder.model.attention_kernels import zigzag_positions
+from coder.model.context_parallel import zigzag_positions
 from coder.pallas import flash_gpu
 
 B, S, H, DQ, DV = 2, 256, 2, 192, 128  # MLA's widths: queries and keys 192 (padded to 256), values 128

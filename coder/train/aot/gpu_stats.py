@@ -58,7 +58,7 @@ def flash_visited(kind: str, tq: int, s: int, tiles=None) -> float:
     coder.pallas.flash_gpu.Tiles, causal skipping by position, the queries a device holds in
     zigzag order when they are a share of the row (tq < s, coder.model.attention_kernels'
     context parallelism; the busiest share), the row in order otherwise."""
-    from coder.model.attention_kernels import zigzag_positions
+    from coder.model.context_parallel import zigzag_positions
     from coder.pallas.flash_gpu import Tiles
 
     t = tiles or Tiles()
@@ -78,7 +78,7 @@ def flash_visited(kind: str, tq: int, s: int, tiles=None) -> float:
 
 
 def flash_cost(kind: str, q: tuple, k: tuple, v: tuple, itemsize: int = 2, tiles=None,
-               l2_bytes: float = 0.0) -> tuple[float, float]:
+               l2_bytes: float = 0.0, whole: bool = False) -> tuple[float, float]:
     """(matmul FLOPs, HBM bytes beyond one read of each operand) of one flash kernel call.
 
     q `[B, Tq, H, wq]`, k `[B, S, H, wq]`, v `[B, S, H, wv]` as the kernel receives them (q and k
@@ -88,13 +88,14 @@ def flash_cost(kind: str, q: tuple, k: tuple, v: tuple, itemsize: int = 2, tiles
     (v's width), lse and delta once per key tile, over the visited fraction. The grid walks one
     (row, head)'s tiles consecutively, so the SMs' concurrent programs stream the same keys and
     values: while one (row, head)'s streamed operands fit the GPU's L2 (`l2_bytes`; 50 MiB on an
-    H100: 2k-32k tokens at MLA's widths) the re-reads are L2 hits, not HBM traffic (0 here)."""
+    H100: 2k-32k tokens at MLA's widths) the re-reads are L2 hits, not HBM traffic (0 here).
+    `whole`: a ring attention's whole block (every key visible, coder.model.context_parallel)."""
     from coder.pallas.flash_gpu import Tiles
 
     t = tiles or Tiles()
     b, tq, h, wq = q
     s, wv = k[1], v[-1]
-    frac = flash_visited(kind, tq, s, t)
+    frac = 1.0 if whole else flash_visited(kind, tq, s, t)
     mq, mv = FLASH_WIDTHS[kind]
     flops = 2.0 * b * h * tq * s * frac * (mq * wq + mv * wv)
     if kind == "flash_dkv_at_positions":
@@ -149,7 +150,10 @@ def _kernel_cost(name: str, ins: Instr, shapes: dict[str, str], l2_bytes: float,
     if len(ops) < 3 or not all(len(a) == 1 and len(a[0][1]) == 4 for a in ops):
         return None
     (dt, q), (_, k), (_, v) = (a[0] for a in ops)
-    return flash_cost(name, q, k, v, int(hlo_stats._DTYPE_BYTES[dt]), l2_bytes=l2_bytes)
+    from coder.model.context_parallel import FULL_BLOCK_SCOPE
+
+    return flash_cost(name, q, k, v, int(hlo_stats._DTYPE_BYTES[dt]), l2_bytes=l2_bytes,
+                      whole=FULL_BLOCK_SCOPE in ins.attrs)
 
 
 # ============================================================================= the step's cost

@@ -579,9 +579,11 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     key blocks past a query block's last position are skipped; the busiest device's share
     of the pairs is `visited_fraction` (queries split over S / Tq shards in zigzag order: ~1/2).
     Bytes: the kernel streams K and V once per query block (Q and dO once per key block for
-    dkv), read again beyond the one read XLA counts.
+    dkv), read again beyond the one read XLA counts. A ring attention's whole blocks (every key
+    visible; coder.model.context_parallel's FULL_BLOCK_SCOPE in the op's name) visit every pair.
     """
     from coder.model.attention_kernels import block_len, visited_fraction
+    from coder.model.context_parallel import FULL_BLOCK_SCOPE
 
     kind = _SPLASH.search(ins.name).group(1)
     if kind == "dkv" and sum(len(d) >= 3 for _, d in arrays(ins.shape)) >= 3:
@@ -594,7 +596,7 @@ def splash_cost(ins: Instr, shapes: dict[str, str]) -> tuple[float, float]:
     lead, tq, dq = math.prod(q[:-2]), q[-2], q[-1]
     s, dv = k[-2], v[-1]
     try:
-        frac = visited_fraction(tq, s)
+        frac = 1.0 if FULL_BLOCK_SCOPE in ins.attrs else visited_fraction(tq, s)
     except ValueError:  # lengths no kernel block divides: not one of coder's kernels
         frac = 1.0
     wq, wv = _SPLASH_WIDTHS[kind]

@@ -132,7 +132,7 @@ def _visited_brute(kind, positions, s, bq, bk):
 
 @pytest.mark.parametrize("tq, s", [(256, 256), (64, 256)])
 def test_flash_visited_pairs_match_an_enumeration_of_the_tiles(tq, s):
-    from coder.model.attention_kernels import zigzag_positions
+    from coder.model.context_parallel import zigzag_positions
     from coder.pallas.flash_gpu import Tiles
 
     tiles = Tiles(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=8)
