@@ -143,6 +143,10 @@ def get_config() -> ml_collections.ConfigDict:
     # cost of two host <-> device copies of it per step; stage compile's reports say which)
     c.train.offload_optimizer = False
     c.train.mtp_loss_weight = 0.3  # weight of the MTP cross-entropy in the loss
+    # the LM losses' output head in this many parts of each row's tokens, forward and backward
+    # (coder.train.losses.chunked_cross_entropy_sum): at most [rows, T / loss_chunks, vocab]
+    # float32 logits live at once; 1 = the whole logits
+    c.train.loss_chunks = 1
     c.train.z_loss_weight = 0.0  # router z-loss weight (0 = off)
     c.train.max_nonfinite_steps = 5  # this many NaN/Inf steps in a row stop the run
     c.train.log_every = 10  # steps between metric lines

@@ -272,12 +272,13 @@ def splash_blocks(heads: int, length: int, scale: float, interpret: bool = False
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
     masks = {True: _corner_causal_mask_type()((length, length)), False: sm.FullMask((length, length))}
-    # concrete mask information (not this trace's values): the ring's backward is traced apart
-    # from its forward and uses the same kernels
-    with jax.ensure_compile_time_eval():
-        kernels = {causal: sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
-                                              q_seq_shards=1, save_residuals=True, interpret=interpret)
-                   for causal, mask in masks.items()}
+
+    def kernel_of(causal):
+        # made where it is called: its mask information becomes that trace's values (the ring's
+        # backward is traced apart from its forward); splash caches the mask processing itself
+        return sk.make_splash_mha(sm.MultiHeadMask([masks[causal]] * heads), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, save_residuals=True, interpret=interpret)
+
     heads_major = lambda a: jnp.swapaxes(a, 1, 2)
     scaled = lambda q: q * jnp.asarray(scale, q.dtype)  # the kernel applies no softmax scale
 
@@ -288,7 +289,7 @@ def splash_blocks(heads: int, length: int, scale: float, interpret: bool = False
             -1, *info.partial_mask_blocks.shape[-2:]))
 
     def fwd(causal, q, k, v, q_seg, kv_seg):
-        kernel = kernels[causal]
+        kernel = kernel_of(causal)
 
         def one(q1, k1, v1, sq, skv):
             o, (lse,) = kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=sq, kv=skv))
@@ -299,7 +300,7 @@ def splash_blocks(heads: int, length: int, scale: float, interpret: bool = False
         return heads_major(o), lse
 
     def bwd(causal, q, k, v, q_seg, kv_seg, o, lse, do):
-        kernel = kernels[causal]
+        kernel = kernel_of(causal)
         kw = kernel.kwargs
 
         def one(q1, k1, v1, sq, skv, o1, lse1, do1):

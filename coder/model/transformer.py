@@ -130,10 +130,18 @@ class Transformer(nnx.Module):
         table = weight(self.embed)
         return constrain(jnp.take(table, tokens, axis=0).astype(self.dtype), HIDDEN)
 
-    def _head(self, h):
-        """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32 (`head_logits`)."""
-        w = weight(self.embed, self.dtype).T if self.lm_head is None else weight(self.lm_head, self.dtype)
-        return constrain(head_logits(h.astype(self.dtype), w), ("batch", "seq", "vocab"))
+    def head_weight(self):
+        """The output head's weight `[D,V]` in the model's dtype (the embedding's transpose when
+        tied)."""
+        return weight(self.embed, self.dtype).T if self.lm_head is None else weight(self.lm_head, self.dtype)
+
+    def _head(self, h, logits: bool = True):
+        """h `[B,T,D]` (already normed) -> logits `[B,T,V]` float32 (`head_logits`); with
+        logits=False h itself in the model's dtype, for a loss that applies `head_weight` in
+        chunks (coder.train.losses.chunked_cross_entropy_sum)."""
+        if not logits:
+            return h.astype(self.dtype)
+        return constrain(head_logits(h.astype(self.dtype), self.head_weight()), ("batch", "seq", "vocab"))
 
     def _block(self, block, *args):
         if self.remat == "none":
@@ -178,8 +186,12 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ API
     def __call__(self, tokens, positions, segment_ids, cache=None, routing=None, *, mtp=None,
-                 prefix_segment=None, cache_rows=None):
+                 prefix_segment=None, cache_rows=None, logits: bool = True):
         """tokens/positions/segment_ids int32 `[B,T]` -> (logits `[B,T,V]` float32, aux).
+
+        logits=False: the final normed hidden states `[B,T,D]` in place of the logits, and the
+        MTP modules' as aux["mtp_hidden"] `[D,B,T,D]` in place of aux["mtp_logits"] (the head
+        left to the loss: `head_weight`, coder.train.losses.chunked_cross_entropy_sum).
 
         cache: from `init_cache` (writes at `positions`, attends to slots <= position).
         cache_rows: `[B]` int32, the cache row (slot) of each batch row when `cache` holds more
@@ -241,7 +253,7 @@ class Transformer(nnx.Module):
         )
         if drops:  # model.moe_capacity_factor > 0: mean fraction of pairs over capacity
             aux["router_dropped"] = jnp.mean(jnp.concatenate(drops))
-        logits = self._head(self.norm(x))
+        out = self._head(self.norm(x), logits)
         new_cache = None
         if cache is not None:
             new_cache = dict(cache, layers=new_layers)
@@ -251,20 +263,21 @@ class Transformer(nnx.Module):
             h, mtp_logits, mtp_loads, mtp_ids = x, [], [], []
             for k in range(len(self.mtp)):
                 nxt = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))  # tokens[t+k+1], 0 past the end
-                h, lg, new_cache, stats = self._mtp(k, h, nxt, positions, segment_ids, new_cache, cache_rows)
+                h, lg, new_cache, stats = self._mtp(k, h, nxt, positions, segment_ids, new_cache, cache_rows,
+                                                    logits)
                 mtp_logits.append(lg)
                 if stats is not None:
                     mtp_loads.append(stats["load"])
                     mtp_ids.append(stats["expert_ids"])
-            aux["mtp_logits"] = jnp.stack(mtp_logits)
+            aux["mtp_logits" if logits else "mtp_hidden"] = jnp.stack(mtp_logits)
             if mtp_loads:
                 aux["mtp_router_load"] = jnp.stack(mtp_loads)
                 aux["mtp_expert_ids"] = jnp.stack(mtp_ids)
         if cache is not None:
             aux["cache"] = new_cache
-        return logits, aux
+        return out, aux
 
-    def _mtp(self, k, hidden, next_tokens, positions, segment_ids, cache, cache_rows=None):
+    def _mtp(self, k, hidden, next_tokens, positions, segment_ids, cache, cache_rows=None, logits: bool = True):
         mod = self.mtp[k]
         e = mod.enorm(self._embed(next_tokens))
         h = mod.hnorm(hidden.astype(self.dtype))
@@ -272,12 +285,12 @@ class Transformer(nnx.Module):
         layer_cache = None if cache is None else cache["mtp"][k]
         x, layer_cache, stats = self._block(mod.block, constrain(x, HIDDEN), positions, segment_ids,
                                             layer_cache, None, None, CacheIndex(rows=cache_rows))
-        logits = self._head(mod.shared_head_norm(x))
+        out = self._head(mod.shared_head_norm(x), logits)
         if cache is not None:
             mtp_caches = list(cache["mtp"])
             mtp_caches[k] = layer_cache
             cache = dict(cache, mtp=mtp_caches)
-        return x, logits, cache, stats
+        return x, out, cache, stats
 
     def mtp_module(self, k, hidden, next_tokens, positions, segment_ids, cache=None, cache_rows=None):
         """Run MTP module k on the previous depth's hidden `[B,T,D]` and tokens[t+k+1] `[B,T]`.
