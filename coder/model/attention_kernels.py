@@ -346,7 +346,7 @@ def flash_blocks(scale: float, interpret: bool = False) -> context_parallel.Bloc
 
 def ring_split(t: int, unit: int = 1):
     """(mesh, batch axes, seq axes, head axes, n) of the active mesh for a ring over rows of `t`
-    tokens, or None when no mesh is active or its `seq` axes do not split the row (n = 1).
+    tokens (the rules' axes: whether they divide a batch's rows or heads is the caller's), or None when no mesh is active or its `seq` axes do not split the row (n = 1).
     Raises when they split it into shards whose half-chunks are not whole `unit`s."""
     ctx = sharding.current()
     if ctx is None:
@@ -360,7 +360,7 @@ def ring_split(t: int, unit: int = 1):
         raise ValueError(f"model.context_parallel='ring': rows of {t} tokens over {n} sequence shards are not "
                          f"2 x {n} half-chunks of whole {unit}-token blocks: change data.seq_len or the "
                          "`seq` mesh axes")
-    bs, _, hs = _specs(mesh, rules, 1, t, 1)
+    bs, _, hs = sharding.logical_to_spec(("batch", "seq", "heads"), rules)
     return mesh, bs, ss, hs, n
 
 

@@ -13,7 +13,8 @@ the plan's own call, on the mesh coder.stages.plan.engine_layout builds) compile
 over compile-only devices; writes docs/scale/{recipe}/{name}.{json,md}: XLA's GiB
 per chip, the weights' share of it, the serial roofline step time and decode tokens/s a slice
 (rows x the expected tokens a step at acceptance 0.7, as the plan counts them), beside the
-weights per chip by arithmetic (coder.rl.actor.engine_memory).
+weights per chip by arithmetic (coder.rl.actor.engine_memory); in the json also the HBM bytes a
+step and the JAX ops that move most of them (hlo_stats.traffic_by_source).
 """
 import argparse
 import copy
@@ -75,7 +76,7 @@ def main(argv=None):
                 value=value or "(none)", status=decode.get("status", entry.get("status")),
                 gib_per_chip=mem.get("total_bytes", 0) / GIB, params_gib=mem.get("params_bytes", 0) / GIB,
                 hbm_gib=mem.get("hbm_bytes", 0) / GIB, hbm_bytes_a_step=cost.get("bytes_accessed"),
-                flops_a_step=cost.get("flops"),
+                flops_a_step=cost.get("flops"), top_traffic=cost.get("top_traffic"),
                 weights_gib_arithmetic=actor_lib.engine_memory(c, dict(emesh.shape)).weights / GIB,
                 step_ms_serial=1e3 * step if step else None,
                 tokens_per_s=slots * tokens_a_step / step if step else None,
