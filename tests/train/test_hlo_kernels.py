@@ -145,3 +145,30 @@ ENTRY %main (a: bf16[8,64]) -> bf16[8,64] {
     flops, traffic = hlo_stats.loop_corrected_cost(module, 1000.0, 0.0)
     more = hlo_stats.parse_hlo(hlo.replace('"bytes_accessed":"300"', '"bytes_accessed":"600"'))
     assert flops == 4000.0 and hlo_stats.loop_corrected_cost(more, 1000.0, 0.0)[1] - traffic == 3 * 300.0
+
+
+def test_a_ring_attention_whole_block_counts_every_pair():
+    """Ring attention (coder.model.context_parallel) calls splash on half-chunk blocks, causal
+    on the diagonal and whole elsewhere: the same operand shapes, told apart by the whole
+    blocks' named scope in the op's metadata."""
+    from coder.model.context_parallel import FULL_BLOCK_SCOPE
+
+    text = """HloModule m, entry_computation_layout={()->f32[]}
+
+ENTRY %main (p0: bf16[2,1024,24], p1: bf16[2,1024,24], p2: bf16[2,1024,16]) -> f32[] {
+  %q = bf16[2,1024,24]{2,1,0} parameter(0)
+  %k = bf16[2,1024,24]{2,1,0} parameter(1)
+  %v = bf16[2,1024,16]{2,1,0} parameter(2)
+  %m = s8[1,1,1]{2,1,0} constant({...})
+  %splash_mha_fwd_segmented_residuals.1 = (bf16[2,1024,16]{2,1,0}, f32[2,1024,128]{2,1,0}) custom-call(%m, %m, %q, %k, %v), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/shard_map/ring_causal_block/pallas_call"}
+  %splash_mha_fwd_segmented_residuals.2 = (bf16[2,1024,16]{2,1,0}, f32[2,1024,128]{2,1,0}) custom-call(%m, %m, %q, %k, %v), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/shard_map/SCOPE/pallas_call"}
+  ROOT %r = f32[] constant(0)
+}
+""".replace("SCOPE", FULL_BLOCK_SCOPE)
+    module = hlo_stats.parse_hlo(text)
+    shapes = {i.name: i.shape for i in module.computations["main"]}
+    calls = {i.name[-1]: hlo_stats.splash_cost(i, shapes)[0] for i in module.computations["main"]
+             if i.name.startswith("splash")}
+    pairs = 1024 * 1024
+    assert calls["1"] == 2 * 2 * pairs * (24 + 16) * 0.75  # blocks of 512: 3 of 4 visited
+    assert calls["2"] == 2 * 2 * pairs * (24 + 16)
