@@ -81,9 +81,9 @@ def test_the_ring_of_flash_blocks_equals_whole_row_attention():
 def test_the_ring_holds_a_device_share_of_the_keys_where_gather_holds_the_row():
     """What the ring exists for, read off the compiled CPU program: over 4 sequence shards x 2
     head shards the gathering path's program holds each row's keys and values whole (an
-    all-gather), the ring's moves a device's own share by collective permutes: its keys
-    `[rows, T/4, heads/2, dq]` (a ring that left the heads unsplit computed the same numbers
-    with every head on every device)."""
+    all-gather), the ring's moves a device's own share by collective permutes: its keys in
+    half-chunks `[rows, T/8, heads/2, dq]` (a ring that left the heads unsplit computed the same
+    numbers with every head on every device)."""
     q, k, v, seg = _inputs(t=1024, dq=24, dv=16)
     mesh = _mesh(1, 2, 4)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence", "tensor"))
@@ -94,7 +94,7 @@ def test_the_ring_holds_a_device_share_of_the_keys_where_gather_holds_the_row():
     gather = jax.jit(lambda *a: ak.reference_attention(*a, 0.2), out_shardings=spec).lower(*args).compile().as_text()
     assert "all-gather" in gather and "all-gather" not in ring
     permuted = re.findall(r"= (f32\[[\d,]+\])\S* collective-permute", ring)
-    assert "f32[2,256,1,24]" in permuted, permuted
+    assert "f32[2,128,1,24]" in permuted and "f32[2,128,2,24]" not in permuted, permuted
 
 
 def test_ring_refuses_rows_it_cannot_split_into_half_chunks_and_shared_prefix_rows():

@@ -196,3 +196,23 @@ def test_a_slice_in_a_nested_fusion_reads_the_slice():
     traffic = {(c, i.name): b for c, i, b in hlo_stats.instruction_traffic(module) if c == "main"}
     row, w, index, out = 4 * 1024, 4 * 1024 * 8, 4, 4 * 8
     assert traffic == {("main", "out"): row + w + index + out}, traffic
+
+
+def test_a_conditional_runs_one_branch_a_time():
+    """Each of a conditional's k branches counts 1/k of its caller's runs (ring attention's
+    hop-dependent block: every device runs one of two equal branches), inside a loop too."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, flag):
+        def body(i, x):
+            return jax.lax.cond(flag > i, lambda x: x @ x, lambda x: x @ x.T, x)
+        return jax.lax.fori_loop(0, 4, body, x)
+
+    text = jax.jit(f).lower(jnp.ones((8, 8)), 2).compile().as_text()
+    module = hlo_stats.parse_hlo(text)
+    runs, unknown = hlo_stats.multiplicities(module)
+    assert not unknown
+    branch_runs = [runs[name] for comp in module.computations.values() for ins in comp
+                   if ins.opcode == "conditional" for role, name in hlo_stats.callees(ins) if role == "branch"]
+    assert branch_runs == [2.0, 2.0]  # 4 trips x 1/2

@@ -202,7 +202,10 @@ def multiplicities(module: HloModule, loops: bool = True) -> tuple[dict[str, flo
 
     Computations are printed callees-first, so walking them in reverse visits every caller
     before its callees. A while body/condition runs trip-count times per execution of its
-    caller (with `loops=False`: once, which is how XLA's cost analysis counts it).
+    caller (with `loops=False`: once, which is how XLA's cost analysis counts it). A
+    conditional runs one of its k branches: each counts 1/k (the devices of an SPMD program
+    taking different branches of equal cost, as ring attention's hops do; counted whole, a
+    two-way branch was counted twice).
     """
     mult: dict[str, float] = defaultdict(float)
     mult[module.entry] = 1.0
@@ -220,9 +223,11 @@ def multiplicities(module: HloModule, loops: bool = True) -> tuple[dict[str, flo
                 if t is None:
                     unknown.append(ins.name)
                 trips = 1 if t is None else t
+            branches = sum(role == "branch" for role, _ in calls)
             for role, callee in calls:
                 if callee in module.computations:
-                    mult[callee] += mult[comp] * (trips if role in ("body", "condition") else 1)
+                    share = trips if role in ("body", "condition") else 1 / branches if role == "branch" else 1
+                    mult[callee] += mult[comp] * share
     return dict(mult), unknown
 
 
