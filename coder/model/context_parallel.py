@@ -175,10 +175,10 @@ def _ring(q, k, v, seg, blocks, axes, n):
 
 
 # A hop's second block depends on whether the visiting shard precedes this one (module
-# docstring): a `lax.cond`, so each device computes one block and updates one accumulator in
-# place (selecting operands and results with `where` copied them every hop: 2.6 TB a step of
-# DeepSeek-V3 at 128k). The visiting keys and values, and backward their gradients, travel as
-# separate half-chunks (a concatenation per hop was another 3.8 TB).
+# docstring): a `lax.cond`, so each device computes that one block and updates one accumulator
+# (rather than selecting operands and results with `where`); the visiting keys and values, and
+# backward their gradients, travel as separate half-chunks. Compiled for DeepSeek-V3 at 128k
+# on v5p-512 the two forms move the same bytes within 1% (docs/scale/README.md).
 
 def _ring_fwd(q, k, v, seg, blocks, axes, n):
     """Zigzag-ordered local q, k, v, seg (half-chunks a, b) -> o and its residuals."""
