@@ -55,7 +55,7 @@ def _check(fn, q, k, v, seg, tol):
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol, err_msg=f"d{name}")
 
 
-@pytest.mark.parametrize("data,tensor,seq", [(1, 1, 8), (2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("data,tensor,seq", [pytest.param(1, 1, 8, marks=pytest.mark.slow), (2, 2, 2), (1, 2, 4)])
 def test_the_ring_of_xla_blocks_equals_whole_row_attention(data, tensor, seq):
     with sharding.activate(_mesh(data, tensor, seq), RULES):
         _check(lambda *a, scale: ak.ring_attention(*a, scale, kernel="reference"), *_inputs(dq=24, dv=16), tol=1e-5)
