@@ -144,3 +144,12 @@ def test_zigzag_order_gives_every_query_shard_the_same_causal_work():
     assert len(set(work)) == 1
     contiguous = [int(np.arange(s * t // n, (s + 1) * t // n).sum() + t // n) for s in range(n)]
     assert max(contiguous) / np.mean(contiguous) > 1.7  # what zigzag removes: (2n-1)/n
+
+
+def test_nsa_refuses_the_ring_by_name():
+    from coder.model.attention import MLA
+
+    with pytest.raises(ValueError, match="model.context_parallel='ring' is the dense backend's"):
+        MLA(tiny_moe(attention_backend="nsa", context_parallel="ring"), nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model.context_parallel='zigzag': choose one of"):
+        MLA(tiny_moe(context_parallel="zigzag"), nnx.Rngs(0))
