@@ -24,7 +24,8 @@ if [[ ${#PAIRS[@]} -eq 0 ]]; then
          deepseek_v3_671b,v5p-512,long256k deepseek_v3_671b,v5p-512x2,long256k
          kimi_k2_1t,v5p-512x2,long128k kimi_k2_1t,v5p-512x2,long256k
          deepseek_v3_671b,v5p-512,long128k-nsa kimi_k2_1t,v5p-512x2,long128k-nsa
-         deepseek_v3_671b,v5p-512,long256k-offload)
+         deepseek_v3_671b,v5p-512,long256k-offload deepseek_v3_671b,v5p-512,long128k-ring
+         deepseek_v3_671b,v5p-512,long256k-ring kimi_k2_1t,v5p-512x2,long128k-ring)
 fi
 export JAX_PLATFORMS=cpu  # the local backend; the TPU devices are libtpu's compile-only ones
 for pair in "${PAIRS[@]}"; do
