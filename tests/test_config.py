@@ -199,6 +199,10 @@ def test_named_configs_and_overrides_still_set_existing_keys(tmp_path):
     c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512,long128k-nsa")
     assert c.model.attention_backend == "nsa" and c.train.offload_optimizer
     assert c.data.batch_size // c.train.grad_accum == 1
+    # the ring: the dense attention's keys passed around `sequence`, the moments on the chips
+    c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512,long256k-ring")
+    assert c.model.context_parallel == "ring" and c.model.attention_backend == "dense"
+    assert not c.train.offload_optimizer and c.compile.report_dir.endswith("_long256k_ring")
     c = _parse_file(os.path.join(ROOT, "docs", "scale", "configs.py") + ":deepseek_v3_671b,v5p-512,long256k-offload")
     assert c.model.attention_backend == "dense" and c.train.offload_optimizer
     assert c.compile.report_dir.endswith("deepseek_v3_671b_v5p-512_long256k_offload")
