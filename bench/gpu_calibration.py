@@ -75,8 +75,9 @@ def _head_then(h, w):
     return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
 
 
-def _next_token_loss_then(logits, batch):
-    """coder.train.losses.next_token_loss before 93ff0ae: the logits sliced to the targets."""
+def _next_token_loss_then(logits, batch, ce_sum=None):
+    """coder.train.losses.next_token_loss before 93ff0ae: the logits sliced to the targets (the
+    whole logits' cross-entropy, as then: `ce_sum` is the current signature's)."""
     import jax.numpy as jnp
 
     from coder.train import losses
@@ -86,8 +87,8 @@ def _next_token_loss_then(logits, batch):
     return total / jnp.maximum(count, 1.0), count
 
 
-def _mtp_loss_then(mtp_logits, batch):
-    """coder.train.losses.mtp_loss before 93ff0ae (sliced logits)."""
+def _mtp_loss_then(mtp_logits, batch, ce_sum=None):
+    """coder.train.losses.mtp_loss before 93ff0ae (sliced logits, the whole logits' CE)."""
     import jax.numpy as jnp
 
     from coder.train import losses
